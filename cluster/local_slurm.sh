@@ -1,0 +1,411 @@
+#!/usr/bin/env bash
+# A real one-node SLURM on this machine, as root, without systemd.
+#
+#   cluster/local_slurm.sh start    # munged -> mariadbd -> slurmdbd -> slurmctld -> slurmd, wait for idle
+#   cluster/local_slurm.sh status   # which daemons run, plus sinfo
+#   cluster/local_slurm.sh stop     # by pid files only: TERM, then KILL after ~5 s
+#   cluster/local_slurm.sh env      # print the export line clients need
+#
+# Everything (config, keys, state, logs, pids, DB) lives under one folder:
+#   PARALAYER_SLURM_HOME (default /tmp/paralayer-slurm)
+# Clients find the cluster through SLURM_CONF: `eval "$(cluster/local_slurm.sh env)"`.
+#
+# Other knobs (environment):
+#   PARALAYER_SLURM_PARTITION   partition name            (default: debug)
+#   PARALAYER_SLURM_PORT_BASE   slurmctld port; slurmd, slurmdbd use +1, +2   (default: 6817)
+#   PARALAYER_SLURM_DB_PORT     private MariaDB port      (default: 3399)
+#   PARALAYER_SLURM_TIMEOUT     seconds to wait for idle  (default: 60)
+#   PARALAYER_SLURM_MAX_TIMEOUT requeues allowed on timeout (slurm.conf doesn't need it; informational)
+#
+# Requires the Debian packages installed by cluster/install_slurm_deps.sh.
+set -uo pipefail
+
+H="${PARALAYER_SLURM_HOME:-/tmp/paralayer-slurm}"
+PARTITION="${PARALAYER_SLURM_PARTITION:-debug}"
+PORT_BASE="${PARALAYER_SLURM_PORT_BASE:-6817}"
+CTLD_PORT="$PORT_BASE"
+SLURMD_PORT="$((PORT_BASE + 1))"
+DBD_PORT="$((PORT_BASE + 2))"
+DB_PORT="${PARALAYER_SLURM_DB_PORT:-3399}"
+TIMEOUT="${PARALAYER_SLURM_TIMEOUT:-60}"
+CLUSTER_NAME="paralayer"
+DB_PASS="paralayer-local-slurm"
+
+ETC="$H/etc"
+RUN="$H/run"
+LOG="$H/log"
+MUNGE_DIR="$H/munge"          # socket + pid + seed + log (owned by munge, 0755: clients need +x)
+MUNGE_KEY_DIR="$H/munge-key"  # 0700, owned by munge
+MUNGE_SOCK="$MUNGE_DIR/munge.socket"
+DB_DIR="$H/mysql"
+DB_RUN="$H/mysql-run"          # socket + pid + log of mariadbd (owned by mysql)
+DB_SOCK="$DB_RUN/mysqld.sock"
+CONF="$ETC/slurm.conf"
+
+PID_MUNGE="$MUNGE_DIR/munged.pid"
+PID_DB="$DB_RUN/mariadbd.pid"
+PID_DBD="$RUN/slurmdbd.pid"
+PID_CTLD="$RUN/slurmctld.pid"
+PID_SLURMD="$RUN/slurmd.pid"
+
+LOG_MUNGE="$MUNGE_DIR/munged.log"
+LOG_DB="$DB_RUN/mariadbd.log"
+LOG_DBD="$LOG/slurmdbd.log"
+LOG_CTLD="$LOG/slurmctld.log"
+LOG_SLURMD="$LOG/slurmd.log"
+
+NODE="$(hostname -s)"
+
+say() { echo "local_slurm: $*" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+
+pid_of() {  # pid_of PIDFILE -> prints pid if alive, returns 0; else returns 1
+    local f="$1" p
+    [ -s "$f" ] || return 1
+    p="$(tr -dc '0-9' < "$f" 2>/dev/null)"
+    [ -n "$p" ] || return 1
+    kill -0 "$p" 2>/dev/null || return 1
+    echo "$p"
+}
+
+alive() { pid_of "$1" >/dev/null; }
+
+tail_log() {  # tail_log NAME FILE
+    echo "----- last lines of $2 ($1) -----" >&2
+    if [ -f "$2" ]; then tail -n 25 "$2" >&2; else echo "(no log file)" >&2; fi
+    echo "-----" >&2
+}
+
+# wait_for DESC SECONDS PIDFILE LOGFILE CHECK_CMD... : poll CHECK_CMD until ok; fail fast if the
+# daemon behind PIDFILE died (once its pid file has appeared or after a grace period).
+wait_for() {
+    local desc="$1" secs="$2" pidf="$3" logf="$4"; shift 4
+    local deadline=$(( $(date +%s) + secs )) seen_pid=0 start; start=$(date +%s)
+    while :; do
+        if "$@" >/dev/null 2>&1; then return 0; fi
+        if { [[ "$pidf" =~ ^[0-9]+$ ]] && kill -0 "$pidf" 2>/dev/null; } || alive "$pidf"; then seen_pid=1
+        elif [ "$seen_pid" = 1 ] || [ $(( $(date +%s) - start )) -ge 5 ]; then
+            say "$desc: daemon is not running"; tail_log "$desc" "$logf"; return 1
+        fi
+        if [ "$(date +%s)" -ge "$deadline" ]; then
+            say "$desc: not ready after ${secs}s"; tail_log "$desc" "$logf"; return 1
+        fi
+        sleep 0.2
+    done
+}
+
+require_bins() {
+    local b missing=()
+    for b in munged mungekey mariadbd mariadb-install-db mariadb slurmdbd slurmctld slurmd sinfo scontrol; do
+        command -v "$b" >/dev/null 2>&1 || [ -x "/usr/sbin/$b" ] || missing+=("$b")
+    done
+    [ "${#missing[@]}" -eq 0 ] || die "missing programs: ${missing[*]} (run cluster/install_slurm_deps.sh)"
+    [ "$(id -u)" -eq 0 ] || die "must run as root (daemons run as root/munge/mysql users)"
+}
+
+write_configs() {
+    local cpus boards sockets cores threads realmem line
+    line="$(slurmd -C 2>/dev/null | head -n1)"
+    cpus="$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$line")"
+    boards="$(sed -n 's/.*Boards=\([0-9]*\).*/\1/p' <<<"$line")"
+    sockets="$(sed -n 's/.*SocketsPerBoard=\([0-9]*\).*/\1/p' <<<"$line")"
+    cores="$(sed -n 's/.*CoresPerSocket=\([0-9]*\).*/\1/p' <<<"$line")"
+    threads="$(sed -n 's/.*ThreadsPerCore=\([0-9]*\).*/\1/p' <<<"$line")"
+    realmem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$line")"
+    [ -n "$cpus" ] || cpus="$(nproc)"
+    [ -n "$realmem" ] || realmem=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 ))
+    # headroom: 90% of the memory, and at least 512 MiB left over
+    local mem=$(( realmem * 9 / 10 ))
+    [ $(( realmem - mem )) -ge 512 ] || mem=$(( realmem - 512 ))
+    [ "$mem" -ge 256 ] || mem=256
+    local topo="CPUs=$cpus"
+    if [ -n "$sockets" ] && [ -n "$cores" ] && [ -n "$threads" ]; then
+        topo="$topo Boards=${boards:-1} SocketsPerBoard=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads"
+    fi
+
+    cat > "$CONF" <<EOF
+# Generated by cluster/local_slurm.sh -- a one-node SLURM for development and CI.
+ClusterName=$CLUSTER_NAME
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+SlurmUser=root
+SlurmdUser=root
+
+AuthType=auth/munge
+CredType=cred/munge
+# our own munge socket; cred_expire=10 so a requeued job is not held PENDING (BeginTime) for 121 s
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=10
+
+StateSaveLocation=$H/state
+SlurmdSpoolDir=$H/spool
+SlurmctldPidFile=$PID_CTLD
+SlurmdPidFile=$PID_SLURMD
+SlurmctldLogFile=$LOG_CTLD
+SlurmdLogFile=$LOG_SLURMD
+SlurmctldDebug=info
+SlurmdDebug=info
+
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+MailProg=/bin/true
+ReturnToService=2
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+SlurmctldTimeout=30
+SlurmdTimeout=60
+Waittime=0
+
+# accounting through slurmdbd: required for sacct, which submitit needs to see failed/cancelled jobs
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+# without this slurmctld->slurmdbd uses /run/munge and dies ("we have no TRES from it")
+AccountingStoragePass=$MUNGE_SOCK
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$LOG/jobcomp.txt
+
+NodeName=$NODE NodeAddr=127.0.0.1 $topo RealMemory=$mem State=UNKNOWN
+PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+EOF
+    chmod 644 "$CONF"
+
+    # slurmdbd has no -f: it reads slurmdbd.conf next to \$SLURM_CONF; mode 600, owned by SlurmUser
+    cat > "$ETC/slurmdbd.conf" <<EOF
+# Generated by cluster/local_slurm.sh
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCK
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$PID_DBD
+LogFile=$LOG_DBD
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
+    chown root:root "$ETC/slurmdbd.conf"
+    chmod 600 "$ETC/slurmdbd.conf"
+}
+
+make_dirs() {
+    mkdir -p "$H" "$ETC" "$RUN" "$LOG" "$H/state" "$H/spool" "$MUNGE_DIR" "$MUNGE_KEY_DIR" "$DB_DIR" "$DB_RUN"
+    chmod 755 "$H" "$ETC" "$RUN" "$LOG"
+    chown munge:munge "$MUNGE_DIR" "$MUNGE_KEY_DIR"
+    chmod 755 "$MUNGE_DIR"
+    chmod 700 "$MUNGE_KEY_DIR"
+    chown mysql:mysql "$DB_DIR" "$DB_RUN"
+    chmod 750 "$DB_DIR"
+    chmod 755 "$DB_RUN"
+}
+
+start_munge() {
+    if alive "$PID_MUNGE"; then say "munged already running (pid $(pid_of "$PID_MUNGE"))"; return 0; fi
+    if [ ! -s "$MUNGE_KEY_DIR/munge.key" ]; then
+        mungekey --create --keyfile="$MUNGE_KEY_DIR/munge.key" || die "mungekey failed"
+        chown munge:munge "$MUNGE_KEY_DIR/munge.key"
+        chmod 600 "$MUNGE_KEY_DIR/munge.key"
+    fi
+    rm -f "$MUNGE_SOCK" "$MUNGE_SOCK.lock"
+    # munged refuses a log file it does not own
+    if [ -e "$LOG_MUNGE" ] && [ "$(stat -c %U "$LOG_MUNGE")" != munge ]; then chown munge:munge "$LOG_MUNGE"; fi
+    runuser -u munge -- munged --socket="$MUNGE_SOCK" --key-file="$MUNGE_KEY_DIR/munge.key" \
+        --pid-file="$PID_MUNGE" --log-file="$LOG_MUNGE" --seed-file="$MUNGE_DIR/munged.seed" \
+        >>"$LOG/munged.out" 2>&1 \
+        || { tail_log munged "$LOG/munged.out"; tail_log munged "$LOG_MUNGE"; die "munged failed to start"; }
+    wait_for munged 15 "$PID_MUNGE" "$LOG_MUNGE" \
+        bash -c "munge -n --socket='$MUNGE_SOCK' | unmunge --socket='$MUNGE_SOCK'" \
+        || die "munged not working"
+}
+
+db_client() { mariadb --no-defaults --protocol=socket --socket="$DB_SOCK" -u root "$@"; }
+
+start_db() {
+    if alive "$PID_DB"; then say "mariadbd already running (pid $(pid_of "$PID_DB"))"; return 0; fi
+    local fresh=0
+    if [ ! -d "$DB_DIR/mysql" ]; then
+        fresh=1
+        mariadb-install-db --no-defaults --user=mysql --datadir="$DB_DIR" \
+            --auth-root-authentication-method=socket >"$LOG/mariadb-install.log" 2>&1 \
+            || { tail_log mariadb-install-db "$LOG/mariadb-install.log"; die "mariadb-install-db failed"; }
+    fi
+    rm -f "$DB_SOCK"
+    setsid nohup mariadbd --no-defaults --user=mysql --datadir="$DB_DIR" \
+        --socket="$DB_SOCK" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
+        --pid-file="$PID_DB" --log-error="$LOG_DB" \
+        --innodb-buffer-pool-size=64M --innodb-log-file-size=64M --innodb-lock-wait-timeout=900 \
+        --skip-log-bin --max-connections=100 \
+        </dev/null >>"$LOG/mariadbd.out" 2>&1 &
+    wait_for mariadbd 30 "$!" "$LOG_DB" \
+        mariadb-admin --no-defaults --protocol=socket --socket="$DB_SOCK" -u root ping \
+        || die "mariadbd did not come up"
+    if [ "$fresh" = 1 ] || ! db_client -N -e "SELECT 1 FROM mysql.user WHERE user='slurm'" | grep -q 1; then
+        db_client -e "
+            CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+            CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
+            CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$DB_PASS';
+            GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+            GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
+            FLUSH PRIVILEGES;" || die "could not create the slurm DB user"
+    fi
+}
+
+start_dbd() {
+    if alive "$PID_DBD"; then say "slurmdbd already running (pid $(pid_of "$PID_DBD"))"; return 0; fi
+    SLURM_CONF="$CONF" slurmdbd >>"$LOG_DBD" 2>&1 || { tail_log slurmdbd "$LOG_DBD"; die "slurmdbd failed to start"; }
+    # ready when its port accepts connections
+    wait_for slurmdbd 30 "$PID_DBD" "$LOG_DBD" \
+        bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT" \
+        || die "slurmdbd did not come up"
+}
+
+start_ctld() {
+    if alive "$PID_CTLD"; then say "slurmctld already running (pid $(pid_of "$PID_CTLD"))"; return 0; fi
+    SLURM_CONF="$CONF" slurmctld -c >>"$LOG_CTLD" 2>&1 || { tail_log slurmctld "$LOG_CTLD"; die "slurmctld failed to start"; }
+    wait_for slurmctld 30 "$PID_CTLD" "$LOG_CTLD" env SLURM_CONF="$CONF" scontrol ping \
+        || die "slurmctld did not come up"
+    # `scontrol ping` prints DOWN with rc 0 on some versions: check the text too
+    local deadline=$(( $(date +%s) + 30 ))
+    until SLURM_CONF="$CONF" scontrol ping 2>/dev/null | grep -q "is UP"; do
+        alive "$PID_CTLD" || { tail_log slurmctld "$LOG_CTLD"; die "slurmctld died"; }
+        [ "$(date +%s)" -lt "$deadline" ] || { tail_log slurmctld "$LOG_CTLD"; die "slurmctld not UP after 30s"; }
+        sleep 0.2
+    done
+}
+
+start_slurmd() {
+    if alive "$PID_SLURMD"; then say "slurmd already running (pid $(pid_of "$PID_SLURMD"))"; return 0; fi
+    SLURM_CONF="$CONF" slurmd >>"$LOG_SLURMD" 2>&1 || { tail_log slurmd "$LOG_SLURMD"; die "slurmd failed to start"; }
+}
+
+node_state() { SLURM_CONF="$CONF" sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n1; }
+
+wait_idle() {
+    local deadline=$(( $(date +%s) + TIMEOUT )) st="" resumed=0
+    while :; do
+        st="$(node_state)"
+        case "$st" in
+            idle|mixed|allocated|completing|idle~|mixed~) return 0 ;;
+            drained|draining|down|down\*|drained\*|fail*)
+                if [ "$resumed" = 0 ]; then
+                    SLURM_CONF="$CONF" scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true
+                    resumed=1
+                fi ;;
+        esac
+        for d in slurmctld:"$PID_CTLD":"$LOG_CTLD" slurmd:"$PID_SLURMD":"$LOG_SLURMD" \
+                 slurmdbd:"$PID_DBD":"$LOG_DBD"; do
+            IFS=: read -r n p l <<<"$d"
+            alive "$p" || { tail_log "$n" "$l"; die "$n died while waiting for the node (state: ${st:-?})"; }
+        done
+        if [ "$(date +%s)" -ge "$deadline" ]; then
+            say "node $NODE not idle after ${TIMEOUT}s (state: ${st:-?})"
+            tail_log slurmctld "$LOG_CTLD"; tail_log slurmd "$LOG_SLURMD"
+            SLURM_CONF="$CONF" scontrol show node "$NODE" >&2 || true
+            die "node not ready"
+        fi
+        sleep 0.2
+    done
+}
+
+all_running() {
+    alive "$PID_MUNGE" && alive "$PID_DB" && alive "$PID_DBD" && alive "$PID_CTLD" && alive "$PID_SLURMD"
+}
+
+print_env() {
+    echo "export SLURM_CONF=$CONF"
+}
+
+cmd_start() {
+    require_bins
+    local t0; t0=$(date +%s.%N)
+    if all_running && [ -f "$CONF" ]; then
+        wait_idle
+        say "already running (node $NODE: $(node_state))"
+        print_env
+        return 0
+    fi
+    make_dirs
+    # rewrite the config only when no slurm daemon is using it
+    if ! alive "$PID_CTLD" && ! alive "$PID_SLURMD" && ! alive "$PID_DBD"; then write_configs; fi
+    start_munge
+    start_db
+    start_dbd
+    start_ctld
+    start_slurmd
+    wait_idle
+    local t1; t1=$(date +%s.%N)
+    say "up in $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s (node $NODE: $(node_state), partition $PARTITION)"
+    print_env
+}
+
+stop_group() {  # stop_group NAME:PIDFILE ... : TERM them together, KILL what is left after ~5 s
+    local item n f p i left names=() pids=() files=()
+    for item in "$@"; do
+        n="${item%%:*}"; f="${item#*:}"
+        if p="$(pid_of "$f")"; then
+            kill -TERM "$p" 2>/dev/null || true
+            names+=("$n"); pids+=("$p"); files+=("$f")
+        else
+            rm -f "$f"
+        fi
+    done
+    [ "${#pids[@]}" -gt 0 ] || return 0
+    for i in $(seq 1 50); do
+        left=0
+        for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && left=1; done
+        [ "$left" = 1 ] || break
+        sleep 0.1
+    done
+    for i in "${!pids[@]}"; do
+        if kill -0 "${pids[$i]}" 2>/dev/null; then
+            kill -KILL "${pids[$i]}" 2>/dev/null || true
+            say "killed ${names[$i]} (pid ${pids[$i]}) after TERM timed out"
+        else
+            say "stopped ${names[$i]} (pid ${pids[$i]})"
+        fi
+        rm -f "${files[$i]}"
+    done
+    for p in "${pids[@]}"; do for i in $(seq 1 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done; done
+}
+
+cmd_stop() {
+    # slurmd and slurmctld first (slurmctld flushes to slurmdbd), then slurmdbd, then its DB and munge
+    stop_group slurmd:"$PID_SLURMD" slurmctld:"$PID_CTLD"
+    stop_group slurmdbd:"$PID_DBD"
+    stop_group mariadbd:"$PID_DB" munged:"$PID_MUNGE"
+    return 0
+}
+
+cmd_status() {
+    local rc=0 n f p
+    for n in munged:"$PID_MUNGE" mariadbd:"$PID_DB" slurmdbd:"$PID_DBD" slurmctld:"$PID_CTLD" slurmd:"$PID_SLURMD"; do
+        f="${n#*:}"; n="${n%%:*}"
+        if p="$(pid_of "$f")"; then echo "$n: running (pid $p)"; else echo "$n: stopped"; rc=1; fi
+    done
+    if [ -f "$CONF" ] && alive "$PID_CTLD"; then
+        SLURM_CONF="$CONF" sinfo || rc=1
+    fi
+    print_env
+    return $rc
+}
+
+case "${1:-}" in
+    start) cmd_start ;;
+    stop) cmd_stop ;;
+    restart) cmd_stop; cmd_start ;;
+    status) cmd_status ;;
+    env) print_env ;;
+    *) echo "usage: $0 start|stop|restart|status|env" >&2; exit 2 ;;
+esac

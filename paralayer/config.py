@@ -1,0 +1,465 @@
+"""The recipe schema: typed dataclasses merged with OmegaConf, strict about every key.
+
+A recipe is YAML; it may name a parent with ``base: NAME`` and a cluster profile with
+``cluster: NAME``. Overrides come from the command line as ``dotted.key=value``. Every mistake
+becomes a :class:`ConfigError` that names the field and, where it helps, the valid choices or the
+nearest valid key. This module imports no torch.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+PROFILES_DIR = REPO_ROOT / "cluster" / "profiles"
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("auto", "fp32", "bf16")
+DATA_FORMATS = ("text", "jsonl", "parquet", "tokens")
+WANDB_MODES = ("offline", "online", "disabled")
+ROUTERS = ("softmax", "sigmoid")
+BACKENDS = ("local", "slurm")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(Exception):
+    """A bad recipe: names the field and says what would be valid."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0  # 0 = dense
+    top_k: int = 2
+    ffn_hidden: int = 0  # 0 = model.ffn_hidden
+    aux_loss_coef: float = 0.01
+    capacity_factor: Optional[float] = None  # None = dropless
+    every: int = 1  # MoE on every k-th layer
+    router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3, bias balancing)
+    shared_ffn_hidden: int = 0  # 0 = no shared expert
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    ffn_hidden: int = 688
+    vocab_size: int = 256
+    seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init: str = "random"  # random | hf:PATH
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: Any = "auto"  # int or "auto"
+    schedule: str = "1f1b"
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: Optional[bool] = None  # None = on when tp > 1
+    pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = 8
+    micro_batch: int = 1
+    steps: int = 20
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU
+    resume: str = "none"  # none | auto | PATH
+    stop_at_step: Optional[int] = None
+    skip_nonfinite: bool = False
+    log_every: int = 1
+    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # None = a generated offline corpus
+    format: str = "text"
+    shuffle: bool = True
+    tokenizer: Optional[str] = None  # None = byte-level; else a tokenizers JSON file
+    text_field: str = "text"
+
+
+@dataclass
+class SlurmConfig:
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 60
+    constraint: Optional[str] = None
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
+    srun_args: List[str] = field(default_factory=list)
+    setup: List[str] = field(default_factory=list)
+    max_requeues: int = 3
+    folder: Optional[str] = None  # submitit logs; default run.dir/../slurm-logs
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    backend: str = "local"
+    device: str = "auto"
+    nodes: int = 1
+    devices_per_node: Optional[int] = None
+    device_memory_gib: Optional[float] = None
+    peak_tflops: Optional[float] = None  # dense bf16 peak per device
+    intra_node_gbps: float = 10.0  # GB/s per device, inside a node
+    inter_node_gbps: float = 1.0  # GB/s per device, across nodes
+    memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None = run.dir/checkpoints
+    every: int = 0  # 0 = never
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None  # None = runs/<recipe>-<time>
+    name: Optional[str] = None
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "paralayer"
+    group: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    timeline: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    recipe: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sweep: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- key names and suggestions
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (leaves and sections)."""
+    out = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        out.append(name)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(all_keys(type(default), name + "."))
+    return out
+
+
+def nearest_key(key: str) -> Optional[str]:
+    keys = all_keys()
+    leaf = key.split(".")[-1]
+    hits = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if hits:
+        return hits[0]
+    same_leaf = [k for k in keys if k.split(".")[-1] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    leaves = {k.split(".")[-1]: k for k in keys}
+    hits = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+    return leaves[hits[0]] if hits else None
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    hint = nearest_key(key)
+    msg = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
+    return ConfigError(key, msg)
+
+
+def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
+    key = getattr(exc, "full_key", None) or context or "recipe"
+    text = str(exc).split("\n")[0]
+    if type(exc).__name__ in ("ConfigKeyError", "ConfigAttributeError") and "not in struct" in str(exc).lower() \
+            or "Key '" in text and "not in" in text:
+        return _unknown_key_error(key)
+    if type(exc).__name__ == "ValidationError":
+        value = getattr(exc, "value", None)
+        return ConfigError(key, f"invalid value {value!r} ({text})")
+    return ConfigError(key, text)
+
+
+# ---------------------------------------------------------------- loading
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def _recipe_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = RECIPES_DIR / f"{name}.yaml"
+    if cand.exists():
+        return cand
+    choices = ", ".join(recipe_names())
+    raise ConfigError("recipe", f"no recipe '{name}'; valid recipes: {choices} (or a path to a .yaml file)")
+
+
+def _load_yaml(path: Path, field_name: str) -> DictConfig:
+    try:
+        node = OmegaConf.load(path)
+    except Exception as exc:  # noqa: BLE001 - YAML errors vary
+        raise ConfigError(field_name, f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(field_name, f"{path} must hold a mapping of keys")
+    return node
+
+
+def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[DictConfig]:
+    """The recipe and its ancestors (``base: NAME``), root first."""
+    path = _recipe_path(name)
+    if str(path) in seen:
+        raise ConfigError("base", f"recipe inheritance loops through {path}")
+    node = _load_yaml(path, "recipe")
+    base = node.pop("base", None)
+    chain = _recipe_chain(str(base), seen + (str(path),)) if base else []
+    return chain + [node]
+
+
+def _profile(name: str) -> DictConfig:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError("cluster", f"no cluster profile '{name}'; valid profiles: {', '.join(profile_names())}")
+    node = _load_yaml(path, "cluster")
+    node.setdefault("name", Path(name).stem)
+    return node
+
+
+def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str], list[str]]:
+    recipe, cluster, rest = None, None, []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(ov, "overrides take the form key=value (e.g. parallel.tp=2)")
+        key, _, value = ov.partition("=")
+        key = key.strip().lstrip("+")
+        if key == "recipe":
+            recipe = value
+        elif key == "cluster":
+            cluster = value
+        else:
+            rest.append(f"{key}={value}")
+    return recipe, cluster, rest
+
+
+def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
+    """Unknown keys anywhere in a plain YAML node, with a suggestion."""
+    if not isinstance(node, (dict, DictConfig)):
+        return
+    names = {f.name: f for f in fields(cls)}
+    for key in node:
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise _unknown_key_error(full)
+        f = names[key]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            _check_keys(node[key], type(default), full + ".")
+
+
+def load_config(overrides: list[str] | None = None, recipe: str | None = None) -> Config:
+    """Build the typed config from ``recipe=NAME cluster=NAME key=value ...``."""
+    overrides = list(overrides or [])
+    ov_recipe, ov_cluster, dotted = _parse_overrides(overrides)
+    recipe = ov_recipe or recipe or "tiny"
+    schema = OmegaConf.structured(Config)
+    layers: list[Any] = []
+    chain = _recipe_chain(recipe)
+    cluster_name = ov_cluster
+    for node in chain:
+        c = node.get("cluster", None)
+        if isinstance(c, str):
+            node.pop("cluster")
+            cluster_name = cluster_name or c
+    for node in chain:
+        _check_keys(OmegaConf.to_container(node), Config)
+    profile = _profile(cluster_name or "local")
+    _check_keys(OmegaConf.to_container(profile), ClusterConfig, "cluster.")
+    layers.append(OmegaConf.create({"cluster": profile}))
+    layers.extend(chain)
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        merged.recipe = Path(recipe).stem
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc) from None
+    for item in dotted:
+        key, _, value = item.partition("=")
+        if key.split(".")[0] == "sweep":
+            continue
+        try:
+            OmegaConf.update(merged, key, OmegaConf.create({"v": value}).v if value != "" else None, merge=True)
+        except OmegaConfBaseException as exc:
+            raise _wrap(exc, key) from None
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(key, str(exc).splitlines()[0]) from None
+    # OmegaConf.update on a struct node adds nothing unknown silently? check explicitly.
+    for item in dotted:
+        key = item.partition("=")[0]
+        if key not in all_keys() and not key.startswith("sweep.") and not key.startswith("cluster.slurm.sbatch_extra."):
+            raise _unknown_key_error(key)
+    try:
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc) from None
+    validate_values(cfg)
+    return cfg
+
+
+def _choice(field_name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(field_name, f"'{value}' is not one of: {', '.join(map(str, choices))}")
+
+
+def _positive(field_name: str, value: Any, minimum: int = 1) -> None:
+    if value is None or value < minimum:
+        raise ConfigError(field_name, f"must be >= {minimum}, got {value}")
+
+
+def validate_values(cfg: Config) -> None:
+    """Per-field checks (types are already enforced by the schema); layout rules live in resolve/."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    _positive("model.moe.num_experts", m.moe.num_experts, 0)
+    _positive("model.moe.top_k", m.moe.top_k)
+    _positive("model.moe.every", m.moe.every)
+    _positive("model.moe.ffn_hidden", m.moe.ffn_hidden, 0)
+    if m.moe.capacity_factor is not None and m.moe.capacity_factor <= 0:
+        raise ConfigError("model.moe.capacity_factor", f"must be > 0 or null (dropless), got {m.moe.capacity_factor}")
+    _choice("model.moe.router", m.moe.router, ROUTERS)
+    if not (m.init == "random" or m.init.startswith("hf:")):
+        raise ConfigError("model.init", f"'{m.init}' is not one of: random, hf:PATH")
+    for name in ("tp", "pp", "vpp", "cp", "ep"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    if isinstance(p.dp, str):
+        if p.dp != "auto":
+            try:
+                p.dp = int(p.dp)
+            except ValueError:
+                raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'") from None
+    if not isinstance(p.dp, str):
+        if isinstance(p.dp, bool) or not isinstance(p.dp, int):
+            raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'")
+        _positive("parallel.dp", p.dp)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _choice("parallel.zero", p.zero, (0, 1, 2, 3))
+    _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if p.pp_layout is not None:
+        if any((not isinstance(x, int)) or x < 1 for x in p.pp_layout):
+            raise ConfigError("parallel.pp_layout", "must list positive layer counts, one per pipeline chunk")
+    for name in ("global_batch", "micro_batch", "steps"):
+        _positive(f"train.{name}", getattr(t, name))
+    if t.lr <= 0:
+        raise ConfigError("train.lr", f"must be > 0, got {t.lr}")
+    _positive("train.warmup_steps", t.warmup_steps, 0)
+    _positive("train.log_every", t.log_every)
+    _positive("train.threads", t.threads, 0)
+    _choice("train.precision", t.precision, PRECISIONS)
+    if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
+        raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
+    _choice("data.format", cfg.data.format, DATA_FORMATS)
+    c = cfg.cluster
+    _choice("cluster.backend", c.backend, BACKENDS)
+    _choice("cluster.device", c.device, DEVICES)
+    _positive("cluster.nodes", c.nodes)
+    if c.devices_per_node is not None:
+        _positive("cluster.devices_per_node", c.devices_per_node)
+    if c.device_memory_gib is not None and c.device_memory_gib <= 0:
+        raise ConfigError("cluster.device_memory_gib", f"must be > 0, got {c.device_memory_gib}")
+    if c.peak_tflops is not None and c.peak_tflops <= 0:
+        raise ConfigError("cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
+    _positive("checkpoint.every", cfg.checkpoint.every, 0)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+
+
+# ---------------------------------------------------------------- round trips
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_dict(data: dict) -> Config:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc) from None
+    validate_values(cfg)
+    return cfg
+
+
+def from_yaml_file(path: str | os.PathLike) -> Config:
+    return from_dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+
+
+def sweep_axes(cfg_sweep: dict, overrides: list[str]) -> dict[str, list[str]]:
+    """Sweep axes from a recipe's ``sweep:`` block and ``key=a,b,c`` overrides (with -m)."""
+    axes: dict[str, list[str]] = {}
+    for key, values in (cfg_sweep or {}).items():
+        if isinstance(values, (list, ListConfig)):
+            axes[key] = [str(v) for v in values]
+        else:
+            axes[key] = [s.strip() for s in str(values).split(",")]
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if "," in value and not value.startswith("["):
+            axes[key.strip()] = [s.strip() for s in value.split(",")]
+    return axes

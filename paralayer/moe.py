@@ -1,0 +1,225 @@
+"""Mixture-of-experts feed-forward block (Mixtral / DeepSeek-V3 style).
+
+    x (b, s, d) ──gate──> router scores ──top-k──> (expert, weight) per token-slot
+      │                                                    │
+      └── sort token-slots by expert, drop beyond capacity ┘
+                 │
+           experts (SwiGLU, stacked weights)   ← with expert parallel: all-to-all there and back
+                 │
+      weighted combine (index_add into the token rows)  (+ shared expert for every token)
+
+Parameters (names matter: the lead's init builds every FULL tensor from (seed, name) and slices it):
+    gate.weight  (E, d)               router, replicated (data parallel)
+    w1           (E_local, ffn, d)    expert gate projection   ┐ expert-sharded along dim 0
+    w3           (E_local, ffn, d)    expert up projection     │ (see ``local_slices``)
+    w2           (E_local, d, ffn)    expert down projection   ┘
+    shared.w{1,2,3}.weight            optional shared expert, replicated
+Buffer:
+    expert_bias  (E,)                 sigmoid router only: selection bias (aux-loss-free balancing),
+                                      zeros at init, changed only by ``update_bias``.
+
+Each forward sets
+    self.aux_loss  scalar with grad: Switch load-balancing loss E·Σ_i f_i·P_i over this rank's tokens
+    self.stats     {"tokens_per_expert": LongTensor(E), routed token-slots (before drops), summed
+                    over the expert-parallel group; "dropped": int, token-slots dropped, summed over
+                    the expert-parallel group}
+
+Capacity (``capacity_factor`` not None) is applied per rank to that rank's own tokens, before any
+dispatch: capacity = ceil(T·top_k·capacity_factor / E) with T = this rank's tokens (b·s). Within an
+expert, token-slots are kept in token order (token t, then its k-th choice) and the rest dropped.
+So expert parallelism never changes which tokens are dropped: the result of a rank depends only on
+its tokens, exactly as with plain data parallelism.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SharedExpert(nn.Module):
+    """A plain SwiGLU feed-forward: w2 · (silu(w1 x) * (w3 x))."""
+
+    def __init__(self, d_model: int, ffn_hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, ffn_hidden, bias=False)
+        self.w3 = nn.Linear(d_model, ffn_hidden, bias=False)
+        self.w2 = nn.Linear(ffn_hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn_hidden: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None, router: str = "softmax", shared_ffn_hidden: int = 0):
+        super().__init__()
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+        self.d_model = d_model
+        self.ffn_hidden = ffn_hidden
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.router = router
+
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, ffn_hidden))
+        self.shared = SharedExpert(d_model, shared_ffn_hidden) if shared_ffn_hidden > 0 else None
+        if router == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+            # routed token-slots per expert since the last update_bias (this rank's tokens only)
+            self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
+
+        # expert parallel (set by paralayer.parallel.expert.apply_expert_parallel)
+        self.ep_group = None
+        self.ep_size = 1
+        self.ep_rank = 0
+        self.num_local_experts = num_experts
+        self.expert_offset = 0
+        self.local_slices = self._make_local_slices()
+
+        self.aux_loss: Tensor | None = None
+        self.stats: dict = {}
+        self.reset_parameters()
+
+    def _make_local_slices(self) -> dict[str, tuple[int, int, int]]:
+        """{param name: (dim, offset, full size)}: along ``dim`` this rank holds rows
+        [offset, offset + local size) of a full dimension of ``full size``."""
+        return {name: (0, self.expert_offset, self.num_experts) for name in ("w1", "w2", "w3")}
+
+    def reset_parameters(self) -> None:
+        """A standalone default (nn.Linear's), per expert. The lead's layout-independent init
+        replaces this; it is only here so the module works on its own."""
+        if self.w1.device.type == "meta":
+            return
+        with torch.no_grad():
+            b_in, b_out = 1 / math.sqrt(self.d_model), 1 / math.sqrt(self.ffn_hidden)
+            self.w1.uniform_(-b_in, b_in)
+            self.w3.uniform_(-b_in, b_in)
+            self.w2.uniform_(-b_out, b_out)
+
+    # ---------------------------------------------------------------- routing
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (T, d) → (expert ids (T, k) long, weights (T, k) fp32, router probs (T, E) fp32).
+
+        softmax: probs = softmax(logits); pick top-k; weights = renormalised top-k probs (Mixtral).
+        sigmoid: scores = sigmoid(logits); pick top-k of scores + expert_bias (bias only selects);
+                 weights = chosen scores / their sum (DeepSeek-V3); probs = scores / row sum.
+        """
+        logits = self.gate(x).float()
+        if self.router == "softmax":
+            probs = logits.softmax(dim=-1)
+            weights, experts = probs.topk(self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights, probs
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(num_tokens * self.top_k * self.capacity_factor / self.num_experts)
+
+    # ---------------------------------------------------------------- experts
+    def experts_forward(self, xs: Tensor, counts: list[int]) -> Tensor:
+        """Run the LOCAL experts on rows grouped by local expert: rows [sum(counts[:e]),
+        sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order."""
+        outs = []
+        for e, rows in enumerate(xs.split(counts)):
+            if rows.shape[0] == 0:
+                continue
+            h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
+            outs.append(h @ self.w2[e].t())
+        if not outs:
+            # no rows: still touch the weights so autograd sees them (zero grads, same graph shape)
+            return xs.new_zeros(0, self.d_model) + 0 * (self.w1.sum() + self.w2.sum() + self.w3.sum())
+        return torch.cat(outs)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        T, k, E = x.shape[0], self.top_k, self.num_experts
+
+        experts, weights, probs = self.route(x)
+
+        # token-slots in token order: slot s = t*k + j is token t's j-th choice
+        slot_expert = experts.reshape(-1)
+        slot_weight = weights.reshape(-1)
+        slot_token = torch.arange(T, device=x.device).repeat_interleave(k)
+        routed = torch.bincount(slot_expert, minlength=E)              # (E,) before drops
+
+        # aux loss (this rank's tokens): E · Σ_i f_i · P_i; f has no gradient, P does
+        f = routed.float() / (T * k)
+        self.aux_loss = E * (f * probs.mean(dim=0)).sum()
+
+        # sort slots by expert (stable → token order inside an expert), then apply capacity
+        order = torch.argsort(slot_expert, stable=True)
+        counts = routed
+        cap = self.capacity(T)
+        if cap is not None:
+            starts = routed.cumsum(0) - routed
+            position = torch.arange(order.numel(), device=x.device) - starts[slot_expert[order]]
+            order = order[position < cap]
+            counts = routed.clamp(max=cap)
+        dropped = T * k - order.numel()
+
+        tokens = slot_token[order]
+        xs = x.index_select(0, tokens)
+        if self.ep_group is None:
+            ys = self.experts_forward(xs, counts.tolist())
+        else:
+            from paralayer.parallel.expert import expert_parallel_forward
+            ys = expert_parallel_forward(self, xs, counts)
+
+        out = torch.zeros_like(x).index_add(0, tokens, ys * slot_weight[order].to(ys.dtype).unsqueeze(1))
+        if self.shared is not None:
+            out = out + self.shared(x)
+
+        self._record_stats(routed, dropped)
+        return out.reshape(shape)
+
+    # ---------------------------------------------------------------- stats, balancing
+    @torch.no_grad()
+    def _record_stats(self, routed: Tensor, dropped: int) -> None:
+        if self.router == "sigmoid":
+            self.expert_load += routed.to(self.expert_load.dtype)
+        totals = torch.cat([routed, routed.new_tensor([dropped])])
+        if self.ep_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(totals, group=self.ep_group)
+        self.stats = {"tokens_per_expert": totals[:-1].clone(), "dropped": int(totals[-1])}
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, group=None) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3), sigmoid router only: call once per optimizer step.
+        bias_i += rate · sign(mean load − load_i), load = routed token-slots since the last call.
+
+        ``group``: pass the whole data-parallel group (every rank holding a replica of this router,
+        i.e. dp·cp including ep) so all replicas see the same load and keep the same bias.
+        """
+        if self.router != "sigmoid":
+            raise RuntimeError("update_bias is only for router='sigmoid'")
+        load = self.expert_load.clone()
+        if group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(load, group=group)
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
+                f"(local {self.num_local_experts} from {self.expert_offset}), top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, router={self.router}")

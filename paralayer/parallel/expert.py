@@ -1,0 +1,151 @@
+"""Expert parallelism for ``MoEFeedForward``.
+
+Layout. The expert-parallel (ep) group is carved out of the data-parallel ranks (dp·cp): the ranks
+in one ep group hold DIFFERENT tokens. Router, attention, norms, embeddings and the shared expert
+stay data parallel (replicated); only the routed experts are sharded: ep rank r holds experts
+[r·E/ep, (r+1)·E/ep).
+
+Forward (per MoE layer, on every ep rank):
+    route locally → sort token-slots by expert (MoEFeedForward.forward)
+    → exchange per-expert counts (all_to_all_single, no grad)
+    → send each token-slot to the rank owning its expert (autograd all_to_all, unequal splits)
+    → regroup the received rows by local expert, run the local experts, undo the regrouping
+    → send the results back (autograd all_to_all, splits reversed)
+    → weighted combine into the token rows (MoEFeedForward.forward)
+The backward of each all_to_all is the all_to_all with the splits swapped, so gradients reach both
+the inputs (other ranks' tokens) and the experts.
+
+GRADIENT REDUCTION — what the data-parallel code must do:
+  * Expert parameters (``is_expert_param(name)``: the stacked ``w1``/``w2``/``w3`` of each MoE
+    block) already hold, after backward, the SUM of the gradients from every token of the ep group
+    that was routed to them: the all_to_all did the reduction over ep. They must NOT be reduced over
+    the ep group again. Reduce them (sum) only over the expert-data-parallel group, i.e. the ranks of
+    dp·cp holding the same expert shard (size dp·cp / ep: same ep rank, different ep group).
+  * Everything else is reduced over all dp·cp ranks, as usual.
+  * Scaling: if non-expert gradients are AVERAGED over the N = dp·cp ranks (sum / N), expert
+    gradients must be divided by the same N (sum over expert-dp, then / N), not by the expert-dp
+    group size N/ep. With FSDP2 on the expert-dp mesh that means
+    ``fully_shard(...).set_gradient_divide_factor(N)``; otherwise expert gradients come out ep× too
+    large. (Tested: rank r's expert gradient equals rows [r·E/ep, (r+1)·E/ep) of the ep=1 gradient
+    over the concatenated batch; non-expert gradients summed over ranks equal the ep=1 gradient.)
+
+Stats (``module.stats``) are summed over the ep group. The aux loss is per rank (its own tokens), like
+the rest of the loss. Capacity is applied per rank before dispatch (see paralayer/moe.py).
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from paralayer.moe import MoEFeedForward
+
+EXPERT_PARAM_NAMES = ("w1", "w2", "w3")
+# stacked expert weights are raw Parameters named ...w1 (no ".weight"); dense SwiGLU / shared expert
+# Linears are named ...w1.weight and are NOT expert params
+_EXPERT_PARAM_RE = re.compile(r"(^|\.)w[123]$")
+
+
+def is_expert_param(name: str) -> bool:
+    """True for the expert-sharded parameters of MoE blocks (gradients reduced over expert-dp only).
+
+    Works on names from ``model.named_parameters()``, also with wrapper prefixes
+    (``_orig_mod.``, ``_checkpoint_wrapped_module.``) since it looks at the last component only:
+    ``layers.3.moe.w1`` → True; ``layers.3.moe.gate.weight``, ``layers.3.moe.shared.w1.weight``,
+    ``layers.0.ffn.w1.weight`` → False.
+    """
+    return bool(_EXPERT_PARAM_RE.search(name))
+
+
+def expert_param_names(model: nn.Module) -> set[str]:
+    """The exact parameter names of all MoE expert weights in ``model`` (by module type, not by
+    name pattern) — use it to cross-check ``is_expert_param``."""
+    from paralayer.moe import MoEFeedForward
+    names = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, MoEFeedForward):
+            prefix = f"{mod_name}." if mod_name else ""
+            names.update(prefix + p for p in EXPERT_PARAM_NAMES)
+    return names
+
+
+def apply_expert_parallel(module: nn.Module, ep_group) -> nn.Module:
+    """Shard the experts of ``module`` (a MoEFeedForward, or any model containing them) over
+    ``ep_group`` (a ProcessGroup, or a 1-D DeviceMesh). Keeps rows [r·E/ep, (r+1)·E/ep) of
+    w1/w2/w3 (works on meta tensors too) and updates ``local_slices``. Returns ``module``."""
+    from paralayer.moe import MoEFeedForward
+    if hasattr(ep_group, "get_group"):  # DeviceMesh
+        ep_group = ep_group.get_group()
+    ep = dist.get_world_size(ep_group)
+    rank = dist.get_rank(ep_group)
+    mods = [module] if isinstance(module, MoEFeedForward) else \
+        [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    for m in mods:
+        if m.ep_group is not None:
+            raise RuntimeError("expert parallel already applied to this MoE block")
+        if m.num_experts % ep:
+            raise ValueError(f"num_experts={m.num_experts} is not divisible by ep={ep}")
+        n_local = m.num_experts // ep
+        start = rank * n_local
+        for name in EXPERT_PARAM_NAMES:
+            full = getattr(m, name)
+            local = full.detach()[start:start + n_local].clone()
+            setattr(m, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        m.ep_group, m.ep_size, m.ep_rank = ep_group, ep, rank
+        m.num_local_experts, m.expert_offset = n_local, start
+        m.local_slices = m._make_local_slices()
+    return module
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with unequal splits; backward is the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_in = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """Differentiable all_to_all_single along dim 0: send x[sum(in_splits[:j]) : ...] to rank j,
+    receive out_splits[j] rows from rank j."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def expert_parallel_forward(m: "MoEFeedForward", xs: Tensor, counts: Tensor) -> Tensor:
+    """``xs`` (N, d): this rank's token-slots sorted by GLOBAL expert id; ``counts`` (E,) rows per
+    expert. Returns the expert outputs (N, d) in the same order."""
+    group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts
+
+    # 1. counts exchange: recv_counts[s, e] = rows rank s sends to my local expert e
+    send_counts = counts.to(torch.long).contiguous()
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_counts = send_counts.view(ep, n_local)
+    recv_counts = recv_counts.view(ep, n_local)
+    in_splits = send_counts.sum(1).tolist()
+    out_splits = recv_counts.sum(1).tolist()
+
+    # 2. dispatch: received rows are ordered (source rank, local expert)
+    received = all_to_all(xs, out_splits, in_splits, group)
+
+    # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
+    row_expert = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    perm = torch.argsort(row_expert, stable=True)
+    ys = m.experts_forward(received[perm], recv_counts.sum(0).tolist())
+    ys = ys[torch.argsort(perm)]
+
+    # 4. combine: send results back to the ranks that own the tokens
+    return all_to_all(ys, in_splits, out_splits, group)
