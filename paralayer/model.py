@@ -165,7 +165,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
         s = h.shape[1]
-        pos = self.positions if self.positions is not None else torch.arange(s, device=h.device)
+        pos = self.positions.to(h.device) if self.positions is not None else torch.arange(s, device=h.device)
         cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -143,8 +143,11 @@ class MoEFeedForward(nn.Module):
             h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
             outs.append(h @ self.w2[e].t())
         if not outs:
-            # no rows: still touch the weights so autograd sees them (zero grads, same graph shape)
-            return xs.new_zeros(0, self.d_model) + 0 * (self.w1.sum() + self.w2.sum() + self.w3.sum())
+            # No rows. Keep the (empty) output connected to xs and to the weights: under expert
+            # parallel, xs comes out of an all-to-all whose backward is a collective, and every rank
+            # must run it (else the others hang); the weights then get zero grads instead of None.
+            touch = xs.sum() + self.w1.sum() + self.w2.sum() + self.w3.sum()
+            return xs.new_zeros(0, self.d_model) + 0 * touch
         return torch.cat(outs)
 
     # ---------------------------------------------------------------- forward
@@ -218,6 +221,12 @@ class MoEFeedForward(nn.Module):
             dist.all_reduce(load, group=group)
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self.expert_load.zero_()
+
+    def __getstate__(self):
+        # aux_loss is a graph node from the last forward: not copyable/picklable, and not state
+        state = dict(super().__getstate__())
+        state["aux_loss"] = None
+        return state
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "

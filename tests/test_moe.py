@@ -11,7 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paralayer.moe import MoEFeedForward
-from paralayer.parallel.expert import apply_expert_parallel, expert_param_names, is_expert_param
+from paralayer.parallel.expert import (
+    apply_expert_parallel,
+    expert_param_names,
+    is_expert_param,
+)
 from tests.dist import run_ranks
 
 D, FFN, E = 8, 12, 4
@@ -184,6 +188,7 @@ def _ep_parity_rank(rank, world, router, shared):
         "grad_x": (x.grad - x_ref.grad[2 * rank:2 * rank + 2]).abs().max().item(),
     }
     for name in ("w1", "w2", "w3"):
+        assert getattr(m, name).grad.abs().sum() > 0  # not trivially equal
         errs[f"grad_{name}"] = (getattr(m, name).grad - getattr(ref, name).grad[lo:hi]).abs().max().item()
     # non-expert params: gradient summed over ranks equals the ep=1 gradient
     ref_params = dict(ref.named_parameters())
@@ -193,6 +198,13 @@ def _ep_parity_rank(rank, world, router, shared):
         g = p.grad.clone()
         dist.all_reduce(g)
         errs[f"grad_{name}"] = (g - ref_params[name].grad).abs().max().item()
+    # on the meta device (how the model is built before materialising): shapes and slices only
+    with torch.device("meta"):
+        meta = MoEFeedForward(D, FFN, 8, 2, None)
+    apply_expert_parallel(meta, dist.group.WORLD)
+    assert meta.w1.is_meta and meta.w1.shape == (n_local, FFN, D) and meta.w2.shape == (n_local, D, FFN)
+    assert meta.local_slices == {k: (0, lo, 8) for k in ("w1", "w2", "w3")}
+
     tpe = m.stats["tokens_per_expert"].tolist()
     return errs, tpe, ref.stats["tokens_per_expert"].tolist()
 

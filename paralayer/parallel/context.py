@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "zigzag_indices", "zigzag_shard", "zigzag_unshard",
-    "ring_attention", "RingAttention", "make_ring_attention", "RingStats",
+    "RingAttention",
+    "RingStats",
+    "make_ring_attention",
+    "ring_attention",
+    "zigzag_indices",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]
 
 _KV_TAG = 11
@@ -84,7 +89,7 @@ def zigzag_unshard(parts: list[Tensor], dim: int, cp: int) -> Tensor:
     """Inverse of ``zigzag_shard``: ``parts[r]`` is rank r's shard; returns the full sequence."""
     if len(parts) != cp:
         raise ValueError(f"expected {cp} parts, got {len(parts)}")
-    chunks: list[Optional[Tensor]] = [None] * (2 * cp)
+    chunks: list[Tensor | None] = [None] * (2 * cp)
     for r, part in enumerate(parts):
         if part.size(dim) % 2:
             raise ValueError(f"part {r} has odd length {part.size(dim)} along dim {dim}")
@@ -170,7 +175,7 @@ def _block_bwd(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 class _Ring:
     """Send to the next cp rank, receive from the previous one (batch_isend_irecv)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
+    def __init__(self, group: dist.ProcessGroup | None):
         if group is None and not dist.is_initialized():
             self.group, self.rank, self.size = None, 0, 1
         else:
@@ -214,17 +219,23 @@ def _pairs(qr: slice, kr: slice, causal: bool) -> int:
 
 @dataclass
 class RingStats:
-    """Per-rank attention work, accumulated over calls (per batch element and head)."""
+    """Per-rank attention work, accumulated over calls (pairs are per batch element and head).
+
+    Bounded: totals plus the per-step compute times of the latest call only.
+    """
     pairs_fwd: int = 0          # query×key pairs computed in forward (causal block: n(n+1)/2)
     pairs_bwd: int = 0
     calls: int = 0
-    step_time_fwd_s: list[float] = field(default_factory=list)  # compute time per ring step
-    step_time_bwd_s: list[float] = field(default_factory=list)
+    time_fwd_s: float = 0.0     # block compute time, communication waits excluded
+    time_bwd_s: float = 0.0
+    last_step_times_fwd_s: list[float] = field(default_factory=list)
+    last_step_times_bwd_s: list[float] = field(default_factory=list)
 
     def reset(self) -> None:
         self.pairs_fwd = self.pairs_bwd = self.calls = 0
-        self.step_time_fwd_s.clear()
-        self.step_time_bwd_s.clear()
+        self.time_fwd_s = self.time_bwd_s = 0.0
+        self.last_step_times_fwd_s = []
+        self.last_step_times_bwd_s = []
 
 
 def _expand(x: Tensor, groups: int) -> Tensor:
@@ -253,7 +264,7 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, rows: slice, o: Tensor, lse: Tensor
 class _RingAttnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, causal, scale, stats):
-        b, h, s, d = q.shape
+        b, h, s, _ = q.shape
         hkv = k.size(1)
         groups = h // hkv
         c = s // 2
@@ -264,6 +275,8 @@ class _RingAttnFn(torch.autograd.Function):
         lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         seen = set()
+        if stats is not None:
+            stats.last_step_times_fwd_s = []
         for step in range(cp):
             works = None
             if step < cp - 1:
@@ -279,7 +292,9 @@ class _RingAttnFn(torch.autograd.Function):
                 if stats is not None:
                     stats.pairs_fwd += _pairs(qr, kr, blk_causal)
             if stats is not None:
-                stats.step_time_fwd_s.append(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                stats.time_fwd_s += dt
+                stats.last_step_times_fwd_s.append(dt)
             if works is not None:
                 ring.wait(works)
                 kv = nxt
@@ -303,9 +318,11 @@ class _RingAttnFn(torch.autograd.Function):
 
         dq = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv_acc: Optional[Tensor] = None
+        dkv_acc: Tensor | None = None
         dkv_works = None
-        dkv_next: Optional[Tensor] = None
+        dkv_next: Tensor | None = None
+        if stats is not None:
+            stats.last_step_times_bwd_s = []
         for step in range(cp):
             kv_works = None
             if step < cp - 1:
@@ -325,7 +342,9 @@ class _RingAttnFn(torch.autograd.Function):
                 if stats is not None:
                     stats.pairs_bwd += _pairs(qr, kr, blk_causal)
             if stats is not None:
-                stats.step_time_bwd_s.append(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                stats.time_bwd_s += dt
+                stats.last_step_times_bwd_s.append(dt)
             if step == 0:
                 dkv_acc = part
             else:
@@ -349,9 +368,9 @@ class _RingAttnFn(torch.autograd.Function):
 # Public entry points
 # ----------------------------------------------------------------------------------------------
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None, *,
-                   causal: bool = True, scale: Optional[float] = None,
-                   stats: Optional[RingStats] = None) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *,
+                   causal: bool = True, scale: float | None = None,
+                   stats: RingStats | None = None) -> Tensor:
     """Attention over a context-parallel sequence held in zigzag order.
 
     q: (b, n_heads, s_local, d); k, v: (b, n_kv_heads, s_local, d) with n_heads % n_kv_heads == 0.
@@ -383,24 +402,35 @@ class RingAttention(nn.Module):
     (GQA) heads. ``self.stats`` records this rank's attention work.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, causal: bool = True):
+    def __init__(self, group: dist.ProcessGroup | None = None, causal: bool = True):
         super().__init__()
         self.group = group
         self.causal = causal
         self.stats = RingStats()
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: Optional[bool] = None,
-                scale: Optional[float] = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool | None = None,
+                scale: float | None = None) -> Tensor:
         causal = self.causal if is_causal is None else is_causal
         return ring_attention(q, k, v, self.group, causal=causal, scale=scale, stats=self.stats)
 
 
-def make_ring_attention(group: Optional[dist.ProcessGroup] = None,
-                        stats: Optional[RingStats] = None) -> Callable[..., Tensor]:
+def make_ring_attention(group: dist.ProcessGroup | None = None,
+                        stats: RingStats | None = None) -> Callable[..., Tensor]:
     """A function ``attn(q, k, v, is_causal=True, scale=None)`` running ring attention on ``group``."""
 
     def attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True,
-             scale: Optional[float] = None) -> Tensor:
+             scale: float | None = None) -> Tensor:
         return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats)
 
     return attn
+
+
+def apply_context_parallel(model, group: dist.ProcessGroup, seq_len: int) -> None:
+    """Make a (stage of a) Transformer attend over the cp ring on zigzag-sharded sequences.
+
+    RoPE follows the chunks: the model's positions become this rank's global token positions.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    model.positions = zigzag_indices(seq_len, cp, rank)
+    for layer in model.layers.values():
+        layer.attention.attn_fn = make_ring_attention(group)

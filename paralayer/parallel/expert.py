@@ -124,7 +124,7 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def expert_parallel_forward(m: "MoEFeedForward", xs: Tensor, counts: Tensor) -> Tensor:
+def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Tensor:
     """``xs`` (N, d): this rank's token-slots sorted by GLOBAL expert id; ``counts`` (E,) rows per
     expert. Returns the expert outputs (N, d) in the same order."""
     group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts

@@ -1,0 +1,82 @@
+"""Where a resolved run goes: ranks on this machine, or SLURM through submitit.
+
+Both start from a prepared run directory (``resolved.yaml`` + ``plan.json``); every rank reads
+only that, so a job that is requeued or re-run later trains exactly what was planned.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from paralayer import config as config_mod
+from paralayer.config import Config
+
+
+def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
+    """Create run.dir (default runs/<recipe>-<time>) holding resolved.yaml and plan.json."""
+    if not cfg.run.dir:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        cfg.run.dir = str(Path("runs") / f"{cfg.recipe}-{stamp}{suffix}")
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "resolved.yaml").write_text(config_mod.to_yaml(cfg))
+    plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+    (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    return str(run_dir.resolve())
+
+
+def launch(cfg: Config, plan: Any, args: Any) -> int:
+    """Run one resolved recipe; returns the process exit code."""
+    run_dir = prepare_run_dir(cfg, plan)
+    if getattr(args, "timeline", False):
+        os.environ["PARALAYER_TIMELINE"] = "1"
+    if cfg.cluster.backend == "slurm":
+        from paralayer.dispatch import slurm
+
+        res = slurm.submit([run_dir], _slurm_settings(cfg), folder=_slurm_folder(cfg, run_dir),
+                           wait=bool(getattr(args, "wait", False)))
+        return int(getattr(res, "exit_code", 0) or 0)
+    from paralayer.dispatch.local import run_local
+
+    return run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan)
+
+
+def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
+    """Run every element of a sweep: one SLURM job array, or one local run after another."""
+    group = cfgs[0].logging.wandb.group or f"{cfgs[0].recipe}-sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    base = cfgs[0].run.dir
+    run_dirs = []
+    for i, (cfg, plan) in enumerate(zip(cfgs, plans)):
+        cfg.logging.wandb.group = group
+        if base:
+            cfg.run.dir = str(Path(base) / f"{i:03d}")
+        else:
+            cfg.run.dir = str(Path("runs") / group / f"{i:03d}")
+        run_dirs.append(prepare_run_dir(cfg, plan))
+    if cfgs[0].cluster.backend == "slurm":
+        from paralayer.dispatch import slurm
+
+        res = slurm.submit(run_dirs, _slurm_settings(cfgs[0]), folder=_slurm_folder(cfgs[0], run_dirs[0]),
+                           wait=bool(getattr(args, "wait", False)))
+        return int(getattr(res, "exit_code", 0) or 0)
+    from paralayer.dispatch.local import run_local
+
+    worst = 0
+    for run_dir, plan in zip(run_dirs, plans):
+        worst = max(worst, run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan))
+    return worst
+
+
+def _slurm_settings(cfg: Config) -> dict:
+    c = cfg.cluster
+    s = config_mod.to_dict(cfg)["cluster"]["slurm"]
+    s.update(nodes=c.nodes, devices_per_node=c.devices_per_node or 1,
+             device="cuda" if c.device == "cuda" else "cpu")
+    return s
+
+
+def _slurm_folder(cfg: Config, run_dir: str) -> str:
+    return cfg.cluster.slurm.folder or str(Path(run_dir).parent / "slurm-logs")

@@ -1,0 +1,56 @@
+"""Ranks on this machine through torch's elastic launcher (what torchrun uses).
+
+One process per rank runs ``python -m paralayer.train RUN_DIR``. When a rank fails the agent
+stops the others at once (no restarts), and we name the rank and its error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import uuid
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(run_dir: str, plan: dict) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    world = int(plan["world_size"])
+    env_cores = os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, env_cores // world)))
+    if plan.get("device", "cpu") == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    lc = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"paralayer-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+        monitor_interval=0.2, start_method="spawn",
+    )
+    import logging
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    print(f"paralayer: {world} rank(s) on this machine; run dir {run_dir}", flush=True)
+    try:
+        elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.train", run_dir)
+    except ChildFailedError as exc:
+        first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp or 0)
+        rank, failure = first
+        msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        if isinstance(failure.message, dict):
+            msg = failure.message.get("message", msg)
+        last = str(msg).strip().splitlines()[-1] if msg else f"exit code {failure.exitcode}"
+        ranks = ", ".join(str(r) for r in sorted(exc.failures))
+        print(f"paralayer: rank {rank} failed (exit code {failure.exitcode}): {last}", file=sys.stderr, flush=True)
+        if len(exc.failures) > 1:
+            print(f"paralayer: ranks that ended with an error: {ranks}", file=sys.stderr, flush=True)
+        return 1
+    print(f"paralayer: done; metrics in {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+    return 0

@@ -1,0 +1,156 @@
+"""Data parallelism: replicated (ZeRO-0), sharded optimizer states (ZeRO-1), FSDP2 (ZeRO-2/3).
+
+Gradients are averaged over the flattened (dp, cp) group: context ranks see different tokens of
+the same sequences, so their gradients add up exactly like data ranks'. Expert weights under
+expert parallel are different on every ep rank: they are averaged over the expert-data group only
+(their count still divides by dp·cp, see ``paralayer.parallel.expert``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Optional[torch.dtype] = None,
+               expert_mesh: Optional[DeviceMesh] = None, grad_divide: Optional[int] = None) -> None:
+    """FSDP2 for ZeRO-2 (keep gathered weights between forward and backward) and ZeRO-3 (reshard)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    reshard = zero >= 3
+    for layer in model.layers.values():
+        ff = layer.feed_forward
+        if expert_mesh is not None and getattr(ff, "ep_size", 1) > 1:
+            experts = [p for n, p in ff.named_parameters(recurse=False)]
+            if experts:
+                # Experts shard over the expert-data ranks only; grads divide by all of dp·cp.
+                fully_shard(ff, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
+                if grad_divide:
+                    ff.set_gradient_divide_factor(float(grad_divide))
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+class GradReducer:
+    """ZeRO-0/1 gradient averaging: one flat all-reduce per dtype bucket over the data group."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, world: int,
+                 expert_params: Iterable[nn.Parameter] = (), expert_group: Optional[dist.ProcessGroup] = None):
+        expert_ids = {id(p) for p in expert_params}
+        self.dense = [p for p in params if id(p) not in expert_ids]
+        self.experts = [p for p in params if id(p) in expert_ids]
+        self.group, self.world = group, world
+        self.expert_group = expert_group
+
+    def _reduce(self, params: list[nn.Parameter], group, divide: int) -> None:
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if not grads or group is None:
+            for g in grads:
+                g.div_(divide)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(divide)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset: offset + n].view_as(g))
+            offset += n
+
+    def reduce(self) -> None:
+        if self.world > 1:
+            self._reduce(self.dense, self.group, self.world)
+        # Expert grads already summed their ep peers' tokens through the all-to-all backward.
+        if self.experts:
+            self._reduce(self.experts, self.expert_group, self.world)
+
+
+class ZeroOneOptimizer:
+    """ZeRO-1: each data rank keeps AdamW states for its share of the parameters and broadcasts them.
+
+    Parameters are dealt out whole, largest first, to the least-loaded rank, so the split is
+    deterministic and balanced; the update each parameter gets is the same as unsharded AdamW.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, rank: int, world: int,
+                 group_ranks: list[int], make_opt):
+        loads = [0] * world
+        self.owner: dict[int, int] = {}
+        order = sorted(range(len(params)), key=lambda i: -_local(params[i]).numel())
+        for i in order:
+            r = min(range(world), key=lambda j: loads[j])
+            self.owner[i] = r
+            loads[r] += _local(params[i]).numel()
+        self.params, self.group, self.rank = params, group, rank
+        self.group_ranks = group_ranks
+        mine = [p for i, p in enumerate(params) if self.owner[i] == rank]
+        self.inner = make_opt(mine if mine else [torch.nn.Parameter(torch.zeros(1, device=_local(params[0]).device))])
+        self.param_groups = self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        for i, p in enumerate(self.params):
+            dist.broadcast(_local(p.data), src=self.group_ranks[self.owner[i]], group=self.group)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Optional[dist.ProcessGroup],
+                   expert_params: Iterable[nn.Parameter] = (), ep_group: Optional[dist.ProcessGroup] = None,
+                   tp_group: Optional[dist.ProcessGroup] = None) -> float:
+    """Global gradient norm over every shard of every stage; scales grads when above max_norm.
+
+    DTensor grads (TP, FSDP) know their placements: their norm is computed by DTensor and
+    made whole with ``full_tensor``. Pipeline stages and expert shards hold disjoint parameters,
+    so their squared norms add over the pp and ep groups.
+    """
+    expert_ids = {id(p) for p in expert_params}
+    dense_sq = torch.zeros((), dtype=torch.float32)
+    expert_sq = torch.zeros((), dtype=torch.float32)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    dense_sq, expert_sq = dense_sq.to(device), expert_sq.to(device)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = n.float() ** 2
+        if id(p) in expert_ids:
+            expert_sq = expert_sq + sq
+        else:
+            dense_sq = dense_sq + sq
+    if ep_group is not None and expert_ids:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total = dense_sq + expert_sq
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = float(total.sqrt())
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                _local(g).mul_(coef)
+    return norm

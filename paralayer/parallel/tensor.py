@@ -1,0 +1,235 @@
+"""Tensor parallel (Megatron-style, by DTensor) with optional sequence parallel.
+
+Layout for one rank of a ``tp``-sized group (see docs/tensor-parallel.md and docs/tp-layout.png):
+
+    tok_embeddings   RowwiseParallel   weight Shard(0): a slice of the vocabulary rows; the lookup
+                                       returns a partial sum, reduced to Shard(1) (SP: reduce-scatter
+                                       over the sequence) or Replicate (all-reduce)
+    attention_norm   SequenceParallel  (SP only) the norm sees s/tp tokens
+    attention        PrepareModuleInput  x: Shard(1) -> Replicate (SP: all-gather)
+      wq, wk, wv     ColwiseParallel   whole heads per rank (n_heads % tp == 0, n_kv_heads % tp == 0)
+      wo             RowwiseParallel   partial sums -> Shard(1) (SP: reduce-scatter) or Replicate
+    ffn_norm         SequenceParallel  (SP only)
+    feed_forward     PrepareModuleInput  (SP: all-gather)
+      w1, w3         ColwiseParallel   gate / up split by columns, silu(gate)*up applied locally
+      w2             RowwiseParallel   down split by rows: one reduction restores the exact sum
+    norm             SequenceParallel  (SP only)
+    output           ColwiseParallel   vocab columns; logits stay a DTensor Shard(-1) (never gathered)
+
+Per layer, forward: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP); backward the
+same again (the conjugate collectives). The residual stream between the blocks is a plain local
+tensor: (b, s/tp, d) under SP, (b, s, d) replicated without it.
+
+The loss: :func:`tp_loss` computes the vocab-parallel cross-entropy of the Shard(-1) logits with
+``torch.distributed.tensor.parallel.loss_parallel``; padded vocab columns (vocab rounded up to a
+multiple of tp) get a large negative added so they never count. ``loss_parallel`` must be active
+for the forward-loss-backward together::
+
+    with loss_parallel_ctx(tp > 1):
+        logits = model(tokens)
+        loss = tp_loss(logits, labels, cfg.model.vocab_size)
+        loss.backward()            # or the pipeline schedule's step(), which runs backward
+
+MoE blocks are not split by tensor parallel: their input is gathered to the full sequence and the
+expert block runs replicated on every tp rank (expert parallelism is the axis that splits them).
+
+Under sequence parallel the embedding hands the blocks s/tp tokens, while RoPE must see the full
+sequence's positions: :func:`apply_tensor_parallel` installs a forward pre-hook on the model that
+sets ``model.positions`` to the full ``arange`` when nothing else (context parallel) set it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+# Added to the padded vocab columns of the logits: exp(-1e9 - max) is exactly 0 in fp32/bf16.
+_PAD_LOGIT = -1.0e9
+
+
+def check_tp_shapes(model: nn.Module, tp: int) -> None:
+    """Raise ValueError naming the field if the model cannot be split ``tp`` ways."""
+    cfg = model.cfg
+    problems = []
+    if cfg.n_heads % tp:
+        problems.append(f"model.n_heads={cfg.n_heads} is not divisible by parallel.tp={tp}")
+    if cfg.n_kv_heads % tp:
+        problems.append(f"model.n_kv_heads={cfg.n_kv_heads} is not divisible by parallel.tp={tp} "
+                        "(KV heads are not replicated: choose tp dividing n_kv_heads)")
+    if cfg.ffn_hidden % tp:
+        problems.append(f"model.ffn_hidden={cfg.ffn_hidden} is not divisible by parallel.tp={tp}")
+    if getattr(model, "vocab_padded", cfg.vocab_size) % tp:
+        problems.append(f"padded vocab {model.vocab_padded} is not a multiple of parallel.tp={tp} "
+                        "(build the model with padded_vocab(vocab_size, tp))")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a full Transformer or a pipeline stage of it) over the 1-D ``tp_mesh``, in place.
+
+    Call on the meta-device model, before ``to_empty`` and ``init_weights``. tp == 1 is a no-op.
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    check_tp_shapes(model, tp)
+    sp = bool(sequence_parallel)
+    # Layout of the residual stream between blocks (and of what a pipeline stage sends on).
+    stream = Shard(1) if sp else Replicate()
+
+    root_plan = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if getattr(model, "norm", None) is not None and sp:
+        root_plan["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        # Input: the norm's output (a Shard(1) DTensor under SP) or, for a stage without a norm,
+        # the plain residual stream; either way ``input_layouts`` says what a plain tensor means.
+        root_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
+                                              use_local_output=False)
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+        }
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        if getattr(block, "is_moe", False):
+            # The expert block runs replicated on the full sequence (plain tensors in and out).
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
+                                                      desired_input_layouts=(Replicate(),),
+                                                      use_local_output=True)
+            if sp:
+                block.feed_forward.register_forward_hook(_replicate_to_seq_shard(tp_mesh))
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(stream,),
+                                                   desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            })
+        parallelize_module(block, tp_mesh, plan)
+
+    model.tp_mesh = tp_mesh
+    model.tp_sequence_parallel = sp
+    if sp:
+        model.register_forward_pre_hook(_full_positions_hook(tp))
+
+
+def _replicate_to_seq_shard(tp_mesh: DeviceMesh):
+    """Forward hook: a replicated full-sequence output -> this rank's Shard(1) local chunk."""
+
+    def hook(module, args, out):
+        if isinstance(out, DTensor):
+            out = out.to_local()
+        d = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        return d.redistribute(tp_mesh, [Shard(1)]).to_local()
+
+    return hook
+
+
+def _full_positions_hook(tp: int):
+    """Under SP the blocks see s/tp tokens, but RoPE needs the full sequence's positions."""
+
+    def hook(module, args):
+        if module.positions is not None and not getattr(module, "_tp_positions_set", False):
+            return None  # set by someone else (context parallel): already the right positions
+        x = args[0]
+        first_stage = getattr(module, "tok_embeddings", None) is not None
+        s = x.shape[1] if first_stage else x.shape[1] * tp
+        pos = module.positions
+        if pos is None or pos.shape[-1] != s or pos.device != x.device:
+            module.positions = torch.arange(s, device=x.device)
+            module._tp_positions_set = True
+        return None
+
+    return hook
+
+
+# ------------------------------------------------------------------ the vocab-parallel loss
+def loss_parallel_ctx(enabled: bool) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` when enabled (tp > 1), else a no-op. Wrap forward + loss + backward."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def tp_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocab-sharded logits; padded vocab columns never count.
+
+    ``logits``: a DTensor (b, s, V_padded) placed Shard(-1) on the tp mesh (the output layer of
+    :func:`apply_tensor_parallel`), or a plain tensor (tp == 1: falls back to ``lm_loss``).
+    Must run inside :func:`loss_parallel_ctx` (and so must the backward). Returns a plain scalar
+    tensor (the same value on every tp rank) that can be mixed with other plain tensors.
+    """
+    if not isinstance(logits, DTensor):
+        from paralayer.model import lm_loss
+
+        return lm_loss(logits, labels, vocab_size)
+    mesh, placements = logits.device_mesh, logits.placements
+    if len(placements) != 1 or not placements[0].is_shard() or \
+            placements[0].dim not in (-1, logits.ndim - 1):
+        raise ValueError(f"tp_loss expects logits placed Shard(-1) on a 1-D mesh, got {placements}")
+    v_pad = logits.shape[-1]
+    local = logits.to_local().float()
+    if vocab_size is not None and v_pad > vocab_size:
+        # Columns of this rank: [start, start + width); mask those >= vocab_size.
+        width = local.shape[-1]
+        start = mesh.get_local_rank() * width
+        cols = torch.arange(start, start + width, device=local.device)
+        mask = torch.where(cols >= vocab_size, _PAD_LOGIT, 0.0).to(local.dtype)
+        local = local + mask
+    logits = DTensor.from_local(local, mesh, [Shard(local.ndim - 1)], run_check=False,
+                                shape=logits.shape, stride=_contig_stride(logits.shape))
+    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def _contig_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+# ------------------------------------------------------------------ helpers for tests and metrics
+def full_grads(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full gradient) for every parameter, gathering DTensor shards (collective: all ranks)."""
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            yield name, None
+            continue
+        yield name, g.full_tensor() if isinstance(g, DTensor) else g
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (local shards of DTensors)."""
+    total = 0
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total

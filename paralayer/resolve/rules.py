@@ -1,0 +1,339 @@
+"""Layout rules checked before anything starts (REFERENCE.md, "Rules"; Megatron-Core arguments.py,
+torchtitan parallel_dims.py).
+
+Why a separate pass: a bad layout should fail here, in well under a second, with EVERY problem
+listed at once — not after minutes of rank start-up, one crash at a time, mid-forward. Each problem
+is an :class:`Issue` naming the knob(s) a user actually sets and the nearest values that would work.
+
+Torch-free and pure: :func:`check` takes a Config and returns a :class:`Layout` (resolved degrees,
+schedule, world, microbatches) plus the errors and warnings, so the planner can call it in a loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from paralayer.config import Config
+
+#: Schedules that run two model chunks per pipeline rank in a V shape (chunk c on rank c, then back).
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+@dataclass
+class Issue:
+    """One problem: the field a user sets, and a message naming valid values."""
+
+    field: str
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"field": self.field, "message": self.message}
+
+
+@dataclass
+class Layout:
+    """The resolved layout every later step (memory, cost, runtime) reads; plain numbers only."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    world: int = 1
+    nodes: int = 1
+    devices_per_node: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1
+    microbatches: int = 1
+    padded_vocab: int = 1
+    device: str = "cpu"
+    precision: str = "fp32"
+    stage_layers: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return self.pp * self.vpp
+
+
+# ------------------------------------------------------------------ helpers
+def divisors(n: int) -> list[int]:
+    n = max(int(n), 1)
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def nearest(values: list[int], target: int, k: int = 4) -> list[int]:
+    """The k values closest to target, in ascending order (what a user most likely meant)."""
+    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:k])
+
+
+def _fmt(values) -> str:
+    values = list(values)
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def resolve_device(cfg: Config) -> str:
+    """'auto' → cuda when the profile names a GPU peak (peak_tflops set), else cpu. Kept simple on
+    purpose: the resolver must not import torch to ask."""
+    d = cfg.cluster.device
+    if d != "auto":
+        return d
+    return "cuda" if cfg.cluster.peak_tflops else "cpu"
+
+
+def resolve_precision(cfg: Config, device: str) -> str:
+    p = cfg.train.precision
+    if p != "auto":
+        return p
+    return "bf16" if device == "cuda" else "fp32"
+
+
+def chunk_rank(chunk: int, pp: int, schedule: str) -> int:
+    """Pipeline rank of model chunk ``chunk``: Megatron's interleaving (c % pp), or V shape."""
+    if schedule in V_SCHEDULES:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def stage_layers(n_layers: int, chunk_sizes: list[int]) -> list[list[int]]:
+    """Global layer indices of each chunk, in order."""
+    out, start = [], 0
+    for n in chunk_sizes:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def valid_tp(cfg: Config, limit: int) -> list[int]:
+    """tp values (≤ limit) every tp rule accepts for this model (vocab is padded, never a reason)."""
+    m = cfg.model
+    out = []
+    for t in range(1, max(limit, 1) + 1):
+        if m.n_heads % t or m.n_kv_heads % t or m.ffn_hidden % t:
+            continue
+        if m.moe.num_experts > 0 and (m.moe.ffn_hidden or m.ffn_hidden) % t:
+            continue
+        out.append(t)
+    return out
+
+
+# ------------------------------------------------------------------ the rules
+def check(cfg: Config) -> Layout:
+    """Resolve the layout and collect every rule violation (never stops at the first)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    c = cfg.cluster
+    lay = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, schedule=p.schedule, zero=p.zero,
+                 recompute=p.recompute, micro_batch=t.micro_batch)
+    err, warn = lay.errors, lay.warnings
+
+    def e(fld: str, msg: str) -> None:
+        err.append(Issue(fld, msg))
+
+    def w(fld: str, msg: str) -> None:
+        warn.append(Issue(fld, msg))
+
+    lay.device = resolve_device(cfg)
+    lay.precision = resolve_precision(cfg, lay.device)
+    tp, pp, cp, ep = p.tp, p.pp, p.cp, p.ep
+
+    # --- schedule and vpp
+    sched = p.schedule
+    if sched in V_SCHEDULES:
+        if p.vpp == 1:
+            lay.vpp = 2
+            lay.notes.append(f"parallel.schedule={sched} runs exactly 2 chunks per pipeline rank: vpp set to 2")
+        elif p.vpp != 2:
+            e("parallel.vpp", f"parallel.schedule={sched} runs exactly 2 model chunks per pipeline rank; "
+              f"parallel.vpp={p.vpp} is not valid (use vpp=2, or 1 to let it be set)")
+            lay.vpp = 2
+        if pp < 2:
+            e("parallel.pp", f"parallel.schedule={sched} is a pipeline schedule and needs parallel.pp >= 2 "
+              f"(got pp={pp}); use schedule=1f1b for pp=1")
+    elif sched == "interleaved":
+        if p.vpp < 2:
+            e("parallel.vpp", f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per rank "
+              f"(got vpp={p.vpp}); e.g. vpp=2, or schedule=1f1b")
+        if pp < 2:
+            e("parallel.pp", f"parallel.schedule=interleaved needs parallel.pp >= 2 (got pp={pp})")
+    elif p.vpp != 1:
+        e("parallel.vpp", f"parallel.vpp={p.vpp} (virtual pipeline chunks) needs parallel.schedule=interleaved "
+          f"(or zbv/dualpipev with vpp=2); with schedule={sched} use vpp=1")
+
+    # --- world and dp
+    fixed = tp * pp * cp
+    explicit_dp = p.dp if isinstance(p.dp, int) else None
+    dpn_given = c.devices_per_node
+    if dpn_given is None:
+        # cluster=local (DESIGN.md): the world is the product of the degrees, dp=auto counts as 1.
+        dpn = fixed * (explicit_dp or 1)
+        world = dpn * c.nodes
+        where = "the product of the degrees" + (f" × cluster.nodes={c.nodes}" if c.nodes > 1 else "")
+    else:
+        dpn = dpn_given
+        world = c.nodes * dpn
+        where = f"cluster.nodes={c.nodes} × cluster.devices_per_node={dpn}"
+    lay.nodes, lay.devices_per_node, lay.world = c.nodes, dpn, world
+    if explicit_dp is None:
+        if world % fixed:
+            need = fixed * dpn // math.gcd(fixed, dpn)
+            e("parallel.dp", f"dp=auto: tp·pp·cp = {tp}·{pp}·{cp} = {fixed} does not divide the world of {world} "
+              f"devices ({where}); use a world that is a multiple of {fixed} (e.g. cluster.nodes={max(need // dpn, 1)}"
+              f" for {max(need, fixed)} devices) or degrees whose product divides {world}")
+            lay.dp = max(world // fixed, 1)
+        else:
+            lay.dp = world // fixed
+    else:
+        lay.dp = explicit_dp
+        if fixed * explicit_dp != world:
+            hint = f"dp=auto gives dp={world // fixed}" if world % fixed == 0 else \
+                f"tp·pp·cp={fixed} does not divide {world} either"
+            e("parallel.dp", f"world = tp·pp·cp·dp = {tp}·{pp}·{cp}·{explicit_dp} = {fixed * explicit_dp} but the "
+              f"cluster has {world} devices ({where}); {hint}")
+    dp = lay.dp
+
+    # --- heads, ffn, vocab against tp
+    vt = valid_tp(cfg, dpn)
+    vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(vt)}"
+    if m.d_model % m.n_heads:
+        e("model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid n_heads: "
+          f"{_fmt(nearest(divisors(m.d_model), m.n_heads))}")
+    elif (m.d_model // m.n_heads) % 2:
+        e("model.n_heads", f"head dim d_model/n_heads = {m.d_model // m.n_heads} must be even for RoPE; "
+          f"valid n_heads: {_fmt(nearest([d for d in divisors(m.d_model) if (m.d_model // d) % 2 == 0], m.n_heads))}")
+    if m.n_heads % m.n_kv_heads:
+        e("model.n_kv_heads", f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups); "
+          f"valid n_kv_heads: {_fmt(nearest(divisors(m.n_heads), m.n_kv_heads))}")
+    if m.n_heads % tp:
+        e("parallel.tp", f"parallel.tp={tp} does not divide model.n_heads={m.n_heads}; {vt_msg}")
+    if m.n_kv_heads < tp:
+        e("parallel.tp", f"parallel.tp={tp} exceeds model.n_kv_heads={m.n_kv_heads}: KV heads are not replicated "
+          f"across tp ranks here (that crashes mid-forward elsewhere, torchtitan #2577), so tp must divide "
+          f"n_kv_heads; {vt_msg}")
+    elif m.n_kv_heads % tp:
+        e("parallel.tp", f"parallel.tp={tp} does not divide model.n_kv_heads={m.n_kv_heads}; {vt_msg}")
+    if m.ffn_hidden % tp:
+        e("parallel.tp", f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}; {vt_msg}")
+    lay.padded_vocab = int(math.ceil(m.vocab_size / tp) * tp)
+    if lay.padded_vocab != m.vocab_size:
+        lay.notes.append(f"model.vocab_size={m.vocab_size} padded to {lay.padded_vocab} (a multiple of tp={tp}); "
+                         "the padding columns are masked out of the loss")
+    if tp > dpn:
+        w("parallel.tp", f"parallel.tp={tp} exceeds the {dpn} devices of a node: tensor parallel crosses nodes "
+          f"(slow links on every layer); {vt_msg}")
+
+    # --- sequence parallel
+    if p.sequence_parallel is None:
+        lay.sequence_parallel = tp > 1
+    elif p.sequence_parallel and tp == 1:
+        lay.sequence_parallel = False
+        w("parallel.sequence_parallel", "sequence_parallel=true has no effect with parallel.tp=1; ignored")
+    else:
+        lay.sequence_parallel = bool(p.sequence_parallel)
+
+    # --- pipeline split
+    chunks = pp * lay.vpp
+    if p.pp_layout is not None:
+        lo = list(p.pp_layout)
+        if len(lo) != chunks:
+            e("parallel.pp_layout", f"parallel.pp_layout has {len(lo)} entries but pp·vpp = {pp}·{lay.vpp} = {chunks} "
+              f"pipeline chunks need one layer count each")
+        if sum(lo) != m.n_layers:
+            e("parallel.pp_layout", f"parallel.pp_layout sums to {sum(lo)} layers but model.n_layers={m.n_layers}")
+        if len(lo) == chunks and sum(lo) == m.n_layers:
+            lay.stage_layers = stage_layers(m.n_layers, lo)
+    else:
+        if m.n_layers % chunks:
+            okp = [q for q in divisors(m.n_layers) if (m.n_layers // q) % lay.vpp == 0 or lay.vpp == 1]
+            okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]
+            base = m.n_layers // chunks
+            rem = m.n_layers - base * chunks
+            even = [base + 1] * rem + [base] * (chunks - rem)
+            e("parallel.pp", f"model.n_layers={m.n_layers} is not divisible into pp·vpp = {pp}·{lay.vpp} = {chunks} "
+              f"equal chunks; valid pp with vpp={lay.vpp}: {_fmt(nearest(okp, pp))}; or give an uneven split, "
+              f"e.g. parallel.pp_layout=[{','.join(map(str, even))}]")
+        elif chunks <= m.n_layers:
+            lay.stage_layers = stage_layers(m.n_layers, [m.n_layers // chunks] * chunks)
+        if chunks > m.n_layers:
+            pass  # covered above: n_layers % chunks != 0 whenever chunks > n_layers
+    if not lay.stage_layers:
+        # Placeholder so memory/cost stay computable for an invalid plan: an even split.
+        base, rem = divmod(m.n_layers, chunks)
+        lay.stage_layers = stage_layers(m.n_layers, [base + (1 if i < rem else 0) for i in range(chunks)])
+
+    # --- context parallel
+    if cp > 1:
+        if m.seq_len % (2 * cp):
+            okc = [q for q in divisors(m.seq_len // 2)]
+            e("parallel.cp", f"model.seq_len={m.seq_len} must be divisible by 2·cp = {2 * cp} (zigzag sharding into "
+              f"2·cp chunks); valid cp: {_fmt(nearest(okc, cp))}")
+    local_seq = m.seq_len // cp if m.seq_len % cp == 0 else m.seq_len / cp
+    if lay.sequence_parallel and (m.seq_len % (cp * tp)):
+        e("model.seq_len", f"with sequence parallel, the tokens per microbatch on a cp rank (model.seq_len/cp = "
+          f"{m.seq_len}/{cp}) must be divisible by parallel.tp={tp}; use seq_len a multiple of {cp * tp}"
+          f"{' and of ' + str(2 * cp) if cp > 1 else ''}, or parallel.sequence_parallel=false")
+    del local_seq
+
+    # --- experts
+    E = m.moe.num_experts
+    if E > 0:
+        fe = m.moe.ffn_hidden or m.ffn_hidden
+        if fe % tp:
+            e("model.moe.ffn_hidden", f"parallel.tp={tp} does not divide the expert width model.moe.ffn_hidden={fe}; "
+              f"{vt_msg}")
+        if m.moe.top_k > E:
+            e("model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; valid top_k: 1..{E}")
+        if E % ep:
+            e("parallel.ep", f"parallel.ep={ep} does not divide model.moe.num_experts={E}; valid ep: "
+              f"{_fmt([d for d in divisors(E) if (dp * cp) % d == 0] or divisors(E))}")
+        if m.moe.every > m.n_layers:
+            e("model.moe.every", f"model.moe.every={m.moe.every} exceeds model.n_layers={m.n_layers}: no layer "
+              f"would be MoE; valid: 1..{m.n_layers}")
+    elif ep > 1:
+        e("parallel.ep", f"parallel.ep={ep} needs experts: model.moe.num_experts is 0 (dense); use ep=1 or set "
+          f"model.moe.num_experts to a multiple of {ep}")
+    if ep > 1 and (dp * cp) % ep:
+        e("parallel.ep", f"parallel.ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (the expert grid is carved out "
+          f"of the data/context-parallel ranks); valid ep: "
+          f"{_fmt([d for d in divisors(dp * cp) if E == 0 or E % d == 0])}")
+    if E > 0 and ep > 1 and E % ep == 0 and E // ep == 1:
+        w("parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
+          "all-to-all and the busiest expert sets the pace")
+
+    # --- batch and microbatches
+    gb, mb = t.global_batch, t.micro_batch
+    if gb % (mb * dp):
+        okg = [q for q in divisors(gb) if q % dp == 0]
+        okmb = [q for q in divisors(gb // dp)] if gb % dp == 0 else []
+        e("train.global_batch", f"train.global_batch={gb} must be divisible by micro_batch·dp = {mb}·{dp} = {mb * dp}; "
+          f"nearest valid global_batch: {_fmt(nearest([k * mb * dp for k in range(1, gb // (mb * dp) + 3)], gb, 2))}"
+          + (f"; valid micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else "") + ("" if okg else ""))
+        lay.microbatches = max(gb // (mb * dp), 1)
+    else:
+        lay.microbatches = gb // (mb * dp)
+    mm = lay.microbatches
+    if pp > 1:
+        need = 2 * pp if sched == "dualpipev" else pp
+        if mm < need and sched != "gpipe":
+            e("train.global_batch", f"microbatches m = global_batch/(micro_batch·dp) = {gb}/({mb}·{dp}) = {mm} but "
+              f"schedule={sched} needs m >= {'2·pp' if sched == 'dualpipev' else 'pp'} = {need}; use "
+              f"train.global_batch >= {need * mb * dp} or a smaller train.micro_batch")
+        elif mm < pp:
+            w("train.global_batch", f"m = {mm} < pp = {pp}: the pipeline never fills")
+        if sched == "interleaved" and mm % pp:
+            e("train.global_batch", f"schedule=interleaved runs microbatches in groups of pp: m = {mm} must be a "
+              f"multiple of pp={pp}; nearest valid global_batch: "
+              f"{_fmt(nearest([k * pp * mb * dp for k in range(1, mm // pp + 3)], gb, 2))}")
+        if mm < 4 * pp:
+            w("train.global_batch", f"m = {mm} microbatches < 4·pp = {4 * pp}: the pipeline bubble is large; raise "
+              f"train.global_batch or lower train.micro_batch")
+        if sched == "zbv" and mm < 2 * pp:
+            w("train.global_batch", f"zbv is bubble-free only with m >= 2·pp = {2 * pp} (got m = {mm})")
+    return lay

@@ -1,0 +1,212 @@
+"""SLURM dispatch through submitit, against the real one-node SLURM of cluster/local_slurm.sh.
+
+Start it first:  cluster/local_slurm.sh start && export SLURM_CONF=/tmp/paralayer-slurm/etc/slurm.conf
+(if SLURM_CONF is unset the default location is tried). Skipped, with the reason, when `sinfo` is
+missing or the cluster does not answer. Every wait here has a deadline.
+
+The entry points below stand in for paralayer.train:main; the jobs import them as
+``tests.test_slurm:<name>`` (the dispatch puts the repo root on PYTHONPATH), so keep this module
+cheap to import: torch is imported inside the functions.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+DEFAULT_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm"), "etc", "slurm.conf")
+
+
+# ----------------------------------------------------------------------------- entry points (run in jobs)
+def allreduce_entry(run_dir: str) -> dict:
+    """Init gloo from the env vars the dispatch exported, all_reduce, write rank<N>.json."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    out = {"rank": rank, "world_size": world, "sum": t.item(),
+           "local_rank": int(os.environ["LOCAL_RANK"]), "master": os.environ["MASTER_ADDR"],
+           "resume": os.environ.get("PARALAYER_RESUME")}
+    dist.destroy_process_group()
+    Path(run_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    return out
+
+
+def failing_entry(run_dir: str) -> None:
+    """Rank 1 raises at once; rank 0 waits for it in init_process_group (must not hang the job)."""
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("deliberate failure on rank 1")
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+
+
+def resumable_entry(run_dir: str) -> str:
+    """First run: mark started, then sleep (to be interrupted). Requeued run: must see resume=auto."""
+    rank = os.environ["RANK"]
+    resume = os.environ.get("PARALAYER_RESUME", "")
+    if resume != "auto":
+        Path(run_dir, f"started{rank}").write_text("1")
+        time.sleep(120)
+        return "not interrupted"
+    Path(run_dir, f"resumed{rank}").write_text(resume)
+    return "resumed"
+
+
+# ----------------------------------------------------------------------------- fixtures
+def _cluster_up() -> str | None:
+    """None when usable, else the reason to skip."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "SLURM client tools (sinfo/sbatch) not installed: run cluster/install_slurm_deps.sh"
+    if not os.environ.get("SLURM_CONF"):
+        if not os.path.isfile(DEFAULT_CONF):
+            return f"SLURM_CONF unset and {DEFAULT_CONF} missing: run cluster/local_slurm.sh start"
+        os.environ["SLURM_CONF"] = DEFAULT_CONF
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"sinfo failed: {e}"
+    states = r.stdout.split()
+    if r.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
+                                    for s in states):
+        return f"SLURM cluster not up (sinfo rc={r.returncode}: {(r.stdout + r.stderr).strip()[:200]})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _cluster_up()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("submitit")
+    part = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=10).stdout.split()
+    default = next((p.rstrip("*") for p in part if p.endswith("*")), part[0].rstrip("*"))
+    return {"backend": "slurm", "nodes": 1, "devices_per_node": 2, "cpus_per_task": 1, "device": "cpu",
+            "partition": default, "time_min": 5}
+
+
+def _run_dir(base: Path, name: str) -> str:
+    d = base / name
+    d.mkdir(parents=True)
+    (d / "resolved.yaml").write_text("model: {}\n")
+    (d / "plan.json").write_text("{}\n")
+    return str(d)
+
+
+def _sacct_ids(base_id: str) -> list[str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-j", base_id],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [x.strip() for x in out.split()]
+
+
+# ----------------------------------------------------------------------------- tests
+def test_executor_parameters_mapping():
+    from paralayer.dispatch.slurm import executor_parameters
+
+    p = executor_parameters({"nodes": 2, "devices_per_node": 8, "device": "cuda", "cpus_per_task": 12,
+                             "partition": "gpu", "account": "acc", "qos": "high", "time_min": 240,
+                             "constraint": "h100", "sbatch_extra": {"exclusive": True},
+                             "srun_args": ["--cpu-bind=none"], "setup": ["module load cuda"]})
+    assert p["nodes"] == 2 and p["tasks_per_node"] == 8 and p["gpus_per_node"] == 8
+    assert p["cpus_per_task"] == 12 and p["timeout_min"] == 240
+    assert (p["slurm_partition"], p["slurm_account"], p["slurm_qos"], p["slurm_constraint"]) == \
+        ("gpu", "acc", "high", "h100")
+    assert p["slurm_additional_parameters"] == {"exclusive": True}
+    assert p["slurm_srun_args"] == ["--kill-on-bad-exit=1", "--cpu-bind=none"]
+    assert p["slurm_setup"][0].startswith("export PYTHONPATH=") and p["slurm_setup"][-1] == "module load cuda"
+
+
+def test_run_dir_must_be_prepared(tmp_path):
+    from paralayer.dispatch.slurm import DispatchError, submit
+
+    (tmp_path / "r").mkdir()
+    with pytest.raises(DispatchError, match="resolved.yaml"):
+        submit([str(tmp_path / "r")], {"nodes": 1, "devices_per_node": 1})
+
+
+def test_two_ranks_allreduce(slurm, tmp_path):
+    from paralayer.dispatch.slurm import submit
+
+    rd = _run_dir(tmp_path, "run")
+    t0 = time.monotonic()
+    res = submit([rd], slurm, folder=str(tmp_path / "sub"), entry="tests.test_slurm:allreduce_entry",
+                 verbose=False)
+    assert not res.array and len(res.job_ids) == 1 and "_" not in res.job_ids[0]
+    assert "tail -f" in res.hint and res.stdout[0][0].endswith("_0_log.out")
+    rc = res.wait(timeout_s=90, stream=io.StringIO())
+    assert rc == 0, (res.states, [Path(p).read_text() for p in res.stderr[0] if Path(p).exists()])
+    assert time.monotonic() - t0 < 90
+    for r in (0, 1):
+        out = json.loads(Path(rd, f"rank{r}.json").read_text())
+        assert out["world_size"] == 2 and out["sum"] == 3.0 and out["local_rank"] == r
+        assert out["resume"] is None
+    assert res.states[res.job_ids[0]] == "COMPLETED"
+
+
+def test_job_array_of_two_runs(slurm, tmp_path):
+    from paralayer.dispatch.slurm import submit
+
+    rds = [_run_dir(tmp_path, f"run{i}") for i in range(2)]
+    res = submit(rds, dict(slurm, devices_per_node=1), folder=str(tmp_path / "sub"),
+                 entry="tests.test_slurm:allreduce_entry", verbose=False)
+    assert res.array and len(res.job_ids) == 2
+    base = res.job_ids[0].split("_")[0]
+    assert res.job_ids == [f"{base}_0", f"{base}_1"]
+    rc = res.wait(timeout_s=90, stream=io.StringIO())
+    assert rc == 0, res.states
+    deadline = time.monotonic() + 20  # accounting reaches slurmdbd a moment after the job ends
+    while True:
+        ids = _sacct_ids(base)
+        if (f"{base}_0" in ids and f"{base}_1" in ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert f"{base}_0" in ids and f"{base}_1" in ids, ids
+    for rd in rds:
+        out = json.loads(Path(rd, "rank0.json").read_text())
+        assert out["world_size"] == 1 and out["sum"] == 1.0
+
+
+def test_failed_job_is_reported(slurm, tmp_path):
+    from paralayer.dispatch.slurm import submit
+
+    rd = _run_dir(tmp_path, "run")
+    res = submit([rd], slurm, folder=str(tmp_path / "sub"), entry="tests.test_slurm:failing_entry",
+                 verbose=False)
+    log = io.StringIO()
+    t0 = time.monotonic()
+    rc = res.wait(timeout_s=90, stream=log)
+    assert rc == 1, (rc, res.states, log.getvalue())
+    assert time.monotonic() - t0 < 90
+    assert res.states[res.job_ids[0]] in ("FAILED", "CANCELLED", "COMPLETED"), res.states
+    assert "deliberate failure on rank 1" in log.getvalue()
+
+
+def test_preempted_job_requeues_with_resume_auto(slurm, tmp_path):
+    from paralayer.dispatch.slurm import submit
+
+    rd = _run_dir(tmp_path, "run")
+    res = submit([rd], slurm, folder=str(tmp_path / "sub"), entry="tests.test_slurm:resumable_entry",
+                 verbose=False)
+    deadline = time.monotonic() + 60
+    while not all(Path(rd, f"started{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline, "job did not start within 60 s"
+        time.sleep(0.5)
+    res.jobs[0]._interrupt()  # what a preemption does: SIGTERM, then USR2 -> checkpoint + requeue
+    rc = res.wait(timeout_s=90, stream=io.StringIO())
+    assert rc == 0, res.states
+    for r in (0, 1):
+        assert Path(rd, f"resumed{r}").read_text() == "auto"
