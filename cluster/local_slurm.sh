@@ -59,12 +59,18 @@ NODE="$(hostname -s)"
 say() { echo "local_slurm: $*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
 
-pid_of() {  # pid_of PIDFILE -> prints pid if alive, returns 0; else returns 1
-    local f="$1" p
+pid_of() {  # pid_of PIDFILE -> prints the pid if that daemon is alive, returns 0; else returns 1
+    # Every pid file is named after its program (slurmd.pid ...): a pid reused by another
+    # process after a crash is not taken for ours (and never signalled by stop).
+    local f="$1" p comm
     [ -s "$f" ] || return 1
     p="$(tr -dc '0-9' < "$f" 2>/dev/null)"
     [ -n "$p" ] || return 1
     kill -0 "$p" 2>/dev/null || return 1
+    if [ -r "/proc/$p/comm" ]; then
+        comm="$(cat "/proc/$p/comm" 2>/dev/null)"
+        [ "$comm" = "$(basename "$f" .pid)" ] || return 1
+    fi
     echo "$p"
 }
 
@@ -82,11 +88,11 @@ wait_for() {
     local desc="$1" secs="$2" pidf="$3" logf="$4"; shift 4
     local deadline=$(( $(date +%s) + secs )) seen_pid=0 start; start=$(date +%s)
     while :; do
-        if "$@" >/dev/null 2>&1; then return 0; fi
         if { [[ "$pidf" =~ ^[0-9]+$ ]] && kill -0 "$pidf" 2>/dev/null; } || alive "$pidf"; then seen_pid=1
         elif [ "$seen_pid" = 1 ] || [ $(( $(date +%s) - start )) -ge 5 ]; then
             say "$desc: daemon is not running"; tail_log "$desc" "$logf"; return 1
         fi
+        if timeout 3 "$@" >/dev/null 2>&1; then return 0; fi
         if [ "$(date +%s)" -ge "$deadline" ]; then
             say "$desc: not ready after ${secs}s"; tail_log "$desc" "$logf"; return 1
         fi
@@ -155,6 +161,9 @@ SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 MailProg=/bin/true
 ReturnToService=2
+# reject at submission a job that can never run here (e.g. more tasks than CPUs), instead of
+# leaving it PENDING (PartitionConfig) forever
+EnforcePartLimits=ALL
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
@@ -278,7 +287,7 @@ start_ctld() {
         || die "slurmctld did not come up"
     # `scontrol ping` prints DOWN with rc 0 on some versions: check the text too
     local deadline=$(( $(date +%s) + 30 ))
-    until SLURM_CONF="$CONF" scontrol ping 2>/dev/null | grep -q "is UP"; do
+    until SLURM_CONF="$CONF" timeout 3 scontrol ping 2>/dev/null | grep -q "is UP"; do
         alive "$PID_CTLD" || { tail_log slurmctld "$LOG_CTLD"; die "slurmctld died"; }
         [ "$(date +%s)" -lt "$deadline" ] || { tail_log slurmctld "$LOG_CTLD"; die "slurmctld not UP after 30s"; }
         sleep 0.2
@@ -290,7 +299,7 @@ start_slurmd() {
     SLURM_CONF="$CONF" slurmd >>"$LOG_SLURMD" 2>&1 || { tail_log slurmd "$LOG_SLURMD"; die "slurmd failed to start"; }
 }
 
-node_state() { SLURM_CONF="$CONF" sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n1; }
+node_state() { SLURM_CONF="$CONF" timeout 5 sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n1; }
 
 wait_idle() {
     local deadline=$(( $(date +%s) + TIMEOUT )) st="" resumed=0

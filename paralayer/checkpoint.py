@@ -193,15 +193,10 @@ def _select(val, dim: int, j: int):
     from torch.distributed.tensor import DTensor
 
     if isinstance(val, DTensor):
-        # experts further sharded (e.g. FSDP over expert-dp on dim 0): keep the DTensor form
-        return val.narrow(dim, j, 1).squeeze(dim) if False else _dtensor_row(val, dim, j)
+        # experts further sharded (FSDP over expert-dp): gather this rank's expert slice (E_local
+        # rows, a collective over the expert-dp mesh, same order on all its ranks), then index it
+        return val.full_tensor().select(dim, j)
     return val.select(dim, j)
-
-
-def _dtensor_row(val, dim: int, j: int):
-    # A DTensor sharded along the expert dim cannot be sliced per expert without communication;
-    # gather the local-slice tensor (small: E_local rows on the expert-dp group) then index it.
-    return val.full_tensor().select(dim, j)
 
 
 def _merge_expert_keys(loaded: dict, template: dict, owners: dict) -> dict:
@@ -252,35 +247,109 @@ def _expert_templates(sd: dict, owners: dict) -> dict:
     return out
 
 
-def _pairs(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
-    parts, opts = list(model_parts), list(optimizers)
-    if opts and len(opts) != len(parts):
-        raise ValueError(f"pass one optimizer per model part (got {len(parts)} parts, {len(opts)} optimizers)")
-    return parts, opts
+def _inner(opt) -> torch.optim.Optimizer:
+    """The torch optimizer behind a wrapper (the ZeRO-1 wrapper keeps it as ``.inner``)."""
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "inner"):
+        opt = opt.inner
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"not an optimizer: {type(opt).__name__} (expected torch.optim.Optimizer or a "
+                        f"wrapper with .inner)")
+    return opt
 
 
-def get_states(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict:
-    """{"model": {fqn: tensor}, "optim": {flattened fqn keys}} merged over the model parts."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+def _param_fqns(parts: Sequence[nn.Module]) -> dict[int, str]:
+    fqns: dict[int, str] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            fqns.setdefault(id(p), _clean(name))
+    return fqns
 
-    parts, opts = _pairs(model_parts, optimizers)
+
+def _init_optim_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer state (a zero-lr step on zero grads) so a load has tensors to fill."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state as init
+
+    init(opt)
+
+
+_GROUP_SKIP = ("params",)
+
+
+def _optim_state(parts: Sequence[nn.Module], optimizers: Sequence) -> dict:
+    """Optimizer state flattened by parameter FQN (the DSD ``flatten_optimizer_state_dict`` form):
+    ``state.{fqn}.{name}`` → tensor (a DTensor for a DTensor parameter), ``param_groups.{fqn}.{key}``
+    → hyperparameter, plus ``param_groups.#{i}.{key}`` per group index. Any number of optimizers
+    over any number of parts; a parameter this rank's optimizer does not hold (ZeRO-1) is absent."""
+    fqns = _param_fqns(parts)
+    out: dict = {}
+    for opt in optimizers:
+        opt = _inner(opt)
+        _init_optim_state(opt)
+        for gi, group in enumerate(opt.param_groups):
+            hyper = {k: v for k, v in group.items() if k not in _GROUP_SKIP}
+            for k, v in hyper.items():
+                out[f"param_groups.#{gi}.{k}"] = v
+            for p in group["params"]:
+                fqn = fqns.get(id(p))
+                if fqn is None:  # e.g. a placeholder parameter of an empty ZeRO-1 shard
+                    continue
+                for k, v in hyper.items():
+                    out[f"param_groups.{fqn}.{k}"] = v
+                for k, v in opt.state.get(p, {}).items():
+                    out[f"state.{fqn}.{k}"] = v
+    return out
+
+
+def _set_optim_hyper(parts: Sequence[nn.Module], optimizers: Sequence, loaded: dict) -> None:
+    fqns = _param_fqns(parts)
+    for opt in optimizers:
+        opt = _inner(opt)
+        for gi, group in enumerate(opt.param_groups):
+            src = None
+            for p in group["params"]:
+                fqn = fqns.get(id(p))
+                if fqn is not None:
+                    src = f"param_groups.{fqn}."
+                    break
+            if src is None:
+                src = f"param_groups.#{gi}."
+            for k in list(group.keys()):
+                if k in _GROUP_SKIP:
+                    continue
+                if src + k in loaded:
+                    group[k] = loaded[src + k]
+                elif f"param_groups.#{gi}.{k}" in loaded:
+                    group[k] = loaded[f"param_groups.#{gi}.{k}"]
+
+
+def _raw_states(parts, opts) -> tuple[dict, dict, dict]:
+    """(model sd, flattened optimizer sd, expert owners) merged over the parts, FQN keyed,
+    experts still as local slices. Initialises empty optimizer state (a zero-lr step)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     model_sd: dict = {}
-    optim_sd: dict = {}
-    for i, part in enumerate(parts):
-        owners = _expert_owners(part)
-        model_sd.update(_split_expert_keys(get_model_state_dict(part, options=_options()), owners))
-        if opts:
-            osd = get_optimizer_state_dict(part, opts[i], options=_options())
-            optim_sd.update(_split_expert_keys(osd, owners))
-    out = {"model": model_sd}
+    owners: dict = {}
+    for part in parts:
+        owners.update(_expert_owners(part))
+        model_sd.update(get_model_state_dict(part, options=_options()))
+    optim_sd = _optim_state(parts, opts) if opts else {}
+    return model_sd, optim_sd, owners
+
+
+def get_states(model_parts: Sequence[nn.Module], optimizers: Sequence) -> dict:
+    """{"model": {fqn: tensor}, "optim": {flattened fqn keys}} merged over the model parts, with
+    expert slices split into per-expert keys: what a checkpoint holds."""
+    parts, opts = list(model_parts), list(optimizers or [])
+    model_sd, optim_sd, owners = _raw_states(parts, opts)
+    out = {"model": _split_expert_keys(model_sd, owners)}
     if opts:
-        out["optim"] = optim_sd
+        out["optim"] = _split_expert_keys(optim_sd, owners)
     return out
 
 
 # ---------------------------------------------------------------- save
 def save_checkpoint(ckpt_root: str, step: int, model_parts: Sequence[nn.Module],
-                    optimizers: Sequence[torch.optim.Optimizer], extra: Optional[dict] = None,
+                    optimizers: Sequence, extra: Optional[dict] = None,
                     group=None, keep: Optional[int] = None) -> str:
     """Save model + optimizer (DCP) and ``extra`` (this rank's small state) as ``step-XXXXXXXX``.
 
@@ -422,7 +491,7 @@ def checkpoint_step(path: str) -> int:
 
 
 # ---------------------------------------------------------------- load
-def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Sequence,
                     group=None, verify: bool = True) -> dict:
     """Load model (+ optimizer) state from ``path`` into this layout; return this rank's ``extra``
     (rank 0's when the checkpoint had fewer ranks). Collective over ``group``.
@@ -431,7 +500,7 @@ def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Seq
     against the manifest by rank 0 before anything is touched, so all ranks raise together).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     error = None
     if _rank(group) == 0 and verify:
@@ -443,31 +512,40 @@ def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Seq
     if error:
         raise CheckpointError(error)
 
-    parts, opts = _pairs(model_parts, optimizers)
-    states = get_states(parts, opts)  # initialises optimizer state if empty
-    owners_all = {}
-    for part in parts:
-        owners_all.update(_expert_owners(part))
+    parts, opts = list(model_parts), list(optimizers or [])
+    model_raw, optim_raw, owners = _raw_states(parts, opts)
     # request per-expert keys where the model holds experts as local slices
-    request = {"model": _expert_templates(states["model"], owners_all)}
+    request = {"model": _expert_templates(model_raw, owners)}
     if opts:
-        request["optim"] = _expert_templates(states["optim"], owners_all)
+        request["optim"] = _expert_templates(optim_raw, owners)
     use_dist = dist.is_available() and dist.is_initialized()
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not use_dist)
     except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures
         raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer state: "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
-    model_sd = _merge_expert_keys(request["model"], states["model"], owners_all)
-    optim_sd = _merge_expert_keys(request["optim"], states["optim"], owners_all) if opts else None
-    for i, part in enumerate(parts):
-        keys = set(_clean(k) for k in _part_keys(part))
-        sub = {k: v for k, v in model_sd.items() if _clean(k) in keys}
-        set_model_state_dict(part, sub, options=_options())
-        if opts:
-            set_optimizer_state_dict(part, opts[i], optim_sd, options=_options())
+    model_sd = _merge_expert_keys(request["model"], model_raw, owners)
+    for part in parts:
+        keys = set(_part_keys(part))
+        set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in keys}, options=_options())
+    if opts:
+        optim_sd = _merge_expert_keys(request["optim"], optim_raw, owners)
+        with torch.no_grad():
+            for key, target in optim_raw.items():
+                if isinstance(target, torch.Tensor) and optim_sd[key] is not target:
+                    _copy_into(target, optim_sd[key])
+        _set_optim_hyper(parts, opts, optim_sd)
 
     return _load_extra(path, _rank(group))
+
+
+def _copy_into(target, value) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor):
+        target.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
+    else:
+        target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
 def _part_keys(part: nn.Module) -> list[str]:

@@ -296,6 +296,20 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
     return recipe, cluster, rest
 
 
+def _parse_value(value: str) -> Any:
+    """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it."""
+    if value == "":
+        return None
+    if value.lstrip().startswith(("[", "{")):
+        import yaml
+
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return OmegaConf.create({"v": value}).v
+
+
 def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
     """Unknown keys anywhere in a plain YAML node, with a suggestion."""
     if not isinstance(node, (dict, DictConfig)):
@@ -320,11 +334,18 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
     layers: list[Any] = []
     chain = _recipe_chain(recipe)
     cluster_name = ov_cluster
-    for node in chain:
+    for node in reversed(chain):  # the most derived recipe names the profile
         c = node.get("cluster", None)
         if isinstance(c, str):
             node.pop("cluster")
             cluster_name = cluster_name or c
+        elif isinstance(c, DictConfig) and isinstance(c.get("name"), str):
+            # ``cluster: {name: PROFILE, nodes: 64}``: a profile plus the recipe's own sizing, which
+            # is dropped when the command line picks another profile.
+            if ov_cluster and ov_cluster != c.get("name"):
+                node.pop("cluster")
+            else:
+                cluster_name = cluster_name or c.get("name")
     for node in chain:
         _check_keys(OmegaConf.to_container(node), Config)
     profile = _profile(cluster_name or "local")
@@ -341,7 +362,7 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
         if key.split(".")[0] == "sweep":
             continue
         try:
-            OmegaConf.update(merged, key, OmegaConf.create({"v": value}).v if value != "" else None, merge=True)
+            OmegaConf.update(merged, key, _parse_value(value), merge=True)
         except OmegaConfBaseException as exc:
             raise _wrap(exc, key) from None
         except Exception as exc:  # noqa: BLE001

@@ -229,9 +229,9 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     elif zero <= 1 and built.expert_params:
         reducer = None
 
-    cache_dir = str(Path(run_dir or ".").resolve() / "cache") if run_dir else os.path.join(
-        os.path.expanduser("~"), ".cache", "paralayer")
-    dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir)
+    cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
+    dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir,
+                                     global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
     loss_fn = make_loss_fn(cfg, plan, seq_len - 1)
 
     runner = None
@@ -260,21 +260,23 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     stop = cfg.train.stop_at_step or cfg.train.steps
 
     flops_per_token = float(plan.get("flops_per_token") or 0)
-    peak = plan.get("peak_tflops")
-    if device.type == "cpu" and not plan.get("peak_tflops_given", False):
-        peak = metrics_mod.measure_cpu_peak_tflops(threads=torch.get_num_threads()) if rank == 0 else 0.0
-        t = torch.tensor([peak or 0.0], dtype=torch.float64)
-        dist.broadcast(t, src=0)
-        peak = float(t.item()) or None
-    elif device.type == "cuda" and peak is None:
-        peak = metrics_mod.gpu_peak_tflops(torch.cuda.get_device_name(device))
+    peak, peak_source = None, "rank 0"
+    if rank == 0:
+        peak, peak_source = metrics_mod.resolve_peak_tflops(device, cfg.cluster.peak_tflops, torch.get_num_threads())
+    peak_t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(peak_t, src=0)
+    peak = float(peak_t.item()) or None
 
     logger = None
     if run_dir is not None:
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        if rank == 0 and os.path.exists(metrics_path):
+            metrics_mod.truncate_after(metrics_path, start_step - 1)
         logger = metrics_mod.MetricsLogger(
             run_dir, config_mod.to_dict(cfg), plan, rank == 0, cfg.logging.wandb.mode,
             cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
-            progress=log_progress and cfg.logging.progress, start_step=start_step)
+            progress=log_progress and cfg.logging.progress, peak_source=peak_source,
+            run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)))
 
     records: list[dict] = []
     tokens_per_step = cfg.train.global_batch * seq_len
@@ -289,6 +291,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
 
             tokens = zigzag_shard(tokens, 1, cp, cp_rank)
             labels = zigzag_shard(labels, 1, cp, cp_rank)
+        _maybe_inject_fault(rank, step)
         opt.zero_grad(set_to_none=True)
         if runner is not None:
             loss_sum = runner.step(tokens, labels, autocast_dtype=autocast_dtype)
@@ -344,6 +347,18 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     if logger is not None:
         logger.close()
     return records
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """Test hook: PARALAYER_FAULT=raise|kill:RANK:STEP makes that rank fail at that step."""
+    spec = os.environ.get("PARALAYER_FAULT")
+    if not spec:
+        return
+    kind, r, s = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if kind == "kill":
+            os.kill(os.getpid(), 9)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> None:

@@ -95,8 +95,9 @@ def slurm():
     pytest.importorskip("submitit")
     part = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=10).stdout.split()
     default = next((p.rstrip("*") for p in part if p.endswith("*")), part[0].rstrip("*"))
-    return {"backend": "slurm", "nodes": 1, "devices_per_node": 2, "cpus_per_task": 1, "device": "cpu",
-            "partition": default, "time_min": 5}
+    # the shape of the lead's ClusterConfig: SLURM settings nested under "slurm"
+    return {"backend": "slurm", "nodes": 1, "devices_per_node": 2, "device": "cpu",
+            "slurm": {"partition": default, "time_min": 5, "cpus_per_task": 1, "max_requeues": 3}}
 
 
 def _run_dir(base: Path, name: str) -> str:
@@ -114,6 +115,23 @@ def _sacct_ids(base_id: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- tests
+def test_profiles_load_and_map():
+    """The two profiles pass the lead's strict schema and map onto submitit parameters."""
+    config = pytest.importorskip("paralayer.config")
+    from paralayer.dispatch.slurm import executor_parameters
+
+    cfg = config.load_config(["recipe=tiny", "cluster=local-slurm"])
+    p = executor_parameters(cfg.cluster)
+    assert p["nodes"] == 1 and p["tasks_per_node"] == 2 and "gpus_per_node" not in p
+    assert p["slurm_partition"] == "debug"
+    cfg = config.load_config(["recipe=tiny", "cluster=slurm-example", "cluster.slurm.sbatch_extra.hint=nomultithread"])
+    p = executor_parameters(cfg.cluster)
+    assert p["gpus_per_node"] == 8 and p["tasks_per_node"] == 8 and p["slurm_account"] == "my-project"
+    assert p["slurm_additional_parameters"]["exclusive"] is True
+    assert p["slurm_additional_parameters"]["hint"] == "nomultithread"
+    assert "module load cuda/12.4" in p["slurm_setup"]
+
+
 def test_executor_parameters_mapping():
     from paralayer.dispatch.slurm import executor_parameters
 
@@ -143,8 +161,8 @@ def test_two_ranks_allreduce(slurm, tmp_path):
 
     rd = _run_dir(tmp_path, "run")
     t0 = time.monotonic()
-    res = submit([rd], slurm, folder=str(tmp_path / "sub"), entry="tests.test_slurm:allreduce_entry",
-                 verbose=False)
+    res = submit([rd], slurm, entry="tests.test_slurm:allreduce_entry", verbose=False)  # default folder
+    assert res.folder.startswith(str(tmp_path / "slurm-logs"))
     assert not res.array and len(res.job_ids) == 1 and "_" not in res.job_ids[0]
     assert "tail -f" in res.hint and res.stdout[0][0].endswith("_0_log.out")
     rc = res.wait(timeout_s=90, stream=io.StringIO())
@@ -193,6 +211,31 @@ def test_failed_job_is_reported(slurm, tmp_path):
     assert time.monotonic() - t0 < 90
     assert res.states[res.job_ids[0]] in ("FAILED", "CANCELLED", "COMPLETED"), res.states
     assert "deliberate failure on rank 1" in log.getvalue()
+
+
+def test_submission_refused_is_an_error(slurm, tmp_path):
+    from paralayer.dispatch.slurm import DispatchError, submit
+
+    rd = _run_dir(tmp_path, "run")
+    with pytest.raises(DispatchError, match="submission failed: .*partition"):
+        submit([rd], dict(slurm, slurm=dict(slurm["slurm"], partition="no-such-partition")),
+               folder=str(tmp_path / "sub"), verbose=False)
+
+
+def test_job_that_can_never_start_is_reported(slurm, tmp_path):
+    """A job PENDING for a reason that never clears (here: its dependency failed) ends the wait."""
+    from paralayer.dispatch.slurm import submit
+
+    r = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "false"],
+                       capture_output=True, text=True, timeout=30)
+    dep = r.stdout.strip().split(";")[0]
+    rd = _run_dir(tmp_path, "run")
+    res = submit([rd], dict(slurm, slurm=dict(slurm["slurm"], sbatch_extra={"dependency": f"afterok:{dep}"})),
+                 folder=str(tmp_path / "sub"), entry="tests.test_slurm:allreduce_entry", verbose=False)
+    log = io.StringIO()
+    assert res.wait(timeout_s=60, stream=log) == 1, (res.states, log.getvalue())
+    assert "DependencyNeverSatisfied" in res.states[res.job_ids[0]], res.states
+    assert not Path(rd, "rank0.json").exists()
 
 
 def test_preempted_job_requeues_with_resume_auto(slurm, tmp_path):

@@ -44,12 +44,14 @@ _TERMINAL_STATES = {
 # (sbatch exports the caller's environment) must not leak into the ranks
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
-# cluster keys this module understands (others are ignored, so a full cluster profile can be passed)
+# cluster keys this module understands (others are ignored, so a whole cluster profile can be
+# passed). The lead's schema nests the SLURM ones under ``slurm:``; flat dicts work too.
 CLUSTER_KEYS = (
-    "nodes", "devices_per_node", "gpus_per_node", "cpus_per_task", "mem_gb", "partition", "account",
-    "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "device", "job_name",
-    "max_num_timeout", "signal_delay_s", "array_parallelism", "slurm_conf",
+    "nodes", "devices_per_node", "device", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
+    "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
+    "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf",
 )
+LOCAL_SLURM_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm"), "etc", "slurm.conf")
 
 
 class DispatchError(RuntimeError):
@@ -143,7 +145,7 @@ class SubmitResult:
     def hint(self) -> str:
         kind = f"job array {self.job_ids[0].split('_')[0]}" if self.array else f"job {self.job_ids[0]}"
         lines = [f"submitted {kind} ({len(self.job_ids)} run(s)) ; submitit folder {self.folder}"]
-        for jid, rd, out in zip(self.job_ids, self.run_dirs, self.stdout):
+        for jid, rd in zip(self.job_ids, self.run_dirs):
             lines.append(f"  {jid}: {rd}")
         lines.append(f"follow with: tail -f {' '.join(self.stdout[0][:1] + self.stderr[0][:1])}")
         lines.append(f"status: squeue -j {self.job_ids[0].split('_')[0]} ; "
@@ -163,13 +165,48 @@ def _as_list(x: Any) -> list:
     return list(x)
 
 
+def normalize_cluster(cluster: Any) -> dict[str, Any]:
+    """A plain flat dict from a dict, a ClusterConfig dataclass or an OmegaConf node; the nested
+    ``slurm:`` section is lifted to the top level (it wins over top-level duplicates)."""
+    if cluster is None:
+        return {}
+    if dataclasses.is_dataclass(cluster) and not isinstance(cluster, type):
+        cluster = dataclasses.asdict(cluster)
+    elif not isinstance(cluster, Mapping):
+        try:
+            from omegaconf import OmegaConf
+
+            cluster = OmegaConf.to_container(cluster, resolve=True)
+        except Exception as e:  # noqa: BLE001
+            raise DispatchError(f"cluster settings must be a mapping, got {type(cluster).__name__}") from e
+    flat = {k: v for k, v in dict(cluster).items() if k != "slurm"}
+    nested = cluster.get("slurm") or {}
+    if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
+        nested = dataclasses.asdict(nested)
+    flat.update({k: v for k, v in dict(nested).items()})
+    if "max_num_timeout" in flat and "max_requeues" not in flat:
+        flat["max_requeues"] = flat.pop("max_num_timeout")
+    return flat
+
+
+def _sbatch_value(v: Any) -> Any:
+    if isinstance(v, str) and v.lower() in ("true", "yes"):
+        return True
+    if isinstance(v, str) and v.lower() in ("false", "no"):
+        return False
+    return v
+
+
 def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralayer") -> dict[str, Any]:
-    """Map our cluster dict onto submitit AutoExecutor parameters (cluster="slurm")."""
+    """Map our cluster settings onto submitit AutoExecutor parameters (cluster="slurm")."""
+    cluster = normalize_cluster(cluster)
     nodes = int(cluster.get("nodes") or 1)
     tasks_per_node = int(cluster.get("devices_per_node") or 1)
     if nodes < 1 or tasks_per_node < 1:
         raise DispatchError(f"cluster.nodes={nodes}, cluster.devices_per_node={tasks_per_node}: must be >= 1")
-    device = str(cluster.get("device") or "cpu").lower()
+    device = str(cluster.get("device") or "auto").lower()
+    if device == "auto":
+        device = "cuda" if int(cluster.get("gpus_per_node") or 0) > 0 else "cpu"
     if device not in ("cpu", "cuda", "gpu"):
         raise DispatchError(f"cluster.device={device!r}: expected one of 'cpu', 'cuda'")
     time_min = int(cluster.get("time_min") or 60)
@@ -184,7 +221,7 @@ def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralaye
     }
     gpus = cluster.get("gpus_per_node")
     if device in ("cuda", "gpu"):
-        params["gpus_per_node"] = int(gpus if gpus is not None else tasks_per_node)
+        params["gpus_per_node"] = int(gpus) if gpus else tasks_per_node
     elif gpus:
         params["gpus_per_node"] = int(gpus)
     cpus_per_task = cluster.get("cpus_per_task")
@@ -203,7 +240,10 @@ def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralaye
 
     extra = dict(cluster.get("sbatch_extra") or {})
     if extra:
-        params["slurm_additional_parameters"] = {str(k).replace("_", "-"): v for k, v in extra.items()}
+        extra = {str(k).replace("_", "-"): _sbatch_value(v) for k, v in extra.items()}
+        extra = {k: v for k, v in extra.items() if v is not False and v is not None}
+        if extra:
+            params["slurm_additional_parameters"] = extra
 
     # one rank failing ends the step instead of leaving its peers blocked in a collective
     srun_args = [str(a) for a in _as_list(cluster.get("srun_args"))]
@@ -238,6 +278,9 @@ def _check_run_dirs(run_dirs: Sequence[str]) -> list[str]:
 
 def _ensure_slurm(cluster: Mapping[str, Any]) -> None:
     conf = cluster.get("slurm_conf")
+    if (not conf and not os.environ.get("SLURM_CONF") and not os.path.isfile("/etc/slurm/slurm.conf")
+            and os.path.isfile(LOCAL_SLURM_CONF)):
+        conf = LOCAL_SLURM_CONF  # the one-node SLURM of cluster/local_slurm.sh
     if conf and not os.environ.get("SLURM_CONF"):
         if not Path(conf).is_file():
             raise DispatchError(f"cluster.slurm_conf={conf}: no such file (is the cluster started? "
@@ -254,26 +297,32 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
            verbose: bool = True) -> SubmitResult:
     """Submit prepared run directories (each holding resolved.yaml and plan.json).
 
-    One run -> one job; several -> one job array. ``cluster`` is a plain dict (see CLUSTER_KEYS).
-    ``folder`` holds submitit's files and the task logs (default: ``<run_dir>/slurm`` for one run,
-    ``<common parent>/slurm`` for several). ``entry`` is ``"module:function"`` called with the run
-    directory in every task. ``env`` is exported in every task. With ``wait=True`` the jobs are
-    followed to the end (``timeout_s`` caps the wait) and ``.status`` is set.
+    One run -> one job; several -> one job array. ``cluster`` is a dict (see CLUSTER_KEYS; the
+    ``slurm:`` section may be nested, a ClusterConfig or OmegaConf node works too).
+    ``folder`` holds submitit's files and the task logs, used as given. Default: a fresh
+    ``<cluster.slurm.folder or <parent of the run dirs>/slurm-logs>/<time>-<id>`` -- fresh, because
+    submitit recognises results by job id and a wiped SLURM reuses ids from 1.
+    ``entry`` is ``"module:function"``, called with the run directory in every task. ``env`` is
+    exported in every task. With ``wait=True`` the jobs are followed to the end (``timeout_s``
+    caps the wait) and ``.status`` is set.
     """
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [str(run_dirs)]
     dirs = _check_run_dirs(run_dirs)
+    cluster = normalize_cluster(cluster)
+    params = executor_parameters(cluster)
     _ensure_slurm(cluster)
     if folder is None:
-        base = dirs[0] if len(dirs) == 1 else os.path.commonpath(dirs)
-        folder = os.path.join(base, "slurm")
+        parent = cluster.get("folder") or os.path.join(
+            os.path.commonpath([os.path.dirname(d) for d in dirs]),
+            "slurm-logs")
+        folder = os.path.join(str(parent), time.strftime("%Y%m%d-%H%M%S") + f"-{os.urandom(3).hex()}")
     folder = str(Path(folder).resolve())
     os.makedirs(folder, exist_ok=True)
 
     import submitit
 
-    params = executor_parameters(cluster)
-    max_num_timeout = int(cluster.get("max_num_timeout", 3))
+    max_num_timeout = int(cluster.get("max_requeues") if cluster.get("max_requeues") is not None else 3)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=max_num_timeout)
     executor.update_parameters(**params)
 
@@ -287,7 +336,11 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
                 pending = [executor.submit(t) for t in tasks]
             jobs = list(pending)
     except Exception as e:  # sbatch refused: bad partition, account, ...
-        raise DispatchError(f"submission failed: {e}") from e
+        import re
+
+        msgs = list(dict.fromkeys(m.strip() for m in re.findall(r"sbatch: error: [^\n]*?(?=sbatch: error:|\n|$)",
+                                                                 str(e))))
+        raise DispatchError("submission failed: " + ("; ".join(msgs) if msgs else str(e))) from e
 
     stdout, stderr = [], []
     for j in jobs:
@@ -337,6 +390,30 @@ def _sacct_states(job_ids: Sequence[str]) -> dict[str, str]:
     return states
 
 
+# PENDING reasons that mean the job can never start as submitted
+_NEVER_REASONS = {
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+    "InvalidQOS", "DependencyNeverSatisfied", "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob",
+    "QOSMaxNodePerJobLimit", "AssocMaxCpuPerJobLimit", "AssocMaxNodesPerJobLimit",
+}
+
+
+def _pending_reasons(job_ids: Sequence[str]) -> dict[str, str]:
+    """job id -> squeue reason, for jobs PENDING with a reason in _NEVER_REASONS."""
+    base = sorted({j.split("_")[0] for j in job_ids})
+    try:
+        text = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T|%r", "-j", ",".join(base)],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3 and parts[1] == "PENDING" and parts[2] in _NEVER_REASONS:
+            out[parts[0]] = parts[2]
+    return out
+
+
 def _tail(path: str, n: int = 30) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -356,11 +433,20 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
     states: dict[str, str] = {}
     done: dict[str, bool] = {}
     outcomes: dict[str, list] = {}
+    never: dict[str, str] = {}
     while True:
         now = time.monotonic()
         if now - last_sacct >= max(2.0, poll_s):
             states.update(_sacct_states(ids))
             last_sacct = now
+            for jid, reason in _pending_reasons([j for j in ids if not done.get(j)]).items():
+                if jid in ids and not done.get(jid):
+                    never[jid] = reason
+                    done[jid] = True
+                    subprocess.run(["scancel", jid], capture_output=True, timeout=30)
+                    if verbose:
+                        print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
+                              f"{reason}): cancelled it", file=stream, flush=True)
         for jid, job in zip(ids, result.jobs):
             if done.get(jid):
                 continue
@@ -389,6 +475,10 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
     final = _sacct_states(ids)
     failed = []
     for jid in ids:
+        if jid in never:
+            result.states[jid] = f"PENDING({never[jid]})"
+            failed.append(jid)
+            continue
         oc = outcomes[jid]
         ok = all(o is not None and o[0] == "success" for o in oc)
         st = final.get(jid, states.get(jid, "UNKNOWN"))
@@ -401,7 +491,7 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
     if verbose:
         for jid in ids:
             print(f"[paralayer.slurm] job {jid}: {result.states[jid]}", file=stream, flush=True)
-        for jid in failed[:3]:
+        for jid in [j for j in failed if j not in never][:3]:
             i = ids.index(jid)
             oc = outcomes[jid]
             bad = [t for t, o in enumerate(oc) if o is None or o[0] != "success"] or [0]
@@ -431,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with open(a.profile) as f:
         prof = yaml.safe_load(f) or {}
-    cluster = prof.get("cluster", prof)
+    cluster = prof["cluster"] if isinstance(prof.get("cluster"), dict) else prof
     try:
         res = submit(a.run_dirs, cluster, a.folder, wait=a.wait, entry=a.entry, timeout_s=a.timeout_s)
     except DispatchError as e:

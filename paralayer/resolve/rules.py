@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from paralayer.config import Config
 
@@ -113,16 +112,19 @@ def stage_layers(n_layers: int, chunk_sizes: list[int]) -> list[list[int]]:
 
 
 def valid_tp(cfg: Config, limit: int) -> list[int]:
-    """tp values (≤ limit) every tp rule accepts for this model (vocab is padded, never a reason)."""
+    """tp values (≤ limit) every tp rule accepts for this model (vocab is padded, never a reason):
+    the divisors of gcd(n_heads, n_kv_heads, ffn_hidden[, expert ffn_hidden])."""
     m = cfg.model
-    out = []
-    for t in range(1, max(limit, 1) + 1):
-        if m.n_heads % t or m.n_kv_heads % t or m.ffn_hidden % t:
-            continue
-        if m.moe.num_experts > 0 and (m.moe.ffn_hidden or m.ffn_hidden) % t:
-            continue
-        out.append(t)
-    return out
+    g = math.gcd(math.gcd(m.n_heads, m.n_kv_heads), m.ffn_hidden)
+    if m.moe.num_experts > 0:
+        g = math.gcd(g, m.moe.ffn_hidden or m.ffn_hidden)
+    return [d for d in divisors(g) if d <= limit]
+
+
+def _multiples_near(target: int, step: int) -> list[int]:
+    """The multiples of step just below and above target (positive)."""
+    lo = (target // step) * step
+    return [v for v in (lo, lo + step) if v > 0]
 
 
 # ------------------------------------------------------------------ the rules
@@ -200,8 +202,10 @@ def check(cfg: Config) -> Layout:
     dp = lay.dp
 
     # --- heads, ffn, vocab against tp
-    vt = valid_tp(cfg, dpn)
-    vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(vt)}"
+    if dpn_given is None:
+        vt_msg = f"valid tp for this model: {_fmt(valid_tp(cfg, max(8, tp)))}"
+    else:
+        vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(valid_tp(cfg, dpn))}"
     if m.d_model % m.n_heads:
         e("model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid n_heads: "
           f"{_fmt(nearest(divisors(m.d_model), m.n_heads))}")
@@ -251,7 +255,6 @@ def check(cfg: Config) -> Layout:
             lay.stage_layers = stage_layers(m.n_layers, lo)
     else:
         if m.n_layers % chunks:
-            okp = [q for q in divisors(m.n_layers) if (m.n_layers // q) % lay.vpp == 0 or lay.vpp == 1]
             okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]
             base = m.n_layers // chunks
             rem = m.n_layers - base * chunks
@@ -259,10 +262,8 @@ def check(cfg: Config) -> Layout:
             e("parallel.pp", f"model.n_layers={m.n_layers} is not divisible into pp·vpp = {pp}·{lay.vpp} = {chunks} "
               f"equal chunks; valid pp with vpp={lay.vpp}: {_fmt(nearest(okp, pp))}; or give an uneven split, "
               f"e.g. parallel.pp_layout=[{','.join(map(str, even))}]")
-        elif chunks <= m.n_layers:
+        else:
             lay.stage_layers = stage_layers(m.n_layers, [m.n_layers // chunks] * chunks)
-        if chunks > m.n_layers:
-            pass  # covered above: n_layers % chunks != 0 whenever chunks > n_layers
     if not lay.stage_layers:
         # Placeholder so memory/cost stay computable for an invalid plan: an even split.
         base, rem = divmod(m.n_layers, chunks)
@@ -271,15 +272,13 @@ def check(cfg: Config) -> Layout:
     # --- context parallel
     if cp > 1:
         if m.seq_len % (2 * cp):
-            okc = [q for q in divisors(m.seq_len // 2)]
+            okc = divisors(m.seq_len // 2)
             e("parallel.cp", f"model.seq_len={m.seq_len} must be divisible by 2·cp = {2 * cp} (zigzag sharding into "
               f"2·cp chunks); valid cp: {_fmt(nearest(okc, cp))}")
-    local_seq = m.seq_len // cp if m.seq_len % cp == 0 else m.seq_len / cp
     if lay.sequence_parallel and (m.seq_len % (cp * tp)):
         e("model.seq_len", f"with sequence parallel, the tokens per microbatch on a cp rank (model.seq_len/cp = "
           f"{m.seq_len}/{cp}) must be divisible by parallel.tp={tp}; use seq_len a multiple of {cp * tp}"
           f"{' and of ' + str(2 * cp) if cp > 1 else ''}, or parallel.sequence_parallel=false")
-    del local_seq
 
     # --- experts
     E = m.moe.num_experts
@@ -289,7 +288,8 @@ def check(cfg: Config) -> Layout:
             e("model.moe.ffn_hidden", f"parallel.tp={tp} does not divide the expert width model.moe.ffn_hidden={fe}; "
               f"{vt_msg}")
         if m.moe.top_k > E:
-            e("model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; valid top_k: 1..{E}")
+            e("model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; "
+              f"valid top_k: 1..{E}")
         if E % ep:
             e("parallel.ep", f"parallel.ep={ep} does not divide model.moe.num_experts={E}; valid ep: "
               f"{_fmt([d for d in divisors(E) if (dp * cp) % d == 0] or divisors(E))}")
@@ -310,11 +310,10 @@ def check(cfg: Config) -> Layout:
     # --- batch and microbatches
     gb, mb = t.global_batch, t.micro_batch
     if gb % (mb * dp):
-        okg = [q for q in divisors(gb) if q % dp == 0]
-        okmb = [q for q in divisors(gb // dp)] if gb % dp == 0 else []
+        okmb = divisors(gb // dp) if gb % dp == 0 else []
         e("train.global_batch", f"train.global_batch={gb} must be divisible by micro_batch·dp = {mb}·{dp} = {mb * dp}; "
-          f"nearest valid global_batch: {_fmt(nearest([k * mb * dp for k in range(1, gb // (mb * dp) + 3)], gb, 2))}"
-          + (f"; valid micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else "") + ("" if okg else ""))
+          f"nearest valid global_batch: {_fmt(_multiples_near(gb, mb * dp))}"
+          + (f"; valid micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else ""))
         lay.microbatches = max(gb // (mb * dp), 1)
     else:
         lay.microbatches = gb // (mb * dp)
@@ -330,7 +329,7 @@ def check(cfg: Config) -> Layout:
         if sched == "interleaved" and mm % pp:
             e("train.global_batch", f"schedule=interleaved runs microbatches in groups of pp: m = {mm} must be a "
               f"multiple of pp={pp}; nearest valid global_batch: "
-              f"{_fmt(nearest([k * pp * mb * dp for k in range(1, mm // pp + 3)], gb, 2))}")
+              f"{_fmt(_multiples_near(gb, pp * mb * dp))}")
         if mm < 4 * pp:
             w("train.global_batch", f"m = {mm} microbatches < 4·pp = {4 * pp}: the pipeline bubble is large; raise "
               f"train.global_batch or lower train.micro_batch")

@@ -1,0 +1,276 @@
+"""The front door: ``python launch.py recipe=NAME [key=value ...] [--dry-run] [--json] [-m]``.
+
+Why it is shaped like this: everything that can be wrong with a recipe is found here, by the
+torch-free resolver, in well under a second, and reported all at once (exit 2, one line per problem
+on stderr, never a traceback). Only a valid plan reaches dispatch, which is imported lazily so a dry
+run never pays for importing torch.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from typing import Any, Optional
+
+from paralayer import config as config_mod
+from paralayer.config import ConfigError
+
+EXIT_OK, EXIT_INVALID, EXIT_INTERNAL = 0, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: exit 2, no traceback
+        self.print_usage(sys.stderr)
+        raise _ArgError(message)
+
+
+class _ArgError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    epilog = (
+        "recipes: " + ", ".join(config_mod.recipe_names()) + " (or a path to a .yaml file)\n"
+        "cluster profiles (cluster=NAME): " + ", ".join(config_mod.profile_names()) + "\n\n"
+        "examples:\n"
+        "  python launch.py                                   # the tiny recipe, here\n"
+        "  python launch.py recipe=llama3-70b --dry-run       # the plan, as tables\n"
+        "  python launch.py recipe=llama3-70b --dry-run --json\n"
+        "  python launch.py recipe=tiny parallel.tp=1,2 -m    # a sweep, one run per value\n"
+        "exit codes: 0 ok; 2 invalid recipe or layout, or it does not fit (reason on stderr)"
+    )
+    p = _Parser(prog="launch.py", description="Config-driven launcher for hybrid-parallel transformer training.",
+                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="recipe=NAME, cluster=NAME, or any dotted key (e.g. parallel.tp=2)")
+    p.add_argument("--dry-run", action="store_true", help="resolve and print the plan; start nothing")
+    p.add_argument("--json", action="store_true", help="print the plan (or plans) as JSON")
+    p.add_argument("--plan", action="store_true", help="every valid layout for the model on the cluster, ranked")
+    p.add_argument("-m", "--multirun", action="store_true", help="sweep: comma lists become one run per combination")
+    p.add_argument("--wait", action="store_true", help="SLURM: wait for the job(s) and return their exit code")
+    p.add_argument("--timeline", action="store_true", help="record a per-rank timeline of the step")
+    return p
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def _report_errors(plan: Any, label: str = "") -> None:
+    pre = f"[{label}] " if label else ""
+    for e in plan.errors:
+        _err(f"{pre}{e['field']}: {e['message']}")
+    if plan.valid and not plan.fits:
+        mem = plan.memory_per_device_bytes
+        _err(f"{pre}memory: needs {mem['total'] / 2**30:.2f} GiB per device but the device has "
+             f"{mem['capacity'] / 2**30:.2f} GiB minus a {plan.memory_reserve_bytes / 2**30:.2f} GiB reserve "
+             "(cluster.memory_reserve_gib); try more pp/tp, parallel.zero=3, parallel.recompute=full or a smaller "
+             "train.micro_batch")
+
+
+# ------------------------------------------------------------------ sweeps
+def expand(overrides: list[str]) -> list[list[str]]:
+    """Every combination of the comma lists (and the recipe's ``sweep:`` block), as override lists."""
+    fixed = [o for o in overrides if not _is_list(o)]
+    base = config_mod.load_config(fixed)
+    axes = config_mod.sweep_axes(base.sweep, [o for o in overrides if _is_list(o)])
+    if not axes:
+        return [fixed]
+    keys = list(axes)
+    return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def _is_list(ov: str) -> bool:
+    _, _, value = ov.partition("=")
+    return "," in value and not value.lstrip().startswith("[")
+
+
+# ------------------------------------------------------------------ output
+def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
+    """Readable tables: degrees and spans, memory vs capacity, bubble, comm, warnings, errors."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console(file=sys.stdout, width=max(100, Console().width))
+    d = plan.to_dict()
+    deg = d["degrees"]
+    head = (f"[bold]{d['recipe']}[/bold] on {cfg.cluster.name}: world {d['world_size']} = "
+            f"{d['nodes']} node(s) × {d['devices_per_node']} device(s) ({d['device']}, {d['precision']}); "
+            f"schedule {d['schedule']}, zero {d['zero']}, recompute {d['recompute']}, "
+            f"sequence parallel {'on' if d['sequence_parallel'] else 'off'}")
+    con.print(head)
+
+    t = Table(title="Parallel degrees")
+    for c in ("axis", "degree", "spans", "what it splits"):
+        t.add_column(c)
+    what = {"tp": "heads, FFN width, vocab (inside each layer)", "pp": "layers into stages",
+            "vpp": "model chunks per pipeline rank", "cp": "the sequence (ring attention)",
+            "ep": f"experts (grid {d['expert_grid']['ep']}×{d['expert_grid']['edp']} of dp·cp)",
+            "dp": "the batch (ZeRO shards over dp·cp)"}
+    for ax in ("tp", "pp", "vpp", "cp", "ep", "dp"):
+        t.add_row(ax, str(deg[ax]), d["spans"].get(ax, "-"), what[ax])
+    con.print(t)
+
+    mem = d["memory_per_device_bytes"]
+    cap = mem["capacity"]
+    t = Table(title=f"Memory per device (pipeline rank {d['memory_stage']}, the most loaded)")
+    t.add_column("part")
+    t.add_column("GiB", justify="right")
+    t.add_column("share", justify="right")
+    for k in ("params", "grads", "optimizer", "activations", "total"):
+        share = f"{100 * mem[k] / cap:.0f}%" if cap else "-"
+        t.add_row(k, f"{mem[k] / 2**30:.2f}", share)
+    t.add_row("capacity", "unknown" if cap is None else f"{cap / 2**30:.2f}", "")
+    t.add_row("reserve", f"{d['memory_reserve_bytes'] / 2**30:.2f}", "")
+    t.add_row("fits", "[green]yes[/green]" if d["fits"] else "[red]NO[/red]", "")
+    con.print(t)
+
+    t = Table(title="Step")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    p = d["parameters"]
+    t.add_row("parameters (total / active)", f"{p['total'] / 1e9:.3f} B / {p['active'] / 1e9:.3f} B")
+    t.add_row("microbatches per pipeline (m)", str(d["microbatches"]))
+    t.add_row("pipeline bubble", f"{d['bubble_fraction']:.4f}")
+    t.add_row("FLOPs per token", f"{d['flops_per_token']:.4g}")
+    t.add_row("tokens per step", f"{d['tokens_per_step']:,}")
+    t.add_row("padded vocab", str(d["padded_vocab_size"]))
+    t.add_row("layers per pipeline chunk", ", ".join(str(len(s)) for s in d["stage_layers"]))
+    con.print(t)
+
+    t = Table(title="Communication per device per step")
+    for c in ("axis", "collective", "message", "count", "per step"):
+        t.add_column(c, justify="right" if c in ("message", "count", "per step") else "left")
+    for ax in ("tp", "pp", "cp", "ep", "dp"):
+        c = d["comm"][ax]
+        if c["collective"] == "none":
+            t.add_row(ax, "-", "-", "-", "-")
+        else:
+            t.add_row(ax, c["collective"], _bytes(c["message_bytes"]), f"{c['count_per_step']:,}",
+                      _bytes(c["bytes_per_step"]))
+    con.print(t)
+
+    for n in d["notes"]:
+        con.print(f"[dim]note:[/dim] {n}")
+    for w in d["warnings"]:
+        con.print(f"[yellow]warning:[/yellow] {w['field']}: {w['message']}")
+    for e in d["errors"]:
+        con.print(f"[red]error:[/red] {e['field']}: {e['message']}")
+    con.print("[green]valid[/green]" if plan.ok else "[red]not runnable[/red] (exit 2)")
+
+
+def _bytes(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------ entry points
+def _resolve(overrides: list[str]):
+    from paralayer.resolve import resolve
+
+    cfg = config_mod.load_config(overrides)
+    return cfg, resolve(cfg)
+
+
+def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
+    try:
+        from paralayer.resolve import planner  # type: ignore[attr-defined]
+    except ImportError:
+        _err("--plan: the layout planner (paralayer/resolve/planner.py, plan_layouts) is not part of this "
+             "checkout; use --dry-run to check one layout")
+        return EXIT_INVALID
+    cfg = config_mod.load_config(overrides)
+    if hasattr(planner, "run"):
+        return int(planner.run(cfg, args))
+    plans = planner.plan_layouts(cfg)
+    if args.json:
+        print(json.dumps([p.to_dict() if hasattr(p, "to_dict") else p for p in plans]))
+    else:
+        for i, p in enumerate(plans):
+            d = p.to_dict() if hasattr(p, "to_dict") else p
+            print(f"{i + 1:3d}. {d['degrees']}  bubble {d['bubble_fraction']:.3f}  "
+                  f"memory {d['memory_per_device_bytes']['total'] / 2**30:.1f} GiB")
+    return EXIT_OK if plans else EXIT_INVALID
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Parse, resolve, print or dispatch; returns the exit code (never raises for a bad recipe)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _ArgError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    try:
+        if args.plan:
+            return _run_planner(args.overrides, args)
+        if args.multirun:
+            return _multirun(args)
+        cfg, plan = _resolve(args.overrides)
+    except ConfigError as exc:
+        _err(f"{exc.field}: {exc.message}")
+        return EXIT_INVALID
+    except Exception as exc:  # noqa: BLE001 - the promise is: no traceback for a bad recipe
+        if os.environ.get("PARALAYER_DEBUG"):
+            raise
+        _err(f"internal error while resolving ({type(exc).__name__}: {exc}); rerun with PARALAYER_DEBUG=1 "
+             "for the traceback")
+        return EXIT_INTERNAL
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(plan.to_dict()))
+        else:
+            print_plan(plan, cfg)
+        if not plan.ok:
+            _report_errors(plan)
+        return EXIT_OK if plan.ok else EXIT_INVALID
+    if not plan.ok:
+        _report_errors(plan)
+        return EXIT_INVALID
+    from paralayer import dispatch
+
+    return int(dispatch.launch(cfg, plan, args) or 0)
+
+
+def _multirun(args: argparse.Namespace) -> int:
+    """Resolve every combination first; dispatch nothing unless all are runnable."""
+    combos = expand(args.overrides)
+    cfgs, plans, bad = [], [], 0
+    for ovs in combos:
+        label = " ".join(o for o in ovs if o not in args.overrides or _is_list(o)) or " ".join(ovs)
+        try:
+            cfg, plan = _resolve(ovs)
+        except ConfigError as exc:
+            _err(f"[{label}] {exc.field}: {exc.message}")
+            bad += 1
+            continue
+        cfgs.append(cfg)
+        plans.append(plan)
+        if not plan.ok:
+            _report_errors(plan, label)
+            bad += 1
+    if args.dry_run:
+        if args.json:
+            print(json.dumps([p.to_dict() for p in plans]))
+        else:
+            for cfg, plan in zip(cfgs, plans):
+                print_plan(plan, cfg)
+        return EXIT_INVALID if bad else EXIT_OK
+    if bad:
+        _err(f"{bad} of {len(combos)} sweep runs are invalid; nothing was started")
+        return EXIT_INVALID
+    from paralayer import dispatch
+
+    return int(dispatch.launch_sweep(cfgs, plans, args) or 0)
+
+
+def entry() -> None:
+    """Console script (pyproject: paralayer = paralayer.cli:entry)."""
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,436 @@
+"""Hugging Face Llama / Mixtral format: config, weight import into any layout, export.
+
+Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`load_hf_config`,
+:func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``, read with ``safetensors.safe_open`` (never pickle). Each rank
+reads the FULL tensor of every parameter it holds and keeps its slice, exactly like
+``paralayer.model.init_weights`` (DTensor: ``distribute_tensor(..., src_data_rank=None)``;
+experts under expert parallel: ``local_slices``; padded vocab rows are zero).
+
+Names (ours ← Hugging Face)::
+
+    tok_embeddings.weight                       model.embed_tokens.weight
+    layers.{i}.attention.wq|wk|wv|wo.weight     model.layers.{i}.self_attn.q_proj|k_proj|v_proj|o_proj.weight
+    layers.{i}.attention_norm.weight            model.layers.{i}.input_layernorm.weight
+    layers.{i}.ffn_norm.weight                  model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1|w3|w2.weight     model.layers.{i}.mlp.gate_proj|up_proj|down_proj.weight   (dense)
+    layers.{i}.feed_forward.gate.weight         model.layers.{i}.block_sparse_moe.gate.weight              (Mixtral)
+    layers.{i}.feed_forward.w1|w3|w2 (E, ...)   model.layers.{i}.block_sparse_moe.experts.{j}.w1|w3|w2.weight, stacked
+    norm.weight                                 model.norm.weight
+    output.weight                               lm_head.weight (embed_tokens when tie_word_embeddings)
+
+Mixtral: transformers 5 keeps experts fused in memory (``mlp.experts.gate_up_proj`` (E, 2F, d),
+``mlp.experts.down_proj`` (E, d, F), ``mlp.gate.weight``) but ``save_pretrained`` writes the
+per-expert layout above; both are read here, and the export writes the per-expert layout.
+RoPE is rotate-half on both sides: q/k need no permutation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face checkpoint we cannot represent or read; the message names the file/field."""
+
+
+# ------------------------------------------------------------------ config
+def _read_config(path: str) -> dict:
+    fp = os.path.join(path, "config.json")
+    if not os.path.isfile(fp):
+        raise HFFormatError(f"{fp}: not found (model.init=hf:PATH needs a Hugging Face directory)")
+    with open(fp) as f:
+        return json.load(f)
+
+
+def _rope_theta(hf: dict, fp: str) -> float:
+    rp = hf.get("rope_parameters") or {}
+    rs = hf.get("rope_scaling") or {}
+    rtype = rp.get("rope_type") or rp.get("type") or rs.get("rope_type") or rs.get("type") or "default"
+    if rtype != "default":
+        raise HFFormatError(f"{fp}: rope type '{rtype}' is not supported (only the default RoPE)")
+    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def load_hf_config(path: str) -> dict:
+    """``config.json`` of a Llama or Mixtral checkpoint → ModelConfig fields (a dict; ``moe`` is a
+    dict of MoEConfig fields, present for Mixtral). ``seq_len`` comes from
+    ``max_position_embeddings``: use it only if the recipe did not give one."""
+    hf = _read_config(path)
+    fp = os.path.join(path, "config.json")
+    mtype = hf.get("model_type", "llama")
+    if mtype not in ("llama", "mixtral", "mistral"):
+        raise HFFormatError(f"{fp}: model_type '{mtype}' is not supported (llama, mistral, mixtral)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise HFFormatError(f"{fp}: {key}=true is not supported (our layers have no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFFormatError(f"{fp}: hidden_act '{hf.get('hidden_act')}' is not supported (silu)")
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim")
+    if head_dim not in (None, d // heads):
+        raise HFFormatError(f"{fp}: head_dim={head_dim} differs from hidden_size/num_attention_heads={d // heads}")
+    out: dict[str, Any] = {
+        "d_model": d,
+        "n_layers": int(hf["num_hidden_layers"]),
+        "n_heads": heads,
+        "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "ffn_hidden": int(hf["intermediate_size"]),
+        "vocab_size": int(hf["vocab_size"]),
+        "rope_theta": _rope_theta(hf, fp),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+    if hf.get("max_position_embeddings"):
+        out["seq_len"] = int(hf["max_position_embeddings"])
+    if mtype == "mixtral" or hf.get("num_local_experts"):
+        out["moe"] = {
+            "num_experts": int(hf["num_local_experts"]),
+            "top_k": int(hf.get("num_experts_per_tok", 2)),
+            "ffn_hidden": int(hf["intermediate_size"]),
+            "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01)),
+            "capacity_factor": None,
+            "every": 1,
+            "router": "softmax",
+            "shared_ffn_hidden": 0,
+        }
+    return out
+
+
+def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
+    """Set the shape fields of a ModelConfig from ``path``/config.json, in place. ``seq_len`` is
+    replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
+    fields = load_hf_config(path)
+    moe = fields.pop("moe", None)
+    seq = fields.pop("seq_len", None)
+    for k, v in fields.items():
+        setattr(model_cfg, k, v)
+    if seq is not None and not keep_seq_len:
+        model_cfg.seq_len = seq
+    if moe is not None:
+        for k, v in moe.items():
+            setattr(model_cfg.moe, k, v)
+    else:
+        model_cfg.moe.num_experts = 0
+
+
+# ------------------------------------------------------------------ names
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+          "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
+
+
+def ours_to_hf(name: str, expert: Optional[int] = None) -> str:
+    """Our parameter name → the Hugging Face key. Stacked experts (``layers.{i}.feed_forward.w1``)
+    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight``."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER.match(name)
+    if m:
+        i, rest = m.groups()
+        if rest in _DENSE:
+            return f"model.layers.{i}.{_DENSE[rest]}"
+        ff = re.match(r"^feed_forward\.(w[123])$", rest)
+        if ff:
+            if expert is None:
+                raise KeyError(f"{name}: a stacked expert weight; pass expert=j")
+            return f"model.layers.{i}.block_sparse_moe.experts.{expert}.{ff.group(1)}.weight"
+    raise KeyError(f"{name}: no Hugging Face equivalent")
+
+
+_HF_TOP = {v: k for k, v in _TOP.items()}
+_HF_DENSE = {v: k for k, v in _DENSE.items()}
+_HF_DENSE["mlp.gate.weight"] = "feed_forward.gate.weight"  # transformers 5 in-memory Mixtral name
+
+
+def hf_to_ours(key: str) -> tuple[str, Optional[int]]:
+    """Hugging Face key → (our name, expert index or None)."""
+    if key in _HF_TOP:
+        return _HF_TOP[key], None
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+    if m:
+        i, rest = m.groups()
+        if rest in _HF_DENSE:
+            return f"layers.{i}.{_HF_DENSE[rest]}", None
+        e = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
+        if e:
+            return f"layers.{i}.feed_forward.{e.group(2)}", int(e.group(1))
+    raise KeyError(f"{key}: not a Llama/Mixtral weight we know")
+
+
+# ------------------------------------------------------------------ reading safetensors
+class _Reader:
+    """Lazy access to tensors across one or several safetensors files (never unpickles)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        idx = os.path.join(path, INDEX)
+        if os.path.isfile(idx):
+            with open(idx) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, SINGLE)):
+            weight_map = None
+        else:
+            raise HFFormatError(f"{path}: neither {SINGLE} nor {INDEX} found (only safetensors are read)")
+        self._open = safe_open
+        self._handles: dict[str, Any] = {}
+        if weight_map is None:
+            h = self._handle(SINGLE)
+            weight_map = {k: SINGLE for k in h.keys()}
+        self.weight_map = weight_map
+
+    def _handle(self, fname: str):
+        if fname not in self._handles:
+            fp = os.path.join(self.path, fname)
+            try:
+                self._handles[fname] = self._open(fp, framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001
+                raise HFFormatError(f"{fp}: cannot open as safetensors: {exc}") from None
+        return self._handles[fname]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
+        fname = self.weight_map[key]
+        try:
+            return self._handle(fname).get_tensor(key)
+        except HFFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise HFFormatError(f"{os.path.join(self.path, fname)}: cannot read '{key}': {exc}") from None
+
+    def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Rows [start, start+length) of dim 0 without reading the rest."""
+        fname = self.weight_map[key]
+        return self._handle(fname).get_slice(key)[start:start + length]
+
+
+def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optional[tuple[int, int]]) -> torch.Tensor:
+    """The full tensor of our parameter ``name`` (global shape ``shape``; ``experts`` = (offset,
+    count) to read only those experts of a stacked expert weight)."""
+    m = re.match(r"^layers\.(\d+)\.feed_forward\.(w[123])$", name)
+    if m:
+        i, w = m.groups()
+        start, count = experts if experts else (0, shape[0])
+        per = f"model.layers.{i}.block_sparse_moe.experts.{{j}}.{w}.weight"
+        if per.format(j=start) in reader:
+            return torch.stack([reader.get(per.format(j=j)) for j in range(start, start + count)])
+        fused_gu = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        fused_d = f"model.layers.{i}.mlp.experts.down_proj"
+        if w == "w2" and fused_d in reader:
+            return reader.get_rows(fused_d, start, count)
+        if w in ("w1", "w3") and fused_gu in reader:
+            gu = reader.get_rows(fused_gu, start, count)  # (count, 2F, d): gate rows first, then up
+            f = gu.shape[1] // 2
+            return (gu[:, :f] if w == "w1" else gu[:, f:]).contiguous()
+        raise HFFormatError(f"{reader.path}: expert weights for {name} not found "
+                            f"(looked for {per.format(j=start)} and {fused_gu})")
+    if name == "output.weight" and "lm_head.weight" not in reader:
+        return reader.get("model.embed_tokens.weight")  # tied embeddings
+    return reader.get(ours_to_hf(name))
+
+
+# ------------------------------------------------------------------ import
+def _clean(name: str) -> str:
+    from paralayer.model import _clean_name
+
+    return _clean_name(name)
+
+
+@torch.no_grad()
+def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional[tuple]], torch.Tensor],
+                      vocab_size: int) -> None:
+    """Fill every parameter of ``model`` (any layout) from its FULL tensor ``full_for(name, global
+    shape, experts)``: the slicing of ``init_weights``. ``experts``: (offset, count) of the experts
+    this rank holds for a stacked expert weight, else None."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    owners = {}
+    for mod_name, mod in model.named_modules():
+        for p_name in getattr(mod, "local_slices", {}) or {}:
+            owners[_clean(f"{mod_name}.{p_name}" if mod_name else p_name)] = (mod, p_name)
+    for name, param in model.named_parameters():
+        clean = _clean(name)
+        global_shape = tuple(param.shape)
+        if clean in owners:
+            mod, p_name = owners[clean]
+            dim, offset, full_len = mod.local_slices[p_name]
+            # this rank's experts (a DTensor's shape is its global shape over expert-dp)
+            local_len = param.shape[dim]
+            shp = list(global_shape)
+            shp[dim] = full_len
+            if dim != 0:
+                raise HFFormatError(f"{clean}: expert slicing along dim {dim} is not supported")
+            full = full_for(clean, tuple(shp), (offset, local_len)).to(torch.float32)
+            expect = list(shp)
+            expect[dim] = local_len
+            if list(full.shape) != expect:
+                raise HFFormatError(f"{clean}: checkpoint shape {list(full.shape)} != model {expect}")
+        else:
+            full = full_for(clean, global_shape, None)
+            logical = list(global_shape)
+            if clean.startswith(("tok_embeddings.", "output.")):
+                logical[0] = vocab_size
+            if list(full.shape) != logical:
+                raise HFFormatError(f"{clean}: checkpoint shape {list(full.shape)} != model {logical} "
+                                    f"(is config.json the one of these weights?)")
+            if tuple(logical) != global_shape:
+                pad = torch.zeros(global_shape, dtype=full.dtype)
+                pad[: logical[0]] = full
+                full = pad
+        full = full.to(device=(param.to_local() if isinstance(param, DTensor) else param).device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+
+
+def load_hf_weights(model: nn.Module, path: str, cfg) -> None:
+    """Copy the Hugging Face weights at ``path`` into ``model`` (one pipeline chunk or the whole
+    model, under any tp / fsdp / ep layout). ``cfg``: the ModelConfig (its shape must match
+    config.json: use :func:`apply_hf_config` first)."""
+    reader = _Reader(path)
+    vocab = getattr(model, "vocab_size", cfg.vocab_size)
+    copy_full_tensors(model, lambda n, s, e: _full_for(reader, n, s, e), vocab)
+
+
+# ------------------------------------------------------------------ export
+def _gather_experts(t: torch.Tensor, mod) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if getattr(mod, "ep_group", None) is None or mod.ep_size == 1:
+        return t
+    out = torch.empty((mod.ep_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=mod.ep_group)  # ep rank order = expert order
+    return out
+
+
+def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str, torch.Tensor]:
+    """Full tensors of every parameter, by our clean names, on rank 0 of ``group`` (an empty dict
+    elsewhere). Collective: every rank calls it with its own chunks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        owners = {}
+        for mod_name, mod in part.named_modules():
+            for p_name in getattr(mod, "local_slices", {}) or {}:
+                owners[_clean(f"{mod_name}.{p_name}" if mod_name else p_name)] = mod
+        for name, p in part.named_parameters():
+            clean = _clean(name)
+            t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if clean in owners:
+                t = _gather_experts(t, owners[clean])
+            local[clean] = t.detach().to("cpu", copy=True)
+        vocab = getattr(part, "vocab_size", None)
+        for key in ("tok_embeddings.weight", "output.weight"):
+            if key in local and vocab is not None:
+                local[key] = local[key][:vocab].clone()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return local
+    # Each name is sent by the lowest rank holding it (pipeline stages hold different names).
+    world = dist.get_world_size(group)
+    names: list = [None] * world
+    dist.all_gather_object(names, sorted(local), group=group)
+    me = dist.get_rank(group)
+    owner: dict[str, int] = {}
+    for r, ns in enumerate(names):
+        for n in ns:
+            owner.setdefault(n, r)
+    mine = {n: t for n, t in local.items() if owner[n] == me}
+    out: list = [None] * world if me == 0 else None
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather_object(mine, out, dst=dst, group=group)
+    if me != 0:
+        return {}
+    full: dict[str, torch.Tensor] = {}
+    for d in out:
+        full.update(d)
+    return full
+
+
+def hf_config_dict(cfg) -> dict:
+    """Our ModelConfig → a transformers config.json (LlamaForCausalLM or MixtralForCausalLM)."""
+    m = cfg.moe
+    base = {
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": bool(cfg.tie_embeddings), "max_position_embeddings": cfg.seq_len,
+        "hidden_act": "silu", "head_dim": cfg.d_model // cfg.n_heads, "attention_bias": False,
+        "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
+        "torch_dtype": "float32", "use_cache": True,
+    }
+    if m.num_experts > 0:
+        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax":
+            raise HFFormatError("model.moe: only Mixtral-style MoE exports (every=1, router=softmax, no shared "
+                                f"expert); got every={m.every}, router={m.router}, shared_ffn_hidden={m.shared_ffn_hidden}")
+        base.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                     "intermediate_size": m.ffn_hidden or cfg.ffn_hidden, "num_local_experts": m.num_experts,
+                     "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
+                     "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None})
+    else:
+        base.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "intermediate_size": cfg.ffn_hidden, "mlp_bias": False, "pretraining_tp": 1})
+    return base
+
+
+def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", name):
+            for j in range(t.shape[0]):
+                out[ours_to_hf(name, expert=j)] = t[j].contiguous()
+        else:
+            out[ours_to_hf(name)] = t.contiguous()
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def export_hf(model_parts: Sequence[nn.Module], cfg, out_dir: str, group=None) -> Optional[str]:
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (rank 0 of ``group``) that
+    ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads. ``cfg``: the ModelConfig.
+    Collective over ``group``; returns out_dir on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    full = gather_full_state(model_parts, group)
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0:
+        return None
+    expected = {f"layers.{i}." for i in range(cfg.n_layers)}
+    missing = [p for p in sorted(expected) if not any(k.startswith(p) for k in full)]
+    if missing:
+        raise HFFormatError(f"export: no parameters for {missing} (were all pipeline chunks passed?)")
+    tensors = full_state_to_hf(full, cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2, sort_keys=True)
+    tmp = os.path.join(out_dir, SINGLE + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, SINGLE))
+    return out_dir

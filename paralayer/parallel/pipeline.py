@@ -1,0 +1,519 @@
+"""Pipeline parallel on ``torch.distributed.pipelining``: split, schedule, measure the bubble.
+
+Layout (the plan's convention, see docs/pipeline.md)
+    ``plan["stage_layers"][c]`` lists the GLOBAL layer indices of pipeline chunk ``c`` (there are
+    pp·v chunks). Chunk 0 also owns the embedding, the last chunk the final norm + head (+ loss).
+    Which pp rank runs chunk ``c``:
+      gpipe, 1f1b, interleaved   c % pp                (Megatron's looped/interleaved layout)
+      zbv, dualpipev             c for c < pp, 2pp−1−c after (the "V": rank 0 holds the first
+                                 and the last chunk; two chunks per rank, always)
+    A chunk is the plain :class:`~paralayer.model.Transformer` with the other layers deleted and
+    ``tok_embeddings`` / ``norm`` + ``output`` set to None where not owned, so parameter names are
+    the same under every layout and :func:`paralayer.model.init_weights` gives the same weights.
+
+Schedules (all torch's)
+    gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B,
+    zbv → ScheduleZBVZeroBubble, dualpipev → ScheduleDualPipeV (needs m ≥ 2·pp).
+
+Loss and gradients
+    ``loss_fn(logits, labels)`` returns the MEAN loss of one microbatch. torch's schedules sum the
+    microbatch gradients and divide by m at the end (``scale_grads=True``), so with equal
+    microbatches the gradient is the gradient of the mean over the step's batch; the runner
+    returns the mean of the m microbatch losses, broadcast over the pp group so EVERY pp rank
+    returns the same value (the last chunk lives on rank pp−1, or rank 0 under a V schedule).
+
+The measured bubble (``runner.bubble_measured``, every step)
+    Each rank records its compute actions (F forward, B backward — full, or input-grad only
+    under zero-bubble schedules — and W weight-grad) with ``time.perf_counter()`` around the
+    stage's ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``; the
+    last chunk's loss is counted inside its F. Times are relative to the end of a barrier on the
+    pp group just before the step, so ranks on different hosts line up to within a barrier's skew.
+    Then, over the window W = [first action start on any rank, last action end on any rank]:
+
+        busy_r = Σ durations of rank r's actions,   idle_r = W − busy_r
+        bubble_measured = mean_r(idle_r) / mean_r(busy_r)
+
+    For GPipe/1F1B with per-microbatch forward+backward time t on every stage the window is
+    (m+p−1)·t and busy is m·t, so the definition gives exactly (p−1)/m, the formula the plan uses
+    (and (p−1)/(v·m) for interleaved). Communication waits and framework overhead between actions
+    count as idle — that is what a real bubble costs.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+V_SCHEDULES = ("zbv", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+
+
+# ------------------------------------------------------------------ layout (torch-free helpers)
+def chunks_per_rank(schedule: str, vpp: int = 1) -> int:
+    """Chunks each pp rank holds: vpp for gpipe/1f1b/interleaved (gpipe/1f1b want 1), 2 for V."""
+    if schedule in V_SCHEDULES:
+        return 2
+    return max(1, int(vpp))
+
+
+def chunk_to_rank(chunk: int, pp: int, schedule: str) -> int:
+    """The pp rank that runs ``chunk`` (see the module docstring)."""
+    if schedule in V_SCHEDULES:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def rank_chunks(pp_rank: int, pp: int, n_chunks: int, schedule: str) -> list[int]:
+    """Chunk indices held by ``pp_rank``, in pipeline order (ascending)."""
+    return [c for c in range(n_chunks) if chunk_to_rank(c, pp, schedule) == pp_rank]
+
+
+def auto_balance(n_layers: int, chunks: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[int]:
+    """Layers per chunk (contiguous, ≥ 1 each) minimising the most loaded chunk's cost.
+
+    A layer costs 1; the embedding counts ``embed_cost`` layer-equivalents on chunk 0 and the final
+    norm + head + loss ``head_cost`` on the last chunk (Megatron's
+    ``account_for_embedding/loss_in_pipeline_split`` count one layer each, the default here).
+    Ties go to the split closest to even. Examples: 6 layers on 4 chunks → [1, 2, 2, 1]
+    (costs 2, 2, 2, 2); 8 layers on 4 chunks → [2, 2, 2, 2] (costs 3, 2, 2, 3; the unevener
+    [1, 3, 3, 1] has the same maximum, 3, and loses the tie).
+    """
+    if chunks < 1 or n_layers < chunks:
+        raise ValueError(f"cannot split {n_layers} layers into {chunks} chunks of at least one layer")
+    extra = [0.0] * chunks
+    extra[0] += embed_cost
+    extra[-1] += head_cost
+    even = n_layers / chunks
+    # dp[c][n] = (max cost, squared deviation) best for the first c chunks holding n layers.
+    INF = (float("inf"), float("inf"))
+    best = [[INF] * (n_layers + 1) for _ in range(chunks + 1)]
+    choice = [[0] * (n_layers + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0.0)
+    for c in range(1, chunks + 1):
+        for n in range(c, n_layers - (chunks - c) + 1):
+            for k in range(1, n - (c - 1) + 1):
+                prev = best[c - 1][n - k]
+                if prev[0] == float("inf"):
+                    continue
+                cand = (max(prev[0], k + extra[c - 1]), prev[1] + (k - even) ** 2)
+                if cand < best[c][n]:
+                    best[c][n] = cand
+                    choice[c][n] = k
+    out, n = [], n_layers
+    for c in range(chunks, 0, -1):
+        k = choice[c][n]
+        out.append(k)
+        n -= k
+    return out[::-1]
+
+
+def default_stage_layers(n_layers: int, pp: int, vpp: int = 1, schedule: str = "1f1b",
+                         pp_layout: Optional[Sequence[int]] = None) -> list[list[int]]:
+    """Global layer indices per pipeline chunk (pp·v chunks; v = 2 for zbv/dualpipev).
+
+    ``pp_layout`` (layers per chunk, in chunk order) gives an explicit uneven split; without it
+    the split is even when the layers divide, else :func:`auto_balance`.
+    """
+    n_chunks = pp * chunks_per_rank(schedule, vpp)
+    if pp_layout is not None:
+        counts = [int(x) for x in pp_layout]
+        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(f"parallel.pp_layout must list {n_chunks} positive layer counts summing to "
+                             f"model.n_layers={n_layers}, got {list(pp_layout)}")
+    elif n_layers % n_chunks == 0:
+        counts = [n_layers // n_chunks] * n_chunks
+    else:
+        counts = auto_balance(n_layers, n_chunks)
+    out, start = [], 0
+    for k in counts:
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
+def _plan_layout(plan: dict) -> tuple[int, str, list[list[int]]]:
+    d = plan["degrees"]
+    pp = int(d["pp"])
+    schedule = str(plan.get("schedule") or "1f1b")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    stage_layers = plan.get("stage_layers")
+    if not stage_layers:
+        raise ValueError("plan has no stage_layers (the resolver lists the layers of every pipeline chunk)")
+    return pp, schedule, [list(map(int, s)) for s in stage_layers]
+
+
+# ------------------------------------------------------------------ split
+def split_model(model: nn.Module, plan: dict, pp_rank: int) -> list[nn.Module]:
+    """This rank's pipeline chunks, in pipeline order: deep copies of the (meta) model holding
+    only their layers; the embedding stays on chunk 0, norm + head on the last chunk.
+
+    Each returned chunk carries ``pp_chunk`` (its global chunk index) for :class:`PipelineRunner`.
+    """
+    pp, schedule, stage_layers = _plan_layout(plan)
+    n_chunks = len(stage_layers)
+    mine = rank_chunks(pp_rank, pp, n_chunks, schedule)
+    if not mine:
+        raise ValueError(f"pp rank {pp_rank} holds no chunk of {n_chunks} (pp={pp}, schedule={schedule})")
+    chunks = []
+    for c in mine:
+        keep = {str(i) for i in stage_layers[c]}
+        chunk = copy.deepcopy(model)
+        for name in list(chunk.layers.keys()):
+            if name not in keep:
+                del chunk.layers[name]
+        if c != 0:
+            chunk.tok_embeddings = None
+        if c != n_chunks - 1:
+            chunk.norm = None
+            chunk.output = None
+        chunk.pp_chunk = c
+        chunks.append(chunk)
+    return chunks
+
+
+# ------------------------------------------------------------------ MoE aux loss through the pipe
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``h``; in backward gives ``aux`` the gradient ``coef`` (Megatron's
+    MoEAuxLossAutoScaler), so each chunk's load-balancing loss joins the backward of its own
+    microbatch without travelling down the pipe. The schedule's final ÷m applies to it too."""
+
+    @staticmethod
+    def forward(ctx, h, aux, coef):
+        ctx.coef = coef
+        ctx.aux_shape = aux.shape
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        return grad_h, torch.full(ctx.aux_shape, ctx.coef, dtype=grad_h.dtype, device=grad_h.device), None
+
+
+def _aux_hook(coef: float):
+    def hook(module, inputs, output):
+        aux_fn = getattr(module, "aux_loss", None)
+        aux = aux_fn() if aux_fn is not None else None
+        if aux is None or not torch.is_grad_enabled():
+            return output
+        return _AttachAux.apply(output, aux, coef)
+
+    return hook
+
+
+# ------------------------------------------------------------------ the runner
+class PipelineRunner:
+    """Runs one training step's forward + backward over ``plan["microbatches"]`` microbatches.
+
+    Args:
+        chunks: this rank's chunks from :func:`split_model`, after TP/FSDP and materialisation.
+        pp_group: the pp ProcessGroup, or a 1-D DeviceMesh of the pp axis.
+        plan: the plan dict (``degrees``, ``microbatches``, ``schedule``, ``stage_layers``).
+        loss_fn: ``loss_fn(logits, labels) -> scalar`` MEAN loss of one microbatch.
+        device: the device the stages run on.
+        microbatch_shape: optional (b, s) of one microbatch's tokens; checked against step()'s input.
+        loss_parallel: run the step under ``loss_parallel()`` (vocab-sharded logits under TP).
+        aux_loss_coef: if > 0, each chunk's ``aux_loss()`` (MoE) is added to the objective with
+            this weight (gradient only; the returned loss is the LM loss alone).
+        measure: record the timeline and compute ``bubble_measured`` every step.
+
+    After ``step``: ``last_timeline`` (this rank's events, dicts with action F/B/W, mb, chunk,
+    start, end in seconds from the step's common origin), ``bubble_measured`` (float, same on all
+    pp ranks), ``busy_by_rank`` / ``window`` (seconds).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], pp_group: Any, plan: dict,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
+                 microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
+                 aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as S
+
+        if hasattr(pp_group, "get_group"):  # DeviceMesh
+            pp_group = pp_group.get_group()
+        self.group = pp_group
+        self.pp, self.schedule_name, stage_layers = _plan_layout(plan)
+        if dist.get_world_size(pp_group) != self.pp:
+            raise ValueError(f"pp group has {dist.get_world_size(pp_group)} ranks, plan says pp={self.pp}")
+        self.pp_rank = dist.get_rank(pp_group) if pp_rank is None else pp_rank
+        self.n_chunks = len(stage_layers)
+        self.m = int(plan["microbatches"])
+        self.device = torch.device(device)
+        self.microbatch_shape = tuple(microbatch_shape) if microbatch_shape is not None else None
+        self.loss_parallel = loss_parallel
+        self.measure = measure
+        ids = rank_chunks(self.pp_rank, self.pp, self.n_chunks, self.schedule_name)
+        if len(ids) != len(chunks):
+            raise ValueError(f"pp rank {self.pp_rank} should hold chunks {ids}, got {len(chunks)} modules")
+        for c, mod in zip(ids, chunks):
+            if getattr(mod, "pp_chunk", c) != c:
+                raise ValueError(f"chunk order mismatch: expected chunk {c}, got {mod.pp_chunk}")
+        self.chunks = list(chunks)
+        self.chunk_ids = ids
+        if aux_loss_coef:
+            for mod in self.chunks:
+                mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
+
+        self.events: list[dict] = []
+        self._t0 = 0.0
+        self.stages = []
+        for c, mod in zip(ids, self.chunks):
+            st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group)
+            self._instrument(st, c)
+            self.stages.append(st)
+        self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
+
+        def timed_loss(logits, labels):
+            loss = loss_fn(logits, labels)
+            if self.measure and self.events:
+                self.events[-1]["end"] = time.perf_counter() - self._t0  # the loss belongs to F
+            return loss
+
+        cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved": S.ScheduleInterleaved1F1B,
+               "zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[self.schedule_name]
+        if self.schedule_name in ("gpipe", "1f1b"):
+            if len(self.stages) != 1:
+                raise ValueError(f"{self.schedule_name} runs one chunk per rank; use schedule=interleaved for vpp>1")
+            self.schedule = cls(self.stages[0], n_microbatches=self.m, loss_fn=timed_loss, scale_grads=True)
+        else:
+            if self.schedule_name == "dualpipev" and self.m < 2 * self.pp:
+                raise ValueError(f"dualpipev needs microbatches ≥ 2·pp = {2 * self.pp}, got {self.m}")
+            self.schedule = cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=True)
+
+        self.last_timeline: list[dict] = []
+        self.bubble_measured: Optional[float] = None
+        self.busy_by_rank: list[float] = []
+        self.window: Optional[float] = None
+
+    # ---- instrumentation
+    def _instrument(self, stage, chunk: int) -> None:
+        runner = weakref.proxy(self)
+
+        def wrap(fn, action_of):
+            def timed(*args, **kwargs):
+                if not runner.measure:
+                    return fn(*args, **kwargs)
+                start = time.perf_counter() - runner._t0
+                out = fn(*args, **kwargs)
+                end = time.perf_counter() - runner._t0
+                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
+                runner.events.append({"action": action_of(kwargs), "mb": int(mb), "chunk": chunk,
+                                      "start": start, "end": end})
+                return out
+            return timed
+
+        stage.forward_one_chunk = wrap(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = wrap(stage.backward_one_chunk,
+                                        lambda kw: "B")
+        stage.backward_weight_one_chunk = wrap(stage.backward_weight_one_chunk, lambda kw: "W")
+
+    # ---- one step
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor,
+             autocast_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Forward + backward of this dp rank's batch (split into m microbatches along dim 0).
+
+        Accumulates ``param.grad`` (zero them before); returns the mean microbatch loss as a 0-d
+        fp32 tensor on EVERY pp rank (broadcast from the rank holding the last chunk).
+        """
+        if tokens.shape[0] % self.m:
+            raise ValueError(f"batch of {tokens.shape[0]} sequences does not split into {self.m} microbatches")
+        if self.microbatch_shape is not None and (tokens.shape[0] // self.m,) + tuple(tokens.shape[1:]) != \
+                tuple(self.microbatch_shape):
+            raise ValueError(f"microbatch shape {(tokens.shape[0] // self.m,) + tuple(tokens.shape[1:])} "
+                             f"!= declared {self.microbatch_shape}")
+        self.events = []
+        if self.measure:
+            dist.barrier(group=self.group)
+        self._t0 = time.perf_counter()
+        holds_first = 0 in self.chunk_ids
+        holds_last = (self.n_chunks - 1) in self.chunk_ids
+        args = (tokens,) if holds_first else ()
+        losses: list[torch.Tensor] = []
+        ctx = contextlib.ExitStack()
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx.enter_context(loss_parallel())
+        if autocast_dtype is not None:
+            ctx.enter_context(torch.autocast(self.device.type, dtype=autocast_dtype))
+        with ctx:
+            self.schedule.step(*args, target=labels if holds_last else None,
+                               losses=losses if holds_last else None, return_outputs=False)
+        if holds_last:
+            loss = torch.stack([x.detach().float().reshape(()) for x in losses]).mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss = loss.reshape(1).contiguous()
+        dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
+        if self.measure:
+            self._finish_measure()
+        return loss[0]
+
+    def _finish_measure(self) -> None:
+        ev = self.events
+        busy = sum(e["end"] - e["start"] for e in ev)
+        first = min((e["start"] for e in ev), default=0.0)
+        last = max((e["end"] for e in ev), default=0.0)
+        mine = torch.tensor([busy, first, last], dtype=torch.float64)
+        allv = torch.zeros(self.pp * 3, dtype=torch.float64)
+        dist.all_gather_into_tensor(allv, mine, group=self.group)
+        allv = allv.view(self.pp, 3)
+        window = float(allv[:, 2].max() - allv[:, 1].min())
+        busy_r = allv[:, 0].tolist()
+        mean_busy = sum(busy_r) / len(busy_r)
+        mean_idle = sum(window - b for b in busy_r) / len(busy_r)
+        self.window = window
+        self.busy_by_rank = busy_r
+        self.bubble_measured = mean_idle / mean_busy if mean_busy > 0 else None
+        self.last_timeline = [dict(e, rank=self.pp_rank) for e in ev]
+
+    def gather_timeline(self) -> list[list[dict]]:
+        """Collective over the pp group: every rank's ``last_timeline``, indexed by pp rank."""
+        out: list = [None] * self.pp
+        dist.all_gather_object(out, self.last_timeline, group=self.group)
+        return out
+
+
+# ------------------------------------------------------------------ measurement helpers
+def bubble_from_timelines(events_by_stage: Sequence[Sequence[dict]]) -> float:
+    """The bubble definition of the module docstring, from gathered timelines."""
+    evs = [e for row in events_by_stage for e in row]
+    window = max(e["end"] for e in evs) - min(e["start"] for e in evs)
+    busy = [sum(e["end"] - e["start"] for e in row) for row in events_by_stage]
+    mean_busy = sum(busy) / len(busy)
+    return (window - mean_busy) / mean_busy
+
+
+class ActivationMemory:
+    """Live bytes of tensors saved for backward (``saved_tensors_hooks``), and their peak.
+
+    Parameters (and views of them) are not activations and are skipped; a storage saved several
+    times counts once; bytes are released when autograd frees the saved tensor (after the
+    backward — for zero-bubble schedules after the weight-grad pass)::
+
+        with ActivationMemory(model.parameters()) as mem:
+            runner.step(tokens, labels)
+        mem.peak_bytes
+    """
+
+    def __init__(self, params=()):
+        self.param_ptrs = set()
+        for p in params:
+            t = p.to_local() if hasattr(p, "to_local") else p
+            self.param_ptrs.add(t.untyped_storage().data_ptr())
+        self.live = 0
+        self.peak_bytes = 0
+        self._refs: dict[int, int] = {}
+        self._ctx = None
+
+    def _pack(self, t):
+        base = t._local_tensor if hasattr(t, "_local_tensor") else t
+        try:
+            st = base.untyped_storage()
+        except Exception:  # noqa: BLE001 - e.g. sparse / meta: not counted
+            return t
+        ptr = st.data_ptr()
+        if ptr in self.param_ptrs or st.nbytes() == 0:
+            return t
+        n = self._refs.get(ptr, 0)
+        if n == 0:
+            self.live += st.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live)
+        self._refs[ptr] = n + 1
+        return _Saved(t, ptr, st.nbytes(), self)
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if isinstance(x, _Saved) else x
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        n = self._refs.get(ptr, 0) - 1
+        if n <= 0:
+            self._refs.pop(ptr, None)
+            self.live -= nbytes
+        else:
+            self._refs[ptr] = n
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        return False
+
+
+class _Saved:
+    __slots__ = ("t", "ptr", "nbytes", "owner")
+
+    def __init__(self, t, ptr, nbytes, owner):
+        self.t, self.ptr, self.nbytes, self.owner = t, ptr, nbytes, owner
+
+    def __del__(self):
+        try:
+            self.owner._release(self.ptr, self.nbytes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# ------------------------------------------------------------------ the picture
+_COLOURS = {"F": ("#4C72B0", "#9DB7DD"), "B": ("#55A868", "#A5D6A7"), "I": ("#55A868", "#A5D6A7"),
+            "W": ("#DD8452", "#F2C09F")}
+_IDLE = "#E6E6E6"
+
+
+def plot_timeline(events_by_stage: Sequence[Sequence[dict]], path: str, title: Optional[str] = None) -> str:
+    """One row per pp rank: forward (blue), backward (green; input-grad under zero-bubble), weight
+    grad (orange), idle (grey); the lighter shade marks a rank's later chunk (interleaved / V).
+    Microbatch numbers (1-based, as in Narayanan et al.) sit on the blocks. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = [list(r or []) for r in events_by_stage]
+    evs = [e for r in rows for e in r]
+    if not evs:
+        raise ValueError("no events to plot (was measure=False?)")
+    t0 = min(e["start"] for e in evs)
+    t1 = max(e["end"] for e in evs)
+    span = max(t1 - t0, 1e-9)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.35 * len(evs) / max(1, len(rows)) + 6)),
+                                    0.6 * len(rows) + 1.4))
+    for r, row in enumerate(rows):
+        y = len(rows) - 1 - r
+        ax.barh(y, span * 1e3, left=0, height=0.8, color=_IDLE, edgecolor="none")
+        chunks = sorted({e["chunk"] for e in row})
+        for e in row:
+            shade = 0 if chunks.index(e["chunk"]) == 0 else 1
+            colour = _COLOURS.get(e["action"], ("#999999", "#CCCCCC"))[shade]
+            left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
+            ax.barh(y, width, left=left, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
+            if width > span * 1e3 / 120:
+                ax.text(left + width / 2, y, str(e["mb"] + 1), ha="center", va="center", fontsize=7,
+                        color="white" if shade == 0 else "black")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"stage {len(rows) - 1 - i}" for i in range(len(rows))])
+    ax.set_xlabel("time (ms)")
+    ax.set_xlim(0, span * 1e3)
+    ax.set_title(title or "pipeline timeline")
+    ax.legend(handles=[Patch(color=_COLOURS["F"][0], label="forward"),
+                       Patch(color=_COLOURS["B"][0], label="backward (input grad under ZB)"),
+                       Patch(color=_COLOURS["W"][0], label="weight grad"),
+                       Patch(color=_IDLE, label="idle")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

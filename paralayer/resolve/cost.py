@@ -1,0 +1,120 @@
+"""Cost of a layout: pipeline bubble, FLOPs per token, communication per parallel axis.
+
+Why: the dry run shows what a layout costs before it runs, and the planner ranks thousands of
+layouts with these numbers, so everything is a pure, torch-free function of (config, layout).
+
+Communication is per device per optimizer step: ``message_bytes`` is one collective's payload,
+``count_per_step`` how many of them, ``bytes_per_step`` their product (payload, not the wire
+bytes of a particular algorithm: a ring all-reduce moves 2(n−1)/n of the payload per device).
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM, is_moe_layer, matmul_params, rank_chunks, rank_params
+from paralayer.resolve.rules import Layout
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipeline step, relative to the ideal compute time.
+
+    gpipe, 1f1b: (p−1)/m (Huang et al. 2019; Narayanan et al. 2021).
+    interleaved: (p−1)/(v·m) (Narayanan et al. 2021, Megatron virtual pipeline).
+    zbv: 0 when m ≥ 2p, taking T_F = T_B = T_W (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+        ZB-V; sail-sg/zero-bubble-pipeline-parallelism table). With m < 2p the V cannot fill; we
+        then charge the interleaved figure with v = 2, (p−1)/(2m), as an estimate.
+    dualpipev: DualPipe's bubble (PP/2 − 1)(F&B + B − 3W) (deepseek-ai/DualPipe README, DeepSeek-V3
+        report) for the V variant on p ranks (2p chunks, so PP/2 − 1 → p − 1), in chunk units with
+        F = 1, B = 2, W = 1 and no F&B overlap (F&B = F + B = 3): 2(p−1) idle vs 6m of work per rank
+        → (p−1)/(3m).
+    """
+    if p <= 1 or m <= 0:
+        return 0.0
+    if schedule == "interleaved":
+        return (p - 1) / (v * m)
+    if schedule == "zbv":
+        return 0.0 if m >= 2 * p else (p - 1) / (2 * m)
+    if schedule == "dualpipev":
+        return (p - 1) / (3 * m)
+    return (p - 1) / m
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token: 6·N + 12·L·h·s (torchtitan / PaLM convention; attention not halved
+    for the causal mask). N = active matmul parameters (MoE: top_k of E experts)."""
+    m = cfg.model
+    return int(6 * matmul_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len)
+
+
+def _entry(collective: str, message: float, count: float, group: int) -> dict:
+    message, count = int(message), int(count)
+    return {"collective": collective, "message_bytes": message, "count_per_step": count,
+            "bytes_per_step": message * count, "group_size": group}
+
+
+def comm(cfg: Config, lay: Layout) -> dict:
+    """Per-axis communication of the first pipeline rank (the one the memory figure is for).
+
+    tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
+        forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward).
+    pp: send/recv of s·b·h activations: per chunk per microbatch one forward send and one backward.
+    cp: K/V blocks around the ring: (cp−1) steps per attention layer in forward, 2·(cp−1) in backward
+        (K/V again plus partial dK/dV), each 2·(s/cp)·b·(h·g/a)/tp.
+    ep: all-to-all of routed token rows (tokens·top_k·h), dispatch + combine, forward and backward.
+    dp: gradient sync over dp·cp: ZeRO 0 all-reduce of fp32 grads once per step; ZeRO 1/2
+        reduce-scatter of grads + all-gather of weights; ZeRO 3 adds a weight all-gather per
+        microbatch in forward and in backward.
+    """
+    m = cfg.model
+    ab = ACT_BYTES[lay.precision]
+    wb, gb, _ = BYTES_PER_PARAM[lay.precision]
+    mm = lay.microbatches
+    s_local = m.seq_len / lay.cp
+    tokens = lay.micro_batch * s_local
+    act_msg = tokens * m.d_model * ab
+    dense, expert, n_layers = rank_params(cfg, lay, 0)
+    n_moe = sum(1 for c in rank_chunks(lay, 0) for i in lay.stage_layers[c] if is_moe_layer(cfg, i))
+    fwd_extra = 1 if lay.recompute == "full" else 0
+    out: dict = {}
+
+    if lay.tp > 1:
+        coll = "all-gather+reduce-scatter" if lay.sequence_parallel else "all-reduce"
+        out["tp"] = _entry(coll, act_msg, (4 + 2 * fwd_extra) * n_layers * mm, lay.tp)
+    else:
+        out["tp"] = _entry("none", 0, 0, 1)
+
+    if lay.pp > 1:
+        chunks_here = lay.chunks // lay.pp
+        out["pp"] = _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
+                           2 * chunks_here * mm, lay.pp)
+    else:
+        out["pp"] = _entry("none", 0, 0, 1)
+
+    if lay.cp > 1:
+        kv = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp * ab
+        out["cp"] = _entry("ring send/recv (K,V)", kv, (3 + fwd_extra) * (lay.cp - 1) * n_layers * mm, lay.cp)
+    else:
+        out["cp"] = _entry("none", 0, 0, 1)
+
+    if lay.ep > 1 and m.moe.num_experts > 0:
+        rows = tokens * m.moe.top_k
+        out["ep"] = _entry("all-to-all", rows * m.d_model * ab, (4 + 2 * fwd_extra) * n_moe * mm, lay.ep)
+    else:
+        out["ep"] = _entry("none", 0, 0, 1)
+
+    d = lay.dp * lay.cp
+    if d > 1:
+        # expert grads are reduced over dp·cp/ep ranks only; count them with the rest (upper bound)
+        n = dense + expert
+        if lay.zero == 0:
+            out["dp"] = _entry("all-reduce", n * gb, 1, d)
+        elif lay.zero in (1, 2):
+            e = _entry("reduce-scatter+all-gather", n * gb, 1, d)
+            e["bytes_per_step"] = int(n * (gb + wb))
+            out["dp"] = e
+        else:
+            e = _entry("all-gather+reduce-scatter", n * wb, 2 * mm + 1, d)
+            e["bytes_per_step"] = int(n * (2 * mm * wb + gb))
+            out["dp"] = e
+    else:
+        out["dp"] = _entry("none", 0, 0, 1)
+    return out

@@ -1,0 +1,272 @@
+"""Memory per device, for the most loaded pipeline rank (usually the first stage).
+
+Why: a layout that does not fit should be rejected before minutes of start-up, and the planner
+needs the number for thousands of layouts, so this is plain arithmetic on the config (no torch).
+
+Sources: Megatron theoretical_memory_usage.py; Korthikanti et al. 2022 (activations); the
+Ultra-Scale Playbook (bytes per parameter by ZeRO stage). The activation constants are OURS:
+measured on ``paralayer/model.py`` (TransformerBlock, fp32, CPU) with
+``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and RoPE tables excluded)
+and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per layer, elements:
+
+    recompute=none       10h + 4f + a + 2     (replicated under TP: 5h + 2; sharded: 5h + a + 4f)
+    recompute=selective   8h + 2h·g/a + 3f + 2 (attention core and SwiGLU product recomputed:
+                                               replicated 5h + 2; sharded 3h + 2h·g/a + 3f)
+    recompute=full        h                    (the layer input; one layer's "none" set is live
+                                               again while it is recomputed)
+    MoE feed-forward     3·k·h + 4·k·f_E + E  (dropless, balanced routing; replaces the 4f; the
+                                               3·k·h routed rows replicated, 4·k·f_E sharded)
+
+(h d_model, a heads, g kv heads, f ffn width, k top_k, E experts, f_E expert width.) K/V are
+counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA.
+Sequence parallel: the replicated part is split over tp except the two all-gathered linear inputs
+(q/k/v and w1/w3 inputs), which DTensor saves whole (2h) — an assumption from DTensor semantics,
+not measured here. Context parallel divides the tokens. Predictions are lower bounds (allocator
+fragmentation, temporary buffers and communication buffers are not counted; Megatron #525, #597).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paralayer.config import Config
+from paralayer.resolve.rules import Layout, chunk_rank
+
+GIB = 1024 ** 3
+
+#: Bytes per parameter (weights, grads, optimizer) before ZeRO sharding.
+#: fp32 (CPU): weights 4 + grads 4 + Adam m, v 8.
+#: bf16 mixed: weights 2 + grads 4 (accumulated and reduced in fp32) + fp32 master, m, v 12.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}
+ACT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def is_moe_layer(cfg: Config, i: int) -> bool:
+    """Same rule as paralayer.model.is_moe_layer (copied: that module imports torch)."""
+    return cfg.model.moe.num_experts > 0 and (i + 1) % cfg.model.moe.every == 0
+
+
+# ------------------------------------------------------------------ parameter counts
+def attn_params(cfg: Config) -> int:
+    """q, k, v, o of a GQA layer: h·hd·(2a + 2g) = 2h²(1 + g/a)."""
+    m = cfg.model
+    hd = m.d_model // m.n_heads
+    return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
+
+
+def expert_params(cfg: Config) -> int:
+    """One expert's SwiGLU: 3·h·f_E."""
+    m = cfg.model
+    return 3 * m.d_model * (m.moe.ffn_hidden or m.ffn_hidden)
+
+
+def layer_params(cfg: Config, i: int, active: bool = False) -> int:
+    """Parameters of layer i: attention + 2 norms + (SwiGLU 3hf | router hE + experts + shared)."""
+    m = cfg.model
+    h = m.d_model
+    n = attn_params(cfg) + 2 * h
+    if is_moe_layer(cfg, i):
+        e = m.moe.top_k if active else m.moe.num_experts
+        n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
+    else:
+        n += 3 * h * m.ffn_hidden
+    return n
+
+
+def parameter_counts(cfg: Config) -> dict:
+    """Total and active (MoE: top_k of E experts) parameters, with the published (unpadded) vocab."""
+    m = cfg.model
+    emb = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    total = sum(layer_params(cfg, i) for i in range(m.n_layers)) + emb + m.d_model
+    active = sum(layer_params(cfg, i, True) for i in range(m.n_layers)) + emb + m.d_model
+    return {"total": total, "active": active}
+
+
+def matmul_params(cfg: Config) -> int:
+    """Active parameters in a matmul per token (embedding lookup and norms excluded, output head in):
+    the N of 6·N (same count as paralayer.model.count_matmul_params)."""
+    m = cfg.model
+    h = m.d_model
+    n = 0
+    for i in range(m.n_layers):
+        n += attn_params(cfg)
+        if is_moe_layer(cfg, i):
+            n += m.moe.top_k * expert_params(cfg) + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+        else:
+            n += 3 * h * m.ffn_hidden
+    return n + h * m.vocab_size
+
+
+# ------------------------------------------------------------------ per-rank split
+def rank_chunks(lay: Layout, r: int) -> list[int]:
+    return [c for c in range(lay.chunks) if chunk_rank(c, lay.pp, lay.schedule) == r]
+
+
+def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
+    """(dense params, expert params, layers) held by pipeline rank r, after tp/ep sharding.
+
+    Norms and the router are replicated over tp; attention, MLPs, the vocab-parallel embedding and
+    output head are split over tp; experts are split over ep (dim 0) and over tp (their width)."""
+    m = cfg.model
+    h, t = m.d_model, lay.tp
+    chunks = rank_chunks(lay, r)
+    layers = [i for c in chunks for i in lay.stage_layers[c]]
+    dense = 0.0
+    expert = 0.0
+    for i in layers:
+        dense += attn_params(cfg) / t + 2 * h
+        if is_moe_layer(cfg, i):
+            dense += h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden / t
+            expert += (m.moe.num_experts / lay.ep) * expert_params(cfg) / t
+        else:
+            dense += 3 * h * m.ffn_hidden / t
+    first, last = 0 in chunks, (lay.chunks - 1) in chunks
+    vocab = lay.padded_vocab * h / t
+    if first:
+        dense += vocab
+    if last:
+        dense += h  # final norm
+        if not (m.tie_embeddings and first):
+            dense += vocab
+    return dense, expert, len(layers)
+
+
+# ------------------------------------------------------------------ activations
+def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None) -> float:
+    """Saved elements per token for one layer on one device (see the module docstring)."""
+    m = cfg.model
+    h, a, g, f, t = m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, lay.tp
+    mode = recompute or lay.recompute
+    if mode == "full":
+        return h / t if lay.sequence_parallel else h
+    rep = 5 * h + 2
+    if mode == "none":
+        shard = 5 * h + a
+        ffn_mult = 4
+    else:  # selective
+        shard = 3 * h + 2 * h * g / a
+        ffn_mult = 3
+    if moe:
+        mo = m.moe
+        fe = mo.ffn_hidden or f
+        rows = routed_rows_per_token(cfg)
+        rep += 3 * rows * h + mo.num_experts
+        shard += ffn_mult * (rows * fe + mo.shared_ffn_hidden)
+    else:
+        shard += ffn_mult * f
+    if lay.sequence_parallel:
+        return 2 * h + (rep - 2 * h) / t + shard / t
+    return rep + shard / t
+
+
+def routed_rows_per_token(cfg: Config) -> float:
+    """Expert rows per token: top_k (dropless), or fewer when capacity_factor·top_k < top_k."""
+    mo = cfg.model.moe
+    if mo.capacity_factor is None:
+        return float(mo.top_k)
+    return min(float(mo.top_k), mo.top_k * mo.capacity_factor)
+
+
+def in_flight(lay: Layout, r: int) -> float:
+    """Microbatches whose activations rank r holds at peak (times its own layers).
+
+    GPipe: all m. 1F1B: p − r. Interleaved (Megatron): (p − r)·(1 + (p−1)/(p·v)).
+    ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1
+    (DualPipe README: activation PP+1). Never more than m."""
+    p, mm = lay.pp, lay.microbatches
+    if p == 1:
+        return 1.0
+    s = lay.schedule
+    if s == "gpipe":
+        return float(mm)
+    if s == "1f1b":
+        return float(min(mm, p - r))
+    if s == "interleaved":
+        return min(mm, p - r) * (1 + (p - 1) / (p * lay.vpp))
+    if s == "zbv":
+        return float(min(mm, p))
+    if s == "dualpipev":
+        return float(min(mm, p + 1))
+    return float(min(mm, p))
+
+
+@dataclass
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    capacity: int | None
+    reserve: int
+    stage: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity - self.reserve
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "total": self.total, "capacity": self.capacity}
+
+
+def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, activations) bytes on pipeline rank r.
+
+    ZeRO shards over the ranks that hold the same weights: dp·cp for dense weights, the
+    expert-data-parallel group dp·cp/ep for experts. Stage 1 shards the optimizer, 2 also the grads,
+    3 also the weights: bf16 Z0 2+4+12, Z1 2+4+12/d, Z2 2+(4+12)/d, Z3 (2+4+12)/d bytes per param."""
+    wb, gb, ob = BYTES_PER_PARAM[lay.precision]
+    dense, expert, _ = rank_params(cfg, lay, r)
+    d_dense = lay.dp * lay.cp
+    d_exp = max(d_dense // max(lay.ep, 1), 1)
+    z = lay.zero
+
+    def shard(n: float, d: int, stage: int) -> float:
+        return n / d if z >= stage else n
+
+    params = wb * (shard(dense, d_dense, 3) + shard(expert, d_exp, 3))
+    grads = gb * (shard(dense, d_dense, 2) + shard(expert, d_exp, 2))
+    opt = ob * (shard(dense, d_dense, 1) + shard(expert, d_exp, 1))
+
+    m = cfg.model
+    ab = ACT_BYTES[lay.precision]
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    chunks = rank_chunks(lay, r)
+    layers = [i for c in chunks for i in lay.stage_layers[c]]
+    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab
+    acts = in_flight(lay, r) * per_mb
+    if lay.recompute == "full" and layers:
+        # the layer being recomputed holds its whole activation set once
+        acts += max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none") for i in layers) * tokens * ab
+    if (lay.chunks - 1) in chunks:
+        # fp32 logits for the loss, 4·s·b·V/t (vocab-parallel), per microbatch in flight at the end
+        last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
+        acts += 4 * tokens * lay.padded_vocab / lay.tp * last_in_flight
+        acts += tokens * m.d_model * ab  # output head input (final norm output)
+    return int(params), int(grads), int(opt), int(acts)
+
+
+def memory(cfg: Config, lay: Layout) -> Memory:
+    """The most loaded pipeline rank's memory (max over ranks; ties go to the first stage)."""
+    best = None
+    for r in range(lay.pp):
+        parts = rank_memory(cfg, lay, r)
+        if best is None or sum(parts) > sum(best[1]):
+            best = (r, parts)
+    assert best is not None
+    r, (pa, gr, op, ac) = best
+    cap = cfg.cluster.device_memory_gib
+    capacity = int(cap * GIB) if cap is not None else None
+    reserve = int(cfg.cluster.memory_reserve_gib * GIB)
+    return Memory(pa, gr, op, ac, capacity, reserve, r)
+
+
+def gib(n: float | None) -> str:
+    return "unknown" if n is None else f"{n / GIB:.2f} GiB"
+
+
+__all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "in_flight",
+           "act_elems_per_token", "rank_chunks", "is_moe_layer"]

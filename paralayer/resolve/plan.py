@@ -1,0 +1,168 @@
+"""The plan: one object holding everything a run needs, resolved once, before any rank starts.
+
+Why one object: the dry run prints it, ``--json`` and ``plan.json`` serialise it, the runtime
+builds its mesh and pipeline split from it, the planner ranks many of them. Nothing is re-derived
+later, so nothing can disagree. Torch-free: resolving imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from paralayer.config import Config
+from paralayer.resolve import cost, memory, rules
+from paralayer.resolve.rules import Issue, Layout, chunk_rank
+
+#: Device mesh axes, outermost first, as paralayer/mesh.py builds them: tp innermost (consecutive
+#: ranks, inside a node), pp outermost (across nodes) — REFERENCE.md "Layout".
+MESH_ORDER = ("pp", "dp", "cp", "tp")
+
+
+@dataclass
+class Plan:
+    world_size: int
+    degrees: dict
+    microbatches: int
+    bubble_fraction: float
+    memory_per_device_bytes: dict
+    fits: bool
+    parameters: dict
+    comm: dict
+    flops_per_token: int
+    errors: list
+    warnings: list
+    notes: list
+    valid: bool
+    schedule: str
+    sequence_parallel: bool
+    padded_vocab_size: int
+    stage_layers: list
+    chunk_ranks: list
+    device: str
+    precision: str
+    peak_tflops: Optional[float]
+    peak_tflops_given: bool
+    expert_grid: dict
+    spans: dict
+    mesh: dict
+    nodes: int
+    devices_per_node: int
+    memory_stage: int
+    memory_reserve_bytes: int
+    zero: int
+    recompute: str
+    micro_batch: int
+    global_batch: int
+    tokens_per_step: int
+    flops_per_step: int
+    recipe: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra") or {})
+        return d
+
+    @property
+    def ok(self) -> bool:
+        """Valid and fits: what a dry run's exit code reports."""
+        return self.valid and self.fits
+
+
+def _group(axis_sizes: dict, members: dict) -> list[int]:
+    """Global ranks of the group through rank 0 that varies the axes in ``members`` (size each)."""
+    strides, s = {}, 1
+    for name in reversed(MESH_ORDER):
+        strides[name] = s
+        s *= axis_sizes[name]
+    ranks = [0]
+    for name, size in members.items():
+        ranks = [r + i * strides[name] for r in ranks for i in range(size)]
+    return ranks
+
+
+def spans(lay: Layout) -> dict:
+    """'intra-node' when the group through rank 0 lies in one node, else 'inter-node'."""
+    sizes = {"dp": lay.dp, "pp": lay.pp, "cp": lay.cp, "tp": lay.tp}
+    dpn = max(lay.devices_per_node, 1)
+
+    def where(ranks: list[int]) -> str:
+        return "intra-node" if len({r // dpn for r in ranks}) <= 1 else "inter-node"
+
+    out = {name: where(_group(sizes, {name: sizes[name]})) for name in MESH_ORDER}
+    # the expert grid: ep consecutive ranks of the flattened (dp, cp), cp fastest
+    ep_cp = min(lay.ep, lay.cp) if lay.ep % max(min(lay.ep, lay.cp), 1) == 0 else lay.cp
+    ep_dp = max(lay.ep // max(ep_cp, 1), 1)
+    out["ep"] = where(_group(sizes, {"cp": ep_cp, "dp": ep_dp}))
+    return {k: out[k] for k in ("tp", "pp", "cp", "ep", "dp")}
+
+
+def resolve(cfg: Config) -> Plan:
+    """Config → Plan. Never raises for a bad layout: problems land in ``errors``."""
+    lay = rules.check(cfg)
+    mem = memory.memory(cfg, lay)
+    params = memory.parameter_counts(cfg)
+    fpt = cost.flops_per_token(cfg)
+    bub = cost.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.vpp)
+    notes = list(lay.notes)
+    if mem.capacity is None:
+        notes.append("device memory unknown (cluster.device_memory_gib is null): fits is assumed; "
+                     "set cluster.device_memory_gib to check it")
+    else:
+        notes.append(f"fits = total <= capacity - reserve (cluster.memory_reserve_gib="
+                     f"{cfg.cluster.memory_reserve_gib:g} GiB kept free)")
+    if lay.precision == "bf16":
+        notes.append("bf16 mixed precision: weights 2 B + grads 4 B (fp32 accumulation) + fp32 master, m, v 12 B "
+                     "per parameter before ZeRO sharding")
+    if cfg.cluster.peak_tflops is None:
+        notes.append("peak TFLOP/s unknown for this device: no MFU will be reported")
+    warnings = list(lay.warnings)
+    if not mem.fits:
+        warnings.append(Issue("memory", f"needs {memory.gib(mem.total)} per device on pipeline rank {mem.stage} but "
+                              f"{memory.gib(mem.capacity)} - {cfg.cluster.memory_reserve_gib:g} GiB reserve is "
+                              "available; try more pp/tp, zero=3, recompute=full or a smaller micro_batch"))
+    gb = cfg.train.global_batch
+    tokens = gb * cfg.model.seq_len
+    dp_cp = lay.dp * lay.cp
+    return Plan(
+        world_size=lay.world,
+        degrees={"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp},
+        microbatches=lay.microbatches,
+        bubble_fraction=bub,
+        memory_per_device_bytes=mem.to_dict(),
+        fits=mem.fits,
+        parameters=params,
+        comm=cost.comm(cfg, lay),
+        flops_per_token=fpt,
+        errors=[i.to_dict() for i in lay.errors],
+        warnings=[i.to_dict() for i in warnings],
+        notes=notes,
+        valid=not lay.errors,
+        schedule=lay.schedule,
+        sequence_parallel=lay.sequence_parallel,
+        padded_vocab_size=lay.padded_vocab,
+        stage_layers=lay.stage_layers,
+        chunk_ranks=[chunk_rank(c, lay.pp, lay.schedule) for c in range(lay.chunks)],
+        device=lay.device,
+        precision=lay.precision,
+        peak_tflops=cfg.cluster.peak_tflops,
+        peak_tflops_given=cfg.cluster.peak_tflops is not None,
+        expert_grid={"ep": lay.ep, "edp": max(dp_cp // max(lay.ep, 1), 1)},
+        spans=spans(lay),
+        mesh={"dim_names": list(MESH_ORDER), "shape": [lay.pp, lay.dp, lay.cp, lay.tp]},
+        nodes=lay.nodes,
+        devices_per_node=lay.devices_per_node,
+        memory_stage=mem.stage,
+        memory_reserve_bytes=mem.reserve,
+        zero=lay.zero,
+        recompute=lay.recompute,
+        micro_batch=lay.micro_batch,
+        global_batch=gb,
+        tokens_per_step=tokens,
+        flops_per_step=fpt * tokens,
+        recipe=cfg.recipe,
+    )
+
+
+def plan_dict(cfg: Config) -> dict[str, Any]:
+    return resolve(cfg).to_dict()

@@ -1,0 +1,209 @@
+"""launch.py's front door: every rule broken once → exit 2, the field named, never a traceback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paralayer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MOE = ["model.moe.num_experts=4", "model.moe.ffn_hidden=128"]
+
+# (overrides, the field the error must name). Each breaks exactly one rule of REFERENCE.md "Rules".
+BROKEN = [
+    # world = tp·pp·cp·dp against the cluster
+    (["cluster=h100-80gb-8x", "parallel.dp=3"], "parallel.dp"),
+    # dp=auto: tp·pp·cp must divide the world
+    (["recipe=llama3-70b", "cluster.nodes=3"], "parallel.dp"),
+    # n_heads % tp
+    (["model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=384", "parallel.tp=3", "parallel.dp=1",
+      "model.d_model=96", "model.seq_len=96"], "parallel.tp"),
+    # n_kv_heads < tp (rejected, never replicated)
+    (["parallel.tp=4", "parallel.dp=1"], "parallel.tp"),
+    # n_kv_heads % tp with n_kv_heads >= tp
+    (["model.d_model=192", "model.n_heads=12", "model.n_kv_heads=6", "parallel.tp=4", "parallel.dp=1"], "parallel.tp"),
+    # ffn % tp
+    (["model.ffn_hidden=351", "parallel.tp=2", "parallel.dp=1"], "parallel.tp"),
+    # expert ffn % tp
+    (["model.moe.num_experts=4", "model.moe.ffn_hidden=101", "parallel.tp=2", "parallel.dp=1"],
+     "model.moe.ffn_hidden"),
+    # n_heads must divide d_model; GQA groups
+    (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    # layers into pp·vpp chunks
+    (["parallel.pp=3", "parallel.dp=1"], "parallel.pp"),
+    (["parallel.pp=2", "parallel.pp_layout=[1,2]", "parallel.dp=1"], "parallel.pp_layout"),
+    (["parallel.pp=2", "parallel.pp_layout=[1,1,2]", "parallel.dp=1"], "parallel.pp_layout"),
+    # vpp with the schedule
+    (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.dp=1"], "parallel.vpp"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=1f1b", "parallel.dp=1"], "parallel.vpp"),
+    (["parallel.pp=2", "parallel.vpp=4", "model.n_layers=8", "parallel.schedule=zbv", "parallel.dp=1"], "parallel.vpp"),
+    (["parallel.schedule=dualpipev", "parallel.dp=1"], "parallel.pp"),
+    # seq % 2·cp (zigzag)
+    (["model.seq_len=100", "parallel.cp=4", "parallel.dp=1"], "parallel.cp"),
+    # tokens per microbatch divisible by tp with SP
+    (["model.seq_len=129", "parallel.tp=2", "parallel.dp=1"], "model.seq_len"),
+    # experts
+    (["model.moe.num_experts=6", "parallel.ep=4", "parallel.dp=4"], "parallel.ep"),
+    (["model.moe.num_experts=2", "model.moe.top_k=3"], "model.moe.top_k"),
+    (MOE + ["parallel.ep=4", "parallel.dp=2"], "parallel.ep"),
+    (["parallel.ep=2", "parallel.dp=2"], "parallel.ep"),
+    (MOE + ["model.moe.every=9"], "model.moe.every"),
+    # batch
+    (["train.global_batch=10", "train.micro_batch=4"], "train.global_batch"),
+    (["parallel.pp=4", "parallel.dp=1", "train.global_batch=2", "train.micro_batch=1"], "train.global_batch"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "parallel.dp=1", "train.global_batch=3",
+      "train.micro_batch=1"], "train.global_batch"),
+    (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.dp=1", "train.global_batch=3", "train.micro_batch=1"],
+     "train.global_batch"),
+    # values checked by the schema
+    (["parallel.zero=4"], "parallel.zero"),
+    (["parallel.tp=abc"], "parallel.tp"),
+    (["parallel.tpp=2"], "parallel.tpp"),
+    (["parallel.recompute=most"], "parallel.recompute"),
+    (["recipe=nope"], "recipe"),
+    # does not fit
+    (["recipe=llama3-70b", "parallel.pp=1", "cluster.nodes=16"], "memory"),
+]
+
+
+@pytest.mark.parametrize("ovs,field", BROKEN, ids=[f"{f}:{' '.join(o)}" for o, f in BROKEN])
+def test_broken_rule_exits_2_naming_the_field(ovs, field, capsys):
+    rc = main(ovs + ["--dry-run", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert "Traceback" not in err and "Traceback" not in out
+    assert f"{field}:" in err, err
+    if out.strip():  # a resolvable recipe still prints its plan, with the errors in it
+        d = json.loads(out)
+        assert field in {e["field"] for e in d["errors"]} or field == "memory"
+
+
+def test_error_message_names_valid_values(capsys):
+    assert main(["model.n_heads=32", "model.n_kv_heads=8", "model.d_model=256", "model.ffn_hidden=512",
+                 "parallel.tp=3", "parallel.dp=1", "cluster.devices_per_node=8", "cluster.nodes=1",
+                 "parallel.dp=auto", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tp=3 does not divide model.n_heads=32; valid tp for this model within a node of 8: 1, 2, 4, 8" \
+        in err
+    assert main(["parallel.tp=4", "parallel.dp=1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "n_kv_heads=2" in err and "valid tp for this model: 1, 2" in err
+
+
+def test_warnings_do_not_fail(capsys):
+    # tp across nodes and m < 4p are warnings, the run is still valid
+    rc = main(["cluster=h100-80gb-8x", "cluster.devices_per_node=1", "cluster.nodes=4", "parallel.tp=2",
+               "parallel.pp=2", "parallel.dp=auto", "train.global_batch=4", "train.micro_batch=1", "--dry-run", "--json"])
+    out = capsys.readouterr().out
+    d = json.loads(out)
+    assert rc == 0, d["errors"]
+    wf = {w["field"] for w in d["warnings"]}
+    assert {"parallel.tp", "train.global_batch"} <= wf
+
+
+def test_dry_run_tables(capsys):
+    assert main(["recipe=mixtral-8x7b", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for text in ("Parallel degrees", "inter-node", "Memory per device", "capacity", "bubble",
+                 "Communication", "all-to-all", "one expert per rank"):
+        assert text in out, text
+
+
+def test_dry_run_json_valid(capsys):
+    assert main(["recipe=tiny", "--dry-run", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["valid"] and d["errors"] == [] and d["world_size"] == 2
+
+
+def test_multirun_reports_every_invalid_combination(capsys, monkeypatch):
+    import paralayer.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "launch_sweep", lambda *a, **k: pytest.fail("dispatched an invalid sweep"))
+    rc = main(["parallel.tp=1,3,5", "parallel.dp=1", "-m"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "parallel.tp=3" in err and "parallel.tp=5" in err and "nothing was started" in err
+
+
+def test_multirun_valid_sweep_dispatches_all(capsys, monkeypatch):
+    import paralayer.dispatch as dispatch
+
+    seen = {}
+    monkeypatch.setattr(dispatch, "launch_sweep", lambda cfgs, plans, args: seen.setdefault("n", len(plans)) and 0)
+    assert main(["parallel.tp=1,2", "train.micro_batch=2,4", "-m"]) == 0
+    assert seen["n"] == 4
+
+
+def test_run_dispatches_valid_plan(monkeypatch):
+    import paralayer.dispatch as dispatch
+
+    got = {}
+    monkeypatch.setattr(dispatch, "launch", lambda cfg, plan, args: got.update(plan=plan) or 7)
+    assert main(["recipe=tiny"]) == 7
+    assert got["plan"].valid
+    monkeypatch.setattr(dispatch, "launch", lambda *a: pytest.fail("dispatched an invalid plan"))
+    assert main(["parallel.tp=3"]) == 2
+
+
+def test_help_lists_recipes_and_profiles(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-70b" in out and "h100-80gb-8x" in out and "--dry-run" in out
+
+
+def test_bad_flag_exits_2(capsys):
+    assert main(["--nope"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a few real processes
+def _run(*args: str, timeout: float = 60):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_launch_py_json_is_fast_and_valid():
+    """Well under a second of work. Measured as the child's CPU time (user + sys), which a busy CI
+    machine does not inflate; wall time only gets a loose bound."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = _run("launch.py", "recipe=llama3-70b", "--dry-run", "--json")
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["degrees"]["dp"] == 16 and d["world_size"] == 512
+    assert cpu < 0.8, f"{cpu:.2f} s of CPU"
+    assert wall < 5.0, f"{wall:.2f} s wall"
+
+
+@pytest.mark.parametrize("ovs,field", [
+    (["parallel.tp=3"], "parallel.tp"),
+    (["parallel.tpp=3"], "parallel.tpp"),
+    (["recipe=llama3-70b", "cluster.nodes=3"], "parallel.dp"),
+])
+def test_launch_py_errors_without_traceback(ovs, field):
+    r = _run("launch.py", *ovs, "--dry-run")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and f"{field}:" in r.stderr
+
+
+def test_resolving_imports_no_torch():
+    code = ("import sys; from paralayer.config import load_config; from paralayer.resolve import resolve; "
+            "from paralayer.cli import main; "
+            "p = resolve(load_config(['recipe=mixtral-8x7b'])); assert p.valid; "
+            "main(['recipe=llama3-70b', '--dry-run']); main(['recipe=llama3-70b', '--dry-run', '--json']); "
+            "print('torch' in sys.modules)")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

@@ -1,0 +1,319 @@
+"""Tensor parallel + sequence parallel: parity with one rank, the wrong split, SP activations,
+parameter bytes, collective counts per layer, and end-to-end parity through ``train()``.
+
+Every comparison is against a one-process reference built from the same seed: ``init_weights``
+draws each full parameter from (seed, name), so any tp layout starts from identical weights.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from paralayer.config import ModelConfig
+from paralayer.model import Transformer, init_weights, lm_loss, padded_vocab
+from tests.dist import run_ranks
+
+torch.set_num_threads(1)
+
+SHARDED = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
+           "tok_embeddings.weight", "output.weight")
+B, S, STEPS = 2, 16, 5
+
+# Warm the lazy imports once here (building on meta pulls in torch._dynamo, ~3 s): the forked
+# ranks inherit them instead of each paying for them on 2 shared cores.
+import torch.distributed.tensor.debug  # noqa: E402,F401
+import torch.distributed.tensor.parallel  # noqa: E402,F401
+
+with torch.device("meta"):
+    Transformer(ModelConfig(d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=8, vocab_size=8))
+
+
+def tiny(**kw) -> ModelConfig:
+    c = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=96, vocab_size=61, seq_len=S)
+    c.update(kw)
+    return ModelConfig(**c)
+
+
+def batches(cfg: ModelConfig, n: int = STEPS):
+    g = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(n):
+        toks = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
+        labels = toks[:, 1:].clone()
+        labels[0, -3:] = -100  # some ignored positions, as the data pipeline makes
+        out.append((toks[:, :-1].contiguous(), labels))
+    return out
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def reference(cfg: ModelConfig, data):
+    """One process, unpadded vocab: losses of STEPS AdamW steps and the first step's grads."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    init_weights(model, cfg, seed=0)
+    opt = _adamw(model.parameters())
+    losses, grads = [], None
+    for tokens, labels in data:
+        opt.zero_grad()
+        loss = lm_loss(model(tokens), labels, cfg.vocab_size)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+    return losses, grads
+
+
+def _tp_worker(rank, world, cfg, sp, data):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.tensor import (apply_tensor_parallel, full_grads, local_param_bytes,
+                                           loss_parallel_ctx, tp_loss)
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
+    apply_tensor_parallel(model, mesh["tp"], sp)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, seed=0)
+    local_numel = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
+    opt = _adamw(model.parameters())
+    losses, grads = [], None
+    for tokens, labels in data:
+        opt.zero_grad()
+        with loss_parallel_ctx(True):
+            loss = tp_loss(model(tokens), labels, cfg.vocab_size)
+            loss.backward()
+        if grads is None:
+            grads = {n: g.numpy().copy() for n, g in full_grads(model)}
+        losses.append(loss.item())
+        opt.step()
+    return {"losses": losses, "grads": grads if rank == 0 else None, "local_numel": local_numel,
+            "param_bytes": local_param_bytes(model)}
+
+
+PARITY = {
+    "tp2_sp": (tiny(), 2, True),
+    "tp4_sp": (tiny(), 4, True),
+    "tp2_nosp": (tiny(), 2, False),
+    "tp2_gqa": (tiny(n_kv_heads=2), 2, True),
+    # vocab 5 -> 8 over 4 ranks of 2 columns: rank 2 holds one padded column, rank 3 only padding
+    "tp4_gqa_nosp_vocab5": (tiny(n_heads=8, n_kv_heads=4, vocab_size=5), 4, False),
+}
+# (vocab 61 elsewhere: 62 under tp=2, 64 under tp=4, never divisible)
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_model_parity(case):
+    cfg, tp, sp = PARITY[case]
+    data = batches(cfg)
+    ref_losses, ref_grads = reference(cfg, data)
+    out = run_ranks(_tp_worker, tp, cfg, sp, data)
+    r0 = out[0]
+    for r in out[1:]:
+        assert r["losses"] == r0["losses"], "tp ranks disagree on the loss"
+    # the first step: loss and every gradient
+    assert abs(r0["losses"][0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
+    vpad = padded_vocab(cfg.vocab_size, tp)
+    assert vpad % tp == 0
+    for name, g_ref in ref_grads.items():
+        g = torch.from_numpy(r0["grads"][name])
+        if name.startswith(("tok_embeddings.", "output.")):
+            assert g.shape[0] == vpad
+            assert torch.all(g[cfg.vocab_size:] == 0), f"{name}: padded vocab rows got gradient"
+            g = g[: cfg.vocab_size]
+        err = (g - g_ref).abs().max().item()
+        assert err <= 1e-5 * g_ref.abs().max().item(), f"{name}: max |Δgrad| {err:.3g}"
+    # five AdamW steps
+    for a, b in zip(r0["losses"], ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], ref_losses)
+    # parameter bytes per rank: sharded matrices hold exactly full/tp, norms are whole
+    full = {n: math.prod(s) for n, s in _full_shapes(cfg, vpad).items()}
+    for name, n_local in r0["local_numel"].items():
+        if name.endswith(SHARDED):
+            assert n_local * tp == full[name], name
+        else:
+            assert n_local == full[name], name
+    n_sharded = sum(v for k, v in full.items() if k.endswith(SHARDED))
+    n_whole = sum(v for k, v in full.items() if not k.endswith(SHARDED))
+    assert r0["param_bytes"] == 4 * (n_sharded // tp + n_whole)
+
+
+def _full_shapes(cfg, vpad):
+    with torch.device("meta"):
+        m = Transformer(cfg, vpad)
+    return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+# ------------------------------------------------------------------ the wrong split (the seeds' lesson)
+def _mlp_split_worker(rank, world, x, w1, w3, w2):
+    """The same SwiGLU MLP split two ways over real ranks; returns (right, wrong) outputs."""
+    f, d = w1.shape
+    fs, ds = f // world, d // world
+    # right: w1/w3 by columns of A = W^T (rows of nn.Linear's weight), act locally, w2 by rows
+    c = slice(rank * fs, (rank + 1) * fs)
+    part = F.linear(F.silu(F.linear(x, w1[c])) * F.linear(x, w3[c]), w2[:, c])
+    dist.all_reduce(part)
+    # wrong: the first matrices split by rows of A (the input dim): the activation sees a partial sum
+    r = slice(rank * ds, (rank + 1) * ds)
+    gate_partial = F.linear(x[:, r], w1[:, r])
+    up_partial = F.linear(x[:, r], w3[:, r])
+    wrong = F.linear(F.silu(gate_partial) * up_partial, w2)
+    dist.all_reduce(wrong)
+    return part.numpy(), wrong.numpy()
+
+
+def test_wrong_split_does_not_match():
+    g = torch.Generator().manual_seed(7)
+    d, f = 32, 64
+    x = torch.randn(8, d, generator=g)
+    w1, w3 = torch.randn(f, d, generator=g) / d**0.5, torch.randn(f, d, generator=g) / d**0.5
+    w2 = torch.randn(d, f, generator=g) / f**0.5
+    ref = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+    right, wrong = run_ranks(_mlp_split_worker, 2, x, w1, w3, w2)[0]
+    scale = ref.abs().max().item()
+    right_err = np.abs(right - ref.numpy()).max() / scale
+    wrong_err = np.abs(wrong - ref.numpy()).max() / scale
+    assert right_err < 1e-5
+    assert wrong_err > 0.1, f"the wrong split should not match (relative error {wrong_err:.3g})"
+
+
+# ------------------------------------------------------------------ activations saved in the norm regions
+def _norm_saved_bytes(model, tokens, labels, loss_fn) -> int:
+    """Bytes saved for backward inside the RMSNorm modules (local shards; weights excluded)."""
+    from torch.distributed.tensor import DTensor
+
+    inside = [0]
+    seen: set = set()
+    total = [0]
+    params = set()
+    for p in model.parameters():
+        params.add((p.to_local() if isinstance(p, DTensor) else p).data_ptr())
+
+    def pre(m, a):
+        inside[0] += 1
+
+    def post(m, a, o):
+        inside[0] -= 1
+
+    def pack(t):
+        if inside[0]:
+            loc = t.to_local() if isinstance(t, DTensor) else t
+            key = (loc.data_ptr(), loc.numel(), loc.dtype)
+            if loc.data_ptr() not in params and key not in seen:
+                seen.add(key)
+                total[0] += loc.numel() * loc.element_size()
+        return t
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.RMSNorm):
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model(tokens), labels)
+    loss.backward()
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+def _sp_act_worker(rank, world, cfg, sp, tokens, labels):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
+    apply_tensor_parallel(model, mesh["tp"], sp)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, seed=0)
+    with loss_parallel_ctx(True):
+        return _norm_saved_bytes(model, tokens, labels, lambda lg, lb: tp_loss(lg, lb, cfg.vocab_size))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_norm_activation_bytes(tp):
+    cfg = tiny()
+    tokens, labels = batches(cfg, 1)[0]
+    model = Transformer(cfg)
+    init_weights(model, cfg, seed=0)
+    base = _norm_saved_bytes(model, tokens, labels, lambda lg, lb: lm_loss(lg, lb, cfg.vocab_size))
+    assert base >= B * S * cfg.d_model * 4 * (2 * cfg.n_layers + 1)  # every norm saves its input
+    with_sp = run_ranks(_sp_act_worker, tp, cfg, True, tokens, labels)
+    assert all(b <= base / tp * 1.10 for b in with_sp), (base, with_sp)
+    if tp == 2:  # without SP every tp rank saves the whole sequence in the norms
+        no_sp = run_ranks(_sp_act_worker, tp, cfg, False, tokens, labels)
+        assert all(b == base for b in no_sp), (base, no_sp)
+
+
+# ------------------------------------------------------------------ collectives per layer
+def _comm_worker(rank, world, sp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    name = lambda op: str(op).split(".")[-1]  # noqa: E731
+    counts = []
+    for n_layers in (1, 2):
+        cfg = tiny(n_layers=n_layers)
+        tokens, labels = batches(cfg, 1)[0]
+        with torch.device("meta"):
+            model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
+        apply_tensor_parallel(model, mesh["tp"], sp)
+        model.to_empty(device="cpu")
+        init_weights(model, cfg, seed=0)
+        with loss_parallel_ctx(True):
+            fwd, bwd = CommDebugMode(), CommDebugMode()
+            with fwd:
+                loss = tp_loss(model(tokens), labels, cfg.vocab_size)
+            with bwd:
+                loss.backward()
+        counts.append([{name(k): v for k, v in m.get_comm_counts().items()} for m in (fwd, bwd)])
+    return counts
+
+
+def measure_tp_collectives_per_layer(tp: int, sp: bool) -> tuple[dict, dict]:
+    """(forward, backward) collective counts per transformer layer: L=2 minus L=1."""
+    counts = run_ranks(_comm_worker, tp, sp)[0]
+    per = []
+    for phase in (0, 1):
+        a, b = counts[0][phase], counts[1][phase]
+        per.append({k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) - a.get(k, 0)})
+    return per[0], per[1]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_collectives_per_layer_match_plan(sp):
+    fwd, bwd = measure_tp_collectives_per_layer(2, sp)
+    if sp:
+        assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, fwd
+        assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, bwd
+        measured_pairs = (sum(fwd.values()) + sum(bwd.values())) // 2  # AG+RS = one all-reduce's volume
+    else:
+        assert fwd == {"all_reduce": 2}, fwd
+        assert bwd == {"all_reduce": 2}, bwd
+        measured_pairs = fwd["all_reduce"] + bwd["all_reduce"]
+    # the resolver's count for the same shapes: collectives per layer per microbatch
+    resolve = pytest.importorskip("paralayer.resolve.plan")
+    from paralayer.config import load_config
+
+    cfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
+                       "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
+                       "parallel.tp=2", "parallel.dp=1", f"parallel.sequence_parallel={str(sp).lower()}",
+                       "train.global_batch=2", "train.micro_batch=2"])
+    plan = resolve.resolve(cfg).to_dict()
+    tp_comm = plan["comm"]["tp"]
+    assert tp_comm["count_per_step"] == measured_pairs * 2 * plan["microbatches"], tp_comm
+    assert ("reduce-scatter" in tp_comm["collective"]) == sp, tp_comm
+    assert tp_comm["message_bytes"] == pytest.approx(2 * S * 64 * 4, rel=0.1), tp_comm
