@@ -387,7 +387,8 @@ def hf_config_dict(cfg) -> dict:
     if m.num_experts > 0:
         if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax":
             raise HFFormatError("model.moe: only Mixtral-style MoE exports (every=1, router=softmax, no shared "
-                                f"expert); got every={m.every}, router={m.router}, shared_ffn_hidden={m.shared_ffn_hidden}")
+                                f"expert); got every={m.every}, router={m.router}, "
+                                f"shared_ffn_hidden={m.shared_ffn_hidden}")
         base.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                      "intermediate_size": m.ffn_hidden or cfg.ffn_hidden, "num_local_experts": m.num_experts,
                      "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,

@@ -8,15 +8,23 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from paralayer.checkpoint import (CheckpointError, find_latest, list_checkpoints, load_checkpoint, resume_latest,
-                                  rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
+from paralayer.checkpoint import (
+    CheckpointError,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    resume_latest,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
 from paralayer.config import ModelConfig
 from paralayer.model import Transformer, init_weights, lm_loss
 from tests.dist import run_ranks

@@ -100,7 +100,8 @@ def test_error_message_names_valid_values(capsys):
 def test_warnings_do_not_fail(capsys):
     # tp across nodes and m < 4p are warnings, the run is still valid
     rc = main(["cluster=h100-80gb-8x", "cluster.devices_per_node=1", "cluster.nodes=4", "parallel.tp=2",
-               "parallel.pp=2", "parallel.dp=auto", "train.global_batch=4", "train.micro_batch=1", "--dry-run", "--json"])
+               "parallel.pp=2", "parallel.dp=auto", "train.global_batch=4", "train.micro_batch=1",
+               "--dry-run", "--json"])
     out = capsys.readouterr().out
     d = json.loads(out)
     assert rc == 0, d["errors"]

@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from paralayer.config import DataConfig
-from paralayer.data import (ByteTokenizer, build_dataset, global_batch_indices, labels_for,
-                            load_tokenizer, make_corpus, rank_share)
+from paralayer.data import (
+    ByteTokenizer,
+    build_dataset,
+    global_batch_indices,
+    labels_for,
+    load_tokenizer,
+    make_corpus,
+    rank_share,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"Document number {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1)
@@ -198,14 +205,14 @@ def test_hf_tokenizer_file(tmp_path):
 
 
 def test_generated_corpus_is_deterministic_cached_and_learnable(tmp_path):
-    a = make_corpus(str(tmp_path / "a.txt"), n_bytes=300_000, seed=0)
-    b = make_corpus(str(tmp_path / "b.txt"), n_bytes=300_000, seed=0)
+    a = make_corpus(str(tmp_path / "a.txt"), n_bytes=100_000, seed=0)
+    b = make_corpus(str(tmp_path / "b.txt"), n_bytes=100_000, seed=0)
     assert open(a, "rb").read() == open(b, "rb").read()
-    assert 300_000 <= os.path.getsize(a) < 302_000
+    assert 100_000 <= os.path.getsize(a) < 102_000
     m = os.stat(a).st_mtime_ns
-    make_corpus(a, n_bytes=300_000, seed=0)
+    make_corpus(a, n_bytes=100_000, seed=0)
     assert os.stat(a).st_mtime_ns == m  # cached by path
-    assert open(make_corpus(str(tmp_path / "c.txt"), 300_000, seed=1), "rb").read() != open(a, "rb").read()
+    assert open(make_corpus(str(tmp_path / "c.txt"), 100_000, seed=1), "rb").read() != open(a, "rb").read()
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
     # data.path: null → the generated corpus; a bigram model learns it well below ln(256)=5.55 in
     # 40 steps of the tiny recipe's batch (16 x 128)

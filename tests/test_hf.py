@@ -12,8 +12,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
 from paralayer.config import ModelConfig  # noqa: E402
-from paralayer.hf import (apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights,  # noqa: E402
-                          ours_to_hf)
+from paralayer.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf  # noqa: E402
 from paralayer.model import Transformer, padded_vocab  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -77,7 +76,8 @@ def test_config_and_names(tmp_path):
     apply_hf_config(mcfg, str(tmp_path))
     assert mcfg.seq_len == 16 and mcfg.d_model == 32 and mcfg.rope_theta == 5000.0
     for ours in ("tok_embeddings.weight", "layers.1.attention.wk.weight", "layers.0.ffn_norm.weight",
-                 "layers.0.feed_forward.w3.weight", "norm.weight", "output.weight", "layers.1.feed_forward.gate.weight"):
+                 "layers.0.feed_forward.w3.weight", "norm.weight", "output.weight",
+                 "layers.1.feed_forward.gate.weight"):
         assert hf_to_ours(ours_to_hf(ours)) == (ours, None)
     assert ours_to_hf("layers.1.feed_forward.w2", expert=3) == "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     assert hf_to_ours("model.layers.1.block_sparse_moe.experts.3.w2.weight") == ("layers.1.feed_forward.w2", 3)

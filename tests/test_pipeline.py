@@ -197,7 +197,7 @@ def _mem_worker(rank: int, world: int, schedule: str, m: int):
     tokens, labels = _batch(1, m)
     runner.step(tokens, labels)  # warm-up: metadata inference outside the measurement
     params = [p for c in chunks for p in c.parameters()]
-    with pl.ActivationMemory(params) as mem:
+    with pl.ActivationMemory(params + [tokens, labels]) as mem:
         runner.step(tokens, labels)
     return mem.peak_bytes, mem.live
 
@@ -219,6 +219,33 @@ def test_activation_memory_gpipe_grows_1f1b_flat():
     # 1F1B: stage r holds p − r microbatches in flight
     f0, f1 = peaks[("1f1b", 4 * p)]
     assert f0 > f1
+    # the plan's activation model predicts every stage within 10%
+    for (schedule, m), measured in peaks.items():
+        pred = _predicted_activations(schedule, p, m)
+        for r, (got, want) in enumerate(zip(measured, pred)):
+            assert abs(got - want) <= 0.10 * got, (schedule, m, r, got, want)
+
+
+def _predicted_activations(schedule: str, p: int, m: int) -> list[int]:
+    from paralayer.config import load_config
+    from paralayer.resolve import memory, rules
+
+    cfg = load_config([f"model.d_model={D}", "model.n_layers=4", f"model.n_heads={HEADS}", f"model.n_kv_heads={KV}",
+                       f"model.ffn_hidden={FFN}", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
+                       f"parallel.pp={p}", "parallel.dp=1", f"parallel.schedule={schedule}",
+                       f"train.micro_batch={MB}", f"train.global_batch={MB * m}", "train.precision=fp32",
+                       "cluster.device=cpu"])
+    lay = rules.check(cfg)
+    return [memory.rank_memory(cfg, lay, r)[3] for r in range(p)]
+
+
+@pytest.mark.xfail(strict=False, reason="the resolver's last-stage head term counts s·b·h for the norm+head; "
+                   "measured: the final RMSNorm also saves its input and normalised output (+2·s·b·h·bytes)")
+def test_activation_memory_matches_plan_pp4():
+    p, m = 4, 8
+    measured = [r[0] for r in run_ranks(_mem_worker, p, "1f1b", m)]
+    for r, (got, want) in enumerate(zip(measured, _predicted_activations("1f1b", p, m))):
+        assert abs(got - want) <= 0.10 * got, (r, got, want)
 
 
 # ------------------------------------------------------------------ end to end through train()
@@ -300,6 +327,64 @@ def test_train_parity_pp2_tp2_dp2(tmp_path_factory):
     tmp = tmp_path_factory.getbasetemp()
     ref = _e2e_ref(tmp)
     out = _e2e(tmp, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b"])
+    for recs in out:
+        for a, b in zip([r["loss"] for r in recs], ref):
+            assert abs(a - b) <= 1e-5 * abs(b), ([r["loss"] for r in recs], ref)
+
+
+# ------------------------------------------------------------------ MoE aux loss through the pipe
+AUX = 0.1
+
+
+def _moe_cfg() -> ModelConfig:
+    cfg = _cfg(4)
+    cfg.moe.num_experts = 4
+    cfg.moe.top_k = 2
+    return cfg
+
+
+def _moe_worker(rank: int, world: int, m: int):
+    cfg = _moe_cfg()
+    plan = _plan(world, "1f1b", m, 1, n_layers=4)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    chunks = pl.split_model(model, plan, rank)
+    for c in chunks:
+        c.to_empty(device="cpu")
+        init_weights(c, cfg, SEED)
+    runner = pl.PipelineRunner(chunks, dist.group.WORLD, plan, lambda lg, lb: lm_loss(lg, lb, VOCAB), "cpu",
+                               aux_loss_coef=AUX)
+    tokens, labels = _batch(1, m)
+    loss = runner.step(tokens, labels)
+    return float(loss), {n: p.grad.numpy().copy() for c in chunks for n, p in c.named_parameters()}
+
+
+def test_moe_aux_loss_gradient_through_pipeline():
+    m = 4
+    cfg = _moe_cfg()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, SEED)
+    tokens, labels = _batch(1, m)
+    ce_sum = 0.0
+    for tk, lb in zip(tokens.chunk(m), labels.chunk(m)):
+        ce = lm_loss(model(tk), lb, VOCAB)
+        ((ce + AUX * model.aux_loss()) / m).backward()
+        ce_sum += ce.item() / m
+    out = run_ranks(_moe_worker, 2, m)
+    assert abs(out[0][0] - ce_sum) <= 1e-5 * ce_sum
+    for _, grads in out:
+        for n, g in grads.items():
+            assert _rel(g, dict(model.named_parameters())[n].grad) < 1e-5, n
+
+
+@needs_train
+def test_train_parity_pp2_dp2_zero3_interleaved(tmp_path_factory):
+    tmp = tmp_path_factory.getbasetemp()
+    ref = _e2e_ref(tmp)
+    out = _e2e(tmp, ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3",
+                     "parallel.schedule=interleaved"])
     for recs in out:
         for a, b in zip([r["loss"] for r in recs], ref):
             assert abs(a - b) <= 1e-5 * abs(b), ([r["loss"] for r in recs], ref)

@@ -84,9 +84,10 @@ def test_memory_tiny_fp32_by_hand():
     # fp32 Adam, ZeRO-0: weights 4 + grads 4 + m,v 8 bytes per parameter
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * n, 4 * n, 8 * n)
     # activations (measured on our block, see memory.py): 10h + 4f + a + 2 elements per token per layer,
-    # fp32 logits 4·s·b·V, plus the output head's input s·b·h; one microbatch in flight (no pipeline)
+    # fp32 logits 4·s·b·V, plus the final norm's input, normalised input and output 3·s·b·h;
+    # one microbatch in flight (no pipeline)
     tokens = s * b
-    acts = L * (10 * h + 4 * f + a + 2) * tokens * 4 + 4 * tokens * V + tokens * h * 4
+    acts = L * (10 * h + 4 * f + a + 2) * tokens * 4 + 4 * tokens * V + 3 * tokens * h * 4
     assert mem["activations"] == acts
     assert mem["total"] == 16 * n + acts
     assert mem["capacity"] is None and p.fits  # local CPU: capacity unknown → assumed to fit, with a note
@@ -117,8 +118,6 @@ def test_memory_llama3_70b_by_hand():
 
 
 def test_memory_follows_zero_recompute_and_schedule():
-    base = dict(x.split("=") for x in ["recipe=llama3-70b"])
-    del base
     m = {z: plan("recipe=llama3-70b", f"parallel.zero={z}").memory_per_device_bytes for z in range(4)}
     assert m[0]["optimizer"] > m[1]["optimizer"] == m[2]["optimizer"] == m[3]["optimizer"]
     assert m[1]["grads"] > m[2]["grads"] and m[2]["params"] > m[3]["params"]
@@ -209,6 +208,6 @@ def test_plan_json_contract_keys():
               "valid"):
         assert k in d, k
     assert set(d["degrees"]) == {"tp", "pp", "vpp", "cp", "ep", "dp"}
-    assert set(d["memory_per_device_bytes"]) == {"params", "grads", "optimizer", "activations", "total", "capacity"}
+    assert {"params", "grads", "optimizer", "activations", "total", "capacity"} <= set(d["memory_per_device_bytes"])
     for ax in ("tp", "pp", "cp", "ep", "dp"):
         assert {"collective", "message_bytes", "count_per_step", "bytes_per_step"} <= set(d["comm"][ax])

@@ -42,8 +42,9 @@ def _rank_train(rank, world, cfg, plan, run_dir):
 def _run(tmp, name, layout: list[str], extra: list[str]):
     run_dir = os.path.join(tmp, name)
     os.makedirs(run_dir, exist_ok=True)
-    cfg = load_config(BASE + [f"data.path={_data(tmp)}", f"checkpoint.dir={os.path.join(tmp, 'ckpt-' + name.split('-')[0])}",
-                              f"run.dir={run_dir}"] + layout + extra)
+    ckpt = os.path.join(tmp, "ckpt-" + name.split("-")[0])
+    cfg = load_config(BASE + [f"data.path={_data(tmp)}", f"checkpoint.dir={ckpt}", f"run.dir={run_dir}"]
+                      + layout + extra)
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
     return run_ranks(_rank_train, plan["world_size"], cfg, plan, run_dir, timeout_s=300)[0]

@@ -362,7 +362,8 @@ class PipelineRunner:
         last = max((e["end"] for e in ev), default=0.0)
         mine = torch.tensor([busy, first, last], dtype=torch.float64)
         allv = torch.zeros(self.pp * 3, dtype=torch.float64)
-        dist.all_gather_into_tensor(allv, mine, group=self.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(allv, mine, group=self.group)
         allv = allv.view(self.pp, 3)
         window = float(allv[:, 2].max() - allv[:, 1].min())
         busy_r = allv[:, 0].tolist()
@@ -393,18 +394,19 @@ def bubble_from_timelines(events_by_stage: Sequence[Sequence[dict]]) -> float:
 class ActivationMemory:
     """Live bytes of tensors saved for backward (``saved_tensors_hooks``), and their peak.
 
-    Parameters (and views of them) are not activations and are skipped; a storage saved several
-    times counts once; bytes are released when autograd frees the saved tensor (after the
-    backward — for zero-bubble schedules after the weight-grad pass)::
+    Tensors in ``exclude`` (the parameters, the step's tokens and labels — not activations) and
+    views of them are skipped; a storage saved several times counts once (its whole size); bytes
+    are released when autograd frees the saved tensor (after the backward — for zero-bubble
+    schedules after the weight-grad pass)::
 
-        with ActivationMemory(model.parameters()) as mem:
+        with ActivationMemory([*model.parameters(), tokens, labels]) as mem:
             runner.step(tokens, labels)
         mem.peak_bytes
     """
 
-    def __init__(self, params=()):
+    def __init__(self, exclude=()):
         self.param_ptrs = set()
-        for p in params:
+        for p in exclude:
             t = p.to_local() if hasattr(p, "to_local") else p
             self.param_ptrs.add(t.untyped_storage().data_ptr())
         self.live = 0

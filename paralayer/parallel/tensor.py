@@ -9,7 +9,7 @@ Layout for one rank of a ``tp``-sized group (see docs/tensor-parallel.md and doc
     attention        PrepareModuleInput  x: Shard(1) -> Replicate (SP: all-gather)
       wq, wk, wv     ColwiseParallel   whole heads per rank (n_heads % tp == 0, n_kv_heads % tp == 0)
       wo             RowwiseParallel   partial sums -> Shard(1) (SP: reduce-scatter) or Replicate
-    ffn_norm         SequenceParallel  (SP only)
+    ffn_norm         SequenceParallel  (SP only; without SP the norms hold Replicate DTensors)
     feed_forward     PrepareModuleInput  (SP: all-gather)
       w1, w3         ColwiseParallel   gate / up split by columns, silu(gate)*up applied locally
       w2             RowwiseParallel   down split by rows: one reduction restores the exact sum
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -95,8 +95,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     root_plan = {}
     if getattr(model, "tok_embeddings", None) is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    if getattr(model, "norm", None) is not None and sp:
-        root_plan["norm"] = SequenceParallel()
+    if getattr(model, "norm", None) is not None:
+        if sp:
+            root_plan["norm"] = SequenceParallel()
+        else:
+            _replicate(model.norm, tp_mesh)
     if getattr(model, "output", None) is not None:
         # Input: the norm's output (a Shard(1) DTensor under SP) or, for a stage without a norm,
         # the plain residual stream; either way ``input_layouts`` says what a plain tensor means.
@@ -117,6 +120,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        else:
+            _replicate(block.attention_norm, tp_mesh)
+            _replicate(block.ffn_norm, tp_mesh)
         if getattr(block, "is_moe", False):
             # The expert block runs replicated on the full sequence (plain tensors in and out).
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
@@ -136,8 +142,46 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
     model.tp_mesh = tp_mesh
     model.tp_sequence_parallel = sp
+    # Registered at forward time: to_empty() (after this function) makes new parameter objects.
+    model.register_forward_pre_hook(_hook_grads)
     if sp:
         model.register_forward_pre_hook(_full_positions_hook(tp))
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Parameters -> Replicate DTensors; plain replicated tensors in, plain tensors out.
+
+    Used for the norms without SP, so that every parameter of a tp-split model is a DTensor on
+    the tp mesh (foreach optimizers, clipping and checkpoints never mix the two kinds).
+    """
+
+    def input_fn(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def output_fn(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, tp_mesh, None, input_fn, output_fn)
+
+
+def _hook_grads(module: nn.Module, args) -> None:
+    for p in module.parameters():
+        if isinstance(p, DTensor) and not getattr(p, "_tp_align_hooked", False):
+            p.register_post_accumulate_grad_hook(_align_grad)
+            p._tp_align_hooked = True
+
+
+def _align_grad(p: torch.Tensor) -> None:
+    """Post-accumulate hook: bring a DTensor grad to its parameter's placements, once per backward.
+
+    SP norms' weight grads come out Partial (each rank saw s/tp tokens: one small all-reduce here
+    instead of one per optimizer op); the vocab-parallel embedding's grad comes out Replicate (a
+    local slice here, which also frees the full-size buffer). FSDP2 does the same for its params.
+    """
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _replicate_to_seq_shard(tp_mesh: DeviceMesh):

@@ -198,6 +198,7 @@ class Memory:
     capacity: int | None
     reserve: int
     stage: int
+    activations_saved: int = 0  # what the forward leaves for backward (activations less the recompute peak)
 
     @property
     def total(self) -> int:
@@ -209,7 +210,8 @@ class Memory:
 
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "total": self.total, "capacity": self.capacity}
+                "activations": self.activations, "total": self.total, "capacity": self.capacity,
+                "activations_saved": self.activations_saved}
 
 
 def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
@@ -238,15 +240,30 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     layers = [i for c in chunks for i in lay.stage_layers[c]]
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab
     acts = in_flight(lay, r) * per_mb
-    if lay.recompute == "full" and layers:
-        # the layer being recomputed holds its whole activation set once
-        acts += max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none") for i in layers) * tokens * ab
+    acts += recompute_transient(cfg, lay, r)
     if (lay.chunks - 1) in chunks:
         # fp32 logits for the loss, 4·s·b·V/t (vocab-parallel), per microbatch in flight at the end
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
         acts += 4 * tokens * lay.padded_vocab / lay.tp * last_in_flight
-        acts += tokens * m.d_model * ab  # output head input (final norm output)
+        # final norm: its input, its normalised input (for the weight grad), and its output (the
+        # head's input) — measured: 3·h per token
+        acts += 3 * tokens * m.d_model * ab
     return int(params), int(grads), int(opt), int(acts)
+
+
+def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
+    """Full recompute: the layer being recomputed in backward holds its whole "none" set once.
+
+    Not saved by the forward (saved-tensor hooks do not see it), but part of the peak.
+    """
+    if lay.recompute != "full":
+        return 0
+    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
+    if not layers:
+        return 0
+    tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
+    ab = ACT_BYTES[lay.precision]
+    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none") for i in layers) * tokens * ab)
 
 
 def memory(cfg: Config, lay: Layout) -> Memory:
@@ -261,7 +278,7 @@ def memory(cfg: Config, lay: Layout) -> Memory:
     cap = cfg.cluster.device_memory_gib
     capacity = int(cap * GIB) if cap is not None else None
     reserve = int(cfg.cluster.memory_reserve_gib * GIB)
-    return Memory(pa, gr, op, ac, capacity, reserve, r)
+    return Memory(pa, gr, op, ac, capacity, reserve, r, ac - recompute_transient(cfg, lay, r))
 
 
 def gib(n: float | None) -> str:
