@@ -27,7 +27,7 @@ from paralayer.parallel import pipeline as pl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 CFG = dict(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=688, vocab_size=256, seq_len=128)
-MB = 2
+MB = 8
 
 
 def predicted(schedule: str, p: int, m: int, v: int = 1) -> float:

@@ -202,7 +202,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # intermixed: `recipe=tiny -m parallel.dp=1,2 --wait` (overrides on both sides of a flag)
+        args = parser.parse_intermixed_args(argv)
     except _ArgError as exc:
         _err(str(exc))
         return EXIT_INVALID

@@ -298,7 +298,7 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
 
 def _parse_value(value: str) -> Any:
     """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it."""
-    if value == "":
+    if value in ("", "null", "~"):  # YAML's null (``model.moe.capacity_factor=null``: dropless)
         return None
     if value.lstrip().startswith(("[", "{")):
         import yaml

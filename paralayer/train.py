@@ -136,8 +136,13 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
     t = cfg.train
 
     def make(params):
-        return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                                 eps=1e-8, foreach=True)
+        # foreach kernels refuse to mix DTensors with plain tensors (MoE blocks stay plain under TP)
+        from torch.distributed.tensor import DTensor
+
+        groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                              [p for p in params if not isinstance(p, DTensor)]) if g]
+        return torch.optim.AdamW([{"params": g} for g in groups], lr=t.lr, betas=(t.beta1, t.beta2),
+                                 weight_decay=t.weight_decay, eps=1e-8, foreach=True)
 
     if int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1:
         dp_mesh = meshes["dp_cp"]

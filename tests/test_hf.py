@@ -7,14 +7,24 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
 
-transformers = pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
+from paralayer.config import ModelConfig
+from paralayer.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf
+from paralayer.model import Transformer, padded_vocab
+from tests.dist import run_ranks
 
-from paralayer.config import ModelConfig  # noqa: E402
-from paralayer.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf  # noqa: E402
-from paralayer.model import Transformer, padded_vocab  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
+
+class _LazyTransformers:
+    """Import transformers on first use, not at collection: importing it in the pytest process
+    before other test files fork their gloo ranks can deadlock those children."""
+
+    def __getattr__(self, name):
+        mod = pytest.importorskip("transformers")
+        return getattr(mod, name)
+
+
+transformers = _LazyTransformers()
 
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=61, rms_norm_eps=1e-6, max_position_embeddings=64)

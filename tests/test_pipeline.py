@@ -135,7 +135,8 @@ def test_parity_with_one_process(schedule, pp, vpp, m):
     # the timeline holds every (action, microbatch, chunk) once per step
     for r in out:
         acts = {(e["action"], e["mb"], e["chunk"]) for e in r["timeline"]}
-        n_local_chunks = len(pl.rank_chunks(r["timeline"][0]["rank"], pp, pp * pl.chunks_per_rank(schedule, vpp), schedule))
+        n_chunks = pp * pl.chunks_per_rank(schedule, vpp)
+        n_local_chunks = len(pl.rank_chunks(r["timeline"][0]["rank"], pp, n_chunks, schedule))
         assert len([a for a in acts if a[0] == "F"]) == m * n_local_chunks
 
 

@@ -429,8 +429,10 @@ def apply_context_parallel(model, group: dist.ProcessGroup, seq_len: int) -> Non
     """Make a (stage of a) Transformer attend over the cp ring on zigzag-sharded sequences.
 
     RoPE follows the chunks: the model's positions become this rank's global token positions.
+    Each attention module gets a ``ring_stats`` (RingStats) recording this rank's attention work.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     model.positions = zigzag_indices(seq_len, cp, rank)
     for layer in model.layers.values():
-        layer.attention.attn_fn = make_ring_attention(group)
+        layer.attention.ring_stats = RingStats()
+        layer.attention.attn_fn = make_ring_attention(group, layer.attention.ring_stats)

@@ -155,7 +155,8 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
         shard += ffn_mult * f
     if lay.sequence_parallel:
         return 2 * h + (rep - 2 * h) / t + shard / t
-    return rep + shard / t
+    # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
+    return rep + shard / t + (h - h / t)
 
 
 def routed_rows_per_token(cfg: Config) -> float:
