@@ -37,17 +37,20 @@ def build_pair(cfg: ModelConfig):
     return ours, hf
 
 
-def step_fn(model, opt, tokens, is_hf: bool):
+def step_fn(model, opt, tokens, is_hf: bool, dtype: torch.dtype | None = None):
     def run():
         opt.zero_grad(set_to_none=True)
-        if is_hf:
-            out = model(input_ids=tokens, labels=tokens)
-            loss = out.loss
-        else:
-            loss = lm_loss(model(tokens)[:, :-1], tokens[:, 1:])
+        with torch.autocast(tokens.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            if is_hf:
+                out = model(input_ids=tokens, labels=tokens)
+                loss = out.loss
+            else:
+                loss = lm_loss(model(tokens)[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
-        return float(loss)
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize()
+        return float(loss.detach())
 
     return run
 
@@ -65,18 +68,23 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast, fp32 master weights")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                       ffn_hidden=args.ffn, vocab_size=args.vocab, seq_len=args.seq)
     ours, hf = build_pair(cfg)
+    device = torch.device(args.device)
+    ours, hf = ours.to(device), hf.to(device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else None
     n_ours = sum(p.numel() for p in ours.parameters())
     n_hf = sum(p.numel() for p in hf.parameters())
     assert n_ours == n_hf, (n_ours, n_hf)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     runs = {
-        "paralayer": step_fn(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, foreach=True), tokens, False),
-        "transformers": step_fn(hf, torch.optim.AdamW(hf.parameters(), lr=1e-4, foreach=True), tokens, True),
+        "paralayer": step_fn(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, foreach=True), tokens, False, dtype),
+        "transformers": step_fn(hf, torch.optim.AdamW(hf.parameters(), lr=1e-4, foreach=True), tokens, True, dtype),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.warmup + args.steps):
@@ -94,7 +102,7 @@ def main(argv=None) -> int:
 
     print(f"shape: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
           f"V={cfg.vocab_size} seq={cfg.seq_len} batch={args.batch}; {n_ours/1e6:.1f}M params; "
-          f"threads={args.threads}; torch {torch.__version__}, transformers {transformers.__version__}")
+          f"threads={args.threads}; {args.device} {args.dtype}; torch {torch.__version__}, transformers {transformers.__version__}")
     print("| model | median step (s) | tokens/s |")
     print("|---|---|---|")
     for k in runs:

@@ -376,8 +376,22 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from None
+    if cfg.model.init.startswith("hf:"):
+        _apply_hf_shape(cfg, [d.partition("=")[0] for d in dotted])
     validate_values(cfg)
     return cfg
+
+
+def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
+    """model.init=hf:PATH: the model's shape comes from PATH/config.json (seq_len stays the recipe's)."""
+    from paralayer.hf_config import HFFormatError, apply_hf_config
+
+    try:
+        apply_hf_config(cfg.model, cfg.model.init[3:], keep_seq_len=True)
+    except HFFormatError as exc:
+        raise ConfigError("model.init", str(exc)) from None
+    except (KeyError, ValueError, OSError) as exc:
+        raise ConfigError("model.init", f"cannot read {cfg.model.init[3:]}/config.json: {exc}") from None
 
 
 def _choice(field_name: str, value: Any, choices: tuple) -> None:

@@ -255,7 +255,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
         if clean in owners:
             mod, p_name = owners[clean]
             dim, offset, _ = mod.local_slices[p_name]
-            local_len = param.to_local().shape[dim] if isinstance(param, DTensor) else param.shape[dim]
+            local_len = param.shape[dim]  # a DTensor's shape is this ep rank's expert count
             full = full.narrow(dim, offset, local_len).contiguous()
         full = full.to(device=device, dtype=param.dtype)
         if isinstance(param, DTensor):

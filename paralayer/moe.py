@@ -23,6 +23,11 @@ Each forward sets
     self.stats     {"tokens_per_expert": LongTensor(E), routed token-slots (before drops), summed
                     over the expert-parallel group; "dropped": int, token-slots dropped, summed over
                     the expert-parallel group}
+and adds this rank's own numbers (no communication) to
+    self.step_stats {"tokens_per_expert": LongTensor(E) | None, "dropped": int, "aux_loss_sum": float,
+                    "forwards": int} — every forward since ``reset_step_stats()`` (the trainer resets
+                    it each step and sums it over the data ranks; forwards re-run by activation
+                    checkpointing during backward are not counted again).
 
 Capacity (``capacity_factor`` not None) is applied per rank to that rank's own tokens, before any
 dispatch: capacity = ceil(T·top_k·capacity_factor / E) with T = this rank's tokens (b·s). Within an
@@ -89,6 +94,7 @@ class MoEFeedForward(nn.Module):
 
         self.aux_loss: Tensor | None = None
         self.stats: dict = {}
+        self.reset_step_stats()
         self.reset_parameters()
 
     def _make_local_slices(self) -> dict[str, tuple[int, int, int]]:
@@ -195,10 +201,33 @@ class MoEFeedForward(nn.Module):
         return out.reshape(shape)
 
     # ---------------------------------------------------------------- stats, balancing
+    def reset_step_stats(self) -> None:
+        """Start a new optimizer step's accumulation (see ``step_stats``)."""
+        self.step_stats: dict = {"tokens_per_expert": None, "dropped": 0, "aux_loss_sum": 0.0, "forwards": 0}
+
+    @staticmethod
+    def _in_backward() -> bool:
+        # a forward re-run by activation checkpointing (recompute=full) inside backward: its tokens
+        # were already counted by the first forward
+        try:
+            return torch._C._current_graph_task_id() != -1
+        except AttributeError:  # pragma: no cover - older torch
+            return False
+
     @torch.no_grad()
     def _record_stats(self, routed: Tensor, dropped: int) -> None:
+        if self._in_backward():
+            return
         if self.router == "sigmoid":
             self.expert_load += routed.to(self.expert_load.dtype)
+        # this rank's own tokens, accumulated over the step's microbatches (no communication: the
+        # trainer sums them over the data ranks once per step)
+        st = self.step_stats
+        st["tokens_per_expert"] = routed.detach().clone() if st["tokens_per_expert"] is None \
+            else st["tokens_per_expert"] + routed
+        st["dropped"] += int(dropped)
+        st["aux_loss_sum"] += float(self.aux_loss.detach()) if self.aux_loss is not None else 0.0
+        st["forwards"] += 1
         totals = torch.cat([routed, routed.new_tensor([dropped])])
         if self.ep_group is not None:
             import torch.distributed as dist

@@ -6,7 +6,6 @@ directly on forked gloo ranks); :func:`main` is the entry point the dispatchers 
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import math
@@ -14,7 +13,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -101,7 +99,7 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
     if zero >= 2 and dp_cp > 1:
         for chunk in chunks:
             dpar.apply_fsdp(chunk, meshes["dp_cp"], zero,
-                            expert_mesh=meshes["edp"] if ep > 1 else None, grad_divide=dp_cp)
+                            expert_mesh=meshes["edp"] if ep > 1 else None)
     for chunk in chunks:
         chunk.to_empty(device=device)
         if cfg.model.init.startswith("hf:"):
@@ -148,7 +146,7 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
         dp_mesh = meshes["dp_cp"]
         group_ranks = dist.get_process_group_ranks(dp_mesh.get_group())
         opt = dpar.ZeroOneOptimizer(built.params, dp_mesh.get_group(), dp_mesh.get_local_rank(),
-                                    dp_mesh.size(), group_ranks, make)
+                                    dp_mesh.size(), group_ranks, make, local_params=built.expert_params)
         sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lr_lambda(cfg))
     else:
         opt = make(built.params)
@@ -197,10 +195,6 @@ def _loss_parallel(enabled: bool):
 
 
 # ------------------------------------------------------------------ the loop
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
 def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: bool = False) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
     from paralayer import data as data_mod
@@ -229,10 +223,9 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     zero = int(cfg.parallel.zero)
     reducer = None
     if zero <= 1 and dp_cp_mesh.size() > 1:
+        edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
         reducer = dpar.GradReducer(built.params, dp_cp_mesh.get_group(), dp_cp_mesh.size(),
-                                   built.expert_params, meshes["edp"].get_group() if meshes.expert is not None else None)
-    elif zero <= 1 and built.expert_params:
-        reducer = None
+                                   built.expert_params, edp_group)
 
     cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
     dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir,
@@ -254,11 +247,14 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     if resume != "none" and ckpt_dir is not None:
         from paralayer import checkpoint as ckpt
 
-        path = ckpt.find_latest(ckpt_dir) if resume == "auto" else resume
-        if path is not None:
-            extra = ckpt.load_checkpoint(path, built.chunks, [opt])
+        if resume == "auto":
+            found = ckpt.resume_latest(ckpt_dir, built.chunks, [opt])  # falls back past corrupt ones
+        else:
+            found = (resume, ckpt.load_checkpoint(resume, built.chunks, [opt]))
+        if found is not None:
+            path, extra = found
             sched.load_state_dict(extra["scheduler"])
-            torch.set_rng_state(extra["rng"]["torch"])
+            ckpt.set_rng_state(extra["rng"])
             start_step = int(extra["step"]) + 1
             if rank == 0:
                 print(f"paralayer: resumed from {path} at step {start_step}", flush=True)
@@ -298,6 +294,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             labels = zigzag_shard(labels, 1, cp, cp_rank)
         _maybe_inject_fault(rank, step)
         opt.zero_grad(set_to_none=True)
+        _moe_reset(built)
         if runner is not None:
             loss_sum = runner.step(tokens, labels, autocast_dtype=autocast_dtype)
         else:
@@ -313,6 +310,12 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                 loss_sum = loss_sum + loss.detach() / m
         if reducer is not None:
             reducer.reduce()
+        elif zero >= 2 and meshes.expert is not None:
+            # FSDP averaged expert grads over dp·cp/ep ranks; the mean is over all dp·cp.
+            ep = meshes.size("ep")
+            for p in built.expert_params:
+                if p.grad is not None:
+                    dpar._local(p.grad).div_(ep)
         # The loss: every rank that computed one holds its dp·cp shard's mean; average over them.
         loss_t = _global_loss(loss_sum, meshes, pp)
         grad_norm = dpar.clip_grad_norm(
@@ -339,7 +342,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             world_size=world, flops_per_token=flops_per_token, peak_tflops=peak, device=device)
         if runner is not None and getattr(runner, "bubble_measured", None) is not None:
             rec["bubble_measured"] = runner.bubble_measured
-        moe_stats = _moe_stats(built)
+        moe_stats = _moe_stats(built, meshes, pp, cfg.model.moe.num_experts)
         if moe_stats:
             rec.update(moe_stats)
         records.append(rec)
@@ -369,7 +372,7 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
 def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> None:
     from paralayer import checkpoint as ckpt
 
-    extra = {"step": step, "scheduler": sched.state_dict(), "rng": _rng_state()}
+    extra = {"step": step, "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
     ckpt.save_checkpoint(ckpt_dir, step, built.chunks, [opt], extra, keep=cfg.checkpoint.keep)
 
 
@@ -388,26 +391,45 @@ def _global_loss(loss_sum: torch.Tensor, meshes: Meshes, pp: int) -> torch.Tenso
     return t[0]
 
 
-def _moe_stats(built: Built) -> dict:
-    counts = None
-    dropped = 0
-    aux = 0.0
-    n = 0
-    for c in built.chunks:
-        for layer in c.layers.values():
-            st = getattr(layer.feed_forward, "stats", None)
-            if st:
-                tpe = st["tokens_per_expert"].float().cpu()
-                counts = tpe if counts is None else counts + tpe
-                dropped += int(st["dropped"])
-                a = getattr(layer.feed_forward, "aux_loss", None)
-                if a is not None:
-                    aux += float(a.detach())
-                    n += 1
-    if counts is None:
+def _moe_layers(built: Built) -> list:
+    return [layer.feed_forward for c in built.chunks for layer in c.layers.values()
+            if hasattr(layer.feed_forward, "step_stats")]
+
+
+def _moe_reset(built: Built) -> None:
+    for ff in _moe_layers(built):
+        ff.reset_step_stats()
+
+
+def _moe_stats(built: Built, meshes: Meshes, pp: int, num_experts: int) -> dict:
+    """The step's routing over the whole global batch (every microbatch, data rank and MoE layer):
+    routed token-slots per expert summed over the MoE layers (min, mean, max over experts), dropped
+    token-slots, and the aux loss (sum over layers of its mean over microbatches and data ranks,
+    before ``aux_loss_coef``). Identical on every rank. Collectives: one over dp·cp, one over pp."""
+    if num_experts <= 0:
         return {}
-    return {"aux_loss": aux, "tokens_per_expert_min": float(counts.min()), "tokens_per_expert_mean": float(counts.mean()),
-            "tokens_per_expert_max": float(counts.max()), "dropped_tokens": dropped}
+    counts = torch.zeros(num_experts, dtype=torch.float64)
+    dropped, aux_sum, forwards = 0.0, 0.0, 0.0
+    for ff in _moe_layers(built):
+        st = ff.step_stats
+        if st["tokens_per_expert"] is not None:
+            counts += st["tokens_per_expert"].double().cpu()
+        dropped += st["dropped"]
+        aux_sum += st["aux_loss_sum"]
+        forwards = max(forwards, float(st["forwards"]))  # the same for every layer of this rank
+    dev = built.device
+    t = torch.cat([counts, torch.tensor([dropped, aux_sum, forwards], dtype=torch.float64)]).to(dev)
+    if meshes.size("dp_cp") > 1:  # tp ranks hold the same tokens: not summed over tp
+        dist.all_reduce(t, group=meshes["dp_cp"].get_group())
+    aux_mean = t[-2] / t[-1] if float(t[-1]) > 0 else torch.zeros((), dtype=torch.float64, device=dev)
+    t = torch.cat([t[:-2], aux_mean.reshape(1)])
+    if pp > 1:  # stages hold different layers
+        dist.all_reduce(t, group=meshes["pp"].get_group())
+    t = t.cpu()
+    counts = t[:num_experts]
+    return {"aux_loss": float(t[-1]), "tokens_per_expert_min": float(counts.min()),
+            "tokens_per_expert_mean": float(counts.mean()), "tokens_per_expert_max": float(counts.max()),
+            "dropped_tokens": int(round(float(t[num_experts])))}
 
 
 def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:

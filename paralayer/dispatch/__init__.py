@@ -36,9 +36,9 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
     if cfg.cluster.backend == "slurm":
         from paralayer.dispatch import slurm
 
-        res = slurm.submit([run_dir], _slurm_settings(cfg), folder=_slurm_folder(cfg, run_dir),
+        res = slurm.submit([run_dir], _slurm_settings(cfg, [plan]), folder=_slurm_folder(cfg, run_dir),
                            wait=bool(getattr(args, "wait", False)))
-        return int(getattr(res, "exit_code", 0) or 0)
+        return _slurm_rc(res)
     from paralayer.dispatch.local import run_local
 
     return run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan)
@@ -59,9 +59,9 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     if cfgs[0].cluster.backend == "slurm":
         from paralayer.dispatch import slurm
 
-        res = slurm.submit(run_dirs, _slurm_settings(cfgs[0]), folder=_slurm_folder(cfgs[0], run_dirs[0]),
+        res = slurm.submit(run_dirs, _slurm_settings(cfgs[0], plans), folder=_slurm_folder(cfgs[0], run_dirs[0]),
                            wait=bool(getattr(args, "wait", False)))
-        return int(getattr(res, "exit_code", 0) or 0)
+        return _slurm_rc(res)
     from paralayer.dispatch.local import run_local
 
     worst = 0
@@ -70,13 +70,33 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     return worst
 
 
-def _slurm_settings(cfg: Config) -> dict:
+def _slurm_rc(res: Any) -> int:
+    """The exit status of a submission: SubmitResult.status after --wait (0 all completed, 1 one
+    failed, 124 wait deadline), 0 when only submitted."""
+    return int(getattr(res, "status", None) or 0)
+
+
+def _plan_value(plan: Any, key: str) -> Any:
+    d = plan.to_dict() if hasattr(plan, "to_dict") else (plan or {})
+    return d.get(key)
+
+
+def _slurm_settings(cfg: Config, plans: list[Any] | None = None) -> dict:
+    """The cluster's SLURM settings for submit(). Tasks per node come from the plan(s): the
+    profile's devices_per_node, or on CPU without one the product of the degrees (the resolver's
+    rule). A job array has one shape: the largest element's; smaller elements leave the extra
+    tasks idle (RankTask reads each run's plan.json)."""
     c = cfg.cluster
     s = config_mod.to_dict(cfg)["cluster"]["slurm"]
-    s.update(nodes=c.nodes, devices_per_node=c.devices_per_node or 1,
+    dpn = [int(v) for v in (_plan_value(p, "devices_per_node") for p in (plans or [])) if v]
+    s.update(nodes=c.nodes, devices_per_node=max(dpn) if dpn else (c.devices_per_node or 1),
              device="cuda" if c.device == "cuda" else "cpu")
     return s
 
 
-def _slurm_folder(cfg: Config, run_dir: str) -> str:
-    return cfg.cluster.slurm.folder or str(Path(run_dir).parent / "slurm-logs")
+def _slurm_folder(cfg: Config, run_dir: str) -> None:
+    """None: submit() picks a fresh ``<cluster.slurm.folder or <parent of the run dirs>/slurm-logs>/
+    <time>-<id>`` folder. Fresh matters: submitit finds results by job id, and a SLURM whose state
+    was wiped (the local one in CI) hands out ids from 1 again, so a shared folder would hold a
+    previous job's result files under the same names."""
+    return None

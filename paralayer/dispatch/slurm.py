@@ -107,8 +107,27 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
         os.environ.update(self.env)
         if self.resume:
             os.environ[RESUME_ENV] = self.resume
+        elif int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+            # requeued without our checkpoint() running (a bare `scontrol requeue`, a node failure,
+            # a requeue by the admin): the batch script re-runs from its start with the original
+            # pickled task, so resume from the newest periodic checkpoint of the run
+            os.environ[RESUME_ENV] = "auto"
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True)
+        want = _plan_world(self.run_dir)
+        if want and want < dist_env.world_size:
+            # a job array has one shape for all elements: an element whose plan needs fewer ranks
+            # than the array's tasks runs on the first `want` tasks, the others stay idle
+            if dist_env.rank >= want:
+                print(f"[paralayer.slurm] task {dist_env.rank}: idle (the plan of {self.run_dir} has "
+                      f"{want} rank(s), the job {dist_env.world_size} tasks)", flush=True)
+                return None
+            lws = dist_env.local_world_size
+            node = dist_env.rank // max(lws, 1)
+            dist_env.world_size = want
+            dist_env.local_world_size = max(1, min(lws, want - node * lws))
+            os.environ["WORLD_SIZE"] = str(want)
+            os.environ["LOCAL_WORLD_SIZE"] = str(dist_env.local_world_size)
         print(f"[paralayer.slurm] rank {dist_env.rank}/{dist_env.world_size} "
               f"(local {dist_env.local_rank}) master {dist_env.master_addr}:{dist_env.master_port} "
               f"run_dir={self.run_dir} resume={os.environ.get(RESUME_ENV, '-')}", flush=True)
@@ -125,6 +144,18 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"RankTask(run_dir={self.run_dir!r}, entry={self.entry!r}, resume={self.resume!r})"
+
+
+def _plan_world(run_dir: str) -> int | None:
+    """world_size of the run's plan.json (None when the plan does not say)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "plan.json")) as f:
+            w = json.load(f).get("world_size")
+        return int(w) if w else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 @dataclasses.dataclass
@@ -146,7 +177,8 @@ class SubmitResult:
         kind = f"job array {self.job_ids[0].split('_')[0]}" if self.array else f"job {self.job_ids[0]}"
         lines = [f"submitted {kind} ({len(self.job_ids)} run(s)) ; submitit folder {self.folder}"]
         for jid, rd in zip(self.job_ids, self.run_dirs):
-            lines.append(f"  {jid}: {rd}")
+            lines.append(f"  {jid}: {rd}  (metrics: {os.path.join(rd, 'metrics.jsonl')})")
+        lines.append(f"logs: {self.folder} (<job id>_<task>_log.out / .err, one pair per rank)")
         lines.append(f"follow with: tail -f {' '.join(self.stdout[0][:1] + self.stderr[0][:1])}")
         lines.append(f"status: squeue -j {self.job_ids[0].split('_')[0]} ; "
                      f"sacct -j {self.job_ids[0].split('_')[0]}")
@@ -356,14 +388,20 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     return res
 
 
-def _task_outcomes(job: Any) -> list[tuple[str, Any] | None]:
-    """Per task: ("success", value) / ("error", traceback) from submitit's result pickle, or None."""
+def _task_outcomes(job: Any, since: float | None = None) -> list[tuple[str, Any] | None]:
+    """Per task: ("success", value) / ("error", traceback) from submitit's result pickle, or None.
+    ``since``: the start (epoch s) of the job's current attempt; older pickles were left by an
+    attempt that was requeued and do not count."""
     from submitit.core import utils
 
     out: list[tuple[str, Any] | None] = []
     for s in (getattr(job, "_sub_jobs", None) or [job]):
         p = s.paths.result_pickle
-        if p.exists():
+        try:
+            stale = since is not None and p.stat().st_mtime < since - 1.0
+        except OSError:
+            stale = False
+        if p.exists() and not stale:
             try:
                 out.append(tuple(utils.pickle_load(p)))  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - half-written pickle, unpicklable result...
@@ -373,20 +411,27 @@ def _task_outcomes(job: Any) -> list[tuple[str, Any] | None]:
     return out
 
 
-def _sacct_states(job_ids: Sequence[str]) -> dict[str, str]:
-    """job id (incl. array element ids like 12_0) -> sacct State (first word, upper case)."""
+def _sacct_states(job_ids: Sequence[str], starts: dict[str, float] | None = None) -> dict[str, str]:
+    """job id (incl. array element ids like 12_0) -> sacct State (first word, upper case).
+    ``starts``, when given, is filled with the start (epoch s) of each job's current attempt."""
     base = sorted({j.split("_")[0] for j in job_ids})
-    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State"] + [a for b in base for a in ("-j", b)]
+    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State,Start"] + [a for b in base for a in ("-j", b)]
     try:
         text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
     except (subprocess.SubprocessError, OSError):
         return {}
     states: dict[str, str] = {}
     for line in text.splitlines():
-        if "|" not in line:
+        parts = line.split("|")
+        if len(parts) < 2:
             continue
-        jid, state = line.split("|", 1)
-        states[jid.strip()] = state.split()[0].upper() if state.split() else "UNKNOWN"
+        jid, state = parts[0].strip(), parts[1]
+        states[jid] = state.split()[0].upper() if state.split() else "UNKNOWN"
+        if starts is not None and len(parts) > 2:
+            try:
+                starts[jid] = time.mktime(time.strptime(parts[2].strip(), "%Y-%m-%dT%H:%M:%S"))
+            except ValueError:  # "Unknown" / "None" while pending
+                pass
     return states
 
 
@@ -422,23 +467,72 @@ def _tail(path: str, n: int = 30) -> str:
         return "(no file)\n"
 
 
+# states in which the job is not running its current attempt: result pickles seen now were left by
+# an attempt that was requeued (scontrol requeue, preemption, timeout) and say nothing yet
+_NOT_RUNNING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING",
+                       "PREEMPTED", "CONFIGURING"}
+
+
+class _LogEcho:
+    """Echo the lines rank 0 appends to its stdout log (the training progress) while waiting."""
+
+    def __init__(self, result: SubmitResult, stream) -> None:
+        self.paths = [(jid, out[0]) for jid, out in zip(result.job_ids, result.stdout) if out]
+        self.prefix = len(self.paths) > 1
+        self.offsets = {p: 0 for _, p in self.paths}
+        self.partial = {p: "" for _, p in self.paths}
+        self.stream = stream
+
+    def poll(self) -> None:
+        for jid, p in self.paths:
+            try:
+                with open(p, errors="replace") as f:
+                    f.seek(self.offsets[p])
+                    chunk = f.read()
+                    self.offsets[p] = f.tell()
+            except OSError:
+                continue
+            if not chunk:
+                continue
+            text = self.partial[p] + chunk
+            lines = text.split("\n")
+            self.partial[p] = lines.pop()
+            for line in lines:
+                line = line.rstrip("\r")
+                if line.strip():
+                    print(f"[{jid}] {line}" if self.prefix else line, file=self.stream, flush=True)
+
+
 def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
-         verbose: bool = True, stream=None) -> int:
+         verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
     """Follow the jobs to the end. Returns 0 when every run completed, 1 when one failed
-    (printing its stderr tail), 124 when ``timeout_s`` passed first (jobs left running)."""
+    (printing its stderr tail), 124 when ``timeout_s`` passed first (jobs left running).
+
+    ``verbose`` prints each job's state changes (PENDING, RUNNING, REQUEUED, ...) and, unless
+    ``echo_logs=False``, the lines rank 0 writes to its stdout log. A requeued job is followed
+    through its requeue to the end of its last attempt."""
     stream = stream or sys.stderr
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     ids = result.job_ids
     last_sacct = 0.0
     states: dict[str, str] = {}
+    starts: dict[str, float] = {}
+    shown: dict[str, str] = {}
     done: dict[str, bool] = {}
     outcomes: dict[str, list] = {}
     never: dict[str, str] = {}
+    echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
     while True:
         now = time.monotonic()
         if now - last_sacct >= max(2.0, poll_s):
-            states.update(_sacct_states(ids))
+            states.update(_sacct_states(ids, starts))
             last_sacct = now
+            if verbose:
+                for jid in ids:
+                    st = states.get(jid)
+                    if st and st != shown.get(jid) and st not in _TERMINAL_STATES:
+                        shown[jid] = st
+                        print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
             for jid, reason in _pending_reasons([j for j in ids if not done.get(j)]).items():
                 if jid in ids and not done.get(jid):
                     never[jid] = reason
@@ -447,18 +541,20 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
                     if verbose:
                         print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
                               f"{reason}): cancelled it", file=stream, flush=True)
+        if echo is not None:
+            echo.poll()
         for jid, job in zip(ids, result.jobs):
             if done.get(jid):
                 continue
-            oc = _task_outcomes(job)
-            outcomes[jid] = oc
             st = states.get(jid, "UNKNOWN")
-            if all(o is not None for o in oc) or any(o is not None and o[0] == "error" for o in oc):
-                # all tasks reported, or one raised (--kill-on-bad-exit ends the rest): wait for
-                # slurm to agree for a few seconds so the others' outcome can land
-                if all(o is not None for o in oc) or st in _TERMINAL_STATES:
-                    done[jid] = True
-            elif st in _TERMINAL_STATES:
+            oc = _task_outcomes(job, since=starts.get(jid))
+            if st in _NOT_RUNNING_STATES:
+                oc = [None] * len(oc)
+            outcomes[jid] = oc
+            # every task returned: done (sacct lags a moment behind). A task that raised is not
+            # the end by itself: a requeue (scontrol requeue, preemption) can make ranks fail on
+            # the way down and the job runs again, so wait for SLURM to call the job finished
+            if all(o is not None and o[0] == "success" for o in oc) or st in _TERMINAL_STATES:
                 done[jid] = True
         if all(done.get(j) for j in ids):
             break
@@ -472,6 +568,8 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
             return 124
         time.sleep(poll_s)
 
+    if echo is not None:
+        echo.poll()
     final = _sacct_states(ids)
     failed = []
     for jid in ids:

@@ -271,7 +271,9 @@ class _RingAttnFn(torch.autograd.Function):
         backend = _backend_for(q.device)
         cp, rank = ring.size, ring.rank
 
-        out_acc = torch.empty(b, h, s, v.size(-1), dtype=torch.float32, device=q.device)
+        # (b, s, h, d) storage seen as (b, h, s, d), like SDPA's own output: the caller's
+        # out.transpose(1, 2).reshape(b, s, -1) is then a view, not a second copy kept for wo.
+        out_acc = torch.empty(b, s, h, v.size(-1), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         seen = set()
@@ -301,7 +303,7 @@ class _RingAttnFn(torch.autograd.Function):
         if stats is not None:
             stats.calls += 1
 
-        out = out_acc.to(q.dtype)
+        out = out_acc.to(q.dtype)  # preserve_format: keeps the (b, s, h, d) layout
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.ring, ctx.causal, ctx.scale, ctx.stats, ctx.backend = ring, causal, scale, stats, backend
         return out

@@ -22,11 +22,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Optional[torch.dtype] = None,
-               expert_mesh: Optional[DeviceMesh] = None, grad_divide: Optional[int] = None) -> None:
+               expert_mesh: Optional[DeviceMesh] = None) -> None:
     """FSDP2 for ZeRO-2 (keep gathered weights between forward and backward) and ZeRO-3 (reshard)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     reshard = zero >= 3
     for layer in model.layers.values():
         ff = layer.feed_forward
@@ -34,9 +34,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
             experts = [p for n, p in ff.named_parameters(recurse=False)]
             if experts:
                 # Experts shard over the expert-data ranks only; grads divide by all of dp·cp.
+                # FSDP averages these over the expert-data ranks only; the caller rescales by 1/ep
+                # (a custom divide factor needs PREMUL_SUM, which gloo lacks).
                 fully_shard(ff, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
-                if grad_divide:
-                    ff.set_gradient_divide_factor(float(grad_divide))
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
@@ -83,15 +83,21 @@ class ZeroOneOptimizer:
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, rank: int, world: int,
-                 group_ranks: list[int], make_opt):
+                 group_ranks: list[int], make_opt, local_params: Iterable[nn.Parameter] = ()):
         loads = [0] * world
         self.owner: dict[int, int] = {}
+        # Expert weights differ between ep ranks: each rank keeps (and steps) its own.
+        local_ids = {id(p) for p in local_params}
         order = sorted(range(len(params)), key=lambda i: -_local(params[i]).numel())
         for i in order:
+            if id(params[i]) in local_ids:
+                self.owner[i] = rank
+                continue
             r = min(range(world), key=lambda j: loads[j])
             self.owner[i] = r
             loads[r] += _local(params[i]).numel()
         self.params, self.group, self.rank = params, group, rank
+        self.local_ids = local_ids
         self.group_ranks = group_ranks
         mine = [p for i, p in enumerate(params) if self.owner[i] == rank]
         self.inner = make_opt(mine if mine else [torch.nn.Parameter(torch.zeros(1, device=_local(params[0]).device))])
@@ -105,6 +111,8 @@ class ZeroOneOptimizer:
     def step(self) -> None:
         self.inner.step()
         for i, p in enumerate(self.params):
+            if id(p) in self.local_ids:
+                continue
             dist.broadcast(_local(p.data), src=self.group_ranks[self.owner[i]], group=self.group)
 
     def state_dict(self):

@@ -18,7 +18,9 @@ and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per
                                                3·k·h routed rows replicated, 4·k·f_E sharded)
 
 (h d_model, a heads, g kv heads, f ffn width, k top_k, E experts, f_E expert width.) K/V are
-counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA.
+counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA; under
+context parallel the ring attention saves them unexpanded (2h·g/a instead of 2h; its output shares
+wo's input storage as SDPA's does; measured at cp=2 and 4 with g/a = 1/2 and 1/4).
 Sequence parallel: the replicated part is split over tp except the two all-gathered linear inputs
 (q/k/v and w1/w3 inputs), which DTensor saves whole (2h) — an assumption from DTensor semantics,
 not measured here. Context parallel divides the tokens. Predictions are lower bounds (allocator
@@ -141,6 +143,9 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     rep = 5 * h + 2
     if mode == "none":
         shard = 5 * h + a
+        if lay.cp > 1:
+            # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
+            shard -= 2 * h * (1 - g / a)
         ffn_mult = 4
     else:  # selective
         shard = 3 * h + 2 * h * g / a
