@@ -94,6 +94,9 @@ class MoEFeedForward(nn.Module):
 
         self.aux_loss: Tensor | None = None
         self.stats: dict = {}
+        # False while a forward must not count (a pipeline stage's shape inference runs one on
+        # uninitialised tensors before the first real microbatch; the trainer toggles this)
+        self.count_stats = True
         self.reset_step_stats()
         self.reset_parameters()
 
@@ -216,7 +219,7 @@ class MoEFeedForward(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, routed: Tensor, dropped: int) -> None:
-        if self._in_backward():
+        if self._in_backward() or not self.count_stats:
             return
         if self.router == "sigmoid":
             self.expert_load += routed.to(self.expert_load.dtype)

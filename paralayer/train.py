@@ -89,7 +89,7 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
                     apply_expert_parallel(layer.feed_forward, meshes["ep"].get_group())
         apply_recompute(chunk, cfg.parallel.recompute)
     expert_names: set[str] = set()
-    if cfg.model.moe.num_experts > 0:
+    if cfg.model.moe.num_experts > 0 and ep > 1:  # ep=1: experts are ordinary data-parallel weights
         from paralayer.parallel.expert import is_expert_param
 
         for chunk in chunks:
@@ -238,7 +238,9 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
 
         runner = PipelineRunner(built.chunks, meshes["pp"], plan, loss_fn, device,
                                 microbatch_shape=(cfg.train.micro_batch, seq_len // cp),
-                                loss_parallel=tp > 1)
+                                loss_parallel=tp > 1,
+                                aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0)
+        _moe_count_real_forwards_only(runner, built)
 
     # ---- resume
     start_step = 1
@@ -292,7 +294,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
 
             tokens = zigzag_shard(tokens, 1, cp, cp_rank)
             labels = zigzag_shard(labels, 1, cp, cp_rank)
-        _maybe_inject_fault(rank, step)
+        poison = _maybe_inject_fault(rank, step)
         opt.zero_grad(set_to_none=True)
         _moe_reset(built)
         if runner is not None:
@@ -316,6 +318,8 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             for p in built.expert_params:
                 if p.grad is not None:
                     dpar._local(p.grad).div_(ep)
+        if poison:
+            loss_sum = loss_sum * float("nan")
         # The loss: every rank that computed one holds its dp·cp shard's mean; average over them.
         loss_t = _global_loss(loss_sum, meshes, pp)
         grad_norm = dpar.clip_grad_norm(
@@ -357,16 +361,20 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     return records
 
 
-def _maybe_inject_fault(rank: int, step: int) -> None:
-    """Test hook: PARALAYER_FAULT=raise|kill:RANK:STEP makes that rank fail at that step."""
+def _maybe_inject_fault(rank: int, step: int) -> bool:
+    """Test hook: PARALAYER_FAULT=raise|kill|nan:RANK:STEP makes that rank fail at that step
+    (nan: its loss becomes NaN, which the global loss then carries to every rank)."""
     spec = os.environ.get("PARALAYER_FAULT")
     if not spec:
-        return
+        return False
     kind, r, s = spec.split(":")
     if int(r) == rank and int(s) == step:
         if kind == "kill":
             os.kill(os.getpid(), 9)
+        if kind == "nan":
+            return True
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    return False
 
 
 def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> None:
@@ -394,6 +402,26 @@ def _global_loss(loss_sum: torch.Tensor, meshes: Meshes, pp: int) -> torch.Tenso
 def _moe_layers(built: Built) -> list:
     return [layer.feed_forward for c in built.chunks for layer in c.layers.values()
             if hasattr(layer.feed_forward, "step_stats")]
+
+
+def _moe_count_real_forwards_only(runner, built: Built) -> None:
+    """MoE statistics count only the schedule's microbatch forwards, not the stages' one-off
+    shape inference (a forward on uninitialised tensors at the first step)."""
+    layers = _moe_layers(built)
+    if not layers:
+        return
+    for ff in layers:
+        ff.count_stats = False
+    for stage in runner.stages:
+        def counted(*args, _fwd=stage.forward_one_chunk, **kwargs):
+            for ff in layers:
+                ff.count_stats = True
+            try:
+                return _fwd(*args, **kwargs)
+            finally:
+                for ff in layers:
+                    ff.count_stats = False
+        stage.forward_one_chunk = counted
 
 
 def _moe_reset(built: Built) -> None:

@@ -46,6 +46,7 @@ def _rel_err(a, b):
 
 
 LAYOUTS = {
+    "dp2_ep1": (2, ["parallel.dp=2"]),  # MoE without expert parallel: experts are plain dp weights
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2"]),
     "ep4": (4, ["parallel.dp=4", "parallel.ep=4"]),
     "ep2_tp2": (4, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),

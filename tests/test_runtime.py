@@ -159,3 +159,21 @@ def test_killed_rank_ends_run_naming_it(tmp_path):
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr[-2000:]
     assert time.time() - t0 < 60
+
+
+def test_nonfinite_loss_stops_with_clear_message(tmp_path):
+    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=6"],
+                  env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
+    assert res.returncode != 0
+    assert "step 3: loss is nan" in res.stderr, res.stderr[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]  # nothing trained on after the bad step
+
+
+def test_nonfinite_loss_skipped_when_asked(tmp_path):
+    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=5",
+                   "train.skip_nonfinite=true"], env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step 3: non-finite loss" in res.stdout + res.stderr
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 4, 5]

@@ -120,8 +120,12 @@ def test_profiles_load_and_map():
     config = pytest.importorskip("paralayer.config")
     from paralayer.dispatch.slurm import executor_parameters
 
+    from paralayer.dispatch import _slurm_settings
+    from paralayer.resolve import resolve
+
     cfg = config.load_config(["recipe=tiny", "cluster=local-slurm"])
-    p = executor_parameters(cfg.cluster)
+    # devices_per_node: null on the local CPU cluster: tasks = the plan's ranks (tiny: dp=2)
+    p = executor_parameters(_slurm_settings(cfg, [resolve(cfg)]))
     assert p["nodes"] == 1 and p["tasks_per_node"] == 2 and "gpus_per_node" not in p
     assert p["slurm_partition"] == "debug"
     cfg = config.load_config(["recipe=tiny", "cluster=slurm-example", "cluster.slurm.sbatch_extra.hint=nomultithread"])

@@ -33,6 +33,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
         if expert_mesh is not None and getattr(ff, "ep_size", 1) > 1:
             experts = [p for n, p in ff.named_parameters(recurse=False)]
             if experts:
+                # The router and the shared expert are replicated over all of dp·cp: shard them
+                # there first, so that only w1/w2/w3 stay for the expert-mesh group below.
+                for sub in ff.children():
+                    if any(True for _ in sub.parameters()):
+                        fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
                 # Experts shard over the expert-data ranks only; grads divide by all of dp·cp.
                 # FSDP averages these over the expert-data ranks only; the caller rescales by 1/ep
                 # (a custom divide factor needs PREMUL_SUM, which gloo lacks).

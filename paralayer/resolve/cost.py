@@ -57,8 +57,11 @@ def comm(cfg: Config, lay: Layout) -> dict:
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward).
     pp: send/recv of s·b·h activations: per chunk per microbatch one forward send and one backward.
-    cp: K/V blocks around the ring: (cp−1) steps per attention layer in forward, 2·(cp−1) in backward
-        (K/V again plus partial dK/dV), each 2·(s/cp)·b·(h·g/a)/tp.
+    cp: per attention layer per microbatch, K/V blocks of 2·(s/cp)·b·(h·g/a)/tp elements: cp−1 sends
+        in forward, cp−1 more when recompute (selective or full) reruns the ring, cp−1 in backward,
+        plus cp sends of the partial dK/dV (same shape, fp32) in backward. ``message_bytes`` is the
+        K/V block; ``bytes_per_step`` counts the dK/dV sends at 4 bytes per element (counted
+        against ``_Ring.exchange`` in tests/test_context_e2e.py).
     ep: all-to-all of routed token rows (tokens·top_k·h), dispatch + combine, forward and backward.
     dp: gradient sync over dp·cp: ZeRO 0 all-reduce of fp32 grads once per step; ZeRO 1/2
         reduce-scatter of grads + all-gather of weights; ZeRO 3 adds a weight all-gather per
@@ -90,8 +93,15 @@ def comm(cfg: Config, lay: Layout) -> dict:
         out["pp"] = _entry("none", 0, 0, 1)
 
     if lay.cp > 1:
-        kv = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp * ab
-        out["cp"] = _entry("ring send/recv (K,V)", kv, (3 + fwd_extra) * (lay.cp - 1) * n_layers * mm, lay.cp)
+        kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
+        kv = kv_elems * ab
+        # selective recompute reruns the attention core (the ring) as full recompute does
+        reruns = 1 if lay.recompute in ("selective", "full") else 0
+        kv_sends = (2 + reruns) * (lay.cp - 1)  # forward (+ recomputed forward) and backward K/V
+        dkv_sends = lay.cp                      # partial dK/dV in fp32: cp hops home
+        e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * n_layers * mm, lay.cp)
+        e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * n_layers * mm)
+        out["cp"] = e
     else:
         out["cp"] = _entry("none", 0, 0, 1)
 

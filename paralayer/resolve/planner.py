@@ -233,7 +233,9 @@ def schedule_options(pp: int, n_layers: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     out = [("gpipe", 1), ("1f1b", 1)]
-    out += [("interleaved", v) for v in range(2, MAX_VPP + 1) if pp * v <= n_layers]
+    # interleaving: vpp = 2 (any split), and larger vpp where the layers divide evenly
+    out += [("interleaved", v) for v in range(2, MAX_VPP + 1)
+            if pp * v <= n_layers and (v == 2 or n_layers % (pp * v) == 0)]
     if 2 * pp <= n_layers:
         out += [("zbv", 2), ("dualpipev", 2)]
     return out
@@ -345,7 +347,8 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
                         key = len(structs)
                         structs.append((lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
                                         {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
-                                        split if (pp > 1 and len(set(split)) > 1) else None))
+                                        split if (pp > 1 and len(set(split)) > 1) else None, {},
+                                        _override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split)))
                         considered += 1
                         _plan_structure(cfg, key, structs[key], mach, recs, drop, act_cache, moe_flags, dict(
                             wb=wb, gbb=gbb, ob=ob, ab=ab, gb=gb, seq=seq, h=h, compute=compute,
@@ -390,27 +393,25 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
     tok = gb * seq / (cp * dp)  # tokens through this device per step
     bw = {ax: mach.bandwidth(spans[ax]) for ax in AXES}
     lat = {ax: mach.latency(spans[ax]) for ax in AXES}
-    lin = {}  # fx -> (seconds independent of m, seconds per microbatch)
+    lin = {}  # fx -> (seconds independent of m, seconds per microbatch), tp+pp+cp+ep
+    per_ax = {}  # fx -> {axis: (fixed, per microbatch)}
     for fx in (0, 1):
-        fixed, per_m = 0.0, 0.0
+        ax_t = {}
         if tp > 1:
             n = (4 + 2 * fx) * nl0
-            fixed_tp = tok * h * ab * n * wire_factor("all-reduce", tp) / bw["tp"]
-            fixed += fixed_tp
-            per_m += n * lat["tp"]
+            ax_t["tp"] = (tok * h * ab * n * wire_factor("all-reduce", tp) / bw["tp"], n * lat["tp"])
         if pp > 1:
             n = 2 * vpp
-            fixed += tok * h * ab / (tp if lay.sequence_parallel else 1) * n / bw["pp"]
-            per_m += n * lat["pp"]
+            ax_t["pp"] = (tok * h * ab / (tp if lay.sequence_parallel else 1) * n / bw["pp"], n * lat["pp"])
         if cp > 1:
             n = (3 + fx) * (cp - 1) * nl0
-            fixed += 2 * tok * h * m_.n_kv_heads / m_.n_heads / tp * ab * n / bw["cp"]
-            per_m += n * lat["cp"]
+            ax_t["cp"] = (2 * tok * h * m_.n_kv_heads / m_.n_heads / tp * ab * n / bw["cp"], n * lat["cp"])
         if ep > 1 and m_.moe.num_experts > 0:
             n = (4 + 2 * fx) * nm0
-            fixed += tok * m_.moe.top_k * h * ab * n * wire_factor("all-to-all", ep) / bw["ep"]
-            per_m += n * lat["ep"]
-        lin[fx] = (fixed, per_m)
+            ax_t["ep"] = (tok * m_.moe.top_k * h * ab * n * wire_factor("all-to-all", ep) / bw["ep"], n * lat["ep"])
+        lin[fx] = (sum(v[0] for v in ax_t.values()), sum(v[1] for v in ax_t.values()))
+        per_ax[fx] = ax_t
+    struct[6].update(per_ax)
     n_dp = dense0 + expert0
     d = dp * cp
     nd_none, nm_none = act["none"]
@@ -488,37 +489,6 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                              dp_exposed, bubble, recomp, inner * bubble, imb_s))
 
 
-def _axis_times(cfg: Config, lay: Layout, spans: dict, mach: Machine, zero: int, mm: int, recompute: str,
-                t_dp: float) -> dict:
-    """Per-axis seconds (for the record): recomputed per axis from the same formulas."""
-    m_ = cfg.model
-    tok = cfg.train.global_batch * m_.seq_len / (lay.cp * lay.dp)
-    ab = ACT_BYTES[lay.precision]
-    h = m_.d_model
-    fx = 1 if recompute == "full" else 0
-    out = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}
-    nl0 = sum(len(lay.stage_layers[c]) for c in range(lay.chunks) if chunk_rank(c, lay.pp, lay.schedule) == 0)
-    nm0 = sum(1 for c in range(lay.chunks) if chunk_rank(c, lay.pp, lay.schedule) == 0
-              for i in lay.stage_layers[c] if mem_mod.is_moe_layer(cfg, i))
-    if lay.tp > 1:
-        n = (4 + 2 * fx) * nl0
-        out["tp"] = n * mm * mach.latency(spans["tp"]) + tok * h * ab * n * wire_factor("all-reduce", lay.tp) / \
-            mach.bandwidth(spans["tp"])
-    if lay.pp > 1:
-        n = 2 * lay.vpp
-        out["pp"] = n * mm * mach.latency(spans["pp"]) + tok * h * ab / (lay.tp if lay.sequence_parallel else 1) * n / \
-            mach.bandwidth(spans["pp"])
-    if lay.cp > 1:
-        n = (3 + fx) * (lay.cp - 1) * nl0
-        out["cp"] = n * mm * mach.latency(spans["cp"]) + 2 * tok * h * m_.n_kv_heads / m_.n_heads / lay.tp * ab * n / \
-            mach.bandwidth(spans["cp"])
-    if lay.ep > 1 and m_.moe.num_experts > 0:
-        n = (4 + 2 * fx) * nm0
-        out["ep"] = n * mm * mach.latency(spans["ep"]) + tok * m_.moe.top_k * h * ab * n * \
-            wire_factor("all-to-all", lay.ep) / mach.bandwidth(spans["ep"])
-    return out
-
-
 def comm_seconds(entry: dict, span: str, mach: Machine) -> float:
     """Time of one axis's traffic per step from a resolver comm entry (``plan.comm[axis]``):
     count · latency + bytes · wire / bandwidth. The planner computes the same in closed form."""
@@ -535,8 +505,12 @@ def comm_seconds(entry: dict, span: str, mach: Machine) -> float:
 def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
                  cfg: Optional[Config] = None) -> dict:
     step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s = t
-    lay, split, imbalance, spans, degrees, pp_layout = structs[key]
+    lay, split, imbalance, spans, degrees, pp_layout, per_ax, prefix = structs[key]
     tot, r, pa, gr, op, a = best
+    ax = per_ax[1 if recompute == "full" else 0]
+    ct = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}
+    for name, (f_, p_) in ax.items():
+        ct[name] = f_ + p_ * mm
     return {
         "rank": rank,
         "degrees": degrees,
@@ -560,41 +534,29 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
         "comm_s": fixed + per_m * mm,  # tp + pp + cp + ep, on the critical path
         "dp_comm_s": t_dp,
         "dp_exposed_s": dp_exposed,
+        "comm_time_s": ct,
         "spans": spans,
         "memory": {"params": pa, "grads": gr, "optimizer": op, "activations": a, "total": tot,
                    "capacity": mach.capacity, "stage": r},
-        "_key": key,
+        "overrides": prefix + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", f"train.micro_batch={mb}"],
     }
 
 
-def finish(plans: list[dict], cfg: Config, structs_mach: Optional[Machine] = None, upto: Optional[int] = None) -> None:
-    """Fill in what is costly to compute for every layout (per-axis times, the command-line
-    overrides, why each loses to the first) for the first ``upto`` layouts (all by default)."""
+def finish(plans: list[dict], cfg: Config, mach: Optional[Machine] = None, upto: Optional[int] = None) -> None:
+    """Fill in ``why`` (how each layout loses to the first) for the first ``upto`` layouts (all by
+    default)."""
     if not plans:
         return
-    mach = structs_mach or machine_for(cfg)
+    mach = mach or machine_for(cfg)
     best = plans[0]
-    for d in plans[:upto]:
-        if "comm_time_s" in d:
-            continue
-        lay = _layout_of(cfg, d, mach)
-        d["comm_time_s"] = _axis_times(cfg, lay, d["spans"], mach, d["zero"], d["microbatches"], d["recompute"],
-                                       d["dp_comm_s"])
-        d["overrides"] = layout_overrides_from(d["degrees"], d["schedule"], d["zero"], d["recompute"],
-                                               d["micro_batch"], d["pp_layout"])
-        d.pop("_key", None)
     for d in plans[:upto]:
         d["why"] = "fastest" if d is best else why_slower(d, best, mach)
 
 
-def _layout_of(cfg: Config, d: dict, mach: Machine) -> Layout:
-    g = d["degrees"]
-    L = cfg.model.n_layers
-    split = d["pp_layout"] or balanced_split(L, g["pp"] * g["vpp"])
-    return Layout(tp=g["tp"], pp=g["pp"], vpp=g["vpp"], cp=g["cp"], ep=g["ep"], dp=g["dp"], world=mach.world,
-                  nodes=mach.nodes, devices_per_node=mach.devices_per_node, schedule=d["schedule"],
-                  sequence_parallel=d["sequence_parallel"], precision=resolve_precision(cfg, resolve_device(cfg)),
-                  stage_layers=make_stage_layers(L, split))
+def _override_prefix(tp: int, pp: int, vpp: int, cp: int, ep: int, dp: int, schedule: str, split: list) -> list[str]:
+    lo = "[" + ",".join(map(str, split)) + "]" if (pp > 1 and len(set(split)) > 1) else "null"
+    return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
+            f"parallel.dp={dp}", f"parallel.schedule={schedule}", f"parallel.pp_layout={lo}"]
 
 
 # ------------------------------------------------------------------ explaining the ranking
@@ -627,16 +589,6 @@ def why_slower(d: dict, best: dict, mach: Machine) -> str:
 
 
 # ------------------------------------------------------------------ configs for a layout
-def layout_overrides_from(deg: dict, schedule: str, zero: int, recompute: str, mb: int,
-                          pp_layout: Optional[list]) -> list[str]:
-    ov = [f"parallel.tp={deg['tp']}", f"parallel.pp={deg['pp']}", f"parallel.vpp={deg['vpp']}",
-          f"parallel.cp={deg['cp']}", f"parallel.ep={deg['ep']}", f"parallel.dp={deg['dp']}",
-          f"parallel.schedule={schedule}", f"parallel.zero={zero}", f"parallel.recompute={recompute}",
-          f"train.micro_batch={mb}"]
-    ov.append("parallel.pp_layout=[" + ",".join(map(str, pp_layout)) + "]" if pp_layout else "parallel.pp_layout=null")
-    return ov
-
-
 def config_for(cfg: Config, d: dict) -> Config:
     """The config with a planned layout applied (what ``resolve`` and the runtime take)."""
     deg = d["degrees"]

@@ -1,0 +1,250 @@
+"""Issue 7's acceptance, end to end: ``python launch.py ... cluster=local-slurm`` against the real
+one-node SLURM of cluster/local_slurm.sh (start it first; skipped, with the reason, when it is not
+up). Real training runs of the tiny recipe, so each test costs tens of seconds on a loaded 2-core
+machine; the whole file stays under ~4 min. Every wait has a deadline.
+
+- one job with --wait: the printed hint (job id, logs, how to follow), exit status 0, every step
+- a sweep (-m parallel.dp=1,2) as one 2-element job array: ids N_0/N_1 in sacct, one run.dir and
+  one W&B run each, both in one W&B group
+- `scontrol requeue` of a running job: it resumes from its periodic checkpoint, every step logged once
+- an invalid sweep element: exit 2, all invalid elements named, nothing submitted
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_slurm import _cluster_up
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = str(REPO / "launch.py")
+SMALL = ["recipe=tiny", "cluster=local-slurm", "logging.progress=true"]
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    reason = _cluster_up()  # sets SLURM_CONF to the local cluster's when unset
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("submitit")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("PARALAYER_RESUME", "PARALAYER_FAULT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _launch(args, cwd, env, timeout):
+    return subprocess.run([sys.executable, LAUNCH, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _steps(run_dir) -> list[int]:
+    p = Path(run_dir, "metrics.jsonl")
+    if not p.exists():
+        return []
+    return [json.loads(line)["step"] for line in p.read_text().splitlines() if line.strip()]
+
+
+def _sacct(job: str, fields: str = "JobID,State", dup: bool = False) -> list[list[str]]:
+    cmd = ["sacct", "-n", "-X", "-P", "-o", fields, "-j", job] + (["-D"] if dup else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    return [line.split("|") for line in out.splitlines() if line.strip()]
+
+
+def _sacct_until(job: str, ok, fields="JobID,State", dup=False, deadline_s=30.0):
+    """Accounting reaches slurmdbd a moment after the job ends: poll with a deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        rows = _sacct(job, fields, dup)
+        if ok(rows) or time.monotonic() > end:
+            return rows
+        time.sleep(0.5)
+
+
+def _jobs_from(workdir: Path) -> list[str]:
+    """Ids of every job (any state, since 2000) submitted from ``workdir``."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-a", "-S", "2000-01-01", "-o", "JobID,WorkDir"],
+                         capture_output=True, text=True, timeout=30).stdout
+    q = subprocess.run(["squeue", "-h", "-o", "%i|%Z"], capture_output=True, text=True, timeout=30).stdout
+    rows = [line.split("|", 1) for line in (out + q).splitlines() if "|" in line]
+    return [jid for jid, wd in rows if wd.strip().startswith(str(workdir))]
+
+
+def _wandb_runs(run_dir) -> list[tuple[str, str, str]]:
+    """(run_id, group, name) of each offline W&B run file under run_dir. The .wandb file is a
+    LevelDB-style log (7-byte file header, 32 KiB blocks, records in FULL/FIRST/MIDDLE/LAST chunks)
+    of wandb_internal_pb2.Record protobufs; the "run" record carries the group."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        data = Path(path).read_bytes()
+        pos, block, buf = 7, 32768, b""
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:
+                pos += left
+                continue
+            _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if n == 0 and kind == 0:
+                pos += left
+                continue
+            chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+            if kind == 1 or kind == 4:
+                rec = pb.Record()
+                rec.ParseFromString(buf + chunk if kind == 4 else chunk)
+                buf = b""
+                if rec.WhichOneof("record_type") == "run":
+                    out.append((rec.run.run_id, rec.run.run_group, rec.run.display_name))
+            elif kind == 2:
+                buf = chunk
+            elif kind == 3:
+                buf += chunk
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+def test_one_job_wait(slurm_env, tmp_path):
+    run = tmp_path / "one"
+    t0 = time.monotonic()
+    r = _launch([*SMALL, f"run.dir={run}", "train.steps=6", "logging.wandb.mode=disabled", "--wait"],
+                tmp_path, slurm_env, timeout=150)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    m = re.search(r"submitted job (\d+) ", r.stdout)
+    assert m, r.stdout
+    job = m.group(1)
+    # the hint: where the logs are and how to follow the job
+    follow = re.search(r"follow with: tail -f (\S+_log\.out) (\S+_log\.err)", r.stdout)
+    assert follow and Path(follow.group(1)).is_file(), r.stdout
+    assert f"squeue -j {job}" in r.stdout and f"sacct -j {job}" in r.stdout
+    assert str(run) in r.stdout and "metrics.jsonl" in r.stdout
+    # --wait followed it: states and rank 0's log lines went by, then the end state
+    assert "RUNNING" in r.stderr and f"job {job}: COMPLETED" in r.stderr, r.stderr[-3000:]
+    assert "step 6/6" in r.stderr
+    assert _steps(run) == list(range(1, 7))
+    assert (run / "resolved.yaml").is_file() and (run / "plan.json").is_file()
+    rows = _sacct_until(job, lambda rs: rs and rs[0][1] == "COMPLETED")
+    assert rows and rows[0] == [job, "COMPLETED"], rows
+    print(f"one job: {took:.0f}s")
+
+
+def test_sweep_is_one_job_array(slurm_env, tmp_path):
+    base = tmp_path / "sweep"
+    t0 = time.monotonic()
+    r = _launch([*SMALL, "-m", "parallel.dp=1,2", f"run.dir={base}", "train.steps=4",
+                 "logging.wandb.mode=offline", "--wait"], tmp_path, slurm_env, timeout=200)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    m = re.search(r"submitted job array (\d+) \(2 run\(s\)\)", r.stdout)
+    assert m, r.stdout
+    job = m.group(1)
+    assert f"{job}_0: {base / '000'}" in r.stdout and f"{job}_1: {base / '001'}" in r.stdout, r.stdout
+    rows = _sacct_until(job, lambda rs: len(rs) == 2 and all(s == "COMPLETED" for _, s in rs))
+    assert sorted(rows) == [[f"{job}_0", "COMPLETED"], [f"{job}_1", "COMPLETED"]], rows
+    groups, ids = set(), set()
+    for i, dp in enumerate((1, 2)):
+        rd = base / f"{i:03d}"
+        assert _steps(rd) == [1, 2, 3, 4], rd
+        assert json.loads((rd / "plan.json").read_text())["degrees"]["dp"] == dp
+        runs = _wandb_runs(str(rd))
+        assert len(runs) == 1, runs
+        ids.add(runs[0][0])
+        groups.add(runs[0][1])
+    assert len(ids) == 2 and len(groups) == 1 and groups.pop(), (ids, groups)
+    print(f"sweep of 2 as a job array: {took:.0f}s")
+
+
+def test_requeue_resumes_from_checkpoint(slurm_env, tmp_path):
+    """A bare `scontrol requeue` sends Python no signal: the job re-runs from its start; the rerun
+    must come back with resume=auto, load the newest periodic checkpoint, and leave every step
+    logged exactly once."""
+    run = tmp_path / "rq"
+    steps = 60
+    out = open(tmp_path / "launch.out", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, LAUNCH, *SMALL, f"run.dir={run}", f"train.steps={steps}",
+                             "checkpoint.every=3", "logging.wandb.mode=disabled", "--wait"],
+                            cwd=tmp_path, env=slurm_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_steps(run)) < 5:  # past the checkpoint of step 3
+            assert proc.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no 5 steps within 120 s"
+            time.sleep(0.2)
+        job = re.search(r"submitted job (\d+) ", (tmp_path / "launch.out").read_text()).group(1)
+        at = len(_steps(run))
+        assert at < steps, "the job finished before it could be requeued"
+        rq = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        assert rq.returncode == 0, rq.stderr
+        rc = proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", job], timeout=30) if "job" in locals() else None
+        out.close()
+    log = (tmp_path / "launch.out").read_text()
+    assert rc == 0, log[-4000:]
+    assert "REQUEUED" in log and "resume=auto" in log, log[-4000:]
+    m = re.search(r"resumed from \S+step-(\d+) at step (\d+)", log)
+    assert m and int(m.group(1)) >= 3 and int(m.group(2)) == int(m.group(1)) + 1, log[-4000:]
+    assert _steps(run) == list(range(1, steps + 1))  # each step once: no gap, no duplicate
+    rows = _sacct_until(job, lambda rs: [s for _, s in rs] == ["REQUEUED", "COMPLETED"], dup=True)
+    assert [s for _, s in rows] == ["REQUEUED", "COMPLETED"], rows
+    print(f"requeue at step {at}, resumed at step {m.group(2)}: {time.monotonic() - t0:.0f}s")
+
+
+def test_invalid_sweep_element_submits_nothing(slurm_env, tmp_path):
+    r = _launch([*SMALL, "-m", "parallel.tp=1,3", "parallel.pp=1,3", f"run.dir={tmp_path / 'bad'}", "--wait"],
+                tmp_path, slurm_env, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    for label in ("[parallel.tp=3 parallel.pp=1]", "[parallel.tp=1 parallel.pp=3]", "[parallel.tp=3 parallel.pp=3]"):
+        assert label in r.stderr, r.stderr
+    assert "[parallel.tp=1 parallel.pp=1]" not in r.stderr
+    assert "3 of 4 sweep runs are invalid; nothing was started" in r.stderr
+    assert "submitted" not in r.stdout
+    assert not (tmp_path / "bad").exists()
+    time.sleep(1.0)
+    assert _jobs_from(tmp_path) == []
+
+
+def test_launch_returns_the_wait_status(monkeypatch, tmp_path):
+    """dispatch.launch returns SubmitResult.status (1: a job failed) after --wait, 0 when only submitted."""
+    import types
+
+    from paralayer import config as config_mod
+    from paralayer import dispatch
+    from paralayer.dispatch import slurm
+    from paralayer.resolve import resolve
+
+    seen = {}
+
+    def fake_submit(run_dirs, cluster, folder=None, wait=False, **kw):
+        seen.update(run_dirs=run_dirs, cluster=cluster, wait=wait)
+        return slurm.SubmitResult(job_ids=["1"], run_dirs=list(run_dirs), folder=str(tmp_path), stdout=[[]],
+                                  stderr=[[]], array=False, status=1 if wait else None)
+
+    monkeypatch.setattr(slurm, "submit", fake_submit)
+    for wait, want in ((True, 1), (False, 0)):
+        cfg = config_mod.load_config(["recipe=tiny", "cluster=local-slurm", f"run.dir={tmp_path / str(wait)}"])
+        assert dispatch.launch(cfg, resolve(cfg), types.SimpleNamespace(wait=wait)) == want
+        assert seen["wait"] is wait and seen["cluster"]["devices_per_node"] == 2  # tiny: dp=2 -> 2 tasks
+    # a sweep's array takes the largest element's shape
+    cfgs = [config_mod.load_config(["recipe=tiny", "cluster=local-slurm", f"parallel.dp={dp}",
+                                    "logging.wandb.group=g"]) for dp in (1, 2)]
+    for c in cfgs:
+        c.run.dir = ""
+    cfgs[0].run.dir = str(tmp_path / "sw")
+    assert dispatch.launch_sweep(cfgs, [resolve(c) for c in cfgs], types.SimpleNamespace(wait=True)) == 1
+    assert seen["cluster"]["devices_per_node"] == 2 and len(seen["run_dirs"]) == 2
