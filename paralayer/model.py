@@ -152,7 +152,10 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size
         self.vocab_padded = vocab_padded or cfg.vocab_size
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(self.vocab_padded, cfg.d_model)
+        # An explicit (uninitialised) weight skips nn.Embedding's normal_ init: on the meta device
+        # that init pulls in torch._dynamo (~2 s per rank), and init_weights overwrites it anyway.
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(
+            self.vocab_padded, cfg.d_model, _weight=torch.empty(self.vocab_padded, cfg.d_model))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)

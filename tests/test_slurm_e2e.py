@@ -7,6 +7,7 @@ machine; the whole file stays under ~4 min. Every wait has a deadline.
 - a sweep (-m parallel.dp=1,2) as one 2-element job array: ids N_0/N_1 in sacct, one run.dir and
   one W&B run each, both in one W&B group
 - `scontrol requeue` of a running job: it resumes from its periodic checkpoint, every step logged once
+- USR2 (the signal before the time limit): checkpoint() + requeue through submitit, then the same
 - an invalid sweep element: exit 2, all invalid elements named, nothing submitted
 """
 from __future__ import annotations
@@ -165,43 +166,64 @@ def test_sweep_is_one_job_array(slurm_env, tmp_path):
     print(f"sweep of 2 as a job array: {took:.0f}s")
 
 
-def test_requeue_resumes_from_checkpoint(slurm_env, tmp_path):
-    """A bare `scontrol requeue` sends Python no signal: the job re-runs from its start; the rerun
-    must come back with resume=auto, load the newest periodic checkpoint, and leave every step
-    logged exactly once."""
-    run = tmp_path / "rq"
-    steps = 60
-    out = open(tmp_path / "launch.out", "w")
+def _wait_for(cond, what, proc, log_path, deadline_s=120.0):
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert proc.poll() is None, f"launch.py ended while waiting for {what}:\n" + log_path.read_text()[-3000:]
+        assert time.monotonic() < end, f"no {what} within {deadline_s:.0f} s:\n" + log_path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
+    """One checkpointing run (checkpoint.every=3), interrupted twice while it trains:
+
+    1. a bare `scontrol requeue`: SLURM sends Python no signal and re-runs the batch script from its
+       start; the rerun must come back with resume=auto (SLURM_RESTART_COUNT > 0) and load the newest
+       periodic checkpoint;
+    2. USR2, what `--signal=USR2@90` sends before the time limit: submitit calls RankTask.checkpoint
+       on rank 0, which requeues the job with resume=auto.
+    Both times it resumes from a checkpoint, and in the end every step is logged exactly once."""
+    steps = 40
+    run, log_path = tmp_path / "run", tmp_path / "launch.out"
+    out = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, LAUNCH, *SMALL, f"run.dir={run}", f"train.steps={steps}",
                              "checkpoint.every=3", "logging.wandb.mode=disabled", "--wait"],
                             cwd=tmp_path, env=slurm_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    job = None
+    resumed_re = re.compile(r"resumed from \S+step-(\d+) at step (\d+)")
     try:
-        deadline = time.monotonic() + 120
-        while len(_steps(run)) < 5:  # past the checkpoint of step 3
-            assert proc.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no 5 steps within 120 s"
-            time.sleep(0.2)
-        job = re.search(r"submitted job (\d+) ", (tmp_path / "launch.out").read_text()).group(1)
-        at = len(_steps(run))
-        assert at < steps, "the job finished before it could be requeued"
-        rq = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
-        assert rq.returncode == 0, rq.stderr
+        _wait_for(lambda: len(_steps(run)) >= 5, "step 5", proc, log_path)  # past the checkpoint of step 3
+        job = re.search(r"submitted job (\d+) ", log_path.read_text()).group(1)
+        at1 = len(_steps(run))
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        # the rerun resumed; let it pass a checkpoint of its own (3 steps later at most)
+        _wait_for(lambda: resumed_re.search(log_path.read_text()), "resume after scontrol requeue", proc, log_path)
+        first = int(resumed_re.search(log_path.read_text()).group(2))
+        _wait_for(lambda: len(_steps(run)) >= first + 4, f"step {first + 4}", proc, log_path)
+        at2 = len(_steps(run))
+        assert at2 < steps, "the job finished before it could be signalled"
+        r = subprocess.run(["scancel", "--signal=USR2", job], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
         rc = proc.wait(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
-            subprocess.run(["scancel", job], timeout=30) if "job" in locals() else None
+            if job:
+                subprocess.run(["scancel", job], timeout=30)
         out.close()
-    log = (tmp_path / "launch.out").read_text()
+    log = log_path.read_text()
     assert rc == 0, log[-4000:]
-    assert "REQUEUED" in log and "resume=auto" in log, log[-4000:]
-    m = re.search(r"resumed from \S+step-(\d+) at step (\d+)", log)
-    assert m and int(m.group(1)) >= 3 and int(m.group(2)) == int(m.group(1)) + 1, log[-4000:]
+    assert log.count("resume=auto") == 2 and "Calling checkpoint method" in log and "Requeued job" in log, log[-4000:]
+    resumes = [(int(a), int(b)) for a, b in resumed_re.findall(log)]
+    assert len(resumes) == 2 and all(b == a + 1 for a, b in resumes), resumes
+    assert resumes[0][0] >= 3 and resumes[1][0] >= first, (resumes, first)
     assert _steps(run) == list(range(1, steps + 1))  # each step once: no gap, no duplicate
-    rows = _sacct_until(job, lambda rs: [s for _, s in rs] == ["REQUEUED", "COMPLETED"], dup=True)
-    assert [s for _, s in rows] == ["REQUEUED", "COMPLETED"], rows
-    print(f"requeue at step {at}, resumed at step {m.group(2)}: {time.monotonic() - t0:.0f}s")
+    rows = _sacct_until(job, lambda rs: [s for _, s in rs] == ["REQUEUED", "REQUEUED", "COMPLETED"], dup=True)
+    assert [s for _, s in rows] == ["REQUEUED", "REQUEUED", "COMPLETED"], rows
+    print(f"requeue at step {at1} -> resumed at {resumes[0][1]}; USR2 at step {at2} -> resumed at "
+          f"{resumes[1][1]}: {time.monotonic() - t0:.0f}s")
 
 
 def test_invalid_sweep_element_submits_nothing(slurm_env, tmp_path):

@@ -122,12 +122,11 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
                 print(f"[paralayer.slurm] task {dist_env.rank}: idle (the plan of {self.run_dir} has "
                       f"{want} rank(s), the job {dist_env.world_size} tasks)", flush=True)
                 return None
-            lws = dist_env.local_world_size
-            node = dist_env.rank // max(lws, 1)
+            # LOCAL_WORLD_SIZE stays the job's tasks per node: each task was allocated its
+            # cpus_per_task share and train.main sizes its threads by it (seen: a 1-rank element
+            # taking both cores of the 2-core node ran 20x slower per step under load)
             dist_env.world_size = want
-            dist_env.local_world_size = max(1, min(lws, want - node * lws))
             os.environ["WORLD_SIZE"] = str(want)
-            os.environ["LOCAL_WORLD_SIZE"] = str(dist_env.local_world_size)
         print(f"[paralayer.slurm] rank {dist_env.rank}/{dist_env.world_size} "
               f"(local {dist_env.local_rank}) master {dist_env.master_addr}:{dist_env.master_port} "
               f"run_dir={self.run_dir} resume={os.environ.get(RESUME_ENV, '-')}", flush=True)

@@ -10,7 +10,8 @@ bytes of a particular algorithm: a ring all-reduce moves 2(n−1)/n of the paylo
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM, is_moe_layer, matmul_params, rank_chunks, rank_params
+from paralayer.resolve.memory import (ACT_BYTES, BYTES_PER_PARAM, is_moe_layer, matmul_params, rank_chunks, rank_params,
+                                     routed_rows_per_token)
 from paralayer.resolve.rules import Layout
 
 
@@ -106,7 +107,7 @@ def comm(cfg: Config, lay: Layout) -> dict:
         out["cp"] = _entry("none", 0, 0, 1)
 
     if lay.ep > 1 and m.moe.num_experts > 0:
-        rows = tokens * m.moe.top_k
+        rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
         out["ep"] = _entry("all-to-all", rows * m.d_model * ab, (4 + 2 * fwd_extra) * n_moe * mm, lay.ep)
     else:
         out["ep"] = _entry("none", 0, 0, 1)

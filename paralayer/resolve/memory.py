@@ -14,8 +14,10 @@ and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per
                                                replicated 5h + 2; sharded 3h + 2h·g/a + 3f)
     recompute=full        h                    (the layer input; one layer's "none" set is live
                                                again while it is recomputed)
-    MoE feed-forward     3·k·h + 4·k·f_E + E  (dropless, balanced routing; replaces the 4f; the
-                                               3·k·h routed rows replicated, 4·k·f_E sharded)
+    MoE feed-forward     3·k·h + 4·k·f_E + 4·f_S + E  (dropless, balanced routing; replaces the 4f;
+                                               k → min(k, k·capacity_factor) with drops; f_S the
+                                               shared expert; whole on every tp rank (experts are
+                                               not tp-split) and kept under selective recompute)
 
 (h d_model, a heads, g kv heads, f ffn width, k top_k, E experts, f_E expert width.) K/V are
 counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA; under
@@ -107,7 +109,8 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     """(dense params, expert params, layers) held by pipeline rank r, after tp/ep sharding.
 
     Norms and the router are replicated over tp; attention, MLPs, the vocab-parallel embedding and
-    output head are split over tp; experts are split over ep (dim 0) and over tp (their width)."""
+    output head are split over tp; experts are split over ep (dim 0) only: the MoE block (router,
+    experts, shared expert) is replicated over tp (ETP=1, see paralayer/parallel/tensor.py)."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     chunks = rank_chunks(lay, r)
@@ -117,8 +120,8 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     for i in layers:
         dense += attn_params(cfg) / t + 2 * h
         if is_moe_layer(cfg, i):
-            dense += h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden / t
-            expert += (m.moe.num_experts / lay.ep) * expert_params(cfg) / t
+            dense += h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+            expert += (m.moe.num_experts / lay.ep) * expert_params(cfg)
         else:
             dense += 3 * h * m.ffn_hidden / t
     first, last = 0 in chunks, (lay.chunks - 1) in chunks
@@ -150,18 +153,20 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     else:  # selective
         shard = 3 * h + 2 * h * g / a
         ffn_mult = 3
+    moe_whole = 0.0
     if moe:
+        # Experts are not split by tp (ETP=1, paralayer/parallel/tensor.py): the MoE block runs
+        # whole on every tp rank over the full sequence, and selective recompute leaves it alone.
         mo = m.moe
         fe = mo.ffn_hidden or f
         rows = routed_rows_per_token(cfg)
-        rep += 3 * rows * h + mo.num_experts
-        shard += ffn_mult * (rows * fe + mo.shared_ffn_hidden)
+        moe_whole = 3 * rows * h + mo.num_experts + 4 * (rows * fe + mo.shared_ffn_hidden)
     else:
         shard += ffn_mult * f
     if lay.sequence_parallel:
-        return 2 * h + (rep - 2 * h) / t + shard / t
+        return 2 * h + (rep - 2 * h) / t + shard / t + moe_whole
     # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
-    return rep + shard / t + (h - h / t)
+    return rep + shard / t + (h - h / t) + moe_whole
 
 
 def routed_rows_per_token(cfg: Config) -> float:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -123,7 +124,12 @@ def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
     if device == "cpu":
         cal = dict(LOCAL_CALIBRATION, **(calibration or {}))
         bw = cal["bandwidth_gbps"]
-        return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or cal["peak_tflops"]), cal["efficiency"],
+        # one thread per rank; ranks on one machine share its cores (2 ranks on 2 cores each get a
+        # core, 4 ranks get half of one): the per-rank peak is the one-thread peak × min(1, cores/ranks)
+        cores = cal.get("cores") or os.cpu_count() or 1
+        share = min(1.0, cores / max(dpn, 1))
+        peak = float(c.peak_tflops or cal["peak_tflops"] * share)
+        return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
                        bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
                        cap, reserve, "local")
     cal = calibration or {}
@@ -180,7 +186,8 @@ def layer_work(cfg: Config) -> tuple[list[float], float]:
     out = []
     for i in range(m.n_layers):
         if mem_mod.is_moe_layer(cfg, i):
-            n = attn + m.moe.top_k * mem_mod.expert_params(cfg) + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+            n = (attn + m.moe.top_k * mem_mod.expert_params(cfg) + h * m.moe.num_experts
+                 + 3 * h * m.moe.shared_ffn_hidden)
         else:
             n = attn + 3 * h * m.ffn_hidden
         out.append(6.0 * n + 12.0 * h * m.seq_len)
@@ -364,7 +371,6 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
 def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: list, drop, act_cache: dict,
                     moe_flags: list, k: dict) -> None:
     lay, split, imbalance, spans = struct[:4]
-    m_ = cfg.model
     tp, pp, cp, ep, dp, vpp, schedule = lay.tp, lay.pp, lay.cp, lay.ep, lay.dp, lay.vpp, lay.schedule
     wb, gbb, ob, ab, gb, seq, h = k["wb"], k["gbb"], k["ob"], k["ab"], k["gb"], k["seq"], k["h"]
     avail, compute, rc_frac = k["avail"], k["compute"], k["rc_frac"]
@@ -379,8 +385,6 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
         layers = [i for c in chunks for i in lay.stage_layers[c]]
         n_moe = sum(1 for i in layers if moe_flags[i])
         ranks.append((r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks))
-    _, dense0, expert0, nd0, nm0, _ = ranks[0]
-    nl0 = nd0 + nm0
 
     akey = (tp, lay.sequence_parallel, cp > 1)  # the keys act_elems_per_token depends on
     if akey not in act_cache:
@@ -388,47 +392,39 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                                   mem_mod.act_elems_per_token(cfg, lay, True, mode)) for mode in RECOMPUTES}
     act = act_cache[akey]
 
-    # communication per step (cost.comm's volumes; see comm_seconds): bytes are independent of the
-    # micro-batch (tokens per microbatch × microbatches is fixed), counts scale with m.
-    tok = gb * seq / (cp * dp)  # tokens through this device per step
-    bw = {ax: mach.bandwidth(spans[ax]) for ax in AXES}
-    lat = {ax: mach.latency(spans[ax]) for ax in AXES}
-    lin = {}  # fx -> (seconds independent of m, seconds per microbatch), tp+pp+cp+ep
-    per_ax = {}  # fx -> {axis: (fixed, per microbatch)}
-    for fx in (0, 1):
-        ax_t = {}
-        if tp > 1:
-            n = (4 + 2 * fx) * nl0
-            ax_t["tp"] = (tok * h * ab * n * wire_factor("all-reduce", tp) / bw["tp"], n * lat["tp"])
-        if pp > 1:
-            n = 2 * vpp
-            ax_t["pp"] = (tok * h * ab / (tp if lay.sequence_parallel else 1) * n / bw["pp"], n * lat["pp"])
-        if cp > 1:
-            n = (3 + fx) * (cp - 1) * nl0
-            ax_t["cp"] = (2 * tok * h * m_.n_kv_heads / m_.n_heads / tp * ab * n / bw["cp"], n * lat["cp"])
-        if ep > 1 and m_.moe.num_experts > 0:
-            n = (4 + 2 * fx) * nm0
-            ax_t["ep"] = (tok * m_.moe.top_k * h * ab * n * wire_factor("all-to-all", ep) / bw["ep"], n * lat["ep"])
-        lin[fx] = (sum(v[0] for v in ax_t.values()), sum(v[1] for v in ax_t.values()))
-        per_ax[fx] = ax_t
+    # Communication per step: the resolver's own cost.comm volumes, timed by comm_seconds. Every
+    # term is affine in the number of microbatches m (bytes of tp/pp/cp/ep do not depend on the
+    # micro-batch: tokens per microbatch × m is fixed; counts scale with m; ZeRO-3 gathers per
+    # microbatch), so two evaluations (m1, m2) per recompute mode / zero stage give the line.
+    m1 = gb // dp  # micro_batch 1
+    mb2 = next((q for q in divisors(gb // dp) if q > 1), 1)
+    m2 = gb // (dp * mb2)
+    per_ax = {}  # recompute -> {axis: (fixed seconds, seconds per microbatch)}
+    dp_line = {}  # zero -> (fixed, per microbatch)
+    for recompute, zero_ in (("none", 0), ("selective", 1), ("full", 2), ("full", 3)):
+        pts = []
+        for mb_, mm_ in ((1, m1), (mb2, m2)):
+            lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero_
+            c = cost_mod.comm(cfg, lay)
+            pts.append((mm_, {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}))
+        if recompute not in per_ax:
+            per_ax[recompute] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+        dp_line[zero_] = _line(pts, "dp")
+    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
+    lin = {r: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for r, t in per_ax.items()}
     struct[6].update(per_ax)
-    n_dp = dense0 + expert0
-    d = dp * cp
     nd_none, nm_none = act["none"]
     work = compute * imbalance
     imb_s = compute * (imbalance - 1)
     dp_overlap = mach.dp_overlap
-    wf_dp = (d - 1) / d if d > 1 else 0.0
 
     for zero in range(4):
-        def sh(n: float, dd: int, stage: int) -> float:
-            return n / dd if zero >= stage else n
-
         states = []
-        for (r, dense, expert, n_dense, n_moe, last) in ranks:
-            pa = int(wb * (sh(dense, d_dense, 3) + sh(expert, d_exp, 3)))
-            gr = int(gbb * (sh(dense, d_dense, 2) + sh(expert, d_exp, 2)))
-            op = int(ob * (sh(dense, d_dense, 1) + sh(expert, d_exp, 1)))
+        for rk in ranks:
+            dense, expert = rk[1], rk[2]
+            pa = int(wb * (_shard(dense, d_dense, zero, 3) + _shard(expert, d_exp, zero, 3)))
+            gr = int(gbb * (_shard(dense, d_dense, zero, 2) + _shard(expert, d_exp, zero, 2)))
+            op = int(ob * (_shard(dense, d_dense, zero, 1) + _shard(expert, d_exp, zero, 1)))
             states.append((pa, gr, op, pa + gr + op))
         mbs = divisors(gb // dp)
         if avail is not None and min(s[3] for s in states) > avail:
@@ -447,17 +443,10 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
             tokens = mb * seq / cp
             tab = tokens * ab
             bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
-            if d <= 1:
-                t_dp = 0.0
-            elif zero == 0:
-                t_dp = lat["dp"] + n_dp * gbb * 2 * wf_dp / bw["dp"]
-            elif zero in (1, 2):
-                t_dp = 2 * lat["dp"] + n_dp * (gbb + wb) * wf_dp / bw["dp"]
-            else:
-                t_dp = (2 * mm + 1) * lat["dp"] + n_dp * (2 * mm * wb + gbb) * wf_dp / bw["dp"]
+            t_dp = dp_line[zero][0] + dp_line[zero][1] * mm
             # per candidate rank: (in flight, logits and final norm if last)
             fl = []
-            for (r, dense, expert, n_dense, n_moe, last) in ranks:
+            for (r, _d, _e, _nd, _nm, last) in ranks:
                 extra = 0.0
                 if last:
                     lif = mm if (schedule == "gpipe" and pp > 1) else 1
@@ -467,7 +456,7 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                 ed, em = act[recompute]
                 full = recompute == "full"
                 best = None
-                for (r, dense, expert, n_dense, n_moe, last), st, (inf, extra) in zip(ranks, states, fl):
+                for (r, _d, _e, n_dense, n_moe, _last), st, (inf, extra) in zip(ranks, states, fl):
                     a = inf * (n_dense * ed + n_moe * em) * tab + extra
                     if full and (n_dense + n_moe):
                         a += max(nd_none if n_dense else 0, nm_none if n_moe else 0) * tab
@@ -478,28 +467,45 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                 if avail is not None and best[0] > avail:
                     drop(f"memory: does not fit (recompute={recompute})")
                     continue
-                fixed, per_m = lin[1 if full else 0]
+                fixed, per_m = lin[recompute]
                 recomp = work * rc_frac[recompute]
                 inner = work + recomp + fixed + per_m * mm
                 window = (work + recomp) if zero == 3 else (work + recomp) / mm
                 dp_exposed = t_dp - dp_overlap * window
                 if dp_exposed < 0.0:
                     dp_exposed = 0.0
-                recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp),
-                             dp_exposed, bubble, recomp, inner * bubble, imb_s))
+                recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
+                             (fixed, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s))
 
 
-def comm_seconds(entry: dict, span: str, mach: Machine) -> float:
+def _shard(n: float, d: int, zero: int, stage: int) -> float:
+    """memory.rank_memory's ZeRO rule: sharded over d from ``stage`` on."""
+    return n / d if zero >= stage else n
+
+
+def _line(pts: list, ax: str) -> tuple[float, float]:
+    """(fixed, per microbatch) seconds of an axis from its times at two microbatch counts."""
+    (ma, ta), (mb, tb) = pts
+    if ma == mb:
+        return (ta[ax], 0.0)
+    slope = (ta[ax] - tb[ax]) / (ma - mb)
+    return (ta[ax] - slope * ma, slope)
+
+
+def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float:
     """Time of one axis's traffic per step from a resolver comm entry (``plan.comm[axis]``):
-    count · latency + bytes · wire / bandwidth. The planner computes the same in closed form."""
+    count · latency + bytes · wire / bandwidth. The planner computes the same in closed form.
+
+    tp under sequence parallel counts one all-gather + reduce-scatter PAIR per all-reduce it
+    replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name."""
     if entry["collective"] == "none" or entry["group_size"] <= 1:
         return 0.0
     n = entry["group_size"]
     count = entry["count_per_step"]
     if entry["collective"] == "reduce-scatter+all-gather":
         count = 2  # one of each
-    return count * mach.latency(span) + entry["bytes_per_step"] * wire_factor(entry["collective"], n) / \
-        mach.bandwidth(span)
+    wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)
+    return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)
 
 
 def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
@@ -507,7 +513,7 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
     step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s = t
     lay, split, imbalance, spans, degrees, pp_layout, per_ax, prefix = structs[key]
     tot, r, pa, gr, op, a = best
-    ax = per_ax[1 if recompute == "full" else 0]
+    ax = per_ax[recompute]
     ct = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}
     for name, (f_, p_) in ax.items():
         ct[name] = f_ + p_ * mm
@@ -618,7 +624,7 @@ def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     fpt = plan.flops_per_token
     compute = plan.flops_per_step / (mach.world * mach.peak_tflops * 1e12 * mach.efficiency)
     rc = {"none": 0.0, "selective": 4.0 * L * h * seq / fpt, "full": 1.0 / 3.0}[plan.recompute]
-    t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach) for ax in AXES}
+    t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
     work_s = compute * imbalance
     recomp = work_s * rc
     inner = work_s + recomp + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]

@@ -113,11 +113,10 @@ def stage_layers(n_layers: int, chunk_sizes: list[int]) -> list[list[int]]:
 
 def valid_tp(cfg: Config, limit: int) -> list[int]:
     """tp values (≤ limit) every tp rule accepts for this model (vocab is padded, never a reason):
-    the divisors of gcd(n_heads, n_kv_heads, ffn_hidden[, expert ffn_hidden])."""
+    the divisors of gcd(n_heads, n_kv_heads, ffn_hidden). Experts are not split by tp (ETP=1: the
+    MoE block runs whole on every tp rank), so the expert width sets no tp rule."""
     m = cfg.model
     g = math.gcd(math.gcd(m.n_heads, m.n_kv_heads), m.ffn_hidden)
-    if m.moe.num_experts > 0:
-        g = math.gcd(g, m.moe.ffn_hidden or m.ffn_hidden)
     return [d for d in divisors(g) if d <= limit]
 
 
@@ -283,10 +282,7 @@ def check(cfg: Config) -> Layout:
     # --- experts
     E = m.moe.num_experts
     if E > 0:
-        fe = m.moe.ffn_hidden or m.ffn_hidden
-        if fe % tp:
-            e("model.moe.ffn_hidden", f"parallel.tp={tp} does not divide the expert width model.moe.ffn_hidden={fe}; "
-              f"{vt_msg}")
+        # (no expert-width rule for tp: experts are replicated over tp, split only by ep)
         if m.moe.top_k > E:
             e("model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; "
               f"valid top_k: 1..{E}")

@@ -1,0 +1,337 @@
+"""Calibrate the planner's cost model on this machine and check it: predicted vs measured step
+time, activation and state bytes, and pipeline bubble over a matrix of small layouts.
+
+    python benchmarks/calibrate.py [--steps 4] [--only N,M] [--out docs/planner.md]
+
+Each layout runs ``train()`` for ``--steps`` steps on forked gloo ranks (tests/dist.py; one thread
+per rank, as the local launcher gives ranks that outnumber the cores). Measured per layout:
+
+- step time: the median over steps 2.. (step 1 pays for allocation and the first gloo connections);
+- activations: the peak live bytes of tensors saved for backward during a step
+  (``paralayer.parallel.pipeline.ActivationMemory``: saved-tensor hooks, unique storages, parameters
+  excluded, released when autograd frees them), max over ranks;
+- state: parameter bytes (the largest set held: after a chunk's forward — FSDP with
+  ``reshard_after_forward=False`` still holds the gathered weights there — or after the step),
+  gradient bytes and optimizer-state bytes after the optimizer step, local shards only, max over
+  ranks;
+- bubble: ``bubble_measured`` of the pipeline runner (pp > 1), median over steps 2..
+
+The "device peak" is the measured one-thread fp32 GEMM peak (``metrics.measure_cpu_peak_tflops``);
+the "links" are gloo over loopback. The time model is linear in (1/efficiency, latency,
+1/bandwidth) with the dp overlap at 0 (our CPU runtime reduces gradients after the backward), so
+the three are fitted by least squares on relative error (non-negative), and the planner's
+``LOCAL_CALIBRATION`` holds the result. Spearman's rank correlation of predicted vs measured step
+time is computed here (average ranks for ties).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from paralayer.config import load_config  # noqa: E402
+from paralayer.resolve import planner  # noqa: E402
+from paralayer.resolve.plan import resolve  # noqa: E402
+
+BASE = ["recipe=tiny", "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_hidden=688", "model.vocab_size=256", "model.seq_len=256", "train.global_batch=16",
+        "parallel.dp=auto", "logging.wandb.mode=disabled", "cluster.device=cpu", "checkpoint.every=0"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=344"]
+
+#: (name, overrides): tp, pp (four schedules), cp, ep, dp with ZeRO 0–3, recompute, 1–4 ranks.
+MATRIX = [
+    ("single", ["train.micro_batch=4"]),
+    ("single-selective", ["train.micro_batch=4", "parallel.recompute=selective"]),
+    ("dp2-z0", ["parallel.dp=2", "train.micro_batch=4"]),
+    ("dp2-z3", ["parallel.dp=2", "parallel.zero=3", "train.micro_batch=2"]),
+    ("dp2-full", ["parallel.dp=2", "parallel.zero=1", "parallel.recompute=full", "train.micro_batch=4"]),
+    ("tp2", ["parallel.tp=2", "train.micro_batch=4"]),
+    ("cp2", ["parallel.cp=2", "train.micro_batch=4"]),
+    ("pp2-1f1b", ["parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"]),
+    ("pp2-gpipe-m2", ["parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batch=8"]),
+    ("pp2-interleaved", ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "train.micro_batch=2"]),
+    ("pp2-zbv", ["parallel.pp=2", "parallel.schedule=zbv", "train.micro_batch=2"]),
+    ("pp2-dualpipev", ["parallel.pp=2", "parallel.schedule=dualpipev", "train.micro_batch=2"]),
+    ("moe-ep2", MOE + ["parallel.dp=2", "parallel.ep=2", "train.micro_batch=4"]),
+    ("moe-single", MOE + ["train.micro_batch=4"]),
+    ("tp2-dp2-z1", ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]),
+    ("pp2-dp2-z2", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "train.micro_batch=2"]),
+    ("tp2-pp2", ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"]),
+    ("dp4-z2", ["parallel.dp=4", "parallel.zero=2", "train.micro_batch=2"]),
+]
+
+
+# ------------------------------------------------------------------ measurement (on the ranks)
+def _local_bytes(t) -> int:
+    if t is None:
+        return 0
+    base = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return int(base.numel() * base.element_size())
+
+
+def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from paralayer.parallel.pipeline import ActivationMemory
+    from paralayer.train import train
+
+    class Acts(ActivationMemory):
+        def _pack(self, t):  # parameters (FSDP's gathered ones included) and views of them are not activations
+            for x in (t, getattr(t, "_base", None)):
+                if x is not None and (isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad)):
+                    return t
+            return super()._pack(t)
+
+    cfg = load_config(overrides)
+    plan = resolve(cfg).to_dict()
+    per_step: list = []
+    fwd_params: dict = {}
+
+    def fwd_hook(module, args, out):
+        if type(module).__name__ == "Transformer":
+            fwd_params[id(module)] = max(fwd_params.get(id(module), 0),
+                                         sum(_local_bytes(p) for p in module.parameters()))
+
+    mem = Acts()
+
+    def post_step(opt, args, kwargs):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        pbytes = sum(_local_bytes(p) for p in params)
+        gbytes = sum(_local_bytes(p.grad) for p in params)
+        obytes = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        per_step.append({"acts": mem.peak_bytes, "params": max(pbytes, sum(fwd_params.values())),
+                         "grads": gbytes, "optimizer": obytes})
+        fwd_params.clear()
+        mem.reset_peak()
+
+    h1 = register_optimizer_step_post_hook(post_step)
+    h2 = torch.nn.modules.module.register_module_forward_hook(fwd_hook)
+    try:
+        with mem:
+            recs = train(cfg, plan)
+    finally:
+        h1.remove()
+        h2.remove()
+    return {"records": [{k: r.get(k) for k in ("step_time_s", "loss", "bubble_measured")} for r in recs],
+            "memory": per_step}
+
+
+def measure(overrides: list, steps: int, timeout_s: float = 300) -> dict:
+    from tests.dist import run_ranks
+
+    cfg = load_config(overrides)
+    plan = resolve(cfg)
+    assert not plan.errors, plan.errors
+    out = run_ranks(_worker, plan.world_size, overrides + [f"train.steps={steps}"], steps, timeout_s=timeout_s,
+                    pg_timeout_s=120)
+    recs = out[0]["records"]
+    times = [r["step_time_s"] for r in recs[1:]] or [recs[0]["step_time_s"]]
+    bub = [r["bubble_measured"] for r in recs[1:] if r.get("bubble_measured") is not None]
+    # memory: the most loaded rank (by its total), steps 2.. (step 1 has no optimizer state yet
+    # when the hook runs? it does — Adam creates it in step(); keep all steps, take the max)
+    best = None
+    for rank_out in out:
+        for m in rank_out["memory"][1:] or rank_out["memory"]:
+            tot = m["acts"] + m["params"] + m["grads"] + m["optimizer"]
+            if best is None or tot > best["total"]:
+                best = dict(m, total=tot)
+    return {"step_time_s": statistics.median(times), "step_times": [r["step_time_s"] for r in recs],
+            "bubble": statistics.median(bub) if bub else None, "memory": best,
+            "losses": [r["loss"] for r in recs]}
+
+
+# ------------------------------------------------------------------ the model side
+def parts(cfg, peak: float) -> tuple[float, float, float]:
+    """(T_c, T_l, T_b): step time = T_c/efficiency + latency·T_l + T_b/bandwidth_GBps."""
+    inf = 1e15
+    base = {"peak_tflops": peak, "dp_overlap": 0.0}
+    tc = planner.predict(cfg, dict(base, efficiency=1.0, latency_s=0.0, bandwidth_gbps=inf))["step_time_s"]
+    tl = planner.predict(cfg, dict(base, efficiency=inf, latency_s=1.0, bandwidth_gbps=inf))["step_time_s"]
+    tb = planner.predict(cfg, dict(base, efficiency=inf, latency_s=0.0, bandwidth_gbps=1.0))["step_time_s"]
+    return tc, tl, tb
+
+
+def fit(rows: list) -> dict:
+    """Non-negative least squares on relative error: minimise Σ((A·x − t)/t)², x = (1/eff, lat, 1/bw)."""
+    import numpy as np
+
+    A = np.array([[r["parts"][0], r["parts"][1], r["parts"][2]] for r in rows], dtype=float)
+    t = np.array([r["measured"]["step_time_s"] for r in rows], dtype=float)
+    W = A / t[:, None]
+    y = np.ones_like(t)
+    active = [0, 1, 2]
+    x = np.zeros(3)
+    for _ in range(3):
+        sol, *_ = np.linalg.lstsq(W[:, active], y, rcond=None)
+        x = np.zeros(3)
+        x[active] = sol
+        neg = [i for i in active if x[i] < 0]
+        if not neg:
+            break
+        active = [i for i in active if i not in neg]
+    x = np.maximum(x, 0)
+    eff = 1.0 / x[0] if x[0] > 0 else 1.0
+    lat = float(x[1])
+    bw = 1.0 / x[2] if x[2] > 0 else 1e6
+    return {"efficiency": float(eff), "latency_s": lat, "bandwidth_gbps": float(bw)}
+
+
+def spearman(a: list, b: list) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def _pct(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.1f}%" if meas else "-"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--only", default=None, help="comma list of matrix names")
+    ap.add_argument("--out", default=None, help="write the markdown report here")
+    ap.add_argument("--timeout", type=float, default=300)
+    a = ap.parse_args(argv)
+
+    import tempfile
+
+    os.environ.setdefault("PARALAYER_CACHE", os.path.join(tempfile.gettempdir(), "paralayer-calibrate-cache"))
+    import torch
+
+    import paralayer.train  # noqa: F401 - imported once, before forking the ranks
+    from paralayer.metrics import measure_cpu_peak_tflops
+
+    peak = statistics.median(measure_cpu_peak_tflops(torch.float32, threads=1, n=512) for _ in range(5))
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"one-thread fp32 GEMM peak {peak * 1e3:.1f} GFLOP/s; {cores} cores; load average {load:.1f}", flush=True)
+    matrix = [m for m in MATRIX if a.only is None or m[0] in a.only.split(",")]
+    rows, failed = [], []
+    t_all = time.time()
+    for name, ov in matrix:
+        overrides = BASE + ov
+        cfg = load_config(overrides)
+        t0 = time.time()
+        try:
+            meas = measure(overrides, a.steps, a.timeout)
+        except AssertionError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            failed.append((name, ov, f"{lines[0]} … {lines[-1]}"[:400] if lines else "error"))
+            print(f"{name}: FAILED {failed[-1][2]}", flush=True)
+            continue
+        plan = resolve(cfg)
+        rows.append({"name": name, "overrides": ov, "cfg": cfg, "plan": plan, "measured": meas,
+                     "parts": parts(cfg, peak)})
+        print(f"{name}: {meas['step_time_s']:.3f} s/step (steps {[round(x, 3) for x in meas['step_times']]}), "
+              f"bubble {meas['bubble']}, {time.time() - t0:.0f} s", flush=True)
+    if len(rows) < 3:
+        print("too few layouts ran to fit", file=sys.stderr)
+        return 1
+    cal = fit(rows)
+    cal.update(peak_tflops=peak, dp_overlap=0.0, cores=cores)
+    for r in rows:
+        tc, tl, tb = r["parts"]
+        r["predicted"] = tc / cal["efficiency"] + cal["latency_s"] * tl + tb / cal["bandwidth_gbps"]
+    rho = spearman([r["predicted"] for r in rows], [r["measured"]["step_time_s"] for r in rows])
+    report = _report(rows, failed, cal, rho, a, peak, cores, load, time.time() - t_all)
+    print(report)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(report)
+    return 0
+
+
+def _report(rows, failed, cal, rho, a, peak, cores, load, seconds) -> str:
+    L = []
+    cmd = "python benchmarks/calibrate.py " + " ".join(f"--{k} {v}" for k, v in
+                                                        (("steps", a.steps), ("only", a.only)) if v is not None)
+    L.append(f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: `{cmd}` "
+             f"({len(rows)} layouts ran, {len(failed)} failed; {seconds:.0f} s). Machine: {cores} CPU cores, "
+             f"one-thread fp32 GEMM peak {peak * 1e3:.1f} GFLOP/s, load average {load:.1f} at the start "
+             "(the cores are shared with other jobs).")
+    L.append("")
+    L.append(f"Model: {' '.join(o for o in BASE if o.startswith('model.') or o.startswith('train.global'))} "
+             "(MoE rows add " + " ".join(MOE) + f"); {a.steps} steps, median of steps 2..{a.steps}.")
+    L.append("")
+    L.append("Fitted `local` calibration (paralayer/resolve/planner.py `LOCAL_CALIBRATION`): "
+             f"efficiency {cal['efficiency']:.3f} of the one-thread GEMM peak, per-collective latency "
+             f"{cal['latency_s'] * 1e3:.3f} ms, gloo loopback bandwidth {cal['bandwidth_gbps']:.3f} GB/s.")
+    L.append("")
+    L.append("### Step time")
+    L.append("")
+    L.append("| layout | overrides | ranks | predicted s | measured s | error | bubble pred | bubble meas |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: r["measured"]["step_time_s"]):
+        m = r["measured"]
+        bm = "-" if m["bubble"] is None else f"{m['bubble']:.3f}"
+        bp = f"{r['plan'].bubble_fraction:.3f}" if r["plan"].degrees["pp"] > 1 else "-"
+        L.append(f"| {r['name']} | `{' '.join(r['overrides'])}` | {r['plan'].world_size} | {r['predicted']:.3f} | "
+                 f"{m['step_time_s']:.3f} | {_pct(r['predicted'], m['step_time_s'])} | {bp} | {bm} |")
+    errs = [abs(r["predicted"] - r["measured"]["step_time_s"]) / r["measured"]["step_time_s"] for r in rows]
+    L.append("")
+    L.append(f"Spearman rank correlation, predicted vs measured step time: **{rho:.3f}** over {len(rows)} layouts "
+             f"(target ≥ 0.8). Median |error| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}% "
+             "(the calibration is fitted on these same runs).")
+    L.append("")
+    L.append("### Memory per device (the most loaded rank), MiB")
+    L.append("")
+    L.append("| layout | activations pred | meas | error | state pred | meas | error | total pred | meas | error |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for r in rows:
+        mp = r["plan"].memory_per_device_bytes
+        mm = r["measured"]["memory"]
+        ap_, am = mp["activations_saved"], mm["acts"]
+        sp, sm = mp["params"] + mp["grads"] + mp["optimizer"], mm["params"] + mm["grads"] + mm["optimizer"]
+        tp_, tm = ap_ + sp, am + sm
+        worst = max(worst, abs(tp_ - tm) / tm)
+        L.append(f"| {r['name']} | {_mib(ap_)} | {_mib(am)} | {_pct(ap_, am)} | {_mib(sp)} | {_mib(sm)} | "
+                 f"{_pct(sp, sm)} | {_mib(tp_)} | {_mib(tm)} | {_pct(tp_, tm)} |")
+    L.append("")
+    L.append(f"Worst total-memory error: {100 * worst:.1f}% (target ≤ 10%). Predicted activations are the plan's "
+             "`activations_saved` (what the forward leaves for backward, at the schedule's peak in flight); "
+             "state is parameters + gradients + optimizer state.")
+    if failed:
+        L.append("")
+        L.append("### Layouts that failed")
+        L.append("")
+        for name, ov, err in failed:
+            L.append(f"- {name} (`{' '.join(ov)}`): {err}")
+    L.append("")
+    return "\n".join(L)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
