@@ -49,6 +49,7 @@ class MoEConfig:
     every: int = 1  # MoE on every k-th layer
     router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3, bias balancing)
     shared_ffn_hidden: int = 0  # 0 = no shared expert
+    bias_update_rate: float = 0.001  # router=sigmoid: aux-loss-free balancing step (DeepSeek-V3 gamma)
 
 
 @dataclass

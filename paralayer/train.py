@@ -337,6 +337,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                                 f"Lower train.lr or set train.skip_nonfinite=true to skip such steps.")
         lr = opt.param_groups[0]["lr"]
         opt.step()
+        _moe_update_bias(built, cfg, meshes)
         sched.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -422,6 +423,16 @@ def _moe_count_real_forwards_only(runner, built: Built) -> None:
                 for ff in layers:
                     ff.count_stats = False
         stage.forward_one_chunk = counted
+
+
+def _moe_update_bias(built: Built, cfg: Config, meshes: Meshes) -> None:
+    """Sigmoid router: the aux-loss-free balancing step (DeepSeek-V3), once per optimizer step, from
+    the load over every replica of the router (all dp·cp ranks; tp ranks see the same tokens)."""
+    if cfg.model.moe.router != "sigmoid":
+        return
+    group = meshes["dp_cp"].get_group() if meshes.size("dp_cp") > 1 else None
+    for ff in _moe_layers(built):
+        ff.update_bias(cfg.model.moe.bias_update_rate, group=group)
 
 
 def _moe_reset(built: Built) -> None:

@@ -326,3 +326,34 @@ def test_expert_memory_divides_by_ep_not_tp():
         lay = rules.check(c)
         _, expert, layers = rank_params(c, lay, 0)
         assert expert == pytest.approx(layers * 8 / ep * expert_params(cfg)), (ep, tp)
+
+
+def _train_bias(rank, world, overrides):
+    from paralayer.train import train
+
+    import paralayer.train as T
+    cfg, plan = _cfg_plan(overrides)
+    captured = {}
+    orig = T._moe_update_bias
+
+    def spy(built, cfg_, meshes):
+        orig(built, cfg_, meshes)
+        captured["bias"] = [ff.expert_bias.tolist() for ff in T._moe_layers(built)]
+
+    T._moe_update_bias = spy
+    recs = train(cfg, plan)
+    return [r["loss"] for r in recs], captured["bias"]
+
+
+def test_sigmoid_router_bias_balancing_parity():
+    """router=sigmoid: the selection bias moves every step (aux-loss-free balancing) from the global
+    load, so ep=2 × dp=2 follows the one-rank run step for step."""
+    ov = ["model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
+    ref_losses, ref_bias = run_ranks(_train_bias, 1, ov + ["parallel.dp=1"])[0]
+    out = run_ranks(_train_bias, 2, ov + ["parallel.dp=2", "parallel.ep=2"])
+    assert any(abs(b) > 0 for layer in ref_bias for b in layer)
+    for losses, bias in out:
+        assert bias == ref_bias
+        err = _rel_err(losses, ref_losses)
+        print(f"sigmoid ep2: max relative loss error {err:.2e}")
+        assert err <= 1e-5
