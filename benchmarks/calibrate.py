@@ -87,9 +87,14 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
 
     class Acts(ActivationMemory):
         def _pack(self, t):  # parameters (FSDP's gathered ones included) and views of them are not activations
-            for x in (t, getattr(t, "_base", None)):
-                if x is not None and (isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad)):
-                    return t
+            try:
+                for x in (t, getattr(t, "_base", None)):
+                    if x is not None and (isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad)):
+                        return t
+                base = t._local_tensor if hasattr(t, "_local_tensor") else t
+                base.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - no real storage (e.g. a DTensor wrapper's): not counted
+                return t
             return super()._pack(t)
 
     cfg = load_config(overrides)

@@ -204,6 +204,14 @@ class MoEFeedForward(nn.Module):
         return out.reshape(shape)
 
     # ---------------------------------------------------------------- stats, balancing
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the sigmoid router's selection bias and load counter: a model built on the meta
+        device and materialised with ``to_empty`` holds uninitialised memory there."""
+        if self.router == "sigmoid":
+            self.expert_bias.zero_()
+            self.expert_load.zero_()
+
     def reset_step_stats(self) -> None:
         """Start a new optimizer step's accumulation (see ``step_stats``)."""
         self.step_stats: dict = {"tokens_per_expert": None, "dropped": 0, "aux_loss_sum": 0.0, "forwards": 0}

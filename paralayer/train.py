@@ -108,6 +108,9 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
             load_hf_weights(chunk, cfg.model.init[3:], cfg.model)
         else:
             init_weights(chunk, cfg.model, cfg.train.seed, device)
+        for mod in chunk.modules():  # buffers to_empty left uninitialised (MoE router bias)
+            if hasattr(mod, "reset_buffers"):
+                mod.reset_buffers()
         for buf_name, buf in chunk.named_buffers():
             if buf.is_meta:  # pragma: no cover - every buffer of ours is re-creatable
                 raise RuntimeError(f"buffer {buf_name} left on meta")

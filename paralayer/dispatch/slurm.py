@@ -503,7 +503,20 @@ class _LogEcho:
 
 
 def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
-         verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
+           verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
+    """See _follow. Ctrl-C stops following (exit status 130); the jobs keep running."""
+    try:
+        return _follow(result, timeout_s, poll_s, verbose, stream, echo_logs)
+    except KeyboardInterrupt:
+        base = result.job_ids[0].split("_")[0]
+        print(f"\n[paralayer.slurm] stopped following; the job keeps running (squeue -j {base}; "
+              f"scancel {base} to stop it)", file=stream or sys.stderr, flush=True)
+        result.status = 130
+        return 130
+
+
+def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
+            verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
     """Follow the jobs to the end. Returns 0 when every run completed, 1 when one failed
     (printing its stderr tail), 124 when ``timeout_s`` passed first (jobs left running).
 

@@ -24,9 +24,15 @@ GRADIENT REDUCTION — what the data-parallel code must do:
   * Everything else is reduced over all dp·cp ranks, as usual.
   * Scaling: if non-expert gradients are AVERAGED over the N = dp·cp ranks (sum / N), expert
     gradients must be divided by the same N (sum over expert-dp, then / N), not by the expert-dp
-    group size N/ep. With FSDP2 on the expert-dp mesh that means
-    ``fully_shard(...).set_gradient_divide_factor(N)``; otherwise expert gradients come out ep× too
-    large. (Tested: rank r's expert gradient equals rows [r·E/ep, (r+1)·E/ep) of the ep=1 gradient
+    group size N/ep; otherwise expert gradients come out ep× too large. With FSDP2 on the expert-dp
+    mesh (ZeRO 2/3) FSDP divides by N/ep and the trainer divides the expert grads by ep afterwards
+    (``set_gradient_divide_factor`` needs PREMUL_SUM, which gloo lacks); the router and shared
+    expert are sharded on the dp·cp mesh (``paralayer.parallel.data.apply_fsdp``).
+  * Only with ep > 1: at ep = 1 the experts are ordinary data-parallel weights (the trainer passes
+    no expert params then).
+  * Tensor parallel: experts are NOT split by tp (ETP=1). The MoE block runs whole on every tp rank
+    over the full (gathered) sequence; each ep group lies inside one tp coordinate of the expert grid
+    (pp, edp, ep, tp), and the tp replicas compute identical gradients. (Tested: rank r's expert gradient equals rows [r·E/ep, (r+1)·E/ep) of the ep=1 gradient
     over the concatenated batch; non-expert gradients summed over ranks equal the ep=1 gradient.)
 
 Stats (``module.stats``) are summed over the ep group. The aux loss is per rank (its own tokens), like

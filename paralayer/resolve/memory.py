@@ -242,7 +242,9 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
 
     params = wb * (shard(dense, d_dense, 3) + shard(expert, d_exp, 3))
     grads = gb * (shard(dense, d_dense, 2) + shard(expert, d_exp, 2))
-    opt = ob * (shard(dense, d_dense, 1) + shard(expert, d_exp, 1))
+    # ZeRO-1 keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the
+    # experts are dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp.
+    opt = ob * (shard(dense, d_dense, 1) + (expert if z == 1 else shard(expert, d_exp, 1)))
 
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
