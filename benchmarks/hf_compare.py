@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paralayer.config import ModelConfig  # noqa: E402
-from paralayer.model import Transformer, init_weights, lm_loss  # noqa: E402
+from paralayer.model import Transformer, init_weights  # noqa: E402
 
 
 def build_pair(cfg: ModelConfig):
@@ -45,7 +45,12 @@ def step_fn(model, opt, tokens, is_hf: bool, dtype: torch.dtype | None = None):
                 out = model(input_ids=tokens, labels=tokens)
                 loss = out.loss
             else:
-                loss = lm_loss(model(tokens)[:, :-1], tokens[:, 1:])
+                # what train.py runs: labels shifted inside the sequence, the last position ignored
+                labels = torch.full_like(tokens, -100)
+                labels[:, :-1] = tokens[:, 1:]
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                         ignore_index=-100)
         loss.backward()
         opt.step()
         if tokens.device.type == "cuda":
@@ -81,7 +86,8 @@ def main(argv=None) -> int:
     n_ours = sum(p.numel() for p in ours.parameters())
     n_hf = sum(p.numel() for p in hf.parameters())
     assert n_ours == n_hf, (n_ours, n_hf)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen).to(device)
     runs = {
         "paralayer": step_fn(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, foreach=True), tokens, False, dtype),
         "transformers": step_fn(hf, torch.optim.AdamW(hf.parameters(), lr=1e-4, foreach=True), tokens, True, dtype),
@@ -102,7 +108,8 @@ def main(argv=None) -> int:
 
     print(f"shape: d={cfg.d_model} L={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
           f"V={cfg.vocab_size} seq={cfg.seq_len} batch={args.batch}; {n_ours/1e6:.1f}M params; "
-          f"threads={args.threads}; {args.device} {args.dtype}; torch {torch.__version__}, transformers {transformers.__version__}")
+          f"threads={args.threads}; {args.device} {args.dtype}; "
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
     print("| model | median step (s) | tokens/s |")
     print("|---|---|---|")
     for k in runs:

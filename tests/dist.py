@@ -65,10 +65,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                     raise AssertionError(f"ranks timed out after {timeout_s}s; finished: {sorted(results)}")
                 try:
                     rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-                except Exception:  # queue.Empty
+                except Exception:  # noqa: B904 - queue.Empty: poll the children
                     dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                     if dead and not any(i in results or i in errors for i in dead):
-                        raise AssertionError(f"rank(s) {dead} died with exit codes "
+                        raise AssertionError(f"rank(s) {dead} died with exit codes "  # noqa: B904
                                              f"{[procs[i].exitcode for i in dead]}")
                     continue
                 (results if status == "ok" else errors)[rank] = payload

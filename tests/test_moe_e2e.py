@@ -86,7 +86,7 @@ def _saved_bytes(rank, world, overrides):
     from torch.distributed.tensor import DTensor
 
     from paralayer.mesh import build_mesh
-    from paralayer.train import build_model, make_loss_fn, _loss_parallel
+    from paralayer.train import _loss_parallel, build_model, make_loss_fn
 
     cfg, plan = _cfg_plan(overrides)
     built = build_model(cfg, plan, build_mesh(plan, "cpu"), torch.device("cpu"))
@@ -296,6 +296,10 @@ def test_moe_recipes_resolve_as_real_moe():
     for name, E, k in [("tiny-moe", 8, 2), ("mixtral-8x7b", 8, 2), ("deepseek-moe-16b", 64, 6)]:
         p = _plan(f"recipe={name}")
         assert not p["errors"] and p["fits"], (name, p["errors"])
+        from paralayer.config import load_config
+
+        moe = load_config([f"recipe={name}"]).model.moe
+        assert (moe.num_experts, moe.top_k) == (E, k), name
         assert p["comm"]["ep"]["collective"] == "all-to-all", name
         assert p["parameters"]["active"] < p["parameters"]["total"], name
     # published sizes: Mixtral 46.7B / 12.9B; DeepSeekMoE 16.4B / 2.8B (+0.5B total: layer 0 is MoE here)
@@ -329,9 +333,8 @@ def test_expert_memory_divides_by_ep_not_tp():
 
 
 def _train_bias(rank, world, overrides):
-    from paralayer.train import train
-
     import paralayer.train as T
+    from paralayer.train import train
     cfg, plan = _cfg_plan(overrides)
     captured = {}
     orig = T._moe_update_bias

@@ -177,3 +177,14 @@ def test_nonfinite_loss_skipped_when_asked(tmp_path):
     assert "step 3: non-finite loss" in res.stdout + res.stderr
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 4, 5]
+
+
+def test_timeline_flag_writes_png_and_bubble(tmp_path):
+    run_dir = tmp_path / "tl"
+    res = _launch(["recipe=tiny", "parallel.pp=2", "parallel.dp=1", "train.steps=2", "logging.wandb.mode=disabled",
+                   f"run.dir={run_dir}", "--timeline"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    png = (run_dir / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["bubble_measured"] < 1.5 for r in recs)

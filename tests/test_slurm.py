@@ -118,9 +118,8 @@ def _sacct_ids(base_id: str) -> list[str]:
 def test_profiles_load_and_map():
     """The two profiles pass the lead's strict schema and map onto submitit parameters."""
     config = pytest.importorskip("paralayer.config")
-    from paralayer.dispatch.slurm import executor_parameters
-
     from paralayer.dispatch import _slurm_settings
+    from paralayer.dispatch.slurm import executor_parameters
     from paralayer.resolve import resolve
 
     cfg = config.load_config(["recipe=tiny", "cluster=local-slurm"])

@@ -75,8 +75,13 @@ def reference(cfg: ModelConfig, data):
 def _tp_worker(rank, world, cfg, sp, data):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paralayer.parallel.tensor import (apply_tensor_parallel, full_grads, local_param_bytes,
-                                           loss_parallel_ctx, tp_loss)
+    from paralayer.parallel.tensor import (
+        apply_tensor_parallel,
+        full_grads,
+        local_param_bytes,
+        loss_parallel_ctx,
+        tp_loss,
+    )
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.device("meta"):

@@ -286,10 +286,10 @@ class _RingAttnFn(torch.autograd.Function):
             t0 = time.perf_counter()
             kb, vb = kv[0], kv[1]
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
-                o, l = _block_fwd(backend, q[:, :, qr], _expand(kb[:, :, kr], groups),
-                                  _expand(vb[:, :, kr], groups), blk_causal, scale)
+                o, lse = _block_fwd(backend, q[:, :, qr], _expand(kb[:, :, kr], groups),
+                                    _expand(vb[:, :, kr], groups), blk_causal, scale)
                 key = (qr.start, qr.stop)
-                _merge(out_acc, lse_acc, qr, o, l, fresh=key not in seen and step == 0)
+                _merge(out_acc, lse_acc, qr, o, lse, fresh=key not in seen and step == 0)
                 seen.add(key)
                 if stats is not None:
                     stats.pairs_fwd += _pairs(qr, kr, blk_causal)

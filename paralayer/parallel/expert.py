@@ -32,7 +32,8 @@ GRADIENT REDUCTION — what the data-parallel code must do:
     no expert params then).
   * Tensor parallel: experts are NOT split by tp (ETP=1). The MoE block runs whole on every tp rank
     over the full (gathered) sequence; each ep group lies inside one tp coordinate of the expert grid
-    (pp, edp, ep, tp), and the tp replicas compute identical gradients. (Tested: rank r's expert gradient equals rows [r·E/ep, (r+1)·E/ep) of the ep=1 gradient
+    (pp, edp, ep, tp), and the tp replicas compute identical gradients. (Tested: rank r's expert
+    gradient equals rows [r·E/ep, (r+1)·E/ep) of the ep=1 gradient
     over the concatenated batch; non-expert gradients summed over ranks equal the ep=1 gradient.)
 
 Stats (``module.stats``) are summed over the ep group. The aux loss is per rank (its own tokens), like

@@ -10,8 +10,15 @@ bytes of a particular algorithm: a ring all-reduce moves 2(n−1)/n of the paylo
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.memory import (ACT_BYTES, BYTES_PER_PARAM, is_moe_layer, matmul_params, rank_chunks, rank_params,
-                                     routed_rows_per_token)
+from paralayer.resolve.memory import (
+    ACT_BYTES,
+    BYTES_PER_PARAM,
+    is_moe_layer,
+    matmul_params,
+    rank_chunks,
+    rank_params,
+    routed_rows_per_token,
+)
 from paralayer.resolve.rules import Layout
 
 
