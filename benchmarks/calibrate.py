@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import statistics
@@ -162,10 +163,10 @@ def measure(overrides: list, steps: int, timeout_s: float = 300) -> dict:
 
 
 # ------------------------------------------------------------------ the model side
-def parts(cfg, peak: float) -> tuple[float, float, float]:
+def parts(cfg, peak: float, cores: float) -> tuple[float, float, float]:
     """(T_c, T_l, T_b): step time = T_c/efficiency + latency·T_l + T_b/bandwidth_GBps."""
     inf = 1e15
-    base = {"peak_tflops": peak, "dp_overlap": 0.0}
+    base = {"peak_tflops": peak, "dp_overlap": 0.0, "cores": cores}
     tc = planner.predict(cfg, dict(base, efficiency=1.0, latency_s=0.0, bandwidth_gbps=inf))["step_time_s"]
     tl = planner.predict(cfg, dict(base, efficiency=inf, latency_s=1.0, bandwidth_gbps=inf))["step_time_s"]
     tb = planner.predict(cfg, dict(base, efficiency=inf, latency_s=0.0, bandwidth_gbps=1.0))["step_time_s"]
@@ -234,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--repeat", type=int, default=2, help="passes over the matrix; step time = min over all")
+    ap.add_argument("--save", default=None, help="write the measurements (JSON) here")
+    ap.add_argument("--load", default=None, help="refit from saved measurements instead of running")
     a = ap.parse_args(argv)
 
     import tempfile
@@ -244,15 +247,22 @@ def main(argv=None) -> int:
     import paralayer.train  # noqa: F401 - imported once, before forking the ranks
     from paralayer.metrics import measure_cpu_peak_tflops
 
-    peak = statistics.median(measure_cpu_peak_tflops(torch.float32, threads=1, n=512) for _ in range(5))
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"one-thread fp32 GEMM peak {peak * 1e3:.1f} GFLOP/s; {cores} cores; load average {load:.1f}", flush=True)
+    if a.load:
+        with open(a.load) as f:
+            saved = json.load(f)
+        peak, cores, load = saved["peak"], saved["cores"], saved["load"]
+    else:
+        saved = None
+        peak = statistics.median(measure_cpu_peak_tflops(torch.float32, threads=1, n=512) for _ in range(5))
+        cores = os.cpu_count() or 1
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     matrix = [m for m in MATRIX if a.only is None or m[0] in a.only.split(",")]
     rows, failed = [], []
     t_all = time.time()
-    by_name: dict = {}
-    for rep in range(a.repeat):  # round-robin passes: interference differs between passes
+    by_name: dict = dict(saved["measured"]) if saved else {}
+    if saved:
+        failed = [tuple(f) for f in saved["failed"]]
+    for rep in range(0 if saved else a.repeat):  # round-robin passes: interference differs between passes
         for name, ov in matrix:
             if any(f[0] == name for f in failed):
                 continue
@@ -277,16 +287,31 @@ def main(argv=None) -> int:
                 if meas["bubble"] is not None:
                     prev.setdefault("bubbles", [prev["bubble"]]).append(meas["bubble"])
                     prev["bubble"] = statistics.median(prev["bubbles"])
+    if a.save and not saved:
+        with open(a.save, "w") as f:
+            json.dump({"peak": peak, "cores": cores, "load": load, "measured": by_name, "failed": failed}, f)
     for name, ov in matrix:
         if name in by_name:
             cfg = load_config(BASE + ov)
-            rows.append({"name": name, "overrides": ov, "cfg": cfg, "plan": resolve(cfg), "measured": by_name[name],
-                         "parts": parts(cfg, peak)})
+            rows.append({"name": name, "overrides": ov, "cfg": cfg, "plan": resolve(cfg), "measured": by_name[name]})
     if len(rows) < 3:
         print("too few layouts ran to fit", file=sys.stderr)
         return 1
-    cal = fit(rows)
-    cal.update(peak_tflops=peak, dp_overlap=0.0, cores=cores)
+    # effective cores: the ranks share this machine's cores with other jobs, so how many cores they
+    # really get is fitted too (a grid; the rest is linear least squares for each value)
+    best = None
+    for eff_cores in [1.0 + 0.1 * i for i in range(int(round((cores - 1) / 0.1)) + 1)]:
+        for r in rows:
+            r["parts"] = parts(r["cfg"], peak, eff_cores)
+        c_ = fit(rows)
+        err = sum(((r["parts"][0] / c_["efficiency"] + c_["latency_s"] * r["parts"][1]
+                    + r["parts"][2] / c_["bandwidth_gbps"]) / r["measured"]["step_time_s"] - 1) ** 2 for r in rows)
+        if best is None or err < best[0]:
+            best = (err, eff_cores, c_)
+    _, eff_cores, cal = best
+    for r in rows:
+        r["parts"] = parts(r["cfg"], peak, eff_cores)
+    cal.update(peak_tflops=peak, dp_overlap=0.0, cores=eff_cores)
     for r in rows:
         tc, tl, tb = r["parts"]
         r["predicted"] = tc / cal["efficiency"] + cal["latency_s"] * tl + tb / cal["bandwidth_gbps"]
@@ -314,7 +339,8 @@ def _report(rows, failed, cal, rho, a, peak, cores, load, seconds) -> str:
              f"(round-robin); step time = min over steps 2..{a.steps} of all runs, bubble = median.")
     L.append("")
     L.append("Fitted `local` calibration (paralayer/resolve/planner.py `LOCAL_CALIBRATION`): "
-             f"efficiency {cal['efficiency']:.3f} of the one-thread GEMM peak, per-collective latency "
+             f"efficiency {cal['efficiency']:.3f} of the one-thread GEMM peak, effective cores {cal['cores']:.1f} "
+             f"(of {cores}; shared with other jobs), per-collective latency "
              f"{cal['latency_s'] * 1e3:.3f} ms, gloo loopback bandwidth {cal['bandwidth_gbps']:.3f} GB/s.")
     L.append("")
     L.append("### Step time")
