@@ -499,7 +499,8 @@ def main(run_dir: str) -> int:
     with open(os.path.join(run_dir, "plan.json")) as f:
         plan = json.load(f)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
+    slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task
+    threads = cfg.train.threads or slurm_cpus or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     device = resolve_device(plan)
     init_distributed(device.type)

@@ -118,7 +118,7 @@ def test_dry_run_tables(capsys):
 def test_dry_run_json_valid(capsys):
     assert main(["recipe=tiny", "--dry-run", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["valid"] and d["errors"] == [] and d["world_size"] == 2
+    assert d["valid"] and d["errors"] == [] and d["world_size"] == 4 and d["degrees"]["tp"] == 2
 
 
 def test_multirun_reports_every_invalid_combination(capsys, monkeypatch):

@@ -20,10 +20,10 @@ import torch
 from tests.dist import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["recipe=tiny", "model.n_layers=2", "model.seq_len=64", "train.global_batch=4",
+TINY = ["recipe=tiny", "parallel.tp=1", "model.n_layers=2", "model.seq_len=64", "train.global_batch=4",
         "train.micro_batch=2", "train.steps=5", "logging.wandb.mode=disabled", "parallel.dp=1"]
 #: the long-sequence tiny shape of the memory checks: 2 layers, d_model 128, GQA 4:2, seq 512
-LONG = ["recipe=tiny", "model.n_layers=2", "model.seq_len=512", "train.global_batch=1",
+LONG = ["recipe=tiny", "parallel.tp=1", "model.n_layers=2", "model.seq_len=512", "train.global_batch=1",
         "train.micro_batch=1", "train.steps=1", "logging.wandb.mode=disabled", "parallel.dp=1"]
 REL = 1e-5
 

@@ -12,7 +12,7 @@ import torch
 from tests.dist import run_ranks
 
 # Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective.
-MOE = ["recipe=tiny", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
+MOE = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
        "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled",
        "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96",
        "model.moe.aux_loss_coef=0", "model.moe.capacity_factor=null", "train.precision=fp32"]

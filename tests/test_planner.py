@@ -186,14 +186,13 @@ def test_cli_plan_table_and_json():
 
 
 # ------------------------------------------------------------------ soundness: a small sample runs
-@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_soundness_sample_runs():
-    """4 random small layouts the resolver accepts each run 2 steps (benchmarks/soundness.py runs 30+)."""
+    """4 random small layouts the planner lists (so the resolver accepts them) each run 2 steps on
+    2 forked gloo ranks; benchmarks/soundness.py runs 30+ over 2, 4 and 8 ranks."""
     sys.path.insert(0, str(REPO))
     from benchmarks import soundness
 
-    t0 = time.time()
-    results = soundness.sweep(4, seed=7, worlds=(2, 4), timeout_s=50)
-    failed = [r for r in results if not r["ok"]]
+    results = soundness.sweep(4, seed=7, worlds=(2,), timeout_s=50)
+    failed = [(r["overrides"], r["error"]) for r in results if not r["ok"]]
     assert not failed, failed
-    assert time.time() - t0 < 60 * 3  # loaded CI machines: generous; ~30-60 s idle

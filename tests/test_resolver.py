@@ -73,7 +73,7 @@ GIB = 2 ** 30
 
 def test_memory_tiny_fp32_by_hand():
     """tiny: h=128, L=4, a=4, g=2, f=352, V=256, s=128, b=4, dp=2, fp32, zero 0, no recompute, pp=1."""
-    p = plan("recipe=tiny")
+    p = plan("recipe=tiny", "parallel.tp=1")
     h, L, a, g, f, V, s, b = 128, 4, 4, 2, 352, 256, 128, 4
     hd = h // a
     # parameters (REFERENCE.md): attention 2h²(1+g/a) = h·hd·(2a+2g), SwiGLU 3hf, norms 2h; untied hV ×2; final norm h
@@ -173,7 +173,7 @@ def test_dp_auto_and_local_world():
 
 def test_sequence_parallel_resolution():
     assert plan("parallel.tp=2", "parallel.dp=1").sequence_parallel is True
-    p = plan("parallel.sequence_parallel=true", "parallel.dp=1")
+    p = plan("parallel.sequence_parallel=true", "parallel.dp=1", "parallel.tp=1")
     assert p.sequence_parallel is False
     assert "parallel.sequence_parallel" in {w["field"] for w in p.warnings}
 
@@ -182,13 +182,13 @@ def test_spans_and_device():
     p = plan("recipe=llama3-70b")
     assert p.spans["tp"] == "intra-node" and p.spans["pp"] == "inter-node" and p.spans["dp"] == "inter-node"
     assert p.device == "cuda" and p.peak_tflops == 989 and p.precision == "bf16"
-    t = plan("recipe=tiny")
+    t = plan("recipe=tiny", "parallel.tp=1")
     assert t.device == "cpu" and t.peak_tflops is None and t.precision == "fp32"
 
 
 def test_flops_per_token():
     """6·N + 12·L·h·s, N = matmul parameters including the output head (torchtitan convention)."""
-    p = plan("recipe=tiny")
+    p = plan("recipe=tiny", "parallel.tp=1")
     h, L, a, g, f, V, s = 128, 4, 4, 2, 352, 256, 128
     n = L * (h * (h // a) * (2 * a + 2 * g) + 3 * h * f) + h * V
     assert p.flops_per_token == 6 * n + 12 * L * h * s

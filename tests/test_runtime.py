@@ -14,7 +14,7 @@ import torch
 from tests.dist import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["recipe=tiny", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
+TINY = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
         "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled"]
 
 
@@ -144,7 +144,7 @@ def test_tiny_recipe_trains_end_to_end(tmp_path):
 
 def test_failing_rank_ends_run_naming_it(tmp_path):
     t0 = time.time()
-    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
+    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
                   env={"PARALAYER_FAULT": "raise:1:3"}, timeout=90)
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr[-2000:]
@@ -154,7 +154,7 @@ def test_failing_rank_ends_run_naming_it(tmp_path):
 
 def test_killed_rank_ends_run_naming_it(tmp_path):
     t0 = time.time()
-    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
+    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
                   env={"PARALAYER_FAULT": "kill:1:3"}, timeout=90)
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr[-2000:]
@@ -162,7 +162,7 @@ def test_killed_rank_ends_run_naming_it(tmp_path):
 
 
 def test_nonfinite_loss_stops_with_clear_message(tmp_path):
-    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=6"],
+    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=6"],
                   env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
     assert res.returncode != 0
     assert "step 3: loss is nan" in res.stderr, res.stderr[-2000:]
@@ -171,7 +171,7 @@ def test_nonfinite_loss_stops_with_clear_message(tmp_path):
 
 
 def test_nonfinite_loss_skipped_when_asked(tmp_path):
-    res = _launch(["recipe=tiny", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=5",
+    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=5",
                    "train.skip_nonfinite=true"], env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step 3: non-finite loss" in res.stdout + res.stderr
@@ -181,7 +181,7 @@ def test_nonfinite_loss_skipped_when_asked(tmp_path):
 
 def test_timeline_flag_writes_png_and_bubble(tmp_path):
     run_dir = tmp_path / "tl"
-    res = _launch(["recipe=tiny", "parallel.pp=2", "parallel.dp=1", "train.steps=2", "logging.wandb.mode=disabled",
+    res = _launch(["recipe=tiny", "parallel.tp=1", "parallel.pp=2", "parallel.dp=1", "train.steps=2", "logging.wandb.mode=disabled",
                    f"run.dir={run_dir}", "--timeline"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     png = (run_dir / "timeline.png").read_bytes()

@@ -122,7 +122,7 @@ def test_profiles_load_and_map():
     from paralayer.dispatch.slurm import executor_parameters
     from paralayer.resolve import resolve
 
-    cfg = config.load_config(["recipe=tiny", "cluster=local-slurm"])
+    cfg = config.load_config(["recipe=tiny", "parallel.tp=1", "cluster=local-slurm"])
     # devices_per_node: null on the local CPU cluster: tasks = the plan's ranks (tiny: dp=2)
     p = executor_parameters(_slurm_settings(cfg, [resolve(cfg)]))
     assert p["nodes"] == 1 and p["tasks_per_node"] == 2 and "gpus_per_node" not in p

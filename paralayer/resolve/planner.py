@@ -8,27 +8,33 @@ and there are tens of thousands). It walks the layout space in nested loops, fro
 change the structure (tp, cp, pp, dp, ep, schedule/vpp — the pipeline split and the per-rank
 parameter counts are computed once per structure, with the resolver's own functions) to the ones
 that only scale a number (zero, micro_batch, recompute), and drops a branch as soon as it cannot
-fit (model states alone over capacity). The memory and communication arithmetic mirrors
-``memory.py`` and ``cost.py`` exactly; ``tests/test_planner.py`` checks a sample against the full
-``resolve()`` (same memory total, no errors).
+fit (model states alone over capacity). Memory is the resolver's arithmetic (``memory.rank_params``,
+``act_elems_per_token``, the same in-flight and ZeRO rules) for the ranks that can be the most
+loaded; communication is ``cost.comm`` itself, evaluated twice per structure (every axis's time is
+affine in the number of microbatches). ``tests/test_planner.py`` checks a sample of listed layouts
+against the full ``resolve()``: no errors, same memory total, bubble, spans and comm times.
 
 The cost model (one step, one device; every term is reported per layout):
 
     compute   = flops_per_step / (world · peak · efficiency)          (model FLOPs, 6N + 12·L·h·s)
-    recompute = compute · (selective: 4·L·h·s / flops_per_token, the attention core's forward;
-                           full: 1/3, one more forward)
+    imbalance = FLOPs of the busiest pipeline rank / the mean (the output head sits on the last
+                chunk's rank; the planner picks the layer split that minimises it)
+    recompute = compute · imbalance · (selective: 4·L·h·s / flops_per_token, the attention core's
+                forward; full: 1/3, one more forward)
     comm[ax]  = count · latency(span) + bytes · wire(collective, n) / bandwidth(span)
                 wire: all-reduce 2(n−1)/n (tp's AG+RS pairs too), all-gather / reduce-scatter /
                 all-to-all (n−1)/n, send/recv 1; span from the mesh order (pp, dp, cp, tp), tp
                 fastest: an axis whose group through rank 0 leaves a node uses inter_node_gbps.
-    step      = (compute + recompute + comm[tp, cp, ep, pp]) · (1 + bubble) + exposed(comm[dp])
+    step      = (compute · imbalance + recompute + comm[tp, cp, ep, pp]) · (1 + bubble)
+                + exposed(comm[dp])
     exposed(dp) = max(0, comm[dp] − overlap · window): gradient reduce-scatter runs under the
                 last microbatch's backward and the weight all-gather under the first forward
                 (window = one microbatch of compute); ZeRO-3's per-microbatch gathers are
                 prefetched under the whole step's compute.
 
 Nothing in the ranking is a rule of thumb: "tp inside a node" falls out of the span bandwidths,
-"pp only to fit" out of the bubble (pure idle time) against dp's overlapped gradient sync, and
+"pp only to fit" out of the bubble and the stage imbalance (idle time no overlap hides) against
+dp's overlapped gradient sync, and
 "the rest is dp" out of dp being the one axis whose traffic hides behind compute.
 """
 from __future__ import annotations
@@ -424,7 +430,8 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
             dense, expert = rk[1], rk[2]
             pa = int(wb * (_shard(dense, d_dense, zero, 3) + _shard(expert, d_exp, zero, 3)))
             gr = int(gbb * (_shard(dense, d_dense, zero, 2) + _shard(expert, d_exp, zero, 2)))
-            op = int(ob * (_shard(dense, d_dense, zero, 1) + _shard(expert, d_exp, zero, 1)))
+            # memory.rank_memory: ZeRO-1 keeps the expert optimizer states whole on each rank
+            op = int(ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1))))
             states.append((pa, gr, op, pa + gr + op))
         mbs = divisors(gb // dp)
         if avail is not None and min(s[3] for s in states) > avail:
