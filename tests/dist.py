@@ -84,3 +84,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             rank = min(errors)
             raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
         return [results[r] for r in range(world_size)]
+
+
+def cfg_and_plan(overrides: list[str]):
+    """A config from ``recipe=... key=value`` overrides and its plan dict; the plan must be valid."""
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
+
+    cfg = load_config(list(overrides))
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], plan["errors"]
+    return cfg, plan

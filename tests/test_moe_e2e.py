@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.dist import run_ranks
+from tests.dist import cfg_and_plan, run_ranks
 
 # Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective.
 MOE = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
@@ -19,13 +19,7 @@ MOE = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", 
 
 
 def _cfg_plan(overrides):
-    from paralayer.config import load_config
-    from paralayer.resolve.plan import resolve
-
-    cfg = load_config(MOE + list(overrides))
-    plan = resolve(cfg).to_dict()
-    assert not plan["errors"], plan["errors"]
-    return cfg, plan
+    return cfg_and_plan(MOE + list(overrides))
 
 
 def _train(rank, world, overrides):

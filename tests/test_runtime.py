@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_ranks
+from tests.dist import cfg_and_plan, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
@@ -19,13 +19,7 @@ TINY = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8",
 
 
 def _cfg_plan(overrides):
-    from paralayer.config import load_config
-    from paralayer.resolve.plan import resolve
-
-    cfg = load_config(TINY + list(overrides))
-    plan = resolve(cfg).to_dict()
-    assert not plan["errors"], plan["errors"]
-    return cfg, plan
+    return cfg_and_plan(TINY + list(overrides))
 
 
 def _train(rank, world, overrides):
@@ -121,6 +115,12 @@ def _launch(args, env=None, timeout=120):
                           text=True, timeout=timeout)
 
 
+def _launch_small(run_dir, *extra, env=None):
+    """The tiny recipe as plain data parallel on 2 ranks, W&B off: quick runs for the fault paths."""
+    return _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={run_dir}", "logging.wandb.mode=disabled", *extra],
+                   env=env, timeout=120)
+
+
 def test_tiny_recipe_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.time()
@@ -144,8 +144,7 @@ def test_tiny_recipe_trains_end_to_end(tmp_path):
 
 def test_failing_rank_ends_run_naming_it(tmp_path):
     t0 = time.time()
-    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
-                  env={"PARALAYER_FAULT": "raise:1:3"}, timeout=90)
+    res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "raise:1:3"})
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr[-2000:]
     assert "injected fault" in res.stderr
@@ -154,16 +153,14 @@ def test_failing_rank_ends_run_naming_it(tmp_path):
 
 def test_killed_rank_ends_run_naming_it(tmp_path):
     t0 = time.time()
-    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=10"],
-                  env={"PARALAYER_FAULT": "kill:1:3"}, timeout=90)
+    res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "kill:1:3"})
     assert res.returncode != 0
     assert "rank 1" in res.stderr, res.stderr[-2000:]
     assert time.time() - t0 < 60
 
 
 def test_nonfinite_loss_stops_with_clear_message(tmp_path):
-    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=6"],
-                  env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
+    res = _launch_small(tmp_path / "r", "train.steps=6", env={"PARALAYER_FAULT": "nan:0:3"})
     assert res.returncode != 0
     assert "step 3: loss is nan" in res.stderr, res.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -171,8 +168,8 @@ def test_nonfinite_loss_stops_with_clear_message(tmp_path):
 
 
 def test_nonfinite_loss_skipped_when_asked(tmp_path):
-    res = _launch(["recipe=tiny", "parallel.tp=1", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=5",
-                   "train.skip_nonfinite=true"], env={"PARALAYER_FAULT": "nan:0:3"}, timeout=90)
+    res = _launch_small(tmp_path / "r", "train.steps=5", "train.skip_nonfinite=true",
+                        env={"PARALAYER_FAULT": "nan:0:3"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step 3: non-finite loss" in res.stdout + res.stderr
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -181,8 +178,7 @@ def test_nonfinite_loss_skipped_when_asked(tmp_path):
 
 def test_timeline_flag_writes_png_and_bubble(tmp_path):
     run_dir = tmp_path / "tl"
-    res = _launch(["recipe=tiny", "parallel.tp=1", "parallel.pp=2", "parallel.dp=1", "train.steps=2", "logging.wandb.mode=disabled",
-                   f"run.dir={run_dir}", "--timeline"], timeout=120)
+    res = _launch_small(run_dir, "parallel.pp=2", "parallel.dp=1", "train.steps=2", "--timeline")
     assert res.returncode == 0, res.stderr[-2000:]
     png = (run_dir / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

@@ -259,7 +259,8 @@ def test_launch_returns_the_wait_status(monkeypatch, tmp_path):
 
     monkeypatch.setattr(slurm, "submit", fake_submit)
     for wait, want in ((True, 1), (False, 0)):
-        cfg = config_mod.load_config(["recipe=tiny", "parallel.tp=1", "cluster=local-slurm", f"run.dir={tmp_path / str(wait)}"])
+        cfg = config_mod.load_config(["recipe=tiny", "parallel.tp=1", "cluster=local-slurm",
+                                      f"run.dir={tmp_path / str(wait)}"])
         assert dispatch.launch(cfg, resolve(cfg), types.SimpleNamespace(wait=wait)) == want
         assert seen["wait"] is wait and seen["cluster"]["devices_per_node"] == 2  # tiny: dp=2 -> 2 tasks
     # a sweep's array takes the largest element's shape

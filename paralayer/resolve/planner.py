@@ -74,8 +74,10 @@ GPU_DP_OVERLAP = 1.0
 
 #: The ``local`` calibration (CPU ranks, gloo over loopback), fitted by benchmarks/calibrate.py on
 #: this machine — see docs/planner.md for the run and the fit. ``peak_tflops`` is the measured
-#: fp32 GEMM peak of one rank's thread (metrics.measure_cpu_peak_tflops); the links are gloo over
-#: loopback: a per-collective latency and a bandwidth, the same inside and "across" nodes.
+#: fp32 GEMM peak of one rank's thread (metrics.measure_cpu_peak_tflops); ranks get
+#: min(1, cores / ranks) of it (one thread each, sharing ``cores``: the effective cores, fitted;
+#: None = os.cpu_count()); the links are gloo over loopback: a per-collective latency and a
+#: bandwidth, the same inside and "across" nodes. ``cluster.peak_tflops`` overrides the peak.
 LOCAL_CALIBRATION = {
     "peak_tflops": 0.05,
     "efficiency": 0.45,
