@@ -45,7 +45,8 @@ from paralayer.config import load_config  # noqa: E402
 from paralayer.resolve import planner  # noqa: E402
 from paralayer.resolve.plan import resolve  # noqa: E402
 
-BASE = ["recipe=tiny", "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+BASE = ["recipe=tiny", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.ep=1",  # recipe layout off
+        "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_hidden=688", "model.vocab_size=256", "model.seq_len=256", "train.global_batch=16",
         "parallel.dp=auto", "logging.wandb.mode=disabled", "cluster.device=cpu", "checkpoint.every=0"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=344"]
