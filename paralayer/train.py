@@ -373,11 +373,13 @@ def _maybe_inject_fault(rank: int, step: int) -> bool:
         return False
     kind, r, s = spec.split(":")
     if int(r) == rank and int(s) == step:
+        when = f"at unix time {time.time():.3f}"
         if kind == "kill":
+            print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), 9)
         if kind == "nan":
             return True
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} {when}")
     return False
 
 

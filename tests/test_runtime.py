@@ -142,21 +142,25 @@ def test_tiny_recipe_trains_end_to_end(tmp_path):
     assert elapsed < 120, elapsed
 
 
+def _seconds_since_fault(stderr: str) -> float:
+    import re
+
+    return time.time() - float(re.search(r"at unix time (\d+\.\d+)", stderr).group(1))
+
+
 def test_failing_rank_ends_run_naming_it(tmp_path):
-    t0 = time.time()
     res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "raise:1:3"})
     assert res.returncode != 0
-    assert "rank 1" in res.stderr, res.stderr[-2000:]
+    assert "rank 1 failed" in res.stderr, res.stderr[-2000:]
     assert "injected fault" in res.stderr
-    assert time.time() - t0 < 60
+    assert _seconds_since_fault(res.stderr) < 30  # every rank gone, the launcher returned
 
 
 def test_killed_rank_ends_run_naming_it(tmp_path):
-    t0 = time.time()
     res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "kill:1:3"})
     assert res.returncode != 0
-    assert "rank 1" in res.stderr, res.stderr[-2000:]
-    assert time.time() - t0 < 60
+    assert "rank 1 failed" in res.stderr, res.stderr[-2000:]
+    assert _seconds_since_fault(res.stderr) < 30
 
 
 def test_nonfinite_loss_stops_with_clear_message(tmp_path):
