@@ -161,6 +161,18 @@ def _clean(name: str) -> str:
     return name
 
 
+def _expert_slots(key: str, val, owners: dict):
+    """For an expert-sliced entry: (dim, [(per-expert key, local index j), ...]); else None."""
+    hit = _match_owner(key, owners)
+    if hit is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    fqn, (mod, p_name) = hit
+    dim, offset, _full = mod.local_slices[p_name]
+    cut = key.index(fqn) + len(fqn)
+    pre, post = key[:cut], key[cut:]
+    return dim, [(f"{pre}.expert{offset + j}{post}", j) for j in range(val.shape[dim])]
+
+
 def _split_expert_keys(sd: dict, owners: dict) -> dict:
     """Replace the local slice ``fqn`` (a tensor or DTensor over expert-dp) by per-expert entries
     ``fqn.expert{j}`` (global expert ids): a layout-independent key set for any ep degree.
@@ -169,16 +181,13 @@ def _split_expert_keys(sd: dict, owners: dict) -> dict:
         return sd
     out = {}
     for key, val in sd.items():
-        hit = _match_owner(key, owners)
-        if hit is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        slots = _expert_slots(key, val, owners)
+        if slots is None:
             out[key] = val
             continue
-        fqn, (mod, p_name) = hit
-        dim, offset, _full = mod.local_slices[p_name]
-        pre, post = key[: key.index(fqn) + len(fqn)], key[key.index(fqn) + len(fqn):]
-        n = val.shape[dim]
-        for j in range(n):
-            out[f"{pre}.expert{offset + j}{post}"] = _select(val, dim, j)
+        dim, keys = slots
+        for ekey, j in keys:
+            out[ekey] = _select(val, dim, j)
     return out
 
 
@@ -208,15 +217,12 @@ def _merge_expert_keys(loaded: dict, template: dict, owners: dict) -> dict:
         return loaded
     out = {}
     for key, tmpl in template.items():
-        hit = _match_owner(key, owners)
-        if hit is None or not isinstance(tmpl, torch.Tensor) or tmpl.dim() == 0:
+        slots = _expert_slots(key, tmpl, owners)
+        if slots is None:
             out[key] = loaded[key]
             continue
-        fqn, (mod, p_name) = hit
-        dim, offset, _full = mod.local_slices[p_name]
-        pre, post = key[: key.index(fqn) + len(fqn)], key[key.index(fqn) + len(fqn):]
-        n = tmpl.shape[dim]
-        rows = [loaded[f"{pre}.expert{offset + j}{post}"] for j in range(n)]
+        dim, keys = slots
+        rows = [loaded[ekey] for ekey, _j in keys]
         full = torch.stack([r.full_tensor() if isinstance(r, DTensor) else r for r in rows], dim=dim)
         if isinstance(tmpl, DTensor):
             full = distribute_tensor(full.to(tmpl.dtype), tmpl.device_mesh, tmpl.placements, src_data_rank=None)
@@ -232,18 +238,16 @@ def _expert_templates(sd: dict, owners: dict) -> dict:
         return sd
     out = {}
     for key, val in sd.items():
-        hit = _match_owner(key, owners)
-        if hit is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        slots = _expert_slots(key, val, owners)
+        if slots is None:
             out[key] = val
             continue
-        fqn, (mod, p_name) = hit
-        dim, offset, _full = mod.local_slices[p_name]
-        pre, post = key[: key.index(fqn) + len(fqn)], key[key.index(fqn) + len(fqn):]
+        dim, keys = slots
         shape = list(val.shape)  # DTensor: global shape over expert-dp = E_local rows
         del shape[dim]
         local = val.to_local() if isinstance(val, DTensor) else val
-        for j in range(val.shape[dim]):
-            out[f"{pre}.expert{offset + j}{post}"] = torch.empty(shape, dtype=local.dtype, device=local.device)
+        for ekey, _j in keys:
+            out[ekey] = torch.empty(shape, dtype=local.dtype, device=local.device)
     return out
 
 
