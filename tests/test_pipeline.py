@@ -231,7 +231,8 @@ def _predicted_activations(schedule: str, p: int, m: int) -> list[int]:
     from paralayer.config import load_config
     from paralayer.resolve import memory, rules
 
-    cfg = load_config(["parallel.tp=1", f"model.d_model={D}", "model.n_layers=4", f"model.n_heads={HEADS}", f"model.n_kv_heads={KV}",
+    cfg = load_config(["parallel.tp=1", f"model.d_model={D}",
+                       "model.n_layers=4", f"model.n_heads={HEADS}", f"model.n_kv_heads={KV}",
                        f"model.ffn_hidden={FFN}", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
                        f"parallel.pp={p}", "parallel.dp=1", f"parallel.schedule={schedule}",
                        f"train.micro_batch={MB}", f"train.global_batch={MB * m}", "train.precision=fp32",
@@ -251,7 +252,8 @@ def test_activation_memory_matches_plan_pp4():
 
 # ------------------------------------------------------------------ end to end through train()
 E2E_SEQ = 16
-E2E_BASE = ["parallel.tp=1", "model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
+E2E_BASE = ["parallel.tp=1",
+            "model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
             "model.vocab_size=64", f"model.seq_len={E2E_SEQ}", "train.global_batch=16", "train.micro_batch=2",
             "train.steps=5", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
             "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
