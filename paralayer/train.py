@@ -22,8 +22,9 @@ from torch import nn
 from paralayer import config as config_mod
 from paralayer.config import Config
 from paralayer.mesh import Meshes, build_mesh
-from paralayer.model import Transformer, init_weights
+from paralayer.model import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
+from paralayer.parallel.tensor import loss_parallel_ctx
 
 PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
 
@@ -176,25 +177,12 @@ def make_loss_fn(cfg: Config, plan: dict, n_valid_global_per_seq: int):
 
             mean = tp_loss(logits, labels, vocab)
         else:
-            lg = logits.float()
-            if lg.shape[-1] > vocab:
-                lg = lg[..., :vocab]
-            mean = torch.nn.functional.cross_entropy(lg.flatten(0, -2), labels.flatten(), ignore_index=-100)
+            mean = lm_loss(logits, labels, vocab)  # cross_entropy ignores the -100 labels
         if cp == 1:
             return mean
         return mean * (n_local.to(mean.dtype) * cp / n_global)
 
     return loss_fn
-
-
-def _loss_parallel(enabled: bool):
-    import contextlib
-
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
 
 
 # ------------------------------------------------------------------ the loop
@@ -305,7 +293,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         else:
             loss_sum = torch.zeros((), device=device)
             for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
-                with _loss_parallel(tp > 1):
+                with loss_parallel_ctx(tp > 1):
                     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                         logits = built.chunks[0](mb_tokens)
                     loss = loss_fn(logits, mb_labels)
@@ -324,7 +312,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         if poison:
             loss_sum = loss_sum * float("nan")
         # The loss: every rank that computed one holds its dp·cp shard's mean; average over them.
-        loss_t = _global_loss(loss_sum, meshes, pp)
+        loss_t = _global_loss(loss_sum, meshes)
         grad_norm = dpar.clip_grad_norm(
             built.params, cfg.train.grad_clip, meshes["pp"].get_group() if pp > 1 else None,
             built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None)
@@ -390,14 +378,9 @@ def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> No
     ckpt.save_checkpoint(ckpt_dir, step, built.chunks, [opt], extra, keep=cfg.checkpoint.keep)
 
 
-def _global_loss(loss_sum: torch.Tensor, meshes: Meshes, pp: int) -> torch.Tensor:
+def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
+    # Under pp the runner has already broadcast the last stage's loss to every pp rank.
     t = loss_sum.detach().float().reshape(1).clone()
-    if pp > 1:
-        # Only the last stage computed a loss; it is already averaged over microbatches.
-        is_last = meshes.local_rank("pp") == pp - 1
-        if not is_last:
-            t.zero_()
-        dist.all_reduce(t, group=meshes["pp"].get_group())
     dp_cp = meshes["dp_cp"]
     if dp_cp.size() > 1:
         dist.all_reduce(t, group=dp_cp.get_group())

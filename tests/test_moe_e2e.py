@@ -80,7 +80,8 @@ def _saved_bytes(rank, world, overrides):
     from torch.distributed.tensor import DTensor
 
     from paralayer.mesh import build_mesh
-    from paralayer.train import _loss_parallel, build_model, make_loss_fn
+    from paralayer.parallel.tensor import loss_parallel_ctx
+    from paralayer.train import build_model, make_loss_fn
 
     cfg, plan = _cfg_plan(overrides)
     built = build_model(cfg, plan, build_mesh(plan, "cpu"), torch.device("cpu"))
@@ -105,7 +106,7 @@ def _saved_bytes(rank, world, overrides):
     labels = torch.roll(tokens, -1, 1)
     loss_fn = make_loss_fn(cfg, plan, cfg.model.seq_len - 1)
     tp = int(plan["degrees"]["tp"])
-    with _loss_parallel(tp > 1):
+    with loss_parallel_ctx(tp > 1):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(model(tokens), labels)
         loss.backward()
