@@ -181,8 +181,9 @@ def in_flight(lay: Layout, r: int) -> float:
     """Microbatches whose activations rank r holds at peak (times its own layers).
 
     GPipe: all m. 1F1B: p − r. Interleaved (Megatron): (p − r)·(1 + (p−1)/(p·v)).
-    ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1
-    (DualPipe README: activation PP+1). Never more than m."""
+    ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
+    — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
+    chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
     p, mm = lay.pp, lay.microbatches
     if p == 1:
         return 1.0
@@ -196,7 +197,7 @@ def in_flight(lay: Layout, r: int) -> float:
     if s == "zbv":
         return float(min(mm, p))
     if s == "dualpipev":
-        return float(min(mm, p + 1))
+        return float(min(mm, p + 0.5))
     return float(min(mm, p))
 
 
