@@ -234,10 +234,10 @@ def test_activation_memory_gpipe_grows_1f1b_flat():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
 def test_no_activations_outlive_a_step(schedule):
-    """torch 2.13 keeps the first stage's metadata-inference graph (one microbatch, for the whole
-    run) and, on its split input/weight backward, part of every microbatch's graph (growing each
-    step); the runner avoids both. Every saved tensor is freed by the end of each step, and the
-    peak is the same every step, the first included."""
+    """Every saved tensor is freed by the end of each step, and the peak is the same every step,
+    the first (with torch's metadata inference) included — also for the split input/weight
+    backward of the V schedules. (This caught ActivationMemory holding saved OUTPUTS with their
+    grad_fn: a cycle through autograd's C++ nodes that kept the bytes counted forever.)"""
     p, m = 2, 4
     for rank, (_, live, peaks) in enumerate(run_ranks(_mem_worker, p, schedule, m, 3)):
         assert live == 0, (schedule, rank, live)

@@ -206,28 +206,15 @@ def _aux_hook(coef: float):
     return hook
 
 
-def _no_weight_pass() -> None:
-    """The weight-grad action of a stage whose input-grad action ran the whole backward."""
+def _unview(t):
+    """A copy of ``t`` if it is a view. The zero-bubble schedules split backward into input and
+    weight passes and ``detach_()`` the stage output in between, which autograd refuses on a view
+    (a chunk ending in the MoE aux hook, the vocab-parallel loss, DTensor's ``to_local``)."""
+    return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
 
 
-def _no_saved_activations_in_shape_inference(stage) -> None:
-    """The first step's metadata inference runs the first stage's forward on a real microbatch
-    with grad enabled; as the tokens need no gradient, that graph is never backpropagated, and
-    torch (2.13) keeps it alive for the rest of the run: one microbatch of activations held on
-    pp rank 0 (measured: 18 MiB of 56 in the calibration's pp2-1f1b). Run that forward without
-    keeping any saved tensor; only shapes and dtypes come out of it."""
-    infer = getattr(stage, "_forward_metadata_inference", None)
-    if infer is None:
-        return
-
-    def unpack(_):
-        raise RuntimeError("backward through the pipeline's metadata-inference forward")
-
-    def without_saved(*args, **kwargs):
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: None, unpack):
-            return infer(*args, **kwargs)
-
-    stage._forward_metadata_inference = without_saved
+def _unview_hook(module, inputs, output):
+    return _unview(output)
 
 
 # ------------------------------------------------------------------ the runner
@@ -283,28 +270,19 @@ class PipelineRunner:
         for mod in self.chunks:
             if aux_loss_coef:
                 mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
+            mod.register_forward_hook(_unview_hook)
 
         self.events: list[dict] = []
         self._t0 = 0.0
         self.stages = []
         for c, mod in zip(ids, self.chunks):
-            # torch 2.13's zero-bubble orders (ZB-V, DualPipeV) put every weight-grad action right
-            # after its input-grad action; its split path (retain_graph, then a second pass) keeps
-            # the non-weight part of each microbatch's graph alive (measured: +61 MiB per step on
-            # pp rank 0 of the calibration's pp2-zbv, without bound) and cannot detach a view output.
-            # A dw_builder makes the input-grad action the whole backward and the weight action a
-            # no-op: same order, same gradients, activations freed at the backward.
-            split_w = self.schedule_name in ("zbv", "dualpipev")
-            st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group,
-                               dw_builder=(lambda: _no_weight_pass) if split_w else None)
-            if c == 0:
-                _no_saved_activations_in_shape_inference(st)
+            st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group)
             self._instrument(st, c)
             self.stages.append(st)
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
 
         def timed_loss(logits, labels):
-            loss = loss_fn(logits, labels)
+            loss = _unview(loss_fn(logits, labels))
             if self.measure and self.events:
                 self.events[-1]["end"] = time.perf_counter() - self._t0  # the loss belongs to F
             return loss
@@ -462,7 +440,10 @@ class ActivationMemory:
             self.live += st.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.live)
         self._refs[ptr] = n + 1
-        return _Saved(t, ptr, st.nbytes(), self)
+        # hold a detached alias: holding ``t`` itself would tie a saved OUTPUT to its own grad_fn
+        # (node → packed object → tensor → node), a cycle through C++ that Python's gc cannot see,
+        # and the bytes would never be released when the graph goes
+        return _Saved(t.detach(), ptr, st.nbytes(), self)
 
     @staticmethod
     def _unpack(x):
