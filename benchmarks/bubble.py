@@ -11,6 +11,7 @@ one measured step.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -98,9 +99,52 @@ def _worker(rank, world, schedule, m, steps, warmup, mb=MB):
     busy_b = [e["end"] - e["start"] for e in runner.last_timeline if e["action"] == "B"]
     sims = [pl.bubble_from_timelines(simulate(t)) for t in timelines]
     busy = [sum(e["end"] - e["start"] for e in row) for row in timelines[k]]
+    jit = statistics.median(period_jitter(t, world) for t in timelines)
     return {"bubbles": bubbles, "times": times, "timeline": timelines[k], "bubble_of_timeline": bubbles[k],
+            "period_cv": jit,
             "simulated": statistics.median(sims), "imbalance": max(busy) / (sum(busy) / len(busy)) - 1,
             "f_ms": 1e3 * statistics.median(busy_f), "b_ms": 1e3 * statistics.median(busy_b)}
+
+
+def period_jitter(events_by_stage, p: int) -> float:
+    """Coefficient of variation of the steady-state period (one microbatch's F + B on a stage),
+    pooled over stages: the first and last p microbatches (fill, drain) left out."""
+    cvs = []
+    for row in events_by_stage:
+        per_mb: dict = {}
+        for e in row:
+            per_mb[e["mb"]] = per_mb.get(e["mb"], 0.0) + (e["end"] - e["start"])
+        mbs = sorted(per_mb)[p:-p] if len(per_mb) > 2 * p + 1 else sorted(per_mb)
+        v = [per_mb[i] for i in mbs]
+        if len(v) > 1:
+            cvs.append(statistics.pstdev(v) / statistics.mean(v))
+    return statistics.mean(cvs) if cvs else 0.0
+
+
+def lockstep_excess(cv: float) -> float:
+    """Extra idle per unit of work that jitter alone adds to a 2-stage 1F1B steady state: each
+    period both stages must finish before either goes on, so the faster one waits |T0 − T1|; with
+    independent periods of relative spread cv that is E|T0 − T1| = 2·cv/√π of a period, for one of
+    the two stages — cv/√π averaged over the stages."""
+    return cv / math.sqrt(math.pi)
+
+
+def solo_jitter(n: int = 30, mb: int = MB) -> float:
+    """The machine's own jitter: one process, nothing else running, the same half-model's forward
+    + backward repeated; the coefficient of variation of its duration."""
+    cfg = ModelConfig(**dict(CFG, n_layers=CFG["n_layers"] // 2))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, 0)
+    x = torch.randint(0, cfg.vocab_size, (mb, cfg.seq_len))
+    ts = []
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        model(x).float().sum().backward()
+        if i >= 3:
+            ts.append(time.perf_counter() - t0)
+    return statistics.pstdev(ts) / statistics.mean(ts)
 
 
 def main() -> int:
@@ -124,19 +168,28 @@ def main() -> int:
     print(f"pp={p}, model d={CFG['d_model']} L={CFG['n_layers']} s={CFG['seq_len']}, microbatch {args.mb} sequences, "
           f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank; median of {args.steps} steps after "
           f"{args.warmup} warm-up\n", flush=True)
+    cv_solo = solo_jitter()
+    print(f"machine jitter: one process alone, the same forward + backward 30 times: "
+          f"coefficient of variation {cv_solo:.3f}\n", flush=True)
     print("| schedule | m | predicted (p−1)/m | measured (median) | measured / predicted | min–max | "
-          "replayed, no comm. | stage imbalance | F / B per microbatch (ms) | step (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "replayed, no comm. | stage imbalance | period cv | formula + jitter | measured / (formula + jitter) | "
+          "F / B per microbatch (ms) | step (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for schedule in args.schedules.split(","):
         for m in (int(x) for x in args.ms.split(",")):
             out = run_ranks(_worker, p, schedule, m, args.steps, args.warmup, args.mb, timeout_s=900)
             r0 = out[0]
             b = statistics.median(r0["bubbles"])
             pred = predicted(schedule, p, m)
+            if schedule == "1f1b" and p == 2:  # the lock-step model is 2-stage 1F1B's
+                pj = pred + lockstep_excess(r0["period_cv"])
+                jit_cols = f"{pj:.3f} | {b / pj:.2f}"
+            else:
+                jit_cols = "- | -"
             rows.append((schedule, m, pred, b))
             print(f"| {schedule} | {m} | {pred:.3f} | {b:.3f} | {b / pred:.2f} | "
                   f"{min(r0['bubbles']):.3f}–{max(r0['bubbles']):.3f} | {r0['simulated']:.3f} | "
-                  f"{100 * r0['imbalance']:.0f}% | "
+                  f"{100 * r0['imbalance']:.0f}% | {r0['period_cv']:.3f} | {jit_cols} | "
                   f"{out[-1]['f_ms']:.1f} / {out[-1]['b_ms']:.1f} | {1e3 * statistics.median(r0['times']):.0f} |",
                   flush=True)
             if schedule == args.png_schedule and m == args.png_m:

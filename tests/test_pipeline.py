@@ -432,3 +432,42 @@ def test_train_parity_v_schedules_compose(tmp_path_factory, schedule, layout):
     for recs in out:
         for a, b in zip([r["loss"] for r in recs], ref):
             assert abs(a - b) <= 1e-5 * abs(b), ([r["loss"] for r in recs], ref)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedule_bubble_formula_matches_torch_order(schedule):
+    """The resolver's bubble for the V schedules is the replay of the order torch generates (every
+    action one unit long, no communication time), for p = 2..8 and m from the least it accepts."""
+    import importlib.util
+
+    from torch.distributed.pipelining import schedules as S
+
+    from paralayer.resolve.cost import bubble_fraction
+
+    spec = importlib.util.spec_from_file_location(
+        "bubble_bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bubble.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "FULL_BACKWARD": "B", "BACKWARD_WEIGHT": "W"}
+    for p in (2, 3, 4, 8):
+        for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):
+            rows = []
+            for rank in range(p):
+                sch = cls.__new__(cls)  # only the order generator: no stages, no process group
+                sch.pp_group_size, sch._n_microbatches, sch.n_local_stages = p, m, 2
+                sch._num_stages = sch.num_stages = 2 * p
+                sch.rank = rank
+                sch.stage_index_to_group_rank = {i: (i if i < p else 2 * p - 1 - i) for i in range(2 * p)}
+                evs = []
+                for a in sch._calculate_single_rank_operations(rank):
+                    for x in (getattr(a, "sub_actions", None) or [a]) if a is not None else []:
+                        k = kinds.get(str(x.computation_type).split(".")[-1])
+                        if k:
+                            n = len(evs)
+                            evs.append({"action": k, "mb": x.microbatch_index, "chunk": x.stage_index,
+                                        "start": float(n), "end": n + (2.0 if k == "B" and "FULL" in
+                                                                       str(x.computation_type) else 1.0)})
+                rows.append(evs)
+            got = pl.bubble_from_timelines(bench.simulate(rows))
+            assert got == pytest.approx(bubble_fraction(schedule, p, m), abs=1e-9), (p, m, got)

@@ -35,9 +35,9 @@ def test_bubble_worked_figures(layers, pp, vpp, gb, expected):
 def test_bubble_formulas_per_schedule():
     assert bubble_fraction("gpipe", 4, 4) == 0.75
     assert bubble_fraction("1f1b", 1, 8) == 0.0
-    assert bubble_fraction("zbv", 4, 8) == 0.0           # m >= 2p: zero bubble (ZB-V, T_F=T_B=T_W)
-    assert bubble_fraction("zbv", 4, 4) == 3 / 8          # m < 2p: interleaved v=2 estimate
-    assert bubble_fraction("dualpipev", 4, 8) == 3 / 24   # (p-1)/(3m)
+    assert bubble_fraction("zbv", 4, 8) == 3 / 48         # torch's ZB-V order: (p-1)/(6m) for m >= 3p/2
+    assert bubble_fraction("zbv", 4, 4) == 6 / 24         # m < 3p/2: 3p-2m-1 more idle passes
+    assert bubble_fraction("dualpipev", 4, 8) == 3 / 48   # torch's DualPipeV order, as ZB-V's
 
 
 def test_tp_all_reduce_message_seed_figure():
@@ -118,9 +118,15 @@ def test_memory_llama3_70b_by_hand():
 
 
 def test_memory_follows_zero_recompute_and_schedule():
-    m = {z: plan("recipe=llama3-70b", f"parallel.zero={z}").memory_per_device_bytes for z in range(4)}
+    m = {z: plan("recipe=llama3-70b", "parallel.pp=1", f"parallel.zero={z}").memory_per_device_bytes
+         for z in range(4)}
     assert m[0]["optimizer"] > m[1]["optimizer"] == m[2]["optimizer"] == m[3]["optimizer"]
     assert m[1]["grads"] > m[2]["grads"] and m[2]["params"] > m[3]["params"]
+    # under pp, torch's stage runs FSDP without grad sync or resharding until the step's end:
+    # ZeRO 2/3 hold whole weights and grads at the peak, only the optimizer stays sharded
+    q = {z: plan("recipe=llama3-70b", f"parallel.zero={z}").memory_per_device_bytes for z in (1, 2, 3)}
+    assert q[1]["params"] == q[2]["params"] == q[3]["params"] and q[1]["grads"] == q[2]["grads"] == q[3]["grads"]
+    assert q[1]["optimizer"] == q[3]["optimizer"]
     r = {x: plan("recipe=llama3-70b", f"parallel.recompute={x}").memory_per_device_bytes["activations"]
          for x in ("none", "selective", "full")}
     assert r["none"] > r["selective"] > r["full"]

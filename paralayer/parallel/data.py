@@ -114,11 +114,27 @@ class ZeroOneOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Step the owned share, then one broadcast per owner of its updated parameters, flat
+        per dtype (a collective per parameter would pay the link latency hundreds of times)."""
         self.inner.step()
-        for i, p in enumerate(self.params):
-            if id(p) in self.local_ids:
-                continue
-            dist.broadcast(_local(p.data), src=self.group_ranks[self.owner[i]], group=self.group)
+        world = len(self.group_ranks)
+        for owner in range(world):
+            by_dtype: dict = {}
+            for i, p in enumerate(self.params):
+                if self.owner[i] == owner and id(p) not in self.local_ids:
+                    by_dtype.setdefault(_local(p.data).dtype, []).append(_local(p.data))
+            for tensors in by_dtype.values():
+                if owner == self.rank:
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                                       device=tensors[0].device)
+                dist.broadcast(flat, src=self.group_ranks[owner], group=self.group)
+                if owner != self.rank:
+                    offset = 0
+                    for t in tensors:
+                        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                        offset += t.numel()
 
     def state_dict(self):
         return self.inner.state_dict()

@@ -27,22 +27,20 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
 
     gpipe, 1f1b: (p−1)/m (Huang et al. 2019; Narayanan et al. 2021).
     interleaved: (p−1)/(v·m) (Narayanan et al. 2021, Megatron virtual pipeline).
-    zbv: 0 when m ≥ 2p, taking T_F = T_B = T_W (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
-        ZB-V; sail-sg/zero-bubble-pipeline-parallelism table). With m < 2p the V cannot fill; we
-        then charge the interleaved figure with v = 2, (p−1)/(2m), as an estimate.
-    dualpipev: DualPipe's bubble (PP/2 − 1)(F&B + B − 3W) (deepseek-ai/DualPipe README, DeepSeek-V3
-        report) for the V variant on p ranks (2p chunks, so PP/2 − 1 → p − 1), in chunk units with
-        F = 1, B = 2, W = 1 and no F&B overlap (F&B = F + B = 3): 2(p−1) idle vs 6m of work per rank
-        → (p−1)/(3m).
+    zbv, dualpipev: the orders torch.distributed.pipelining runs (ScheduleZBVZeroBubble,
+        ScheduleDualPipeV: 2 chunks per rank, backward split into input and weight passes), replayed
+        with T_F = T_I = T_W per chunk: (p − 1 + max(0, 3p − 2m − 1)) / (6m) idle per unit of work —
+        (p−1)/(6m) once m ≥ 3p/2 (DualPipeV needs m ≥ 2p). Qi et al.'s ZB-V reaches 0 by moving
+        W passes into the bubble; torch's order runs each W right after its I, so (p−1) single
+        passes stay idle per step. The replay is benchmarks/bubble.py's ``simulate``
+        (tests/test_resolver.py checks the figures against torch's own order generator).
     """
     if p <= 1 or m <= 0:
         return 0.0
     if schedule == "interleaved":
         return (p - 1) / (v * m)
-    if schedule == "zbv":
-        return 0.0 if m >= 2 * p else (p - 1) / (2 * m)
-    if schedule == "dualpipev":
-        return (p - 1) / (3 * m)
+    if schedule in ("zbv", "dualpipev"):
+        return (p - 1 + max(0, 3 * p - 2 * m - 1)) / (6 * m)
     return (p - 1) / m
 
 
@@ -71,9 +69,10 @@ def comm(cfg: Config, lay: Layout) -> dict:
         K/V block; ``bytes_per_step`` counts the dK/dV sends at 4 bytes per element (counted
         against ``_Ring.exchange`` in tests/test_context_e2e.py).
     ep: all-to-all of routed token rows (tokens·top_k·h), dispatch + combine, forward and backward.
-    dp: gradient sync over dp·cp: ZeRO 0 all-reduce of fp32 grads once per step; ZeRO 1/2
-        reduce-scatter of grads + all-gather of weights; ZeRO 3 adds a weight all-gather per
-        microbatch in forward and in backward.
+    dp: gradient sync over dp·cp, as our runtime does it: ZeRO 0 one all-reduce of the grads per
+        step; ZeRO 1 that all-reduce plus one broadcast of the updated weights per owner; ZeRO 2/3
+        (FSDP2) per microbatch and per unit (layer, chunk root) a weight all-gather (twice under
+        ZeRO 3) and a grad reduce-scatter. ``wire_bytes_per_step``: what each device moves (ring).
     """
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
@@ -123,16 +122,29 @@ def comm(cfg: Config, lay: Layout) -> dict:
     if d > 1:
         # expert grads are reduced over dp·cp/ep ranks only; count them with the rest (upper bound)
         n = dense + expert
+        ring = (d - 1) / d
         if lay.zero == 0:
-            out["dp"] = _entry("all-reduce", n * gb, 1, d)
-        elif lay.zero in (1, 2):
-            e = _entry("reduce-scatter+all-gather", n * gb, 1, d)
+            e = _entry("all-reduce", n * gb, 1, d)
+            e["wire_bytes_per_step"] = int(2 * ring * n * gb)
+        elif lay.zero == 1:
+            # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
+            # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
+            e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
             e["bytes_per_step"] = int(n * (gb + wb))
-            out["dp"] = e
+            e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n * wb)
         else:
-            e = _entry("all-gather+reduce-scatter", n * wb, 2 * mm + 1, d)
-            e["bytes_per_step"] = int(n * (2 * mm * wb + gb))
-            out["dp"] = e
+            # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
+            # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
+            # backward) and reduce-scatters its grads (torchtitan's default). Under pp, torch's
+            # stage defers the reduce-scatter to the step's end and keeps weights gathered after
+            # backward: ZeRO-2 gathers once per step, ZeRO-3 still twice per microbatch.
+            units = n_layers + lay.chunks // lay.pp
+            gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
+            reduces = mm if lay.pp == 1 else 1
+            e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
+            e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
+            e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
+        out["dp"] = e
     else:
         out["dp"] = _entry("none", 0, 0, 1)
     return out

@@ -226,6 +226,11 @@ class Memory:
                 "activations_saved": self.activations_saved}
 
 
+def _shard(n: float, d: int, zero: int, stage: int) -> float:
+    """ZeRO's rule: sharded over d from ``stage`` on."""
+    return n / d if zero >= stage else n
+
+
 def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, activations) bytes on pipeline rank r.
 
@@ -241,8 +246,11 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     def shard(n: float, d: int, stage: int) -> float:
         return n / d if z >= stage else n
 
-    params = wb * (shard(dense, d_dense, 3) + shard(expert, d_exp, 3))
-    grads = gb * (shard(dense, d_dense, 2) + shard(expert, d_exp, 2))
+    # Under pp, torch's pipeline stage runs FSDP without gradient sync and without resharding after
+    # backward until the step's last action: the peak holds whole weights and whole grads
+    pz = z if lay.pp == 1 else min(z, 1)
+    params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
+    grads = gb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2))
     # ZeRO-1 keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the
     # experts are dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp.
     opt = ob * (shard(dense, d_dense, 1) + (expert if z == 1 else shard(expert, d_exp, 1)))

@@ -79,12 +79,18 @@ GPU_DP_OVERLAP = 1.0
 #: None = os.cpu_count()); the links are gloo over loopback: a per-collective latency and a
 #: bandwidth, the same inside and "across" nodes. ``cluster.peak_tflops`` overrides the peak.
 LOCAL_CALIBRATION = {
-    "peak_tflops": 0.1040,  # one-thread fp32 GEMM, measured at the start of the run
-    "efficiency": 0.749,
+    "peak_tflops": 0.1442,  # one-thread fp32 GEMM, measured at the start of the run
+    "efficiency": 0.604,
     "cores": 2.0,  # effective cores the ranks got (the machine's cores are shared with other jobs)
-    "latency_s": 4.89e-03,  # per collective (gloo over loopback, Python dispatch included)
-    "bandwidth_gbps": 0.114,
+    "latency_s": 0.0,  # per collective: fitted to 0 once dispatch is counted (the fit put it there)
+    "bandwidth_gbps": 0.141,  # gloo over loopback
     "dp_overlap": 0.0,  # our CPU runtime reduces gradients after the backward, not under it
+    # eager dispatch per layer per microbatch (forward + backward) on one rank, on top of the
+    # FLOPs: every layer; more under tp (DTensor redistributes); more per MoE layer (routing,
+    # sort, the loop over experts). Fitted like the rest; GPUs: 0 (kernels launch ahead).
+    "overhead_layer_s": 2.99e-3,
+    "overhead_tp_s": 28.89e-3,
+    "overhead_moe_s": 9.39e-3,
 }
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
@@ -110,6 +116,14 @@ class Machine:
     capacity: Optional[int]
     reserve: int
     kind: str  # "gpu" | "local"
+    #: seconds per layer per microbatch: {"layer", "tp", "moe"} (see LOCAL_CALIBRATION)
+    overhead_s: dict = dataclasses.field(default_factory=dict)
+
+    def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
+        """Dispatch seconds per microbatch of a rank holding these layers."""
+        o = self.overhead_s
+        per = o.get("layer", 0.0) + (o.get("tp", 0.0) if tp > 1 else 0.0)
+        return (n_dense + n_moe) * per + n_moe * o.get("moe", 0.0)
 
     def bandwidth(self, span: str) -> float:
         return 1e9 * (self.intra_gbps if span == "intra-node" else self.inter_gbps)
@@ -138,9 +152,11 @@ def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
         cores = cal.get("cores") or os.cpu_count() or 1
         share = min(1.0, cores / max(dpn, 1))
         peak = float(c.peak_tflops or cal["peak_tflops"] * share)
+        # dispatch is CPU work too: ranks sharing a core share its time
+        ovh = {k: cal.get(f"overhead_{k}_s", 0.0) / share for k in ("layer", "tp", "moe")}
         return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
                        bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
-                       cap, reserve, "local")
+                       cap, reserve, "local", ovh)
     cal = calibration or {}
     return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), cal.get("efficiency", GPU_EFFICIENCY),
                    float(c.intra_node_gbps), float(c.inter_node_gbps), dict(cal.get("latency_s", GPU_LATENCY_S)),
@@ -282,12 +298,12 @@ def _in_flight(pp: int, m: int, schedule: str, vpp: int, r: int) -> float:
         return min(m, pp - r) * (1 + (pp - 1) / (pp * vpp))
     if schedule == "zbv":
         return float(min(m, pp))
-    return float(min(m, pp + 1))
+    return float(min(m, pp + 0.5))
 
 
 # record tuple fields (materialised into dicts after sorting)
 _F = ("step", "key", "zero", "mb", "mm", "recompute", "mem", "t_ax", "dp_exposed", "bubble", "recomp_s",
-      "bubble_s", "imbalance_s")
+      "bubble_s", "imbalance_s", "overhead_s")
 
 
 def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optional[dict] = None) -> list[dict]:
@@ -426,13 +442,15 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
     work = compute * imbalance
     imb_s = compute * (imbalance - 1)
     dp_overlap = mach.dp_overlap
+    ovh_per_m = max(mach.layer_overhead(rk[3], rk[4], tp) for rk in ranks)
 
     for zero in range(4):
         states = []
         for rk in ranks:
             dense, expert = rk[1], rk[2]
-            pa = int(wb * (_shard(dense, d_dense, zero, 3) + _shard(expert, d_exp, zero, 3)))
-            gr = int(gbb * (_shard(dense, d_dense, zero, 2) + _shard(expert, d_exp, zero, 2)))
+            pz = zero if pp == 1 else min(zero, 1)  # memory.rank_memory: FSDP under pp keeps whole weights/grads
+            pa = int(wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3)))
+            gr = int(gbb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2)))
             # memory.rank_memory: ZeRO-1 keeps the expert optimizer states whole on each rank
             op = int(ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1))))
             states.append((pa, gr, op, pa + gr + op))
@@ -479,13 +497,14 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                     continue
                 fixed, per_m = lin[recompute]
                 recomp = work * rc_frac[recompute]
-                inner = work + recomp + fixed + per_m * mm
-                window = (work + recomp) if zero == 3 else (work + recomp) / mm
+                ovh = ovh_per_m * mm
+                inner = work + recomp + fixed + per_m * mm + ovh
+                window = (work + recomp) if zero >= 2 else (work + recomp) / mm
                 dp_exposed = t_dp - dp_overlap * window
                 if dp_exposed < 0.0:
                     dp_exposed = 0.0
                 recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
-                             (fixed, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s))
+                             (fixed, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh))
 
 
 def _shard(n: float, d: int, zero: int, stage: int) -> float:
@@ -512,15 +531,15 @@ def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float
         return 0.0
     n = entry["group_size"]
     count = entry["count_per_step"]
-    if entry["collective"] == "reduce-scatter+all-gather":
-        count = 2  # one of each
+    if "wire_bytes_per_step" in entry:
+        return count * mach.latency(span) + entry["wire_bytes_per_step"] / mach.bandwidth(span)
     wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)
     return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)
 
 
 def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
                  cfg: Optional[Config] = None) -> dict:
-    step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s = t
+    step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s, ovh = t
     lay, split, imbalance, spans, degrees, pp_layout, per_ax, prefix = structs[key]
     tot, r, pa, gr, op, a = best
     ax = per_ax[recompute]
@@ -546,6 +565,7 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
         "imbalance": imbalance,
         "imbalance_s": imb_s,
         "recompute_s": recomp,
+        "overhead_s": ovh,
         "bubble_s": bubble_s,
         "comm_s": fixed + per_m * mm,  # tp + pp + cp + ep, on the critical path
         "dp_comm_s": t_dp,
@@ -637,14 +657,20 @@ def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
     work_s = compute * imbalance
     recomp = work_s * rc
-    inner = work_s + recomp + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
     mm = plan.microbatches
-    window = (work_s + recomp) if plan.zero == 3 else (work_s + recomp) / mm
+    ovh = 0.0
+    for r in range(g["pp"]):
+        layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
+                  for i in plan.stage_layers[c]]
+        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        ovh = max(ovh, mach.layer_overhead(len(layers) - n_moe, n_moe, g["tp"]) * mm)
+    inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
+    window = (work_s + recomp) if plan.zero >= 2 else (work_s + recomp) / mm
     dp_exposed = max(0.0, t_ax["dp"] - mach.dp_overlap * window)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed
     return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
-            "compute_s": compute, "imbalance": imbalance, "recompute_s": recomp,
+            "compute_s": compute, "imbalance": imbalance, "recompute_s": recomp, "overhead_s": ovh,
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
             "dp_exposed_s": dp_exposed, "memory": dict(plan.memory_per_device_bytes),
             "tokens_per_s": plan.tokens_per_step / step,
