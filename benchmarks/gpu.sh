@@ -28,3 +28,6 @@ print(f"| {dev} | llama-1b bf16, micro_batch 2, seq 2048 | {len(recs)} | {med('t
 PY
 python benchmarks/hf_compare.py --device cuda --dtype bf16 --d-model 2048 --layers 16 --heads 32 --kv-heads 8 \
     --ffn 8192 --vocab 128256 --seq 2048 --batch 2 --steps 10 --warmup 3 | tee -a "$OUT/gpu-bench.md"
+# The pipeline bubble on this box's dedicated CPU cores (gloo, one thread per rank): the 2-vCPU
+# development VM's jitter keeps m >= 8 above 1.2x the formula (docs/BENCHMARKS.md §3).
+timeout 300 python benchmarks/bubble.py --png "$OUT/pipeline-timeline.png" | tee "$OUT/bubble.md" || true
