@@ -379,7 +379,7 @@ def main(argv=None) -> int:
         parts_by_cores[c_val] = [parts(r["cfg"], peak, c_val) for r in rows]
     for k, r in enumerate(rows):
         best_k = None
-        for c_val, ps in parts_by_cores.items():
+        for ps in parts_by_cores.values():
             others = [dict(q, parts=ps[j]) for j, q in enumerate(rows) if j != k]
             c_ = fit(others)
             err = sum((predicted(q["parts"], c_) / q["measured"]["step_time_s"] - 1) ** 2 for q in others)

@@ -177,24 +177,10 @@ def _resolve(overrides: list[str]):
 
 
 def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
-    try:
-        from paralayer.resolve import planner  # type: ignore[attr-defined]
-    except ImportError:
-        _err("--plan: the layout planner (paralayer/resolve/planner.py, plan_layouts) is not part of this "
-             "checkout; use --dry-run to check one layout")
-        return EXIT_INVALID
+    from paralayer.resolve import plan_report
+
     cfg = config_mod.load_config(overrides)
-    if hasattr(planner, "run"):
-        return int(planner.run(cfg, args))
-    plans = planner.plan_layouts(cfg)
-    if args.json:
-        print(json.dumps([p.to_dict() if hasattr(p, "to_dict") else p for p in plans]))
-    else:
-        for i, p in enumerate(plans):
-            d = p.to_dict() if hasattr(p, "to_dict") else p
-            print(f"{i + 1:3d}. {d['degrees']}  bubble {d['bubble_fraction']:.3f}  "
-                  f"memory {d['memory_per_device_bytes']['total'] / 2**30:.1f} GiB")
-    return EXIT_OK if plans else EXIT_INVALID
+    return int(plan_report.run(cfg, args))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paralayer.config import load_config
-from paralayer.resolve import planner
+from paralayer.resolve import plan_report, planner
 from paralayer.resolve.plan import resolve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def _plans(ov):
         cfg = load_config(list(ov))
         stats: dict = {}
         plans = planner.plan_layouts(cfg, stats=stats)
-        planner.finish(plans, cfg, upto=50)
+        plan_report.finish(plans, cfg, upto=50)
         _cache[key] = (cfg, plans, stats)
     return _cache[key]
 
@@ -92,7 +92,7 @@ def test_tp_across_nodes_ranks_below_its_in_node_twins():
             assert min(t["step_time_s"] for t in twins) < d["step_time_s"], (g, d["zero"], d["recompute"])
     assert compared >= 0.9 * len(cross)
     # and the explanation names it
-    planner.finish(plans, cfg, upto=None)
+    plan_report.finish(plans, cfg, upto=None)
     assert all("tp spans nodes" in d["why"] for d in cross)
     assert plans[0]["spans"]["tp"] == "intra-node"
 
@@ -169,7 +169,7 @@ def test_why_names_the_losing_term():
     assert plans[0]["why"] == "fastest"
     for d in plans[1:50]:
         assert d["why"].startswith("+") or d["why"].startswith("ties"), d["why"]
-    planner.finish(plans, cfg, upto=None)
+    plan_report.finish(plans, cfg, upto=None)
     whys = [d["why"] for d in plans]
     for term in ("pp bubble", "recompute=", "dp sync exposed", "pp stage imbalance", "tp comm"):
         assert any(term in w for w in whys), term

@@ -14,43 +14,44 @@ loaded; communication is ``cost.comm`` itself, evaluated twice per structure (ev
 affine in the number of microbatches). ``tests/test_planner.py`` checks a sample of listed layouts
 against the full ``resolve()``: no errors, same memory total, bubble, spans and comm times.
 
-The cost model (one step, one device; every term is reported per layout):
+The cost model (one step, one device; every term is reported per layout; the machine's side —
+peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.machine``, the table and the
+CLI ``paralayer.resolve.plan_report``):
 
     compute   = flops_per_step / (world · peak · efficiency)          (model FLOPs, 6N + 12·L·h·s)
     imbalance = FLOPs of the busiest pipeline rank / the mean (the output head sits on the last
                 chunk's rank; the planner picks the layer split that minimises it)
     recompute = compute · imbalance · (selective: 4·L·h·s / flops_per_token, the attention core's
                 forward; full: 1/3, one more forward)
-    comm[ax]  = count · latency(span) + bytes · wire(collective, n) / bandwidth(span)
-                wire: all-reduce 2(n−1)/n (tp's AG+RS pairs too), all-gather / reduce-scatter /
-                all-to-all (n−1)/n, send/recv 1; span from the mesh order (pp, dp, cp, tp), tp
-                fastest: an axis whose group through rank 0 leaves a node uses inter_node_gbps.
-    step      = (compute · imbalance + recompute + comm[tp, cp, ep, pp]) · (1 + bubble)
-                + exposed(comm[dp])
-    exposed(dp) = max(0, comm[dp] − overlap · window): gradient reduce-scatter runs under the
-                last microbatch's backward and the weight all-gather under the first forward
-                (window = one microbatch of compute); ZeRO-3's per-microbatch gathers are
-                prefetched under the whole step's compute.
+    dispatch  = m · per-layer framework time of the busiest rank's layers (fitted on CPU, 0 on GPUs)
+    comm[ax]  = count · latency(span) + wire bytes / bandwidth(span), volumes from ``cost.comm``
+                (dp as the runtime moves it: FSDP per microbatch without pp, deferred under pp)
+    step      = (compute · imbalance + recompute + dispatch + comm[tp, cp, ep, pp]) · (1 + bubble)
+                + max(0, comm[dp] − overlap · window)
+                window: one microbatch of compute for ZeRO 0–1, the whole step for ZeRO 2–3.
 
-Nothing in the ranking is a rule of thumb: "tp inside a node" falls out of the span bandwidths,
-"pp only to fit" out of the bubble and the stage imbalance (idle time no overlap hides) against
-dp's overlapped gradient sync, and
-"the rest is dp" out of dp being the one axis whose traffic hides behind compute.
+"tp inside a node" falls out of the span bandwidths and "the rest is dp" out of dp being the one
+axis whose traffic hides behind compute; "pp only to fit" does not always: pp also lowers the
+tensor-parallel traffic per rank (docs/planner.md, the 70B example).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM, GIB
+from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
+    LOCAL_CALIBRATION,
+    Machine,
+    comm_seconds,
+    machine_for,
+    wire_factor,
+)
+from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.rules import (
     V_SCHEDULES,
     Layout,
@@ -62,116 +63,10 @@ from paralayer.resolve.rules import (
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 
-# ------------------------------------------------------------------ named constants
-#: Fraction of the device peak that the model's matmuls reach (compute only; communication,
-#: bubble and recompute are charged separately). GPUs: Megatron-Core reaches 41–49% MFU end to end
-#: on H100 (REFERENCE.md); with comm and bubble removed that is about 0.5 of peak for the GEMMs.
-GPU_EFFICIENCY = 0.5
-#: Per-collective launch latency on GPU profiles (NCCL: a few µs in a node, ~10–20 µs across).
-GPU_LATENCY_S = {"intra": 10e-6, "inter": 20e-6}
-#: How much of a window of compute can hide dp traffic on GPUs (async NCCL on its own stream).
-GPU_DP_OVERLAP = 1.0
-
-#: The ``local`` calibration (CPU ranks, gloo over loopback), fitted by benchmarks/calibrate.py on
-#: this machine — see docs/planner.md for the run and the fit. ``peak_tflops`` is the measured
-#: fp32 GEMM peak of one rank's thread (metrics.measure_cpu_peak_tflops); ranks get
-#: min(1, cores / ranks) of it (one thread each, sharing ``cores``: the effective cores, fitted;
-#: None = os.cpu_count()); the links are gloo over loopback: a per-collective latency and a
-#: bandwidth, the same inside and "across" nodes. ``cluster.peak_tflops`` overrides the peak.
-LOCAL_CALIBRATION = {
-    "peak_tflops": 0.1442,  # one-thread fp32 GEMM, measured at the start of the run
-    "efficiency": 0.604,
-    "cores": 2.0,  # effective cores the ranks got (the machine's cores are shared with other jobs)
-    "latency_s": 0.0,  # per collective: fitted to 0 once dispatch is counted (the fit put it there)
-    "bandwidth_gbps": 0.141,  # gloo over loopback
-    "dp_overlap": 0.0,  # our CPU runtime reduces gradients after the backward, not under it
-    # eager dispatch per layer per microbatch (forward + backward) on one rank, on top of the
-    # FLOPs: every layer; more under tp (DTensor redistributes); more per MoE layer (routing,
-    # sort, the loop over experts). Fitted like the rest; GPUs: 0 (kernels launch ahead).
-    "overhead_layer_s": 2.99e-3,
-    "overhead_tp_s": 28.89e-3,
-    "overhead_moe_s": 9.39e-3,
-}
-
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "selective", "full")
 AXES = ("tp", "pp", "cp", "ep", "dp")
 MAX_VPP = 8
-
-
-# ------------------------------------------------------------------ the machine model
-@dataclasses.dataclass
-class Machine:
-    """What the cost model needs of the cluster, with its calibration."""
-
-    world: int
-    devices_per_node: int
-    nodes: int
-    peak_tflops: float
-    efficiency: float
-    intra_gbps: float
-    inter_gbps: float
-    latency_s: dict
-    dp_overlap: float
-    capacity: Optional[int]
-    reserve: int
-    kind: str  # "gpu" | "local"
-    #: seconds per layer per microbatch: {"layer", "tp", "moe"} (see LOCAL_CALIBRATION)
-    overhead_s: dict = dataclasses.field(default_factory=dict)
-
-    def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
-        """Dispatch seconds per microbatch of a rank holding these layers."""
-        o = self.overhead_s
-        per = o.get("layer", 0.0) + (o.get("tp", 0.0) if tp > 1 else 0.0)
-        return (n_dense + n_moe) * per + n_moe * o.get("moe", 0.0)
-
-    def bandwidth(self, span: str) -> float:
-        return 1e9 * (self.intra_gbps if span == "intra-node" else self.inter_gbps)
-
-    def latency(self, span: str) -> float:
-        return self.latency_s["intra" if span == "intra-node" else "inter"]
-
-
-def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
-    """The machine model for the config's cluster. CPU (``local``) uses LOCAL_CALIBRATION (or the
-    given calibration); GPU profiles use the profile's peak and bandwidths with the GPU constants."""
-    c = cfg.cluster
-    device = resolve_device(cfg)
-    if c.devices_per_node is None:
-        p = cfg.parallel
-        dpn = p.tp * p.pp * p.cp * (p.dp if isinstance(p.dp, int) else 1)
-    else:
-        dpn = c.devices_per_node
-    cap = int(c.device_memory_gib * GIB) if c.device_memory_gib is not None else None
-    reserve = int(c.memory_reserve_gib * GIB)
-    if device == "cpu":
-        cal = dict(LOCAL_CALIBRATION, **(calibration or {}))
-        bw = cal["bandwidth_gbps"]
-        # one thread per rank; ranks on one machine share its cores (2 ranks on 2 cores each get a
-        # core, 4 ranks get half of one): the per-rank peak is the one-thread peak × min(1, cores/ranks)
-        cores = cal.get("cores") or os.cpu_count() or 1
-        share = min(1.0, cores / max(dpn, 1))
-        peak = float(c.peak_tflops or cal["peak_tflops"] * share)
-        # dispatch is CPU work too: ranks sharing a core share its time
-        ovh = {k: cal.get(f"overhead_{k}_s", 0.0) / share for k in ("layer", "tp", "moe")}
-        return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
-                       bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
-                       cap, reserve, "local", ovh)
-    cal = calibration or {}
-    return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), cal.get("efficiency", GPU_EFFICIENCY),
-                   float(c.intra_node_gbps), float(c.inter_node_gbps), dict(cal.get("latency_s", GPU_LATENCY_S)),
-                   cal.get("dp_overlap", GPU_DP_OVERLAP), cap, reserve, "gpu")
-
-
-def wire_factor(collective: str, n: int) -> float:
-    """Bytes each device moves per payload byte, ring algorithms (see the module docstring)."""
-    if n <= 1 or collective == "none":
-        return 0.0
-    if collective == "all-reduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("send/recv", "ring send/recv (K,V)"):
-        return 1.0
-    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all, and their pairs (bytes counted per half)
 
 
 # ------------------------------------------------------------------ pipeline splits
@@ -521,22 +416,6 @@ def _line(pts: list, ax: str) -> tuple[float, float]:
     return (ta[ax] - slope * ma, slope)
 
 
-def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float:
-    """Time of one axis's traffic per step from a resolver comm entry (``plan.comm[axis]``):
-    count · latency + bytes · wire / bandwidth. The planner computes the same in closed form.
-
-    tp under sequence parallel counts one all-gather + reduce-scatter PAIR per all-reduce it
-    replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name."""
-    if entry["collective"] == "none" or entry["group_size"] <= 1:
-        return 0.0
-    n = entry["group_size"]
-    count = entry["count_per_step"]
-    if "wire_bytes_per_step" in entry:
-        return count * mach.latency(span) + entry["wire_bytes_per_step"] / mach.bandwidth(span)
-    wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)
-    return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)
-
-
 def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
                  cfg: Optional[Config] = None) -> dict:
     step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s, ovh = t
@@ -578,50 +457,10 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
     }
 
 
-def finish(plans: list[dict], cfg: Config, mach: Optional[Machine] = None, upto: Optional[int] = None) -> None:
-    """Fill in ``why`` (how each layout loses to the first) for the first ``upto`` layouts (all by
-    default)."""
-    if not plans:
-        return
-    mach = mach or machine_for(cfg)
-    best = plans[0]
-    for d in plans[:upto]:
-        d["why"] = "fastest" if d is best else why_slower(d, best, mach)
-
-
 def _override_prefix(tp: int, pp: int, vpp: int, cp: int, ep: int, dp: int, schedule: str, split: list) -> list[str]:
     lo = "[" + ",".join(map(str, split)) + "]" if (pp > 1 and len(set(split)) > 1) else "null"
     return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
             f"parallel.dp={dp}", f"parallel.schedule={schedule}", f"parallel.pp_layout={lo}"]
-
-
-# ------------------------------------------------------------------ explaining the ranking
-def why_slower(d: dict, best: dict, mach: Machine) -> str:
-    """One line: how much slower than the first, and the term that accounts for most of it."""
-    pct = 100.0 * (d["step_time_s"] / best["step_time_s"] - 1)
-    head = f"+{pct:.1f}% step time" if pct >= 0.05 else "ties on step time"
-    if d["spans"]["tp"] == "inter-node" and d["degrees"]["tp"] > 1:
-        ratio = mach.intra_gbps / mach.inter_gbps if mach.inter_gbps else float("inf")
-        return f"{head}: tp spans nodes: tp comm {ratio:.1f}× slower ({d['comm_time_s']['tp']:.3g} s)"
-    if pct < 0.05:
-        diffs = [k for k in ("zero", "micro_batch", "recompute", "schedule") if d[k] != best[k]]
-        return head + (f" (differs in {', '.join(diffs)}; more memory)" if diffs and
-                       d["memory"]["total"] > best["memory"]["total"] else "")
-    terms = {
-        "bubble": (d["bubble_s"] - best["bubble_s"], f"pp bubble {d['bubble']:.3f}"),
-        "imbalance": (d["imbalance_s"] - best["imbalance_s"],
-                      f"pp stage imbalance {d['imbalance']:.3f} (busiest stage / mean)"),
-        "recompute": (d["recompute_s"] - best["recompute_s"], f"recompute={d['recompute']}"),
-        "dp": (d["dp_exposed_s"] - best["dp_exposed_s"], f"dp sync exposed {d['dp_exposed_s']:.3g} s"),
-    }
-    for ax in ("tp", "pp", "cp", "ep"):
-        inter = d["spans"][ax] == "inter-node" and d["degrees"][ax] > 1
-        terms[ax] = (d["comm_time_s"][ax] - best["comm_time_s"][ax],
-                     f"{ax} comm {d['comm_time_s'][ax]:.3g} s" + (" (spans nodes)" if inter else ""))
-    _, (delta, text) = max(terms.items(), key=lambda kv: kv[1][0])
-    if delta <= 0:
-        return head
-    return f"{head}: {text} (+{delta:.3g} s)"
 
 
 # ------------------------------------------------------------------ configs for a layout
@@ -677,55 +516,5 @@ def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
             "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
 
 
-# ------------------------------------------------------------------ CLI
-def run(cfg: Config, args: Any) -> int:  # noqa: D401
-    """``launch.py --plan [--json]``: the ranked layouts; exit 0 if any layout fits, else 2."""
-    stats: dict = {}
-    plans = plan_layouts(cfg, stats=stats)
-    as_json = getattr(args, "json", False)
-    finish(plans, cfg, upto=None if as_json else 15)
-    if as_json:
-        print(json.dumps(plans))
-        return 0 if plans else 2
-    print_plans(cfg, plans, stats)
-    return 0 if plans else 2
-
-
-def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, console: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = console or Console(file=sys.stdout, width=max(160, Console().width))
-    mach = stats["machine"]
-    con.print(f"[bold]{cfg.recipe}[/bold] on {cfg.cluster.name}: {mach['nodes']} node(s) × "
-              f"{mach['devices_per_node']} = {mach['world']} devices; peak {mach['peak_tflops']:g} TFLOP/s × "
-              f"efficiency {mach['efficiency']:g}; links {mach['intra_gbps']:g} GB/s in a node, "
-              f"{mach['inter_gbps']:g} GB/s across")
-    con.print(f"{stats['considered']:,} layout structures considered, {stats['listed']:,} layouts fit and are "
-              f"listed, planned in {stats['seconds']:.2f} s CPU")
-    t = Table(title=f"Top {min(top, len(plans))} layouts (best first)")
-    for c in ("#", "tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
-              "tok/s", "MFU", "bubble", "mem GiB", "why it loses to #1"):
-        t.add_column(c, justify="left" if c in ("schedule", "recompute", "why it loses to #1") else "right")
-    for d in plans[:top]:
-        g = d["degrees"]
-        t.add_row(str(d["rank"]), *(str(g[a]) for a in ("tp", "pp", "vpp", "cp", "ep", "dp")), d["schedule"],
-                  str(d["zero"]), d["recompute"], str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
-                  f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
-                  f"{d['memory']['total'] / GIB:.1f}", d["why"])
-    con.print(t)
-    if stats["dropped"]:
-        t = Table(title="Dropped layouts, by reason")
-        t.add_column("reason")
-        t.add_column("count", justify="right")
-        for reason, n in sorted(stats["dropped"].items(), key=lambda kv: -kv[1]):
-            t.add_row(reason, f"{n:,}")
-        con.print(t)
-    if plans:
-        con.print("run the first: python launch.py recipe=" + cfg.recipe + " " + " ".join(plans[0]["overrides"]))
-    else:
-        con.print("[red]no layout fits[/red]")
-
-
-__all__ = ["plan_layouts", "finish", "run", "predict", "config_for", "machine_for", "Machine", "LOCAL_CALIBRATION",
-           "GPU_EFFICIENCY", "balanced_split", "why_slower"]
+__all__ = ["plan_layouts", "predict", "config_for", "machine_for", "Machine", "LOCAL_CALIBRATION",
+           "balanced_split", "comm_seconds", "wire_factor"]

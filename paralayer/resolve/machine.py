@@ -1,0 +1,137 @@
+"""The machine the planner's cost model times a layout on: device peak and efficiency, link
+bandwidths and latencies by span, dp overlap, per-layer dispatch, memory capacity — from a cluster
+profile (GPUs) or from the ``local`` calibration fitted on this machine (CPU ranks, gloo).
+
+Torch-free, like the rest of ``paralayer.resolve``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from paralayer.config import Config
+from paralayer.resolve.memory import GIB
+from paralayer.resolve.rules import resolve_device
+
+# ------------------------------------------------------------------ named constants
+#: Fraction of the device peak that the model's matmuls reach (compute only; communication,
+#: bubble and recompute are charged separately). GPUs: Megatron-Core reaches 41–49% MFU end to end
+#: on H100 (REFERENCE.md); with comm and bubble removed that is about 0.5 of peak for the GEMMs.
+GPU_EFFICIENCY = 0.5
+#: Per-collective launch latency on GPU profiles (NCCL: a few µs in a node, ~10–20 µs across).
+GPU_LATENCY_S = {"intra": 10e-6, "inter": 20e-6}
+#: How much of a window of compute can hide dp traffic on GPUs (async NCCL on its own stream).
+GPU_DP_OVERLAP = 1.0
+
+#: The ``local`` calibration (CPU ranks, gloo over loopback), fitted by benchmarks/calibrate.py on
+#: this machine — see docs/planner.md for the run and the fit. ``peak_tflops`` is the measured
+#: fp32 GEMM peak of one rank's thread (metrics.measure_cpu_peak_tflops); ranks get
+#: min(1, cores / ranks) of it (one thread each, sharing ``cores``: the effective cores, fitted;
+#: None = os.cpu_count()); the links are gloo over loopback: a per-collective latency and a
+#: bandwidth, the same inside and "across" nodes. ``cluster.peak_tflops`` overrides the peak.
+LOCAL_CALIBRATION = {
+    "peak_tflops": 0.1442,  # one-thread fp32 GEMM, measured at the start of the run
+    "efficiency": 0.604,
+    "cores": 2.0,  # effective cores the ranks got (the machine's cores are shared with other jobs)
+    "latency_s": 0.0,  # per collective: fitted to 0 once dispatch is counted (the fit put it there)
+    "bandwidth_gbps": 0.141,  # gloo over loopback
+    "dp_overlap": 0.0,  # our CPU runtime reduces gradients after the backward, not under it
+    # eager dispatch per layer per microbatch (forward + backward) on one rank, on top of the
+    # FLOPs: every layer; more under tp (DTensor redistributes); more per MoE layer (routing,
+    # sort, the loop over experts). Fitted like the rest; GPUs: 0 (kernels launch ahead).
+    "overhead_layer_s": 2.99e-3,
+    "overhead_tp_s": 28.89e-3,
+    "overhead_moe_s": 9.39e-3,
+}
+
+
+# ------------------------------------------------------------------ the machine model
+@dataclasses.dataclass
+class Machine:
+    """What the cost model needs of the cluster, with its calibration."""
+
+    world: int
+    devices_per_node: int
+    nodes: int
+    peak_tflops: float
+    efficiency: float
+    intra_gbps: float
+    inter_gbps: float
+    latency_s: dict
+    dp_overlap: float
+    capacity: Optional[int]
+    reserve: int
+    kind: str  # "gpu" | "local"
+    #: seconds per layer per microbatch: {"layer", "tp", "moe"} (see LOCAL_CALIBRATION)
+    overhead_s: dict = dataclasses.field(default_factory=dict)
+
+    def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
+        """Dispatch seconds per microbatch of a rank holding these layers."""
+        o = self.overhead_s
+        per = o.get("layer", 0.0) + (o.get("tp", 0.0) if tp > 1 else 0.0)
+        return (n_dense + n_moe) * per + n_moe * o.get("moe", 0.0)
+
+    def bandwidth(self, span: str) -> float:
+        return 1e9 * (self.intra_gbps if span == "intra-node" else self.inter_gbps)
+
+    def latency(self, span: str) -> float:
+        return self.latency_s["intra" if span == "intra-node" else "inter"]
+
+
+def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
+    """The machine model for the config's cluster. CPU (``local``) uses LOCAL_CALIBRATION (or the
+    given calibration); GPU profiles use the profile's peak and bandwidths with the GPU constants."""
+    c = cfg.cluster
+    device = resolve_device(cfg)
+    if c.devices_per_node is None:
+        p = cfg.parallel
+        dpn = p.tp * p.pp * p.cp * (p.dp if isinstance(p.dp, int) else 1)
+    else:
+        dpn = c.devices_per_node
+    cap = int(c.device_memory_gib * GIB) if c.device_memory_gib is not None else None
+    reserve = int(c.memory_reserve_gib * GIB)
+    if device == "cpu":
+        cal = dict(LOCAL_CALIBRATION, **(calibration or {}))
+        bw = cal["bandwidth_gbps"]
+        # one thread per rank; ranks on one machine share its cores (2 ranks on 2 cores each get a
+        # core, 4 ranks get half of one): the per-rank peak is the one-thread peak × min(1, cores/ranks)
+        cores = cal.get("cores") or os.cpu_count() or 1
+        share = min(1.0, cores / max(dpn, 1))
+        peak = float(c.peak_tflops or cal["peak_tflops"] * share)
+        # dispatch is CPU work too: ranks sharing a core share its time
+        ovh = {k: cal.get(f"overhead_{k}_s", 0.0) / share for k in ("layer", "tp", "moe")}
+        return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
+                       bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
+                       cap, reserve, "local", ovh)
+    cal = calibration or {}
+    return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), cal.get("efficiency", GPU_EFFICIENCY),
+                   float(c.intra_node_gbps), float(c.inter_node_gbps), dict(cal.get("latency_s", GPU_LATENCY_S)),
+                   cal.get("dp_overlap", GPU_DP_OVERLAP), cap, reserve, "gpu")
+
+
+def wire_factor(collective: str, n: int) -> float:
+    """Bytes each device moves per payload byte, ring algorithms (see the module docstring)."""
+    if n <= 1 or collective == "none":
+        return 0.0
+    if collective == "all-reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("send/recv", "ring send/recv (K,V)"):
+        return 1.0
+    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all, and their pairs (bytes counted per half)
+
+
+def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float:
+    """Time of one axis's traffic per step from a resolver comm entry (``plan.comm[axis]``):
+    count · latency + bytes · wire / bandwidth. The planner computes the same in closed form.
+
+    tp under sequence parallel counts one all-gather + reduce-scatter PAIR per all-reduce it
+    replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name."""
+    if entry["collective"] == "none" or entry["group_size"] <= 1:
+        return 0.0
+    n = entry["group_size"]
+    count = entry["count_per_step"]
+    if "wire_bytes_per_step" in entry:
+        return count * mach.latency(span) + entry["wire_bytes_per_step"] / mach.bandwidth(span)
+    wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)
+    return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)

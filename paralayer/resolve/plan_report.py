@@ -1,0 +1,105 @@
+"""The planner's answer for people: each layout's reason for losing to the first, the rich table,
+and the ``--plan`` CLI entry."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+from paralayer.config import Config
+from paralayer.resolve.machine import Machine, machine_for
+from paralayer.resolve.memory import GIB
+from paralayer.resolve.planner import plan_layouts
+
+
+def finish(plans: list[dict], cfg: Config, mach: Optional[Machine] = None, upto: Optional[int] = None) -> None:
+    """Fill in ``why`` (how each layout loses to the first) for the first ``upto`` layouts (all by
+    default)."""
+    if not plans:
+        return
+    mach = mach or machine_for(cfg)
+    best = plans[0]
+    for d in plans[:upto]:
+        d["why"] = "fastest" if d is best else why_slower(d, best, mach)
+
+
+# ------------------------------------------------------------------ explaining the ranking
+def why_slower(d: dict, best: dict, mach: Machine) -> str:
+    """One line: how much slower than the first, and the term that accounts for most of it."""
+    pct = 100.0 * (d["step_time_s"] / best["step_time_s"] - 1)
+    head = f"+{pct:.1f}% step time" if pct >= 0.05 else "ties on step time"
+    if d["spans"]["tp"] == "inter-node" and d["degrees"]["tp"] > 1:
+        ratio = mach.intra_gbps / mach.inter_gbps if mach.inter_gbps else float("inf")
+        return f"{head}: tp spans nodes: tp comm {ratio:.1f}× slower ({d['comm_time_s']['tp']:.3g} s)"
+    if pct < 0.05:
+        diffs = [k for k in ("zero", "micro_batch", "recompute", "schedule") if d[k] != best[k]]
+        return head + (f" (differs in {', '.join(diffs)}; more memory)" if diffs and
+                       d["memory"]["total"] > best["memory"]["total"] else "")
+    terms = {
+        "bubble": (d["bubble_s"] - best["bubble_s"], f"pp bubble {d['bubble']:.3f}"),
+        "imbalance": (d["imbalance_s"] - best["imbalance_s"],
+                      f"pp stage imbalance {d['imbalance']:.3f} (busiest stage / mean)"),
+        "recompute": (d["recompute_s"] - best["recompute_s"], f"recompute={d['recompute']}"),
+        "dp": (d["dp_exposed_s"] - best["dp_exposed_s"], f"dp sync exposed {d['dp_exposed_s']:.3g} s"),
+    }
+    for ax in ("tp", "pp", "cp", "ep"):
+        inter = d["spans"][ax] == "inter-node" and d["degrees"][ax] > 1
+        terms[ax] = (d["comm_time_s"][ax] - best["comm_time_s"][ax],
+                     f"{ax} comm {d['comm_time_s'][ax]:.3g} s" + (" (spans nodes)" if inter else ""))
+    _, (delta, text) = max(terms.items(), key=lambda kv: kv[1][0])
+    if delta <= 0:
+        return head
+    return f"{head}: {text} (+{delta:.3g} s)"
+
+
+# ------------------------------------------------------------------ CLI
+def run(cfg: Config, args: Any) -> int:  # noqa: D401
+    """``launch.py --plan [--json]``: the ranked layouts; exit 0 if any layout fits, else 2."""
+    stats: dict = {}
+    plans = plan_layouts(cfg, stats=stats)
+    as_json = getattr(args, "json", False)
+    finish(plans, cfg, upto=None if as_json else 15)
+    if as_json:
+        print(json.dumps(plans))
+        return 0 if plans else 2
+    print_plans(cfg, plans, stats)
+    return 0 if plans else 2
+
+
+def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console(file=sys.stdout, width=max(160, Console().width))
+    mach = stats["machine"]
+    con.print(f"[bold]{cfg.recipe}[/bold] on {cfg.cluster.name}: {mach['nodes']} node(s) × "
+              f"{mach['devices_per_node']} = {mach['world']} devices; peak {mach['peak_tflops']:g} TFLOP/s × "
+              f"efficiency {mach['efficiency']:g}; links {mach['intra_gbps']:g} GB/s in a node, "
+              f"{mach['inter_gbps']:g} GB/s across")
+    con.print(f"{stats['considered']:,} layout structures considered, {stats['listed']:,} layouts fit and are "
+              f"listed, planned in {stats['seconds']:.2f} s CPU")
+    t = Table(title=f"Top {min(top, len(plans))} layouts (best first)")
+    for c in ("#", "tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
+              "tok/s", "MFU", "bubble", "mem GiB", "why it loses to #1"):
+        t.add_column(c, justify="left" if c in ("schedule", "recompute", "why it loses to #1") else "right")
+    for d in plans[:top]:
+        g = d["degrees"]
+        t.add_row(str(d["rank"]), *(str(g[a]) for a in ("tp", "pp", "vpp", "cp", "ep", "dp")), d["schedule"],
+                  str(d["zero"]), d["recompute"], str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
+                  f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
+                  f"{d['memory']['total'] / GIB:.1f}", d["why"])
+    con.print(t)
+    if stats["dropped"]:
+        t = Table(title="Dropped layouts, by reason")
+        t.add_column("reason")
+        t.add_column("count", justify="right")
+        for reason, n in sorted(stats["dropped"].items(), key=lambda kv: -kv[1]):
+            t.add_row(reason, f"{n:,}")
+        con.print(t)
+    if plans:
+        con.print("run the first: python launch.py recipe=" + cfg.recipe + " " + " ".join(plans[0]["overrides"]))
+    else:
+        con.print("[red]no layout fits[/red]")
+
+
+__all__ = ["finish", "why_slower", "print_plans", "run"]
