@@ -434,6 +434,24 @@ def _sacct_states(job_ids: Sequence[str], starts: dict[str, float] | None = None
     return states
 
 
+def _squeue_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """job id -> state from slurmctld (squeue): live, where sacct lags behind slurmdbd by seconds —
+    a short job can go from PENDING to COMPLETED between two sacct answers. Only queued or
+    running jobs are listed."""
+    base = sorted({j.split("_")[0] for j in job_ids})
+    cmd = ["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(base)]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return {}
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 2 and parts[1]:
+            states[parts[0]] = parts[1].upper()
+    return states
+
+
 # PENDING reasons that mean the job can never start as submitted
 _NEVER_REASONS = {
     "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
@@ -536,15 +554,12 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
     echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
     while True:
         now = time.monotonic()
+        live = _squeue_states(ids)
+        states.update(live)
         if now - last_sacct >= max(2.0, poll_s):
             states.update(_sacct_states(ids, starts))
+            states.update(live)  # slurmctld knows first; sacct fills in what has left the queue
             last_sacct = now
-            if verbose:
-                for jid in ids:
-                    st = states.get(jid)
-                    if st and st != shown.get(jid) and st not in _TERMINAL_STATES:
-                        shown[jid] = st
-                        print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
             for jid, reason in _pending_reasons([j for j in ids if not done.get(j)]).items():
                 if jid in ids and not done.get(jid):
                     never[jid] = reason
@@ -553,6 +568,12 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
                     if verbose:
                         print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
                               f"{reason}): cancelled it", file=stream, flush=True)
+        if verbose:
+            for jid in ids:
+                st = states.get(jid)
+                if st and st != shown.get(jid) and st not in _TERMINAL_STATES:
+                    shown[jid] = st
+                    print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
         if echo is not None:
             echo.poll()
         for jid, job in zip(ids, result.jobs):
