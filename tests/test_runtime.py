@@ -188,3 +188,15 @@ def test_timeline_flag_writes_png_and_bubble(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["bubble_measured"] < 1.5 for r in recs)
+
+
+def test_tiny_pp_recipe_runs_its_pipeline(tmp_path):
+    """recipes/tiny-pp: the tiny recipe with a pipeline axis (dp 2 × tp 2 × pp 2) trains end to end."""
+    res = _launch(["recipe=tiny-pp", f"run.dir={tmp_path / 'r'}", "logging.wandb.mode=disabled", "train.steps=4"],
+                  timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert plan["degrees"]["pp"] == 2 and plan["degrees"]["tp"] == 2 and plan["degrees"]["dp"] == 2
+    recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(r["bubble_measured"] is not None for r in recs)
