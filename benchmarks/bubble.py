@@ -24,7 +24,8 @@ import torch.distributed as dist  # noqa: E402
 
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model import Transformer, init_weights, lm_loss  # noqa: E402
-from paralayer.parallel import pipeline as pl  # noqa: E402
+from paralayer.parallel import pipeline as pl
+from paralayer.parallel import timeline as tl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 CFG = dict(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=688, vocab_size=256, seq_len=128)
@@ -97,7 +98,7 @@ def _worker(rank, world, schedule, m, steps, warmup, mb=MB):
     k = min(range(len(bubbles)), key=lambda j: abs(bubbles[j] - med))
     busy_f = [e["end"] - e["start"] for e in runner.last_timeline if e["action"] == "F"]
     busy_b = [e["end"] - e["start"] for e in runner.last_timeline if e["action"] == "B"]
-    sims = [pl.bubble_from_timelines(simulate(t)) for t in timelines]
+    sims = [tl.bubble_from_timelines(simulate(t)) for t in timelines]
     busy = [sum(e["end"] - e["start"] for e in row) for row in timelines[k]]
     jit = statistics.median(period_jitter(t, world) for t in timelines)
     return {"bubbles": bubbles, "times": times, "timeline": timelines[k], "bubble_of_timeline": bubbles[k],
@@ -197,7 +198,7 @@ def main() -> int:
     if png_timeline is not None and args.png:
         os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
         tl, b = png_timeline
-        pl.plot_timeline(tl, args.png, title=f"{args.png_schedule}, pp={p}, m={args.png_m}: measured bubble "
+        tl.plot_timeline(tl, args.png, title=f"{args.png_schedule}, pp={p}, m={args.png_m}: measured bubble "
                          f"{b:.3f} (formula {predicted(args.png_schedule, p, args.png_m):.3f})")
         print(f"\ntimeline: {args.png}")
     return 0

@@ -10,7 +10,7 @@ per rank, as the local launcher gives ranks that outnumber the cores). Measured 
   the machine is shared with other jobs, which only ever add time, so the least-interfered step
   is the estimate);
 - activations: the peak live bytes of tensors saved for backward during a step
-  (``paralayer.parallel.pipeline.ActivationMemory``: saved-tensor hooks, unique storages, parameters
+  (``paralayer.activation_memory.ActivationMemory``: saved-tensor hooks, unique storages, parameters
   excluded, released when autograd frees them), max over ranks;
 - state: parameter bytes (the largest set held: after a chunk's forward — FSDP with
   ``reshard_after_forward=False`` still holds the gathered weights there — or after the step),
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from paralayer.parallel.pipeline import ActivationMemory
+    from paralayer.activation_memory import ActivationMemory
     from paralayer.train import train
 
     class Acts(ActivationMemory):

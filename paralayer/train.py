@@ -460,7 +460,7 @@ def _moe_stats(built: Built, meshes: Meshes, pp: int, num_experts: int) -> dict:
 
 
 def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:
-    from paralayer.parallel.pipeline import plot_timeline
+    from paralayer.parallel.timeline import plot_timeline
 
     events = runner.last_timeline
     gathered: list = [None] * meshes["pp"].size()

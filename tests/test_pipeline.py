@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from paralayer.activation_memory import ActivationMemory
 from paralayer.config import ModelConfig
 from paralayer.model import Transformer, init_weights, lm_loss
 from paralayer.parallel import pipeline as pl
+from paralayer.parallel import timeline as tl
 from tests.dist import run_ranks
 
 # Building a model on meta imports torch's reference ops (~3–8 s, once); do it here, before the
@@ -171,7 +173,7 @@ def test_bubble_definition_gives_formula_for_ideal_gpipe():
         b0 = (m + p - 1) + 2 * (p - 1 - r)
         ev += [{"action": "B", "mb": i, "chunk": r, "start": b0 + 2 * i, "end": b0 + 2 * i + 2} for i in range(m)]
         rows.append(ev)
-    assert math.isclose(pl.bubble_from_timelines(rows), (p - 1) / m)
+    assert math.isclose(tl.bubble_from_timelines(rows), (p - 1) / m)
 
 
 def test_plot_timeline(tmp_path):
@@ -179,7 +181,7 @@ def test_plot_timeline(tmp_path):
              {"action": "B", "mb": 0, "chunk": 0, "start": 3.0, "end": 5.0}],
             [{"action": "F", "mb": 0, "chunk": 1, "start": 1.0, "end": 2.0},
              {"action": "W", "mb": 0, "chunk": 1, "start": 2.0, "end": 3.0}]]
-    path = pl.plot_timeline(rows, str(tmp_path / "t.png"))
+    path = tl.plot_timeline(rows, str(tmp_path / "t.png"))
     assert os.path.getsize(path) > 1000
 
 
@@ -199,7 +201,7 @@ def _mem_worker(rank: int, world: int, schedule: str, m: int, steps: int = 1):
     params = [p for c in chunks for p in c.parameters()]
     peaks, lives = [], []
     # the first step runs torch's metadata inference: it must not leave activations behind either
-    with pl.ActivationMemory(params + [tokens, labels]) as mem:
+    with ActivationMemory(params + [tokens, labels]) as mem:
         for _ in range(steps):
             mem.reset_peak()
             runner.step(tokens, labels)
@@ -469,5 +471,5 @@ def test_v_schedule_bubble_formula_matches_torch_order(schedule):
                                         "start": float(n), "end": n + (2.0 if k == "B" and "FULL" in
                                                                        str(x.computation_type) else 1.0)})
                 rows.append(evs)
-            got = pl.bubble_from_timelines(bench.simulate(rows))
+            got = tl.bubble_from_timelines(bench.simulate(rows))
             assert got == pytest.approx(bubble_fraction(schedule, p, m), abs=1e-9), (p, m, got)
