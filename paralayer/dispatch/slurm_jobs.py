@@ -1,0 +1,303 @@
+"""Following submitted SLURM jobs to their end: states from slurmctld (squeue, live) and
+slurmdbd (sacct, final), each task's result pickle, rank 0's log echoed as it grows, requeues
+followed through, a job that can never start cancelled, and the failing task's tail printed.
+
+``SubmitResult`` is what ``paralayer.dispatch.slurm.submit`` returns; ``follow`` (or its
+``wait()``) is what ``--wait`` runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+# sacct states after which a job will not run again
+_TERMINAL_STATES = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+    "DEADLINE", "REVOKED", "SPECIAL_EXIT",
+}
+
+@dataclasses.dataclass
+class SubmitResult:
+    """What ``submit`` returns. ``jobs`` are submitit Job objects (one per run)."""
+
+    job_ids: list[str]
+    run_dirs: list[str]
+    folder: str
+    stdout: list[list[str]]   # per run, per task
+    stderr: list[list[str]]   # per run, per task
+    array: bool
+    jobs: list[Any] = dataclasses.field(repr=False, default_factory=list)
+    status: int | None = None  # set by wait(): 0 all completed, 1 failed, 124 wait deadline passed
+    states: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def hint(self) -> str:
+        kind = f"job array {self.job_ids[0].split('_')[0]}" if self.array else f"job {self.job_ids[0]}"
+        lines = [f"submitted {kind} ({len(self.job_ids)} run(s)) ; submitit folder {self.folder}"]
+        for jid, rd in zip(self.job_ids, self.run_dirs):
+            lines.append(f"  {jid}: {rd}  (metrics: {os.path.join(rd, 'metrics.jsonl')})")
+        lines.append(f"logs: {self.folder} (<job id>_<task>_log.out / .err, one pair per rank)")
+        lines.append(f"follow with: tail -f {' '.join(self.stdout[0][:1] + self.stderr[0][:1])}")
+        lines.append(f"status: squeue -j {self.job_ids[0].split('_')[0]} ; "
+                     f"sacct -j {self.job_ids[0].split('_')[0]}")
+        return "\n".join(lines)
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 1.0, verbose: bool = True,
+             stream=None) -> int:
+        return follow(self, timeout_s=timeout_s, poll_s=poll_s, verbose=verbose, stream=stream)
+
+
+
+def _task_outcomes(job: Any, since: float | None = None) -> list[tuple[str, Any] | None]:
+    """Per task: ("success", value) / ("error", traceback) from submitit's result pickle, or None.
+    ``since``: the start (epoch s) of the job's current attempt; older pickles were left by an
+    attempt that was requeued and do not count."""
+    from submitit.core import utils
+
+    out: list[tuple[str, Any] | None] = []
+    for s in (getattr(job, "_sub_jobs", None) or [job]):
+        p = s.paths.result_pickle
+        try:
+            stale = since is not None and p.stat().st_mtime < since - 1.0
+        except OSError:
+            stale = False
+        if p.exists() and not stale:
+            try:
+                out.append(tuple(utils.pickle_load(p)))  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - half-written pickle, unpicklable result...
+                out.append(("error", f"could not read {p}: {e}"))
+        else:
+            out.append(None)
+    return out
+
+
+def _sacct_states(job_ids: Sequence[str], starts: dict[str, float] | None = None) -> dict[str, str]:
+    """job id (incl. array element ids like 12_0) -> sacct State (first word, upper case).
+    ``starts``, when given, is filled with the start (epoch s) of each job's current attempt."""
+    base = sorted({j.split("_")[0] for j in job_ids})
+    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State,Start"] + [a for b in base for a in ("-j", b)]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return {}
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 2:
+            continue
+        jid, state = parts[0].strip(), parts[1]
+        states[jid] = state.split()[0].upper() if state.split() else "UNKNOWN"
+        if starts is not None and len(parts) > 2:
+            try:
+                starts[jid] = time.mktime(time.strptime(parts[2].strip(), "%Y-%m-%dT%H:%M:%S"))
+            except ValueError:  # "Unknown" / "None" while pending
+                pass
+    return states
+
+
+def _squeue_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """job id -> state from slurmctld (squeue): live, where sacct lags behind slurmdbd by seconds —
+    a short job can go from PENDING to COMPLETED between two sacct answers. Only queued or
+    running jobs are listed."""
+    base = sorted({j.split("_")[0] for j in job_ids})
+    cmd = ["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(base)]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return {}
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 2 and parts[1]:
+            states[parts[0]] = parts[1].upper()
+    return states
+
+
+# PENDING reasons that mean the job can never start as submitted
+_NEVER_REASONS = {
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+    "InvalidQOS", "DependencyNeverSatisfied", "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob",
+    "QOSMaxNodePerJobLimit", "AssocMaxCpuPerJobLimit", "AssocMaxNodesPerJobLimit",
+}
+
+
+def _pending_reasons(job_ids: Sequence[str]) -> dict[str, str]:
+    """job id -> squeue reason, for jobs PENDING with a reason in _NEVER_REASONS."""
+    base = sorted({j.split("_")[0] for j in job_ids})
+    try:
+        text = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T|%r", "-j", ",".join(base)],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3 and parts[1] == "PENDING" and parts[2] in _NEVER_REASONS:
+            out[parts[0]] = parts[2]
+    return out
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no file)\n"
+
+
+# states in which the job is not running its current attempt: result pickles seen now were left by
+# an attempt that was requeued (scontrol requeue, preemption, timeout) and say nothing yet
+_NOT_RUNNING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING",
+                       "PREEMPTED", "CONFIGURING"}
+
+
+class _LogEcho:
+    """Echo the lines rank 0 appends to its stdout log (the training progress) while waiting."""
+
+    def __init__(self, result: SubmitResult, stream) -> None:
+        self.paths = [(jid, out[0]) for jid, out in zip(result.job_ids, result.stdout) if out]
+        self.prefix = len(self.paths) > 1
+        self.offsets = {p: 0 for _, p in self.paths}
+        self.partial = {p: "" for _, p in self.paths}
+        self.stream = stream
+
+    def poll(self) -> None:
+        for jid, p in self.paths:
+            try:
+                with open(p, errors="replace") as f:
+                    f.seek(self.offsets[p])
+                    chunk = f.read()
+                    self.offsets[p] = f.tell()
+            except OSError:
+                continue
+            if not chunk:
+                continue
+            text = self.partial[p] + chunk
+            lines = text.split("\n")
+            self.partial[p] = lines.pop()
+            for line in lines:
+                line = line.rstrip("\r")
+                if line.strip():
+                    print(f"[{jid}] {line}" if self.prefix else line, file=self.stream, flush=True)
+
+
+def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
+           verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
+    """See _follow. Ctrl-C stops following (exit status 130); the jobs keep running."""
+    try:
+        return _follow(result, timeout_s, poll_s, verbose, stream, echo_logs)
+    except KeyboardInterrupt:
+        base = result.job_ids[0].split("_")[0]
+        print(f"\n[paralayer.slurm] stopped following; the job keeps running (squeue -j {base}; "
+              f"scancel {base} to stop it)", file=stream or sys.stderr, flush=True)
+        result.status = 130
+        return 130
+
+
+def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
+            verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
+    """Follow the jobs to the end. Returns 0 when every run completed, 1 when one failed
+    (printing its stderr tail), 124 when ``timeout_s`` passed first (jobs left running).
+
+    ``verbose`` prints each job's state changes (PENDING, RUNNING, REQUEUED, ...) and, unless
+    ``echo_logs=False``, the lines rank 0 writes to its stdout log. A requeued job is followed
+    through its requeue to the end of its last attempt."""
+    stream = stream or sys.stderr
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    ids = result.job_ids
+    last_sacct = 0.0
+    states: dict[str, str] = {}
+    starts: dict[str, float] = {}
+    shown: dict[str, str] = {}
+    done: dict[str, bool] = {}
+    outcomes: dict[str, list] = {}
+    never: dict[str, str] = {}
+    echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
+    while True:
+        now = time.monotonic()
+        live = _squeue_states(ids)
+        states.update(live)
+        if now - last_sacct >= max(2.0, poll_s):
+            states.update(_sacct_states(ids, starts))
+            states.update(live)  # slurmctld knows first; sacct fills in what has left the queue
+            last_sacct = now
+            for jid, reason in _pending_reasons([j for j in ids if not done.get(j)]).items():
+                if jid in ids and not done.get(jid):
+                    never[jid] = reason
+                    done[jid] = True
+                    subprocess.run(["scancel", jid], capture_output=True, timeout=30)
+                    if verbose:
+                        print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
+                              f"{reason}): cancelled it", file=stream, flush=True)
+        if verbose:
+            for jid in ids:
+                st = states.get(jid)
+                if st and st != shown.get(jid) and st not in _TERMINAL_STATES:
+                    shown[jid] = st
+                    print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
+        if echo is not None:
+            echo.poll()
+        for jid, job in zip(ids, result.jobs):
+            if done.get(jid):
+                continue
+            st = states.get(jid, "UNKNOWN")
+            oc = _task_outcomes(job, since=starts.get(jid))
+            if st in _NOT_RUNNING_STATES:
+                oc = [None] * len(oc)
+            outcomes[jid] = oc
+            # every task returned: done (sacct lags a moment behind). A task that raised is not
+            # the end by itself: a requeue (scontrol requeue, preemption) can make ranks fail on
+            # the way down and the job runs again, so wait for SLURM to call the job finished
+            if all(o is not None and o[0] == "success" for o in oc) or st in _TERMINAL_STATES:
+                done[jid] = True
+        if all(done.get(j) for j in ids):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            result.states = {j: states.get(j, "UNKNOWN") for j in ids}
+            result.status = 124
+            if verbose:
+                print(f"[paralayer.slurm] gave up waiting after {timeout_s:.0f}s; still running: "
+                      f"{[j for j in ids if not done.get(j)]} (scancel {ids[0].split('_')[0]} to stop)",
+                      file=stream, flush=True)
+            return 124
+        time.sleep(poll_s)
+
+    if echo is not None:
+        echo.poll()
+    final = _sacct_states(ids)
+    failed = []
+    for jid in ids:
+        if jid in never:
+            result.states[jid] = f"PENDING({never[jid]})"
+            failed.append(jid)
+            continue
+        oc = outcomes[jid]
+        ok = all(o is not None and o[0] == "success" for o in oc)
+        st = final.get(jid, states.get(jid, "UNKNOWN"))
+        if ok and st in _TERMINAL_STATES - {"COMPLETED"}:
+            ok = False
+        result.states[jid] = st if not (ok and st not in _TERMINAL_STATES) else "COMPLETED"
+        if not ok:
+            failed.append(jid)
+    result.status = 1 if failed else 0
+    if verbose:
+        for jid in ids:
+            print(f"[paralayer.slurm] job {jid}: {result.states[jid]}", file=stream, flush=True)
+        for jid in [j for j in failed if j not in never][:3]:
+            i = ids.index(jid)
+            oc = outcomes[jid]
+            bad = [t for t, o in enumerate(oc) if o is None or o[0] != "success"] or [0]
+            t = next((t for t in bad if oc[t] is not None), bad[0])
+            print(f"[paralayer.slurm] job {jid} failed ({result.states[jid]}); run {result.run_dirs[i]}",
+                  file=stream, flush=True)
+            if oc[t] is not None and oc[t][0] == "error":
+                print(f"--- task {t} traceback ---\n{oc[t][1]}", file=stream, flush=True)
+            print(f"--- tail of {result.stderr[i][t]} ---\n{_tail(result.stderr[i][t])}",
+                  file=stream, flush=True)
+    return result.status
+
+
