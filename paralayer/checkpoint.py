@@ -40,10 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paralayer.expert_keys import clean_name, expert_owners, expert_templates, merge_expert_keys, split_expert_keys
+
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^step-(\d{8})\.tmp$")
 _FORMAT = 1
+
 
 
 class CheckpointError(RuntimeError):
@@ -145,112 +148,6 @@ def _options(full: bool = False):
     return StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=full)
 
 
-def _expert_owners(part: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """FQN (as the state dict names it) → (module, param name) for params held as a local slice."""
-    owners = {}
-    for mod_name, mod in part.named_modules():
-        for p_name in getattr(mod, "local_slices", {}) or {}:
-            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
-            owners[_clean(fqn)] = (mod, p_name)
-    return owners
-
-
-def _clean(name: str) -> str:
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module."):
-        name = name.replace(junk, "")
-    return name
-
-
-def _expert_slots(key: str, val, owners: dict):
-    """For an expert-sliced entry: (dim, [(per-expert key, local index j), ...]); else None."""
-    hit = _match_owner(key, owners)
-    if hit is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
-        return None
-    fqn, (mod, p_name) = hit
-    dim, offset, _full = mod.local_slices[p_name]
-    cut = key.index(fqn) + len(fqn)
-    pre, post = key[:cut], key[cut:]
-    return dim, [(f"{pre}.expert{offset + j}{post}", j) for j in range(val.shape[dim])]
-
-
-def _split_expert_keys(sd: dict, owners: dict) -> dict:
-    """Replace the local slice ``fqn`` (a tensor or DTensor over expert-dp) by per-expert entries
-    ``fqn.expert{j}`` (global expert ids): a layout-independent key set for any ep degree.
-    Works on model state dicts (key == fqn) and flattened optimizer state (``state.fqn.exp_avg``)."""
-    if not owners:
-        return sd
-    out = {}
-    for key, val in sd.items():
-        slots = _expert_slots(key, val, owners)
-        if slots is None:
-            out[key] = val
-            continue
-        dim, keys = slots
-        for ekey, j in keys:
-            out[ekey] = _select(val, dim, j)
-    return out
-
-
-def _match_owner(key: str, owners: dict):
-    for fqn, owner in owners.items():
-        if key == fqn or key.startswith(f"state.{fqn}.") and key.count(".") == fqn.count(".") + 2:
-            return fqn, owner
-    return None
-
-
-def _select(val, dim: int, j: int):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(val, DTensor):
-        # experts further sharded (FSDP over expert-dp): gather this rank's expert slice (E_local
-        # rows, a collective over the expert-dp mesh, same order on all its ranks), then index it
-        return val.full_tensor().select(dim, j)
-    return val.select(dim, j)
-
-
-def _merge_expert_keys(loaded: dict, template: dict, owners: dict) -> dict:
-    """Inverse of :func:`_split_expert_keys`: stack per-expert entries back into ``template``'s
-    tensors (in place), returning the state dict keyed like ``template``."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not owners:
-        return loaded
-    out = {}
-    for key, tmpl in template.items():
-        slots = _expert_slots(key, tmpl, owners)
-        if slots is None:
-            out[key] = loaded[key]
-            continue
-        dim, keys = slots
-        rows = [loaded[ekey] for ekey, _j in keys]
-        full = torch.stack([r.full_tensor() if isinstance(r, DTensor) else r for r in rows], dim=dim)
-        if isinstance(tmpl, DTensor):
-            full = distribute_tensor(full.to(tmpl.dtype), tmpl.device_mesh, tmpl.placements, src_data_rank=None)
-        out[key] = full
-    return out
-
-
-def _expert_templates(sd: dict, owners: dict) -> dict:
-    """The per-expert keys a load must request (plain tensors of the right shape)."""
-    from torch.distributed.tensor import DTensor
-
-    if not owners:
-        return sd
-    out = {}
-    for key, val in sd.items():
-        slots = _expert_slots(key, val, owners)
-        if slots is None:
-            out[key] = val
-            continue
-        dim, keys = slots
-        shape = list(val.shape)  # DTensor: global shape over expert-dp = E_local rows
-        del shape[dim]
-        local = val.to_local() if isinstance(val, DTensor) else val
-        for ekey, _j in keys:
-            out[ekey] = torch.empty(shape, dtype=local.dtype, device=local.device)
-    return out
-
-
 def _inner(opt) -> torch.optim.Optimizer:
     """The torch optimizer behind a wrapper (the ZeRO-1 wrapper keeps it as ``.inner``)."""
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "inner"):
@@ -265,7 +162,7 @@ def _param_fqns(parts: Sequence[nn.Module]) -> dict[int, str]:
     fqns: dict[int, str] = {}
     for part in parts:
         for name, p in part.named_parameters():
-            fqns.setdefault(id(p), _clean(name))
+            fqns.setdefault(id(p), clean_name(name))
     return fqns
 
 
@@ -334,7 +231,7 @@ def _raw_states(parts, opts) -> tuple[dict, dict, dict]:
     model_sd: dict = {}
     owners: dict = {}
     for part in parts:
-        owners.update(_expert_owners(part))
+        owners.update(expert_owners(part))
         model_sd.update(get_model_state_dict(part, options=_options()))
     optim_sd = _optim_state(parts, opts) if opts else {}
     return model_sd, optim_sd, owners
@@ -345,9 +242,9 @@ def get_states(model_parts: Sequence[nn.Module], optimizers: Sequence) -> dict:
     expert slices split into per-expert keys: what a checkpoint holds."""
     parts, opts = list(model_parts), list(optimizers or [])
     model_sd, optim_sd, owners = _raw_states(parts, opts)
-    out = {"model": _split_expert_keys(model_sd, owners)}
+    out = {"model": split_expert_keys(model_sd, owners)}
     if opts:
-        out["optim"] = _split_expert_keys(optim_sd, owners)
+        out["optim"] = split_expert_keys(optim_sd, owners)
     return out
 
 
@@ -519,21 +416,21 @@ def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Seq
     parts, opts = list(model_parts), list(optimizers or [])
     model_raw, optim_raw, owners = _raw_states(parts, opts)
     # request per-expert keys where the model holds experts as local slices
-    request = {"model": _expert_templates(model_raw, owners)}
+    request = {"model": expert_templates(model_raw, owners)}
     if opts:
-        request["optim"] = _expert_templates(optim_raw, owners)
+        request["optim"] = expert_templates(optim_raw, owners)
     use_dist = dist.is_available() and dist.is_initialized()
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not use_dist)
     except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures
         raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer state: "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
-    model_sd = _merge_expert_keys(request["model"], model_raw, owners)
+    model_sd = merge_expert_keys(request["model"], model_raw, owners)
     for part in parts:
         keys = set(_part_keys(part))
         set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in keys}, options=_options())
     if opts:
-        optim_sd = _merge_expert_keys(request["optim"], optim_raw, owners)
+        optim_sd = merge_expert_keys(request["optim"], optim_raw, owners)
         with torch.no_grad():
             for key, target in optim_raw.items():
                 if isinstance(target, torch.Tensor) and optim_sd[key] is not target:

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from paralayer.expert_keys import expert_owners
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -175,6 +177,7 @@ def _clean(name: str) -> str:
     return _clean_name(name)
 
 
+
 @torch.no_grad()
 def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional[tuple]], torch.Tensor],
                       vocab_size: int) -> None:
@@ -183,10 +186,7 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
     this rank holds for a stacked expert weight, else None."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    owners = {}
-    for mod_name, mod in model.named_modules():
-        for p_name in getattr(mod, "local_slices", {}) or {}:
-            owners[_clean(f"{mod_name}.{p_name}" if mod_name else p_name)] = (mod, p_name)
+    owners = expert_owners(model)
     for name, param in model.named_parameters():
         clean = _clean(name)
         global_shape = tuple(param.shape)
@@ -252,10 +252,7 @@ def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str,
 
     local: dict[str, torch.Tensor] = {}
     for part in model_parts:
-        owners = {}
-        for mod_name, mod in part.named_modules():
-            for p_name in getattr(mod, "local_slices", {}) or {}:
-                owners[_clean(f"{mod_name}.{p_name}" if mod_name else p_name)] = mod
+        owners = {k: mod for k, (mod, _p) in expert_owners(part).items()}
         for name, p in part.named_parameters():
             clean = _clean(name)
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
