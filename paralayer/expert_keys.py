@@ -41,18 +41,7 @@ def split_expert_keys(sd: dict, owners: dict) -> dict:
     """Replace the local slice ``fqn`` (a tensor or DTensor over expert-dp) by per-expert entries
     ``fqn.expert{j}`` (global expert ids): a layout-independent key set for any ep degree.
     Works on model state dicts (key == fqn) and flattened optimizer state (``state.fqn.exp_avg``)."""
-    if not owners:
-        return sd
-    out = {}
-    for key, val in sd.items():
-        slots = _expert_slots(key, val, owners)
-        if slots is None:
-            out[key] = val
-            continue
-        dim, keys = slots
-        for ekey, j in keys:
-            out[ekey] = _select(val, dim, j)
-    return out
+    return _per_expert(sd, owners, lambda val, dim, j: _select(val, dim, j))
 
 
 def _match_owner(key: str, owners: dict):
@@ -98,6 +87,17 @@ def expert_templates(sd: dict, owners: dict) -> dict:
     """The per-expert keys a load must request (plain tensors of the right shape)."""
     from torch.distributed.tensor import DTensor
 
+    def empty(val, dim: int, _j: int) -> torch.Tensor:
+        shape = list(val.shape)  # DTensor: global shape over expert-dp = E_local rows
+        del shape[dim]
+        local = val.to_local() if isinstance(val, DTensor) else val
+        return torch.empty(shape, dtype=local.dtype, device=local.device)
+
+    return _per_expert(sd, owners, empty)
+
+
+def _per_expert(sd: dict, owners: dict, entry) -> dict:
+    """``sd`` with each expert-sliced entry replaced by one ``entry(val, dim, j)`` per expert."""
     if not owners:
         return sd
     out = {}
@@ -107,9 +107,6 @@ def expert_templates(sd: dict, owners: dict) -> dict:
             out[key] = val
             continue
         dim, keys = slots
-        shape = list(val.shape)  # DTensor: global shape over expert-dp = E_local rows
-        del shape[dim]
-        local = val.to_local() if isinstance(val, DTensor) else val
-        for ekey, _j in keys:
-            out[ekey] = torch.empty(shape, dtype=local.dtype, device=local.device)
+        for ekey, j in keys:
+            out[ekey] = entry(val, dim, j)
     return out

@@ -75,17 +75,20 @@ def _task_outcomes(job: Any, since: float | None = None) -> list[tuple[str, Any]
     return out
 
 
+def _lines(cmd: list[str]) -> list[str]:
+    """A SLURM query's output lines; none when the command fails or is missing."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.splitlines()
+    except (subprocess.SubprocessError, OSError):
+        return []
+
+
 def _sacct_states(job_ids: Sequence[str], starts: dict[str, float] | None = None) -> dict[str, str]:
     """job id (incl. array element ids like 12_0) -> sacct State (first word, upper case).
     ``starts``, when given, is filled with the start (epoch s) of each job's current attempt."""
     base = sorted({j.split("_")[0] for j in job_ids})
-    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State,Start"] + [a for b in base for a in ("-j", b)]
-    try:
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (subprocess.SubprocessError, OSError):
-        return {}
     states: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in _lines(["sacct", "-n", "-X", "-P", "-o", "JobID,State,Start"] + [a for b in base for a in ("-j", b)]):
         parts = line.split("|")
         if len(parts) < 2:
             continue
@@ -104,13 +107,8 @@ def _squeue_states(job_ids: Sequence[str]) -> dict[str, str]:
     a short job can go from PENDING to COMPLETED between two sacct answers. Only queued or
     running jobs are listed."""
     base = sorted({j.split("_")[0] for j in job_ids})
-    cmd = ["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(base)]
-    try:
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (subprocess.SubprocessError, OSError):
-        return {}
     states: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in _lines(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(base)]):
         parts = line.strip().split("|")
         if len(parts) == 2 and parts[1]:
             states[parts[0]] = parts[1].upper()
