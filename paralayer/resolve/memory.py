@@ -184,16 +184,19 @@ def in_flight(lay: Layout, r: int) -> float:
     ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
-    p, mm = lay.pp, lay.microbatches
+    return in_flight_count(lay.pp, lay.microbatches, lay.schedule, lay.vpp, r)
+
+
+def in_flight_count(p: int, mm: int, s: str, vpp: int, r: int) -> float:
+    """:func:`in_flight` from the numbers alone (the planner calls it per candidate)."""
     if p == 1:
         return 1.0
-    s = lay.schedule
     if s == "gpipe":
         return float(mm)
     if s == "1f1b":
         return float(min(mm, p - r))
     if s == "interleaved":
-        return min(mm, p - r) * (1 + (p - 1) / (p * lay.vpp))
+        return min(mm, p - r) * (1 + (p - 1) / (p * vpp))
     if s == "zbv":
         return float(min(mm, p))
     if s == "dualpipev":
@@ -231,6 +234,22 @@ def _shard(n: float, d: int, zero: int, stage: int) -> float:
     return n / d if zero >= stage else n
 
 
+def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int, pp: int,
+                bytes_per_param: tuple) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of a rank holding ``dense`` + ``expert`` parameters.
+
+    Under pp, torch's pipeline stage runs FSDP without gradient sync and without resharding after
+    backward until the step's last action: the peak holds whole weights and whole grads. ZeRO-1
+    keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the experts are
+    dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp."""
+    wb, gb, ob = bytes_per_param
+    pz = zero if pp == 1 else min(zero, 1)
+    params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
+    grads = gb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2))
+    opt = ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1)))
+    return params, grads, opt
+
+
 def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, activations) bytes on pipeline rank r.
 
@@ -243,17 +262,7 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     z = lay.zero
 
-    def shard(n: float, d: int, stage: int) -> float:
-        return n / d if z >= stage else n
-
-    # Under pp, torch's pipeline stage runs FSDP without gradient sync and without resharding after
-    # backward until the step's last action: the peak holds whole weights and whole grads
-    pz = z if lay.pp == 1 else min(z, 1)
-    params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
-    grads = gb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2))
-    # ZeRO-1 keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the
-    # experts are dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp.
-    opt = ob * (shard(dense, d_dense, 1) + (expert if z == 1 else shard(expert, d_exp, 1)))
+    params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, (wb, gb, ob))
 
     m = cfg.model
     ab = ACT_BYTES[lay.precision]

@@ -181,21 +181,6 @@ def axis_spans(tp: int, pp: int, cp: int, dp: int, ep: int, dpn: int) -> dict:
 
 
 # ------------------------------------------------------------------ the planner
-def _in_flight(pp: int, m: int, schedule: str, vpp: int, r: int) -> float:
-    """memory.in_flight, inlined for speed (same cases)."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(m, pp - r))
-    if schedule == "interleaved":
-        return min(m, pp - r) * (1 + (pp - 1) / (pp * vpp))
-    if schedule == "zbv":
-        return float(min(m, pp))
-    return float(min(m, pp + 0.5))
-
-
 # record tuple fields (materialised into dicts after sorting)
 _F = ("step", "key", "zero", "mb", "mm", "recompute", "mem", "t_ax", "dp_exposed", "bubble", "recomp_s",
       "bubble_s", "imbalance_s", "overhead_s")
@@ -343,11 +328,7 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
         states = []
         for rk in ranks:
             dense, expert = rk[1], rk[2]
-            pz = zero if pp == 1 else min(zero, 1)  # memory.rank_memory: FSDP under pp keeps whole weights/grads
-            pa = int(wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3)))
-            gr = int(gbb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2)))
-            # memory.rank_memory: ZeRO-1 keeps the expert optimizer states whole on each rank
-            op = int(ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1))))
+            pa, gr, op = (int(x) for x in mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
             states.append((pa, gr, op, pa + gr + op))
         mbs = divisors(gb // dp)
         if avail is not None and min(s[3] for s in states) > avail:
@@ -374,7 +355,7 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                 if last:
                     lif = mm if (schedule == "gpipe" and pp > 1) else 1
                     extra = 4 * tokens * lay.padded_vocab / tp * lif + 3 * tokens * h * ab
-                fl.append((_in_flight(pp, mm, schedule, vpp, r), extra))
+                fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
             for recompute in RECOMPUTES:
                 ed, em = act[recompute]
                 full = recompute == "full"
@@ -400,11 +381,6 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                     dp_exposed = 0.0
                 recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
                              (fixed, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh))
-
-
-def _shard(n: float, d: int, zero: int, stage: int) -> float:
-    """memory.rank_memory's ZeRO rule: sharded over d from ``stage`` on."""
-    return n / d if zero >= stage else n
 
 
 def _line(pts: list, ax: str) -> tuple[float, float]:
