@@ -104,6 +104,14 @@ class ZeroOneOptimizer:
         self.params, self.group, self.rank = params, group, rank
         self.local_ids = local_ids
         self.group_ranks = group_ranks
+        # what each owner broadcasts after the step: its non-local parameters, one flat tensor per dtype
+        self.broadcasts: list[tuple[int, list[nn.Parameter]]] = []
+        for r in range(world):
+            by_dtype: dict = {}
+            for i, p in enumerate(params):
+                if self.owner[i] == r and id(p) not in local_ids:
+                    by_dtype.setdefault(_local(p).dtype, []).append(p)
+            self.broadcasts += [(r, group) for group in by_dtype.values()]
         mine = [p for i, p in enumerate(params) if self.owner[i] == rank]
         self.inner = make_opt(mine if mine else [torch.nn.Parameter(torch.zeros(1, device=_local(params[0]).device))])
         self.param_groups = self.inner.param_groups
@@ -117,24 +125,19 @@ class ZeroOneOptimizer:
         """Step the owned share, then one broadcast per owner of its updated parameters, flat
         per dtype (a collective per parameter would pay the link latency hundreds of times)."""
         self.inner.step()
-        world = len(self.group_ranks)
-        for owner in range(world):
-            by_dtype: dict = {}
-            for i, p in enumerate(self.params):
-                if self.owner[i] == owner and id(p) not in self.local_ids:
-                    by_dtype.setdefault(_local(p.data).dtype, []).append(_local(p.data))
-            for tensors in by_dtype.values():
-                if owner == self.rank:
-                    flat = torch.cat([t.reshape(-1) for t in tensors])
-                else:
-                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                                       device=tensors[0].device)
-                dist.broadcast(flat, src=self.group_ranks[owner], group=self.group)
-                if owner != self.rank:
-                    offset = 0
-                    for t in tensors:
-                        t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                        offset += t.numel()
+        for owner, group in self.broadcasts:
+            tensors = [_local(p.data) for p in group]
+            if owner == self.rank:
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+            else:
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                                   device=tensors[0].device)
+            dist.broadcast(flat, src=self.group_ranks[owner], group=self.group)
+            if owner != self.rank:
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def state_dict(self):
         return self.inner.state_dict()

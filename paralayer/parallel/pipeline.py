@@ -267,10 +267,13 @@ class PipelineRunner:
                 raise ValueError(f"chunk order mismatch: expected chunk {c}, got {mod.pp_chunk}")
         self.chunks = list(chunks)
         self.chunk_ids = ids
+        # the V schedules split backward into input and weight passes (and detach in between)
+        split_backward = self.schedule_name in ("zbv", "dualpipev")
         for mod in self.chunks:
             if aux_loss_coef:
                 mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
-            mod.register_forward_hook(_unview_hook)
+            if split_backward:
+                mod.register_forward_hook(_unview_hook)
 
         self.events: list[dict] = []
         self._t0 = 0.0
@@ -282,7 +285,9 @@ class PipelineRunner:
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
 
         def timed_loss(logits, labels):
-            loss = _unview(loss_fn(logits, labels))
+            loss = loss_fn(logits, labels)
+            if split_backward:
+                loss = _unview(loss)
             if self.measure and self.events:
                 self.events[-1]["end"] = time.perf_counter() - self._t0  # the loss belongs to F
             return loss
