@@ -95,3 +95,16 @@ def cfg_and_plan(overrides: list[str]):
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
     return cfg, plan
+
+
+#: the tiny recipe cut down for parity runs: plain data parallel (tp=1), 2 layers, seq 64, 5 steps
+TINY_SMALL = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
+              "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled"]
+
+
+def train_records(overrides: list[str]) -> list[dict]:
+    """One rank's ``train()`` on the config and plan of ``overrides``: its metrics records."""
+    from paralayer.train import train
+
+    cfg, plan = cfg_and_plan(overrides)
+    return train(cfg, plan)

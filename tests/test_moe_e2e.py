@@ -9,13 +9,11 @@ import math
 import pytest
 import torch
 
-from tests.dist import cfg_and_plan, run_ranks
+from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks, train_records
 
 # Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective.
-MOE = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
-       "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled",
-       "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96",
-       "model.moe.aux_loss_coef=0", "model.moe.capacity_factor=null", "train.precision=fp32"]
+MOE = TINY_SMALL + ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96",
+                    "model.moe.aux_loss_coef=0", "model.moe.capacity_factor=null", "train.precision=fp32"]
 
 
 def _cfg_plan(overrides):
@@ -23,11 +21,7 @@ def _cfg_plan(overrides):
 
 
 def _train(rank, world, overrides):
-    from paralayer.train import train
-
-    cfg, plan = _cfg_plan(overrides)
-    recs = train(cfg, plan)
-    return recs
+    return train_records(MOE + list(overrides))
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import cfg_and_plan, run_ranks
+from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks, train_records
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
-        "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled"]
+TINY = TINY_SMALL
 
 
 def _cfg_plan(overrides):
@@ -23,10 +22,7 @@ def _cfg_plan(overrides):
 
 
 def _train(rank, world, overrides):
-    from paralayer.train import train
-
-    cfg, plan = _cfg_plan(overrides)
-    recs = train(cfg, plan)
+    recs = train_records(TINY + list(overrides))
     return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
 
 
