@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer import config as config_mod
+from paralayer import moe_step
 from paralayer.config import Config
 from paralayer.mesh import Meshes, build_mesh
 from paralayer.model import Transformer, init_weights, lm_loss
@@ -231,7 +232,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                                 microbatch_shape=(cfg.train.micro_batch, seq_len // cp),
                                 loss_parallel=tp > 1,
                                 aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0)
-        _moe_count_real_forwards_only(runner, built)
+        moe_step.count_real_forwards_only(runner, built.chunks)
 
     # ---- resume
     start_step = 1
@@ -287,7 +288,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             labels = zigzag_shard(labels, 1, cp, cp_rank)
         poison = _maybe_inject_fault(rank, step)
         opt.zero_grad(set_to_none=True)
-        _moe_reset(built)
+        moe_step.reset(built.chunks)
         if runner is not None:
             loss_sum = runner.step(tokens, labels, autocast_dtype=autocast_dtype)
         else:
@@ -328,7 +329,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                                 f"Lower train.lr or set train.skip_nonfinite=true to skip such steps.")
         lr = opt.param_groups[0]["lr"]
         opt.step()
-        _moe_update_bias(built, cfg, meshes)
+        moe_step.update_bias(built.chunks, cfg, meshes)
         sched.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -338,7 +339,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             world_size=world, flops_per_token=flops_per_token, peak_tflops=peak, device=device)
         if runner is not None and getattr(runner, "bubble_measured", None) is not None:
             rec["bubble_measured"] = runner.bubble_measured
-        moe_stats = _moe_stats(built, meshes, pp, cfg.model.moe.num_experts)
+        moe_stats = moe_step.step_stats(built.chunks, meshes, pp, cfg.model.moe.num_experts, built.device)
         if moe_stats:
             rec.update(moe_stats)
         records.append(rec)
@@ -386,77 +387,6 @@ def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
         dist.all_reduce(t, group=dp_cp.get_group())
         t /= dp_cp.size()
     return t[0]
-
-
-def _moe_layers(built: Built) -> list:
-    return [layer.feed_forward for c in built.chunks for layer in c.layers.values()
-            if hasattr(layer.feed_forward, "step_stats")]
-
-
-def _moe_count_real_forwards_only(runner, built: Built) -> None:
-    """MoE statistics count only the schedule's microbatch forwards, not the stages' one-off
-    shape inference (a forward on uninitialised tensors at the first step)."""
-    layers = _moe_layers(built)
-    if not layers:
-        return
-    for ff in layers:
-        ff.count_stats = False
-    for stage in runner.stages:
-        def counted(*args, _fwd=stage.forward_one_chunk, **kwargs):
-            for ff in layers:
-                ff.count_stats = True
-            try:
-                return _fwd(*args, **kwargs)
-            finally:
-                for ff in layers:
-                    ff.count_stats = False
-        stage.forward_one_chunk = counted
-
-
-def _moe_update_bias(built: Built, cfg: Config, meshes: Meshes) -> None:
-    """Sigmoid router: the aux-loss-free balancing step (DeepSeek-V3), once per optimizer step, from
-    the load over every replica of the router (all dp·cp ranks; tp ranks see the same tokens)."""
-    if cfg.model.moe.router != "sigmoid":
-        return
-    group = meshes["dp_cp"].get_group() if meshes.size("dp_cp") > 1 else None
-    for ff in _moe_layers(built):
-        ff.update_bias(cfg.model.moe.bias_update_rate, group=group)
-
-
-def _moe_reset(built: Built) -> None:
-    for ff in _moe_layers(built):
-        ff.reset_step_stats()
-
-
-def _moe_stats(built: Built, meshes: Meshes, pp: int, num_experts: int) -> dict:
-    """The step's routing over the whole global batch (every microbatch, data rank and MoE layer):
-    routed token-slots per expert summed over the MoE layers (min, mean, max over experts), dropped
-    token-slots, and the aux loss (sum over layers of its mean over microbatches and data ranks,
-    before ``aux_loss_coef``). Identical on every rank. Collectives: one over dp·cp, one over pp."""
-    if num_experts <= 0:
-        return {}
-    counts = torch.zeros(num_experts, dtype=torch.float64)
-    dropped, aux_sum, forwards = 0.0, 0.0, 0.0
-    for ff in _moe_layers(built):
-        st = ff.step_stats
-        if st["tokens_per_expert"] is not None:
-            counts += st["tokens_per_expert"].double().cpu()
-        dropped += st["dropped"]
-        aux_sum += st["aux_loss_sum"]
-        forwards = max(forwards, float(st["forwards"]))  # the same for every layer of this rank
-    dev = built.device
-    t = torch.cat([counts, torch.tensor([dropped, aux_sum, forwards], dtype=torch.float64)]).to(dev)
-    if meshes.size("dp_cp") > 1:  # tp ranks hold the same tokens: not summed over tp
-        dist.all_reduce(t, group=meshes["dp_cp"].get_group())
-    aux_mean = t[-2] / t[-1] if float(t[-1]) > 0 else torch.zeros((), dtype=torch.float64, device=dev)
-    t = torch.cat([t[:-2], aux_mean.reshape(1)])
-    if pp > 1:  # stages hold different layers
-        dist.all_reduce(t, group=meshes["pp"].get_group())
-    t = t.cpu()
-    counts = t[:num_experts]
-    return {"aux_loss": float(t[-1]), "tokens_per_expert_min": float(counts.min()),
-            "tokens_per_expert_mean": float(counts.mean()), "tokens_per_expert_max": float(counts.max()),
-            "dropped_tokens": int(round(float(t[num_experts])))}
 
 
 def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:

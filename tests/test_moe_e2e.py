@@ -322,17 +322,17 @@ def test_expert_memory_divides_by_ep_not_tp():
 
 
 def _train_bias(rank, world, overrides):
-    import paralayer.train as T
+    import paralayer.moe_step as M
     from paralayer.train import train
     cfg, plan = _cfg_plan(overrides)
     captured = {}
-    orig = T._moe_update_bias
+    orig = M.update_bias
 
-    def spy(built, cfg_, meshes):
-        orig(built, cfg_, meshes)
-        captured["bias"] = [ff.expert_bias.tolist() for ff in T._moe_layers(built)]
+    def spy(chunks, cfg_, meshes):
+        orig(chunks, cfg_, meshes)
+        captured["bias"] = [ff.expert_bias.tolist() for ff in M.moe_layers(chunks)]
 
-    T._moe_update_bias = spy
+    M.update_bias = spy
     recs = train(cfg, plan)
     return [r["loss"] for r in recs], captured["bias"]
 
