@@ -1,4 +1,4 @@
-"""The recipe schema: typed dataclasses merged with OmegaConf, strict about every key.
+"""Loading recipes: the schema (``paralayer.config_schema``) merged with OmegaConf, strict about every key.
 
 A recipe is YAML; it may name a parent with ``base: NAME`` and a cluster profile with
 ``cluster: NAME``. Overrides come from the command line as ``dotted.key=value``. Every mistake
@@ -9,181 +9,39 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPES_DIR = REPO_ROOT / "recipes"
-PROFILES_DIR = REPO_ROOT / "cluster" / "profiles"
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("auto", "fp32", "bf16")
-DATA_FORMATS = ("text", "jsonl", "parquet", "tokens")
-WANDB_MODES = ("offline", "online", "disabled")
-ROUTERS = ("softmax", "sigmoid")
-BACKENDS = ("local", "slurm")
-DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(Exception):
-    """A bad recipe: names the field and says what would be valid."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass
-class MoEConfig:
-    num_experts: int = 0  # 0 = dense
-    top_k: int = 2
-    ffn_hidden: int = 0  # 0 = model.ffn_hidden
-    aux_loss_coef: float = 0.01
-    capacity_factor: Optional[float] = None  # None = dropless
-    every: int = 1  # MoE on every k-th layer
-    router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3, bias balancing)
-    shared_ffn_hidden: int = 0  # 0 = no shared expert
-    bias_update_rate: float = 0.001  # router=sigmoid: aux-loss-free balancing step (DeepSeek-V3 gamma)
-
-
-@dataclass
-class ModelConfig:
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 8
-    ffn_hidden: int = 688
-    vocab_size: int = 256
-    seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init: str = "random"  # random | hf:PATH
-    init_std: float = 0.02
-    moe: MoEConfig = field(default_factory=MoEConfig)
-
-
-@dataclass
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: Any = "auto"  # int or "auto"
-    schedule: str = "1f1b"
-    zero: int = 0
-    recompute: str = "none"
-    sequence_parallel: Optional[bool] = None  # None = on when tp > 1
-    pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
-
-
-@dataclass
-class TrainConfig:
-    global_batch: int = 8
-    micro_batch: int = 1
-    steps: int = 20
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU
-    resume: str = "none"  # none | auto | PATH
-    stop_at_step: Optional[int] = None
-    skip_nonfinite: bool = False
-    log_every: int = 1
-    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
-
-
-@dataclass
-class DataConfig:
-    path: Optional[str] = None  # None = a generated offline corpus
-    format: str = "text"
-    shuffle: bool = True
-    tokenizer: Optional[str] = None  # None = byte-level; else a tokenizers JSON file
-    text_field: str = "text"
-
-
-@dataclass
-class SlurmConfig:
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time_min: int = 60
-    constraint: Optional[str] = None
-    cpus_per_task: int = 1
-    gpus_per_node: int = 0
-    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
-    srun_args: List[str] = field(default_factory=list)
-    setup: List[str] = field(default_factory=list)
-    max_requeues: int = 3
-    folder: Optional[str] = None  # submitit logs; default run.dir/../slurm-logs
-
-
-@dataclass
-class ClusterConfig:
-    name: str = "local"
-    backend: str = "local"
-    device: str = "auto"
-    nodes: int = 1
-    devices_per_node: Optional[int] = None
-    device_memory_gib: Optional[float] = None
-    peak_tflops: Optional[float] = None  # dense bf16 peak per device
-    intra_node_gbps: float = 10.0  # GB/s per device, inside a node
-    inter_node_gbps: float = 1.0  # GB/s per device, across nodes
-    memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-
-
-@dataclass
-class CheckpointConfig:
-    dir: Optional[str] = None  # None = run.dir/checkpoints
-    every: int = 0  # 0 = never
-    keep: int = 2
-
-
-@dataclass
-class RunConfig:
-    dir: Optional[str] = None  # None = runs/<recipe>-<time>
-    name: Optional[str] = None
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "offline"
-    project: str = "paralayer"
-    group: Optional[str] = None
-
-
-@dataclass
-class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    timeline: bool = False
-    progress: bool = True
-
-
-@dataclass
-class Config:
-    recipe: str = "tiny"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    sweep: Dict[str, Any] = field(default_factory=dict)
+from paralayer.config_schema import (  # noqa: F401 - the schema's names are this module's API too
+    BACKENDS,
+    DATA_FORMATS,
+    DEVICES,
+    PRECISIONS,
+    PROFILES_DIR,
+    RECIPES_DIR,
+    RECOMPUTE,
+    REPO_ROOT,
+    ROUTERS,
+    SCHEDULES,
+    WANDB_MODES,
+    CheckpointConfig,
+    ClusterConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RunConfig,
+    SlurmConfig,
+    TrainConfig,
+    WandbConfig,
+)
 
 
 # ---------------------------------------------------------------- key names and suggestions
