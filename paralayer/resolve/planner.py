@@ -181,10 +181,6 @@ def axis_spans(tp: int, pp: int, cp: int, dp: int, ep: int, dpn: int) -> dict:
 
 
 # ------------------------------------------------------------------ the planner
-# record tuple fields (materialised into dicts after sorting)
-_F = ("step", "key", "zero", "mb", "mm", "recompute", "mem", "t_ax", "dp_exposed", "bubble", "recomp_s",
-      "bubble_s", "imbalance_s", "overhead_s")
-
 
 def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optional[dict] = None) -> list[dict]:
     """Every valid layout that fits, best (lowest predicted step time) first.
