@@ -72,6 +72,7 @@ class ParallelConfig:
     zero: int = 0
     recompute: str = "none"
     sequence_parallel: Optional[bool] = None  # None = on when tp > 1
+    tp_overlap: bool = False  # tp collectives decomposed into the GEMMs (needs sequence parallel)
     pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
 
 

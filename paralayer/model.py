@@ -63,18 +63,26 @@ class Attention(nn.Module):
         # Replaced by ring attention under context parallel; wrapped by selective recompute.
         self.attn_fn: AttnFn = sdpa_causal
         self.recompute_core = False
+        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tp_overlap.py)
+        self.tp_overlap = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        if self.tp_overlap is not None:  # x: this rank's s/tp tokens; q, k, v: the whole sequence
+            q, k, v = self.tp_overlap.gather_matmul(x, (self.wq.weight, self.wk.weight, self.wv.weight))
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[:2]
         # -1 heads: under tensor parallel each rank holds n_heads/tp of them.
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core:
             out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
         else:
             out = self._core(q, k, v, cos, sin)
         out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.tp_overlap is not None:
+            return self.tp_overlap.matmul_scatter(out, self.wo.weight)
         return self.wo(out)
 
     def _core(self, q, k, v, cos, sin):
@@ -92,13 +100,19 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
         self.recompute_act = False
+        self.tp_overlap = None  # as Attention.tp_overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x), self.w3(x)
+        if self.tp_overlap is not None:
+            gate, up = self.tp_overlap.gather_matmul(x, (self.w1.weight, self.w3.weight))
+        else:
+            gate, up = self.w1(x), self.w3(x)
         if self.recompute_act:
             act = checkpoint(_swiglu, gate, up, use_reentrant=False)
         else:
             act = _swiglu(gate, up)
+        if self.tp_overlap is not None:
+            return self.tp_overlap.matmul_scatter(act, self.w2.weight)
         return self.w2(act)
 
 

@@ -78,7 +78,8 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
         if tp > 1:
             from paralayer.parallel.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(chunk, meshes["tp"], bool(plan.get("sequence_parallel", True)))
+            apply_tensor_parallel(chunk, meshes["tp"], bool(plan.get("sequence_parallel", True)),
+                                  overlap=bool(plan.get("tp_overlap", False)))
         if cp > 1:
             from paralayer.parallel.context import apply_context_parallel
 

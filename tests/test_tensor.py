@@ -242,6 +242,7 @@ def _saved_bytes(model, tokens, labels, loss_fn) -> dict:
 
 
 def _act_worker(rank, world, cfg, tokens, labels, sps):
+    """``sps``: True / False (sequence parallel on / off) or "overlap" (SP with tp_overlap)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
@@ -251,7 +252,7 @@ def _act_worker(rank, world, cfg, tokens, labels, sps):
     for sp in sps:
         with torch.device("meta"):
             model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
-        apply_tensor_parallel(model, mesh["tp"], sp)
+        apply_tensor_parallel(model, mesh["tp"], sp is not False, overlap=sp == "overlap")
         model.to_empty(device="cpu")
         init_weights(model, cfg, seed=0)
         with loss_parallel_ctx(True):
@@ -259,14 +260,15 @@ def _act_worker(rank, world, cfg, tokens, labels, sps):
     return out
 
 
-def _plan_act_bytes_per_layer(tp: int, sp: bool) -> float:
+def _plan_act_bytes_per_layer(tp: int, sp) -> float:
     """The resolver's activation bytes for one layer of one microbatch (B×S tokens, fp32)."""
     from paralayer.config import load_config
     from paralayer.resolve import memory, rules
 
     cfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
                        "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
-                       f"parallel.tp={tp}", "parallel.dp=1", f"parallel.sequence_parallel={str(sp).lower()}",
+                       f"parallel.tp={tp}", "parallel.dp=1", f"parallel.sequence_parallel={str(sp is not False).lower()}",
+                       f"parallel.tp_overlap={str(sp == 'overlap').lower()}",
                        f"train.global_batch={B}", f"train.micro_batch={B}", "train.precision=fp32"])
     lay = rules.check(cfg)
     return memory.act_elems_per_token(cfg, lay, False, "none") * B * S * memory.ACT_BYTES["fp32"]
@@ -282,14 +284,14 @@ def test_activation_bytes(tp):
     init_weights(model, cfg, seed=0)
     base = _saved_bytes(model, tokens, labels, lambda lg, lb: lm_loss(lg, lb, cfg.vocab_size))
     assert base["norms"] >= B * S * cfg.d_model * 4 * (2 * cfg.n_layers + 1)  # every norm saves its input
-    sps = (True, False) if tp == 2 else (True,)
+    sps = (True, False, "overlap") if tp == 2 else (True, "overlap")
     per_rank = run_ranks(_act_worker, tp, cfg, tokens, labels, sps)
     measured = {(1, False): base["block"]}
     for sp in sps:
         norms = [r[sp]["norms"] for r in per_rank]
         print(f"[tp={tp} sp={sp}] norm-region bytes per rank {norms} vs tp=1 {base['norms']}; "
               f"layer bytes {per_rank[0][sp]['block']} vs tp=1 {base['block']}")
-        if sp:
+        if sp is not False:
             assert all(n <= base["norms"] / tp * 1.10 for n in norms), (base, norms)
         else:  # without SP every tp rank saves the whole sequence in the norms
             assert all(n == base["norms"] for n in norms), (base, norms)

@@ -78,16 +78,21 @@ def check_tp_shapes(model: nn.Module, tp: int) -> None:
         raise ValueError("; ".join(problems))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          overlap: bool = False) -> None:
     """Shard ``model`` (a full Transformer or a pipeline stage of it) over the 1-D ``tp_mesh``, in place.
 
     Call on the meta-device model, before ``to_empty`` and ``init_weights``. tp == 1 is a no-op.
+    ``overlap`` (needs sequence parallel): the split linears keep their DTensor weights, but the
+    all-gathers and reduce-scatters run inside the GEMMs, chunk by chunk (parallel/tp_overlap.py).
     """
     tp = tp_mesh.size()
     if tp == 1:
         return
     check_tp_shapes(model, tp)
     sp = bool(sequence_parallel)
+    if overlap and not sp:
+        raise ValueError("parallel.tp_overlap needs parallel.sequence_parallel=true")
     # Layout of the residual stream between blocks (and of what a pipeline stage sends on).
     stream = Shard(1) if sp else Replicate()
 
@@ -107,18 +112,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
 
+    fused = None
+    if overlap:
+        from paralayer.parallel.tp_overlap import TpOverlap
+
+        fused = TpOverlap(tp_mesh.get_group())
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(stream, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
         }
+        if fused is None:
+            plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
+        else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
+            block.attention.tp_overlap = fused
         if sp:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+            # plain local chunks out under overlap (the fused GEMMs take them as they are)
+            plan["attention_norm"] = SequenceParallel(use_local_output=fused is not None)
+            plan["ffn_norm"] = SequenceParallel(use_local_output=fused is not None)
         else:
             _replicate(block.attention_norm, tp_mesh)
             _replicate(block.ffn_norm, tp_mesh)
@@ -131,12 +145,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                 block.feed_forward.register_forward_hook(_replicate_to_seq_shard(tp_mesh))
         else:
             plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(stream,),
-                                                   desired_input_layouts=(Replicate(),)),
                 "feed_forward.w1": ColwiseParallel(),
                 "feed_forward.w3": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             })
+            if fused is None:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
+                                                          desired_input_layouts=(Replicate(),))
+            else:
+                block.feed_forward.tp_overlap = fused
         parallelize_module(block, tp_mesh, plan)
 
     model.tp_mesh = tp_mesh

@@ -57,6 +57,32 @@ def _entry(collective: str, message: float, count: float, group: int) -> dict:
             "bytes_per_step": message * count, "group_size": group}
 
 
+#: Rings per layer and microbatch under tp_overlap (parallel/tp_overlap.py): forward, backward.
+#: Forward: gather→(wq,wk,wv), wo→scatter, gather→(w1,w3), w2→scatter. Backward: each column
+#: GEMM re-gathers its input (weight grads) and reduce-scatters its input grad; each row GEMM
+#: gathers its output grad. An MoE layer fuses only its attention (2 forward, 3 backward); its
+#: expert block keeps its plain all-gathers: the input in forward, the output's grad in backward
+#: (its input grad is a local slice: the expert block runs replicated on every tp rank).
+TP_RINGS_DENSE = (4, 6)
+TP_RINGS_MOE = (2, 3)
+TP_PLAIN_MOE = (1, 1)
+
+
+def tp_overlap_comm(lay: Layout, act_msg: float, n_dense: int, n_moe: int, fwd_extra: int) -> dict:
+    """tp traffic under tp_overlap: every fused collective is a ring of tp − 1 chunk sends
+    (``count_per_step`` counts the sends, ``message_bytes`` is one chunk); ``plain_bytes_per_step``
+    is the MoE blocks' unfused share (it cannot hide behind a GEMM)."""
+    t, mm = lay.tp, lay.microbatches
+    rings = sum(n * (f * (1 + fwd_extra) + b) for n, (f, b) in ((n_dense, TP_RINGS_DENSE), (n_moe, TP_RINGS_MOE)))
+    plain = n_moe * (TP_PLAIN_MOE[0] * (1 + fwd_extra) + TP_PLAIN_MOE[1])
+    chunk = act_msg / t
+    e = _entry("ring send/recv (fused in GEMMs)", chunk, rings * (t - 1) * mm + plain * mm, t)
+    e["plain_bytes_per_step"] = int(plain * mm * act_msg * (t - 1) / t)
+    e["bytes_per_step"] = int(rings * (t - 1) * mm * chunk) + e["plain_bytes_per_step"]
+    e["wire_bytes_per_step"] = e["bytes_per_step"]
+    return e
+
+
 def comm(cfg: Config, lay: Layout) -> dict:
     """Per-axis communication of the first pipeline rank (the one the memory figure is for).
 
@@ -86,7 +112,9 @@ def comm(cfg: Config, lay: Layout) -> dict:
     fwd_extra = 1 if lay.recompute == "full" else 0
     out: dict = {}
 
-    if lay.tp > 1:
+    if lay.tp > 1 and lay.tp_overlap:
+        out["tp"] = tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, fwd_extra)
+    elif lay.tp > 1:
         coll = "all-gather+reduce-scatter" if lay.sequence_parallel else "all-reduce"
         out["tp"] = _entry(coll, act_msg, (4 + 2 * fwd_extra) * n_layers * mm, lay.tp)
     else:

@@ -164,7 +164,10 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     else:
         shard += ffn_mult * f
     if lay.sequence_parallel:
-        return 2 * h + (rep - 2 * h) / t + shard / t + moe_whole
+        # the inputs of the column GEMMs (attention, FFN): saved gathered, 2·h per token, or with
+        # tp_overlap only this rank's chunk (the backward gathers it again); MoE input stays gathered
+        gathered = 2 * h if not lay.tp_overlap else (h / t + (h if moe else h / t))
+        return gathered + (rep - 2 * h) / t + shard / t + moe_whole
     # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
     return rep + shard / t + (h - h / t) + moe_whole
 

@@ -56,6 +56,7 @@ class Plan:
     tokens_per_step: int
     flops_per_step: int
     recipe: str = ""
+    tp_overlap: bool = False
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -161,6 +162,7 @@ def resolve(cfg: Config) -> Plan:
         tokens_per_step=tokens,
         flops_per_step=fpt * tokens,
         recipe=cfg.recipe,
+        tp_overlap=lay.tp_overlap,
     )
 
 

@@ -45,6 +45,7 @@ class Layout:
     devices_per_node: int = 1
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    tp_overlap: bool = False
     zero: int = 0
     recompute: str = "none"
     micro_batch: int = 1
@@ -240,6 +241,12 @@ def check(cfg: Config) -> Layout:
         w("parallel.sequence_parallel", "sequence_parallel=true has no effect with parallel.tp=1; ignored")
     else:
         lay.sequence_parallel = bool(p.sequence_parallel)
+    if p.tp_overlap and tp == 1:
+        w("parallel.tp_overlap", "tp_overlap=true has no effect with parallel.tp=1; ignored")
+    elif p.tp_overlap and not lay.sequence_parallel:
+        e("parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
+          "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
+    lay.tp_overlap = bool(p.tp_overlap) and tp > 1
 
     # --- pipeline split
     chunks = pp * lay.vpp

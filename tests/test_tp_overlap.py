@@ -1,0 +1,168 @@
+"""parallel.tp_overlap (paralayer/parallel/tp_overlap.py): the sequence-parallel all-gathers and
+reduce-scatters decomposed into the GEMMs over the tp ring. Same numbers as one process, the
+traffic and saved activations the plan says."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paralayer.config import MoEConfig
+from paralayer.model import Transformer, init_weights, padded_vocab
+from tests.dist import run_ranks
+from tests.test_tensor import B, S, batches, reference, tiny
+
+torch.set_num_threads(1)
+
+
+def _build(world: int, cfg, overlap: bool = True):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.tensor import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
+    apply_tensor_parallel(model, mesh["tp"], True, overlap=overlap)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, seed=0)
+    return model
+
+
+def _parity_worker(rank, world, cfg, data):
+    from paralayer.parallel.tensor import full_grads, loss_parallel_ctx, tp_loss
+
+    model = _build(world, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    losses, grads = [], None
+    for tokens, labels in data:
+        opt.zero_grad()
+        with loss_parallel_ctx(True):
+            loss = tp_loss(model(tokens), labels, cfg.vocab_size)
+            loss.backward()
+        if grads is None:
+            grads = {n: g.numpy().copy() for n, g in full_grads(model)}
+        losses.append(loss.item())
+        opt.step()
+    return losses, grads if rank == 0 else None
+
+
+CASES = {
+    "tp2": (tiny(), 2),
+    "tp4": (tiny(), 4),
+    "tp2_gqa": (tiny(n_kv_heads=2), 2),
+    "tp2_moe": (tiny(moe=MoEConfig(num_experts=4, top_k=2)), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlap_matches_one_process(case):
+    """5 AdamW steps: every loss and the first step's every gradient equal one process's."""
+    cfg, tp = CASES[case]
+    data = batches(cfg)
+    ref_losses, ref_grads = reference(cfg, data)
+    out = run_ranks(_parity_worker, tp, cfg, data)
+    losses, grads = out[0]
+    assert all(o[0] == losses for o in out), "tp ranks disagree on the loss"
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    grad_err = 0.0
+    for name, g_ref in ref_grads.items():
+        g = torch.from_numpy(grads[name])[: g_ref.shape[0]]  # padded vocab rows/cols of the embeddings
+        if g.shape != g_ref.shape:
+            g = torch.from_numpy(grads[name])[:, : g_ref.shape[1]]
+        grad_err = max(grad_err, ((g - g_ref).abs().max() / g_ref.abs().max()).item())
+    print(f"[{case}] max rel loss err {loss_err:.2e}, max rel grad err {grad_err:.2e}")
+    assert loss_err <= 1e-5 and grad_err <= 1e-5
+
+
+# ------------------------------------------------------------------ traffic against the plan
+def _traffic_worker(rank, world, n_layers_list, moe):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from paralayer.parallel import tp_overlap
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
+
+    sent = {"n": 0, "bytes": 0}
+    start = tp_overlap._Ring.start
+
+    def counting(self, send, recv):
+        sent["n"] += 1
+        sent["bytes"] += send.numel() * send.element_size()
+        return start(self, send, recv)
+
+    tp_overlap._Ring.start = counting
+    out = []
+    for n_layers in n_layers_list:
+        cfg = tiny(n_layers=n_layers, moe=MoEConfig(num_experts=4, top_k=2, every=1) if moe else MoEConfig())
+        tokens, labels = batches(cfg, 1)[0]
+        model = _build(world, cfg)
+        sent["n"] = sent["bytes"] = 0
+        plain = CommDebugMode()
+        with loss_parallel_ctx(True), plain:
+            tp_loss(model(tokens), labels, cfg.vocab_size).backward()
+        counts = {str(k).split(".")[-1]: v for k, v in plain.get_comm_counts().items()}
+        out.append((dict(sent), counts))
+    return out
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_ring_traffic_per_layer_matches_plan(moe):
+    """Sends and bytes of the fused rings per layer (2 layers minus 1), and the MoE block's plain
+    collectives, equal cost.comm's tp entry for the same layer."""
+    from paralayer.config import load_config
+    from paralayer.resolve import cost, rules
+
+    tp = 2
+    (s1, c1), (s2, c2) = run_ranks(_traffic_worker, tp, (1, 2), moe)[0]
+    sends, sent_bytes = s2["n"] - s1["n"], s2["bytes"] - s1["bytes"]
+    # all_reduce: the SP norms' weight grads (h elements per norm), left out of every tp figure
+    plain = sum(v for k, v in c2.items() if k != "all_reduce") - sum(v for k, v in c1.items() if k != "all_reduce")
+    ov = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=96",
+          "model.vocab_size=61", f"model.seq_len={S}", f"parallel.tp={tp}", "parallel.dp=1",
+          "parallel.tp_overlap=true", f"train.global_batch={B}", f"train.micro_batch={B}", "train.precision=fp32"]
+    if moe:
+        ov += ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=1"]
+    lay = rules.check(load_config(ov))
+    e = cost.comm(load_config(ov), lay)["tp"]
+    rings = cost.TP_RINGS_MOE if moe else cost.TP_RINGS_DENSE
+    plain_plan = sum(cost.TP_PLAIN_MOE) if moe else 0
+    print(f"[moe={moe}] per layer: {sends} ring sends, {sent_bytes} B; plain collectives {plain}; "
+          f"plan {e['count_per_step']} sends+plain, {e['bytes_per_step']} B")
+    assert sends == sum(rings) * (tp - 1)
+    assert plain == plain_plan
+    assert sends + plain == e["count_per_step"]
+    assert sent_bytes + e.get("plain_bytes_per_step", 0) == e["bytes_per_step"]
+
+
+# ------------------------------------------------------------------ through train()
+def _train_rank(rank, world, cfg, plan):
+    from paralayer.train import train
+
+    return [r["loss"] for r in train(cfg, plan)]
+
+
+_REF: dict = {}
+BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.n_kv_heads=2", "train.steps=3",
+        "train.global_batch=4", "train.micro_batch=1", "train.precision=fp32", "logging.wandb.mode=disabled"]
+
+
+def _run(tmp, layout):
+    from tests.dist import cfg_and_plan
+
+    cfg, plan = cfg_and_plan(BASE + [f"run.dir={tmp}", "logging.progress=false", "checkpoint.every=0"] + layout)
+    return run_ranks(_train_rank, plan["world_size"], cfg, plan, timeout_s=300), plan
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2", "parallel.dp=2", "parallel.zero=3", "parallel.recompute=full"],
+    ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.schedule=1f1b", "parallel.recompute=selective"],
+    ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.schedule=zbv"],
+], ids=["tp2-dp2-zero3-full", "tp2-pp2-1f1b-selective", "tp2-pp2-zbv"])
+def test_train_with_overlap_matches_one_rank(tmp_path, layout):
+    if "ref" not in _REF:
+        _REF["ref"], _ = _run(tmp_path / "ref", ["parallel.tp=1", "parallel.dp=1"])
+    ref = _REF["ref"][0]
+    out, plan = _run(tmp_path / "ov", layout + ["parallel.tp_overlap=true"])
+    assert plan["tp_overlap"] is True
+    for losses in out:
+        err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        assert len(losses) == len(ref) and err <= 1e-5, (layout, losses, ref)
