@@ -166,3 +166,26 @@ def test_train_with_overlap_matches_one_rank(tmp_path, layout):
     for losses in out:
         err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         assert len(losses) == len(ref) and err <= 1e-5, (layout, losses, ref)
+
+
+# ------------------------------------------------------------------ the launcher's front door
+def test_tp_overlap_without_sequence_parallel_is_a_clear_error():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "launch.py", "recipe=tiny", "parallel.tp=2", "parallel.tp_overlap=true",
+                          "parallel.sequence_parallel=false", "--dry-run"], cwd=repo, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "parallel.tp_overlap" in out.stderr and "sequence_parallel=true" in out.stderr
+    assert "Traceback" not in out.stderr
+    ok = subprocess.run([sys.executable, "launch.py", "recipe=tiny", "parallel.tp=1", "parallel.tp_overlap=true",
+                         "--dry-run", "--json"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    import json
+
+    plan = json.loads(ok.stdout)
+    assert plan["tp_overlap"] is False
+    assert any(w["field"] == "parallel.tp_overlap" for w in plan["warnings"])

@@ -83,6 +83,22 @@ def tp_overlap_comm(lay: Layout, act_msg: float, n_dense: int, n_moe: int, fwd_e
     return e
 
 
+def tp_ring_flops(cfg: Config, tp: int, recompute: str) -> tuple[list[float], list[float]]:
+    """GEMM FLOPs per token (of the gathered sequence, on one device) that each fused ring of a
+    dense and of an MoE layer hides behind, in the order of TP_RINGS_*: forward (again under full
+    recompute), then backward (input-grad and weight-grad GEMMs; a row GEMM's gather feeds both)."""
+    m = cfg.model
+    h, f = m.d_model, m.ffn_hidden
+    qkv = 2.0 * h * (h + 2 * h * m.n_kv_heads / m.n_heads) / tp
+    wo = 2.0 * h * h / tp
+    w13 = 2.0 * h * 2 * f / tp
+    w2 = 2.0 * f * h / tp
+    again = 2 if recompute == "full" else 1
+    dense = [qkv, wo, w13, w2] * again + [qkv, qkv, 2 * wo, w13, w13, 2 * w2]
+    moe = [qkv, wo] * again + [qkv, qkv, 2 * wo]
+    return dense, moe
+
+
 def comm(cfg: Config, lay: Layout) -> dict:
     """Per-axis communication of the first pipeline rank (the one the memory figure is for).
 
@@ -172,6 +188,9 @@ def comm(cfg: Config, lay: Layout) -> dict:
             e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
             e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
             e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
+            # the grads' share (under pp torch's REDUCE_GRAD waits for it: it cannot hide)
+            e["reduce_wire_bytes_per_step"] = int(ring * n * reduces * gb)
+            e["reduce_count_per_step"] = reduces * units
         out["dp"] = e
     else:
         out["dp"] = _entry("none", 0, 0, 1)

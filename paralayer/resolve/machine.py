@@ -23,6 +23,10 @@ GPU_EFFICIENCY = 0.5
 GPU_LATENCY_S = {"intra": 10e-6, "inter": 20e-6}
 #: How much of a window of compute can hide dp traffic on GPUs (async NCCL on its own stream).
 GPU_DP_OVERLAP = 1.0
+#: parallel.tp_overlap on GPUs: the share of a chunk's GEMM time that hides the next chunk's
+#: transfer (NCCL send/recv on its own stream beside the GEMM). The SMs NCCL's kernels take from
+#: the GEMM are not modelled (Megatron's userbuffers move the bytes with copy engines instead).
+GPU_TP_OVERLAP = 1.0
 
 #: The ``local`` calibration (CPU ranks, gloo over loopback), fitted by benchmarks/calibrate.py on
 #: this machine — see docs/planner.md for the run and the fit. ``peak_tflops`` is the measured
@@ -37,6 +41,9 @@ LOCAL_CALIBRATION = {
     "latency_s": 0.0,  # per collective: fitted to 0 once dispatch is counted (the fit put it there)
     "bandwidth_gbps": 0.141,  # gloo over loopback
     "dp_overlap": 0.0,  # our CPU runtime reduces gradients after the backward, not under it
+    # tp_overlap on CPU: gloo's send thread competes with the ranks' compute for the same cores,
+    # so no transfer is counted as hidden (the planner does not offer tp_overlap here)
+    "tp_overlap": 0.0,
     # eager dispatch per layer per microbatch (forward + backward) on one rank, on top of the
     # FLOPs: every layer; more under tp (DTensor redistributes); more per MoE layer (routing,
     # sort, the loop over experts). Fitted like the rest; GPUs: 0 (kernels launch ahead).
@@ -65,6 +72,8 @@ class Machine:
     kind: str  # "gpu" | "local"
     #: seconds per layer per microbatch: {"layer", "tp", "moe"} (see LOCAL_CALIBRATION)
     overhead_s: dict = dataclasses.field(default_factory=dict)
+    #: share of a chunk GEMM that hides a chunk transfer under parallel.tp_overlap (0: none)
+    tp_overlap: float = 0.0
 
     def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
         """Dispatch seconds per microbatch of a rank holding these layers."""
@@ -103,11 +112,12 @@ def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
         ovh = {k: cal.get(f"overhead_{k}_s", 0.0) / share for k in ("layer", "tp", "moe")}
         return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
                        bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
-                       cap, reserve, "local", ovh)
+                       cap, reserve, "local", ovh, cal.get("tp_overlap", 0.0))
     cal = calibration or {}
     return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), cal.get("efficiency", GPU_EFFICIENCY),
                    float(c.intra_node_gbps), float(c.inter_node_gbps), dict(cal.get("latency_s", GPU_LATENCY_S)),
-                   cal.get("dp_overlap", GPU_DP_OVERLAP), cap, reserve, "gpu")
+                   cal.get("dp_overlap", GPU_DP_OVERLAP), cap, reserve, "gpu",
+                   tp_overlap=cal.get("tp_overlap", GPU_TP_OVERLAP))
 
 
 def wire_factor(collective: str, n: int) -> float:
@@ -135,3 +145,51 @@ def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float
         return count * mach.latency(span) + entry["wire_bytes_per_step"] / mach.bandwidth(span)
     wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)
     return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)
+
+
+def tp_overlap_seconds(ring_flops: tuple[list[float], list[float]], n_dense: int, n_moe: int, tokens: float,
+                       mm: int, tp: int, h: int, act_bytes: int, full_recompute: bool, mach: Machine,
+                       span: str) -> float:
+    """tp seconds on the critical path per step under parallel.tp_overlap.
+
+    Each fused ring (``cost.tp_ring_flops``) is tp − 1 steps of one chunk's GEMM beside the next
+    chunk's transfer; a step costs the longer of the two, so a ring shows
+    (tp − 1)·max(0, hop − overlap·GEMM/tp) beyond its GEMMs. The MoE blocks' plain all-gathers
+    (``cost.TP_PLAIN_MOE``) show whole. ``tokens``: the gathered sequence of one microbatch."""
+    from paralayer.resolve.cost import TP_PLAIN_MOE
+
+    if tp <= 1:
+        return 0.0
+    flop_s = 1.0 / (mach.peak_tflops * 1e12 * mach.efficiency)
+    hop = mach.latency(span) + tokens * h * act_bytes / tp / mach.bandwidth(span)
+    hide = mach.tp_overlap * flop_s * tokens / tp
+    per_mb = 0.0
+    for flops, n in zip(ring_flops, (n_dense, n_moe)):
+        if n:
+            per_mb += n * sum(max(0.0, hop - hide * f) for f in flops)
+    per_mb *= tp - 1
+    if n_moe:
+        plain = n_moe * (TP_PLAIN_MOE[0] * (2 if full_recompute else 1) + TP_PLAIN_MOE[1])
+        per_mb += plain * (mach.latency(span) + tokens * h * act_bytes * (tp - 1) / tp / mach.bandwidth(span))
+    return per_mb * mm
+
+
+def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window: float, mach: Machine) -> float:
+    """dp seconds on the critical path, as our runtime moves them. ZeRO 0–1: one all-reduce (and
+    ZeRO-1's broadcasts) after the whole backward: all of it shows. ZeRO 2–3 (FSDP2) without pp:
+    gathers and reduce-scatters per unit and microbatch, hidden by up to ``overlap × window`` of
+    compute. Under pp: torch's REDUCE_GRAD action waits for the stage's grad reduce-scatter after its
+    last backward (``t_reduce`` shows whole); only the weight gathers can hide."""
+    if zero <= 1:
+        return t_dp
+    if pp > 1:
+        return t_reduce + max(0.0, t_dp - t_reduce - mach.dp_overlap * window)
+    return max(0.0, t_dp - mach.dp_overlap * window)
+
+
+def dp_reduce_seconds(entry: dict, span: str, mach: Machine) -> float:
+    """The grad reduce-scatter's share of a ZeRO 2–3 dp entry (``cost.comm``): one per unit."""
+    wire = entry.get("reduce_wire_bytes_per_step", 0)
+    if not wire or entry["group_size"] <= 1:
+        return 0.0
+    return entry.get("reduce_count_per_step", 0) * mach.latency(span) + wire / mach.bandwidth(span)

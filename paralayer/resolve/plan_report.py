@@ -32,7 +32,7 @@ def why_slower(d: dict, best: dict, mach: Machine) -> str:
         ratio = mach.intra_gbps / mach.inter_gbps if mach.inter_gbps else float("inf")
         return f"{head}: tp spans nodes: tp comm {ratio:.1f}× slower ({d['comm_time_s']['tp']:.3g} s)"
     if pct < 0.05:
-        diffs = [k for k in ("zero", "micro_batch", "recompute", "schedule") if d[k] != best[k]]
+        diffs = [k for k in ("zero", "micro_batch", "recompute", "schedule", "tp_overlap") if d.get(k) != best.get(k)]
         return head + (f" (differs in {', '.join(diffs)}; more memory)" if diffs and
                        d["memory"]["total"] > best["memory"]["total"] else "")
     terms = {
@@ -44,8 +44,10 @@ def why_slower(d: dict, best: dict, mach: Machine) -> str:
     }
     for ax in ("tp", "pp", "cp", "ep"):
         inter = d["spans"][ax] == "inter-node" and d["degrees"][ax] > 1
+        unhidden = ax == "tp" and d["degrees"]["tp"] > 1 and not d.get("tp_overlap") and best.get("tp_overlap")
         terms[ax] = (d["comm_time_s"][ax] - best["comm_time_s"][ax],
-                     f"{ax} comm {d['comm_time_s'][ax]:.3g} s" + (" (spans nodes)" if inter else ""))
+                     f"{ax} comm {d['comm_time_s'][ax]:.3g} s" + (" (spans nodes)" if inter else "")
+                     + (" (tp_overlap off)" if unhidden else ""))
     _, (delta, text) = max(terms.items(), key=lambda kv: kv[1][0])
     if delta <= 0:
         return head
@@ -79,12 +81,13 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, cons
     con.print(f"{stats['considered']:,} layout structures considered, {stats['listed']:,} layouts fit and are "
               f"listed, planned in {stats['seconds']:.2f} s CPU")
     t = Table(title=f"Top {min(top, len(plans))} layouts (best first)")
-    for c in ("#", "tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
+    for c in ("#", "tp", "ovl", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
               "tok/s", "MFU", "bubble", "mem GiB", "why it loses to #1"):
         t.add_column(c, justify="left" if c in ("schedule", "recompute", "why it loses to #1") else "right")
     for d in plans[:top]:
         g = d["degrees"]
-        t.add_row(str(d["rank"]), *(str(g[a]) for a in ("tp", "pp", "vpp", "cp", "ep", "dp")), d["schedule"],
+        t.add_row(str(d["rank"]), str(g["tp"]), "yes" if d.get("tp_overlap") else "-",
+                  *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
                   str(d["zero"]), d["recompute"], str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
                   f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
                   f"{d['memory']['total'] / GIB:.1f}", d["why"])

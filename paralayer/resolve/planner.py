@@ -48,7 +48,10 @@ from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_
     LOCAL_CALIBRATION,
     Machine,
     comm_seconds,
+    dp_exposed_seconds,
+    dp_reduce_seconds,
     machine_for,
+    tp_overlap_seconds,
     wire_factor,
 )
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
@@ -287,96 +290,113 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
         n_moe = sum(1 for i in layers if moe_flags[i])
         ranks.append((r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks))
 
-    akey = (tp, lay.sequence_parallel, cp > 1)  # the keys act_elems_per_token depends on
-    if akey not in act_cache:
-        act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
-                                  mem_mod.act_elems_per_token(cfg, lay, True, mode)) for mode in RECOMPUTES}
-    act = act_cache[akey]
-
     # Communication per step: the resolver's own cost.comm volumes, timed by comm_seconds. Every
     # term is affine in the number of microbatches m (bytes of tp/pp/cp/ep do not depend on the
     # micro-batch: tokens per microbatch × m is fixed; counts scale with m; ZeRO-3 gathers per
     # microbatch), so two evaluations (m1, m2) per recompute mode / zero stage give the line.
+    # tp_overlap's exposed tp time is not affine in m (a ring step costs the longer of a chunk's
+    # GEMM and its transfer): it is computed per micro-batch size, from cost.tp_ring_flops.
     m1 = gb // dp  # micro_batch 1
     mb2 = next((q for q in divisors(gb // dp) if q > 1), 1)
     m2 = gb // (dp * mb2)
-    per_ax = {}  # recompute -> {axis: (fixed seconds, seconds per microbatch)}
-    dp_line = {}  # zero -> (fixed, per microbatch)
+    overlaps = (False, True) if (tp > 1 and lay.sequence_parallel and schedule not in V_SCHEDULES
+                                 and mach.tp_overlap > 0) else (False,)
+    per_ax: dict = {}  # (overlap, recompute) -> {axis: (fixed seconds, seconds per microbatch)}
+    dp_line = {}  # zero -> (fixed, per microbatch) of all dp traffic, and of the grad reduce-scatter
     for recompute, zero_ in (("none", 0), ("selective", 1), ("full", 2), ("full", 3)):
         pts = []
         for mb_, mm_ in ((1, m1), (mb2, m2)):
             lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero_
             c = cost_mod.comm(cfg, lay)
-            pts.append((mm_, {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}))
-        if recompute not in per_ax:
-            per_ax[recompute] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
-        dp_line[zero_] = _line(pts, "dp")
+            t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
+            t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
+            pts.append((mm_, t))
+        if (False, recompute) not in per_ax:
+            per_ax[(False, recompute)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+            if True in overlaps:  # pp, cp, ep as without; tp per micro-batch size below
+                per_ax[(True, recompute)] = {ax: per_ax[(False, recompute)][ax] for ax in ("pp", "cp", "ep")}
+        dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
-    lin = {r: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for r, t in per_ax.items()}
+    lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in per_ax.items()}
     struct[6].update(per_ax)
-    nd_none, nm_none = act["none"]
     work = compute * imbalance
     imb_s = compute * (imbalance - 1)
-    dp_overlap = mach.dp_overlap
     ovh_per_m = max(mach.layer_overhead(rk[3], rk[4], tp) for rk in ranks)
+    r0 = ranks[0]  # cost.comm's rank: the first pipeline rank
+    full_ring_flops = {rc: cost_mod.tp_ring_flops(cfg, tp, rc) for rc in RECOMPUTES}
+    tp_cache: dict = {}
 
-    for zero in range(4):
-        states = []
-        for rk in ranks:
-            dense, expert = rk[1], rk[2]
-            pa, gr, op = (int(x) for x in mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
-            states.append((pa, gr, op, pa + gr + op))
-        mbs = divisors(gb // dp)
-        if avail is not None and min(s[3] for s in states) > avail:
-            drop("memory: model states alone exceed the device", 3 * len(mbs))
-            continue
-        for mb in mbs:
-            mm = gb // (mb * dp)
-            if pp > 1:
-                need = 2 * pp if schedule == "dualpipev" else pp
-                if mm < need and schedule != "gpipe":
-                    drop(f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})", 3)
-                    continue
-                if schedule == "interleaved" and mm % pp:
-                    drop("interleaved: m not a multiple of pp", 3)
-                    continue
-            tokens = mb * seq / cp
-            tab = tokens * ab
-            bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
-            t_dp = dp_line[zero][0] + dp_line[zero][1] * mm
-            # per candidate rank: (in flight, logits and final norm if last)
-            fl = []
-            for (r, _d, _e, _nd, _nm, last) in ranks:
-                extra = 0.0
-                if last:
-                    lif = mm if (schedule == "gpipe" and pp > 1) else 1
-                    extra = 4 * tokens * lay.padded_vocab / tp * lif + 3 * tokens * h * ab
-                fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
-            for recompute in RECOMPUTES:
-                ed, em = act[recompute]
-                full = recompute == "full"
-                best = None
-                for (r, _d, _e, n_dense, n_moe, _last), st, (inf, extra) in zip(ranks, states, fl):
-                    a = inf * (n_dense * ed + n_moe * em) * tab + extra
-                    if full and (n_dense + n_moe):
-                        a += max(nd_none if n_dense else 0, nm_none if n_moe else 0) * tab
-                    a = int(a)
-                    tot = st[3] + a
-                    if best is None or tot > best[0]:
-                        best = (tot, r, st[0], st[1], st[2], a)
-                if avail is not None and best[0] > avail:
-                    drop(f"memory: does not fit (recompute={recompute})")
-                    continue
-                fixed, per_m = lin[recompute]
-                recomp = work * rc_frac[recompute]
-                ovh = ovh_per_m * mm
-                inner = work + recomp + fixed + per_m * mm + ovh
-                window = (work + recomp) if zero >= 2 else (work + recomp) / mm
-                dp_exposed = t_dp - dp_overlap * window
-                if dp_exposed < 0.0:
-                    dp_exposed = 0.0
-                recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
-                             (fixed, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh))
+    for overlap in overlaps:
+        lay.tp_overlap = overlap
+        akey = (tp, lay.sequence_parallel, cp > 1, overlap)  # the keys act_elems_per_token depends on
+        if akey not in act_cache:
+            act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
+                                      mem_mod.act_elems_per_token(cfg, lay, True, mode)) for mode in RECOMPUTES}
+        act = act_cache[akey]
+        nd_none, nm_none = act["none"]
+        for zero in range(4):
+            states = []
+            for rk in ranks:
+                dense, expert = rk[1], rk[2]
+                pa, gr, op = (int(x) for x in mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
+                states.append((pa, gr, op, pa + gr + op))
+            mbs = divisors(gb // dp)
+            if avail is not None and min(s[3] for s in states) > avail:
+                drop("memory: model states alone exceed the device", 3 * len(mbs))
+                continue
+            for mb in mbs:
+                mm = gb // (mb * dp)
+                if pp > 1:
+                    need = 2 * pp if schedule == "dualpipev" else pp
+                    if mm < need and schedule != "gpipe":
+                        drop(f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})", 3)
+                        continue
+                    if schedule == "interleaved" and mm % pp:
+                        drop("interleaved: m not a multiple of pp", 3)
+                        continue
+                tokens = mb * seq / cp
+                tab = tokens * ab
+                bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
+                (dpf, dpm), (rdf, rdm) = dp_line[zero]
+                t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
+                # per candidate rank: (in flight, logits and final norm if last)
+                fl = []
+                for (r, _d, _e, _nd, _nm, last) in ranks:
+                    extra = 0.0
+                    if last:
+                        lif = mm if (schedule == "gpipe" and pp > 1) else 1
+                        extra = 4 * tokens * lay.padded_vocab / tp * lif + 3 * tokens * h * ab
+                    fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
+                for recompute in RECOMPUTES:
+                    ed, em = act[recompute]
+                    full = recompute == "full"
+                    best = None
+                    for (r, _d, _e, n_dense, n_moe, _last), st, (inf, extra) in zip(ranks, states, fl):
+                        a = inf * (n_dense * ed + n_moe * em) * tab + extra
+                        if full and (n_dense + n_moe):
+                            a += max(nd_none if n_dense else 0, nm_none if n_moe else 0) * tab
+                        a = int(a)
+                        tot = st[3] + a
+                        if best is None or tot > best[0]:
+                            best = (tot, r, st[0], st[1], st[2], a)
+                    if avail is not None and best[0] > avail:
+                        drop(f"memory: does not fit (recompute={recompute})")
+                        continue
+                    fixed, per_m = lin[(overlap, recompute)]
+                    t_tp = 0.0
+                    if overlap:  # does not depend on zero: once per (micro-batch, recompute)
+                        t_tp = tp_cache.get((mb, recompute))
+                        if t_tp is None:
+                            t_tp = tp_cache[(mb, recompute)] = tp_overlap_seconds(
+                                full_ring_flops[recompute], r0[3], r0[4], tokens, mm, tp, h, ab, full, mach, spans["tp"])
+                    recomp = work * rc_frac[recompute]
+                    ovh = ovh_per_m * mm
+                    inner = work + recomp + fixed + per_m * mm + t_tp + ovh
+                    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, pp, work + recomp, mach)
+                    recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
+                                 (fixed + t_tp, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh,
+                                 overlap, t_tp))
+    lay.tp_overlap = False
 
 
 def _line(pts: list, ax: str) -> tuple[float, float]:
@@ -390,11 +410,12 @@ def _line(pts: list, ax: str) -> tuple[float, float]:
 
 def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
                  cfg: Optional[Config] = None) -> dict:
-    step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s, ovh = t
+    (step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s, ovh,
+     overlap, t_tp) = t
     lay, split, imbalance, spans, degrees, pp_layout, per_ax, prefix = structs[key]
     tot, r, pa, gr, op, a = best
-    ax = per_ax[recompute]
-    ct = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}
+    ax = per_ax[(overlap, recompute)]
+    ct = {"tp": t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}  # tp_overlap: the exposed share
     for name, (f_, p_) in ax.items():
         ct[name] = f_ + p_ * mm
     return {
@@ -406,6 +427,7 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
         "micro_batch": mb,
         "microbatches": mm,
         "sequence_parallel": lay.sequence_parallel,
+        "tp_overlap": overlap,
         "pp_layout": pp_layout,
         "world_size": mach.world,
         "step_time_s": step,
@@ -425,7 +447,8 @@ def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, toke
         "spans": spans,
         "memory": {"params": pa, "grads": gr, "optimizer": op, "activations": a, "total": tot,
                    "capacity": mach.capacity, "stage": r},
-        "overrides": prefix + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", f"train.micro_batch={mb}"],
+        "overrides": prefix + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", f"train.micro_batch={mb}"]
+        + (["parallel.tp_overlap=true"] if overlap else []),
     }
 
 
@@ -441,7 +464,8 @@ def config_for(cfg: Config, d: dict) -> Config:
     deg = d["degrees"]
     par = dataclasses.replace(cfg.parallel, tp=deg["tp"], pp=deg["pp"], vpp=deg["vpp"], cp=deg["cp"], ep=deg["ep"],
                               dp=deg["dp"], schedule=d["schedule"], zero=d["zero"], recompute=d["recompute"],
-                              pp_layout=list(d["pp_layout"]) if d.get("pp_layout") else None)
+                              pp_layout=list(d["pp_layout"]) if d.get("pp_layout") else None,
+                              tp_overlap=bool(d.get("tp_overlap", False)))
     tr = dataclasses.replace(cfg.train, micro_batch=d["micro_batch"])
     return dataclasses.replace(cfg, parallel=par, train=tr)
 
@@ -470,16 +494,23 @@ def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     recomp = work_s * rc
     mm = plan.microbatches
     ovh = 0.0
+    layer_kinds = []  # (dense, MoE) layers per pipeline rank
     for r in range(g["pp"]):
         layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
                   for i in plan.stage_layers[c]]
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        layer_kinds.append((len(layers) - n_moe, n_moe))
         ovh = max(ovh, mach.layer_overhead(len(layers) - n_moe, n_moe, g["tp"]) * mm)
+    if plan.tp_overlap:
+        t_ax["tp"] = tp_overlap_seconds(cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute), *layer_kinds[0],
+                                        plan.micro_batch * seq / g["cp"], mm, g["tp"], h, ACT_BYTES[plan.precision],
+                                        plan.recompute == "full", mach, plan.spans["tp"])
     inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
-    window = (work_s + recomp) if plan.zero >= 2 else (work_s + recomp) / mm
-    dp_exposed = max(0.0, t_ax["dp"] - mach.dp_overlap * window)
+    dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
+                                    plan.zero, g["pp"], work_s + recomp, mach)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed
     return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
+            "tp_overlap": plan.tp_overlap,
             "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
             "compute_s": compute, "imbalance": imbalance, "recompute_s": recomp, "overhead_s": ovh,
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
