@@ -51,7 +51,8 @@ BASE = ["recipe=tiny", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "paral
         "parallel.dp=auto", "logging.wandb.mode=disabled", "cluster.device=cpu", "checkpoint.every=0"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=344"]
 
-#: (name, overrides): tp, pp (four schedules), cp, ep, dp with ZeRO 0–3, recompute, 1–4 ranks.
+#: (name, overrides): tp (and tp_overlap), pp (four schedules), cp, ep, dp with ZeRO 0–3, recompute,
+#: 1–4 ranks.
 MATRIX = [
     ("single", ["train.micro_batch=4"]),
     ("single-selective", ["train.micro_batch=4", "parallel.recompute=selective"]),
@@ -73,6 +74,8 @@ MATRIX = [
     ("pp2-dp2-z2", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "train.micro_batch=2"]),
     ("tp2-pp2", ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"]),
     ("dp4-z2", ["parallel.dp=4", "parallel.zero=2", "train.micro_batch=2"]),
+    ("tp2-ovl", ["parallel.tp=2", "parallel.tp_overlap=true", "train.micro_batch=4"]),
+    ("tp2-pp2-ovl", ["parallel.tp=2", "parallel.pp=2", "parallel.tp_overlap=true", "train.micro_batch=2"]),
 ]
 
 
@@ -408,7 +411,7 @@ def _report(rows, failed, cal, rho, a, peak, cores, load, seconds) -> str:
              "(MoE rows add " + " ".join(MOE) + f"); {a.steps} steps per run, {a.repeat} runs per layout "
              f"(round-robin); step time = min over steps 2..{a.steps} of all runs, bubble = median.")
     L.append("")
-    L.append("Fitted `local` calibration (paralayer/resolve/planner.py `LOCAL_CALIBRATION`): "
+    L.append("Fitted `local` calibration (paralayer/resolve/machine.py `LOCAL_CALIBRATION`): "
              f"efficiency {cal['efficiency']:.3f} of the one-thread GEMM peak, effective cores {cal['cores']:.1f} "
              f"(of {cores}; shared with other jobs), per-collective latency "
              f"{cal['latency_s'] * 1e3:.3f} ms, gloo loopback bandwidth {cal['bandwidth_gbps']:.3f} GB/s, "

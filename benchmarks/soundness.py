@@ -41,7 +41,19 @@ def features(d: dict) -> set:
         f.add(f"schedule={d['schedule']}")
     f.add(f"zero={d['zero']}")
     f.add(f"recompute={d['recompute']}")
+    if d.get("tp_overlap"):
+        f.add("tp_overlap")
     return f
+
+
+def with_overlap(d: dict) -> dict:
+    """The layout with parallel.tp_overlap on (the planner offers it only where the machine hides
+    it — GPUs — but the runtime must run it here too): tp > 1 with SP, not under the V schedules."""
+    return dict(d, tp_overlap=True, overrides=list(d["overrides"]) + ["parallel.tp_overlap=true"])
+
+
+def overlap_ok(d: dict) -> bool:
+    return d["degrees"]["tp"] > 1 and d["sequence_parallel"] and d["schedule"] not in ("zbv", "dualpipev")
 
 
 def sample_layouts(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2) -> list[dict]:
@@ -60,6 +72,7 @@ def sample_layouts(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2) -> l
             cache[key] = (cfg, planner.plan_layouts(cfg))
         cfg, plans = cache[key]
         pool = rng.sample(plans, min(60, len(plans)))
+        pool += [with_overlap(d) for d in pool if overlap_ok(d) and rng.random() < 0.5]
         best = max(pool, key=lambda d: (len(features(d) - seen), rng.random()))
         seen |= features(best)
         c = planner.config_for(cfg, best)
@@ -125,7 +138,8 @@ def _row(i: int, r: dict) -> str:
     g = d["degrees"]
     status = "ok" if r["ok"] else "FAIL"
     loss = f"{r['losses'][-1]:.3f}" if r.get("losses") else "-"
-    return (f"| {i} | {r['kind']} | {r['world']} | {g['tp']} | {g['pp']} | {g['vpp']} | {g['cp']} | {g['ep']} | "
+    tp = f"{g['tp']} ovl" if d.get("tp_overlap") else str(g["tp"])
+    return (f"| {i} | {r['kind']} | {r['world']} | {tp} | {g['pp']} | {g['vpp']} | {g['cp']} | {g['ep']} | "
             f"{g['dp']} | {d['schedule'] if g['pp'] > 1 else '-'} | {d['zero']} | {d['recompute']} | "
             f"{d['micro_batch']} | {status} | {loss} | {r['seconds']:.0f} | {r['error'] or ''} |")
 

@@ -70,8 +70,8 @@ def test_70b_top_pick_keeps_tp_in_a_node_and_uses_no_pp():
 def test_tp_overlap_exposes_one_chunk_per_ring_step_only_when_the_wire_is_slower():
     """tp_overlap's exposed time is (tp − 1)·max(0, hop − GEMM/tp) per ring: for 70B on NVLink
     under a tenth of the plain collectives' time (hop latencies, and wo's forward ring whose GEMM is
-    a little shorter than its transfer); on a link 100× slower the same layout shows the transfers the GEMMs cannot cover,
-    exactly as a hand count of one layer's 10 rings gives."""
+    a little shorter than its transfer); on a link 100× slower the same layout shows the transfers
+    the GEMMs cannot cover, exactly as a hand count of one layer's 10 rings gives."""
     from paralayer.resolve import cost
     from paralayer.resolve.machine import tp_overlap_seconds
 

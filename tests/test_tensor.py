@@ -267,7 +267,8 @@ def _plan_act_bytes_per_layer(tp: int, sp) -> float:
 
     cfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
                        "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
-                       f"parallel.tp={tp}", "parallel.dp=1", f"parallel.sequence_parallel={str(sp is not False).lower()}",
+                       f"parallel.tp={tp}", "parallel.dp=1",
+                       f"parallel.sequence_parallel={str(sp is not False).lower()}",
                        f"parallel.tp_overlap={str(sp == 'overlap').lower()}",
                        f"train.global_batch={B}", f"train.micro_batch={B}", "train.precision=fp32"])
     lay = rules.check(cfg)

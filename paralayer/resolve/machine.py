@@ -35,11 +35,11 @@ GPU_TP_OVERLAP = 1.0
 #: None = os.cpu_count()); the links are gloo over loopback: a per-collective latency and a
 #: bandwidth, the same inside and "across" nodes. ``cluster.peak_tflops`` overrides the peak.
 LOCAL_CALIBRATION = {
-    "peak_tflops": 0.1442,  # one-thread fp32 GEMM, measured at the start of the run
-    "efficiency": 0.604,
+    "peak_tflops": 0.1248,  # one-thread fp32 GEMM, measured at the start of the run
+    "efficiency": 0.910,
     "cores": 2.0,  # effective cores the ranks got (the machine's cores are shared with other jobs)
     "latency_s": 0.0,  # per collective: fitted to 0 once dispatch is counted (the fit put it there)
-    "bandwidth_gbps": 0.141,  # gloo over loopback
+    "bandwidth_gbps": 0.256,  # gloo over loopback
     "dp_overlap": 0.0,  # our CPU runtime reduces gradients after the backward, not under it
     # tp_overlap on CPU: gloo's send thread competes with the ranks' compute for the same cores,
     # so no transfer is counted as hidden (the planner does not offer tp_overlap here)
@@ -47,9 +47,9 @@ LOCAL_CALIBRATION = {
     # eager dispatch per layer per microbatch (forward + backward) on one rank, on top of the
     # FLOPs: every layer; more under tp (DTensor redistributes); more per MoE layer (routing,
     # sort, the loop over experts). Fitted like the rest; GPUs: 0 (kernels launch ahead).
-    "overhead_layer_s": 2.99e-3,
-    "overhead_tp_s": 28.89e-3,
-    "overhead_moe_s": 9.39e-3,
+    "overhead_layer_s": 8.90e-3,
+    "overhead_tp_s": 19.53e-3,
+    "overhead_moe_s": 13.57e-3,
 }
 
 

@@ -26,13 +26,17 @@ CLI ``paralayer.resolve.plan_report``):
     dispatch  = m · per-layer framework time of the busiest rank's layers (fitted on CPU, 0 on GPUs)
     comm[ax]  = count · latency(span) + wire bytes / bandwidth(span), volumes from ``cost.comm``
                 (dp as the runtime moves it: FSDP per microbatch without pp, deferred under pp)
-    step      = (compute · imbalance + recompute + dispatch + comm[tp, cp, ep, pp]) · (1 + bubble)
-                + max(0, comm[dp] − overlap · window)
-                window: one microbatch of compute for ZeRO 0–1, the whole step for ZeRO 2–3.
+    tp        = comm[tp], or under parallel.tp_overlap what the GEMMs do not hide: per fused ring
+                (tp − 1)·max(0, hop − overlap·GEMM/tp) (``machine.tp_overlap_seconds``)
+    step      = (compute · imbalance + recompute + dispatch + tp + comm[cp, ep, pp]) · (1 + bubble)
+                + dp exposed (``machine.dp_exposed_seconds``: ZeRO 0–1 all of it, after the
+                backward; ZeRO 2–3 what the step's compute does not hide, and under pp the grad
+                reduce-scatter whole — torch's REDUCE_GRAD waits for it)
 
-"tp inside a node" falls out of the span bandwidths and "the rest is dp" out of dp being the one
-axis whose traffic hides behind compute; "pp only to fit" does not always: pp also lowers the
-tensor-parallel traffic per rank (docs/planner.md, the 70B example).
+"tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
+whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
+hides behind the GEMMs pp only adds bubble, imbalance and an exposed reduce-scatter (without
+tp_overlap, pp can win by the tp traffic it saves: docs/planner.md, the 70B example).
 """
 from __future__ import annotations
 
@@ -65,98 +69,12 @@ from paralayer.resolve.rules import (
     valid_tp,
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
+from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "selective", "full")
 AXES = ("tp", "pp", "cp", "ep", "dp")
 MAX_VPP = 8
-
-
-# ------------------------------------------------------------------ pipeline splits
-def _fill(total: int, n: int) -> list[int]:
-    """total layers over n chunks as evenly as possible; the extra layers go to the middle chunks
-    first (not the first chunk, which also holds the embedding)."""
-    base, rem = divmod(total, n)
-    sizes = [base] * n
-    order = list(range(1, n)) + [0]
-    for i in order[:rem]:
-        sizes[i] += 1
-    return sizes
-
-
-def balanced_split(n_layers: int, chunks: int) -> Optional[list[int]]:
-    """Layers per chunk: even when it divides; else as even as possible with the remainder kept
-    off the first and last chunk (they also hold the embedding and the output head — Meta's 405B
-    split 7 + 14·8 + 7). None when there are more chunks than layers."""
-    if chunks > n_layers or chunks < 1:
-        return None
-    base, rem = divmod(n_layers, chunks)
-    if rem == 0:
-        return [base] * chunks
-    sizes = [base] * chunks
-    order = list(range(1, chunks - 1)) + [0, chunks - 1] if chunks > 2 else list(range(chunks))
-    for i in order[:rem]:
-        sizes[i] += 1
-    return sizes
-
-
-def layer_work(cfg: Config) -> tuple[list[float], float]:
-    """Training FLOPs per token of each layer and of the output head (the terms of
-    cost.flops_per_token, split by where they run): a pipeline step is paced by its busiest rank."""
-    m = cfg.model
-    h = m.d_model
-    attn = mem_mod.attn_params(cfg)
-    out = []
-    for i in range(m.n_layers):
-        if mem_mod.is_moe_layer(cfg, i):
-            n = (attn + m.moe.top_k * mem_mod.expert_params(cfg) + h * m.moe.num_experts
-                 + 3 * h * m.moe.shared_ffn_hidden)
-        else:
-            n = attn + 3 * h * m.ffn_hidden
-        out.append(6.0 * n + 12.0 * h * m.seq_len)
-    return out, 6.0 * h * m.vocab_size
-
-
-def rank_work(work: list[float], head: float, split: list[int], pp: int, schedule: str) -> list[float]:
-    """FLOPs per token on each pipeline rank for a split (chunks mapped as the runtime maps them)."""
-    ranks = [0.0] * pp
-    start = 0
-    n = len(split)
-    for c, k in enumerate(split):
-        r = chunk_rank(c, pp, schedule)
-        ranks[r] += sum(work[start:start + k]) + (head if c == n - 1 else 0.0)
-        start += k
-    return ranks
-
-
-def best_split(cfg: Config, work: list[float], head: float, pp: int, vpp: int,
-               schedule: str) -> Optional[tuple[list[int], float]]:
-    """The split of the layers into pp·vpp chunks that minimises the busiest rank's work (the
-    output head counts on the last chunk's rank), and its imbalance = busiest / mean. Tries the
-    even split and the ones that take 1–3 layers off the chunk holding the head."""
-    L = len(work)
-    chunks = pp * vpp
-    even = balanced_split(L, chunks)
-    if even is None:
-        return None
-    total = sum(work) + head
-    if pp == 1:
-        return even, 1.0
-    cands = [even]
-    base = L // chunks
-    for k in range(max(1, base - 3), base + 1):
-        rest = L - k
-        if chunks - 1 <= rest:
-            cands.append(_fill(rest, chunks - 1) + [k])
-    best = None
-    for s in cands:
-        if min(s) < 1:
-            continue
-        mx = max(rank_work(work, head, s, pp, schedule))
-        if best is None or mx < best[1] - 1e-9 * total:
-            best = (s, mx)
-    assert best is not None
-    return best[0], pp * best[1] / total
 
 
 def schedule_options(pp: int, n_layers: int) -> list[tuple[str, int]]:
@@ -338,7 +256,8 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
             states = []
             for rk in ranks:
                 dense, expert = rk[1], rk[2]
-                pa, gr, op = (int(x) for x in mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
+                pa, gr, op = (int(x) for x in
+                              mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
                 states.append((pa, gr, op, pa + gr + op))
             mbs = divisors(gb // dp)
             if avail is not None and min(s[3] for s in states) > avail:
@@ -388,7 +307,8 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                         t_tp = tp_cache.get((mb, recompute))
                         if t_tp is None:
                             t_tp = tp_cache[(mb, recompute)] = tp_overlap_seconds(
-                                full_ring_flops[recompute], r0[3], r0[4], tokens, mm, tp, h, ab, full, mach, spans["tp"])
+                                full_ring_flops[recompute], r0[3], r0[4], tokens, mm, tp, h, ab, full, mach,
+                                spans["tp"])
                     recomp = work * rc_frac[recompute]
                     ovh = ovh_per_m * mm
                     inner = work + recomp + fixed + per_m * mm + t_tp + ovh

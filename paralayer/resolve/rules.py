@@ -249,7 +249,8 @@ def check(cfg: Config) -> Layout:
     lay.tp_overlap = bool(p.tp_overlap) and tp > 1
     if lay.tp_overlap and p.schedule in V_SCHEDULES and pp > 1:
         w("parallel.tp_overlap", f"under {p.schedule}, torch's split backward (input grads, then weight grads) "
-          "runs some fused GEMMs' backward in both passes: more tp traffic and GEMMs than 1f1b (docs/tensor-parallel.md)")
+          "runs some fused GEMMs' backward in both passes: more tp traffic and GEMMs than 1f1b "
+          "(docs/tensor-parallel.md)")
 
     # --- pipeline split
     chunks = pp * lay.vpp
