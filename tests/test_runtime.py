@@ -196,3 +196,21 @@ def test_tiny_pp_recipe_runs_its_pipeline(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all(r["bubble_measured"] is not None for r in recs)
+
+
+def test_root_failure_names_the_rank_that_failed_on_its_own():
+    """The agent's failures carry whole-second timestamps: a rank that only saw its peer's
+    connection drop (or was stopped with SIGTERM) must not be named over the rank that died."""
+    from types import SimpleNamespace as F
+
+    from paralayer.dispatch.local import root_failure
+
+    killed = F(exitcode=-9, message="Signal 9 (SIGKILL) received by PID 7", timestamp=101)
+    peer = F(exitcode=1, message={"message": "RuntimeError: [../gloo/transport/tcp/pair.cc:534] "
+                                             "Connection closed by peer [127.0.0.1]:4242"}, timestamp=100)
+    stopped = F(exitcode=-15, message="Signal 15 (SIGTERM) received by PID 8", timestamp=100)
+    assert root_failure({0: peer, 1: killed})[0] == 1
+    assert root_failure({0: stopped, 1: killed, 2: peer})[0] == 1
+    own = F(exitcode=1, message={"message": "RuntimeError: injected fault"}, timestamp=102)
+    assert root_failure({0: peer, 3: own})[0] == 3
+    assert root_failure({0: peer, 2: stopped})[0] == 0  # only secondary ones: the earliest

@@ -18,6 +18,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Errors a rank raises because a PEER went away (the collective's connection dropped), not its own.
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "distnetworkerror",
+              "distbackenderror", "communicator was aborted", "read error", "socket closed")
+
+
+def root_failure(failures: dict) -> tuple:
+    """(rank, failure) that caused the stop. The agent reports every rank that ended badly, with
+    whole-second timestamps, so "earliest" alone can name a rank that only saw its peer vanish
+    (gloo raises on the dropped connection before the agent's next poll) or one the agent stopped
+    (SIGTERM). Those come after a rank that failed on its own: killed by another signal, or an
+    error of its own making."""
+    import signal
+
+    def secondary(f) -> bool:
+        msg = f.message if isinstance(f.message, str) else json.dumps(f.message)
+        return f.exitcode == -int(signal.SIGTERM) or any(k in str(msg).lower() for k in _PEER_LOSS)
+
+    return min(failures.items(), key=lambda kv: (secondary(kv[1]), kv[1].timestamp or 0, kv[0]))
+
+
 def run_local(run_dir: str, plan: dict) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -41,8 +61,7 @@ def run_local(run_dir: str, plan: dict) -> int:
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.train", run_dir)
     except ChildFailedError as exc:
-        first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp or 0)
-        rank, failure = first
+        rank, failure = root_failure(exc.failures)
         msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         if isinstance(failure.message, dict):
             msg = failure.message.get("message", msg)
