@@ -217,8 +217,11 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     reducer = None
     if zero <= 1 and dp_cp_mesh.size() > 1:
         edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
+        # Under pp the reducer also takes the schedule's 1/m (the schedule then leaves the grads
+        # unscaled): buckets that start during the last backward hold grads from before that scaling.
         reducer = dpar.GradReducer(built.params, dp_cp_mesh.get_group(), dp_cp_mesh.size(),
-                                   built.expert_params, edp_group)
+                                   built.expert_params, edp_group, microbatches=m,
+                                   divide=dp_cp_mesh.size() * (m if pp > 1 else 1))
 
     cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
     dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir,
@@ -232,7 +235,8 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         runner = PipelineRunner(built.chunks, meshes["pp"], plan, loss_fn, device,
                                 microbatch_shape=(cfg.train.micro_batch, seq_len // cp),
                                 loss_parallel=tp > 1,
-                                aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0)
+                                aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0,
+                                scale_grads=reducer is None)
         moe_step.count_real_forwards_only(runner, built.chunks)
 
     # ---- resume

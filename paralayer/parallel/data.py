@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from paralayer.parallel.grad_sync import GradReducer  # noqa: F401 - ZeRO-0/1 gradient averaging lives there
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -44,40 +46,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
                 fully_shard(ff, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-
-
-class GradReducer:
-    """ZeRO-0/1 gradient averaging: one flat all-reduce per dtype bucket over the data group."""
-
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, world: int,
-                 expert_params: Iterable[nn.Parameter] = (), expert_group: Optional[dist.ProcessGroup] = None):
-        expert_ids = {id(p) for p in expert_params}
-        self.dense = [p for p in params if id(p) not in expert_ids]
-        self.experts = [p for p in params if id(p) in expert_ids]
-        self.group, self.world = group, world
-        self.expert_group = expert_group
-
-    def _reduce(self, params: list[nn.Parameter], group, divide: int) -> None:
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        if not grads or group is None:
-            for g in grads:
-                g.div_(divide)
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(divide)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset: offset + n].view_as(g))
-            offset += n
-
-    def reduce(self) -> None:
-        if self.world > 1:
-            self._reduce(self.dense, self.group, self.world)
-        # Expert grads already summed their ep peers' tokens through the all-to-all backward.
-        if self.experts:
-            self._reduce(self.experts, self.expert_group, self.world)
 
 
 class ZeroOneOptimizer:

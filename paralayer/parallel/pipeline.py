@@ -233,6 +233,9 @@ class PipelineRunner:
             this weight (gradient only; the returned loss is the LM loss alone).
         measure: record the timeline and compute ``bubble_measured`` every step.
 
+    ``scale_grads=False`` leaves the summed microbatch gradients unscaled (the ZeRO-0/1 reducer,
+    whose buckets start during the last backward, divides by m with the data-parallel mean).
+
     After ``step``: ``last_timeline`` (this rank's events, dicts with action F/B/W, mb, chunk,
     start, end in seconds from the step's common origin), ``bubble_measured`` (float, same on all
     pp ranks), ``busy_by_rank`` / ``window`` (seconds).
@@ -242,7 +245,8 @@ class PipelineRunner:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
                  microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
-                 aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None):
+                 aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None,
+                 scale_grads: bool = True):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as S
 
@@ -297,11 +301,11 @@ class PipelineRunner:
         if self.schedule_name in ("gpipe", "1f1b"):
             if len(self.stages) != 1:
                 raise ValueError(f"{self.schedule_name} runs one chunk per rank; use schedule=interleaved for vpp>1")
-            self.schedule = cls(self.stages[0], n_microbatches=self.m, loss_fn=timed_loss, scale_grads=True)
+            self.schedule = cls(self.stages[0], n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
         else:
             if self.schedule_name == "dualpipev" and self.m < 2 * self.pp:
                 raise ValueError(f"dualpipev needs microbatches ≥ 2·pp = {2 * self.pp}, got {self.m}")
-            self.schedule = cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=True)
+            self.schedule = cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
 
         self.last_timeline: list[dict] = []
         self.bubble_measured: Optional[float] = None

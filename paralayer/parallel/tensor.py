@@ -184,11 +184,11 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 def _hook_grads(module: nn.Module, args) -> None:
     for p in module.parameters():
         if isinstance(p, DTensor) and not getattr(p, "_tp_align_hooked", False):
-            p.register_post_accumulate_grad_hook(_align_grad)
+            p.register_post_accumulate_grad_hook(align_grad)
             p._tp_align_hooked = True
 
 
-def _align_grad(p: torch.Tensor) -> None:
+def align_grad(p: torch.Tensor) -> None:
     """Post-accumulate hook: bring a DTensor grad to its parameter's placements, once per backward.
 
     SP norms' weight grads come out Partial (each rank saw s/tp tokens: one small all-reduce here

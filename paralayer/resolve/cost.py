@@ -112,9 +112,10 @@ def comm(cfg: Config, lay: Layout) -> dict:
         against ``_Ring.exchange`` in tests/test_context_e2e.py).
     ep: all-to-all of routed token rows (tokens·top_k·h), dispatch + combine, forward and backward.
     dp: gradient sync over dp·cp, as our runtime does it: ZeRO 0 one all-reduce of the grads per
-        step; ZeRO 1 that all-reduce plus one broadcast of the updated weights per owner; ZeRO 2/3
-        (FSDP2) per microbatch and per unit (layer, chunk root) a weight all-gather (twice under
-        ZeRO 3) and a grad reduce-scatter. ``wire_bytes_per_step``: what each device moves (ring).
+        step (in buckets); ZeRO 1 that all-reduce plus one broadcast of the updated weights per
+        owner; ZeRO 2/3 (FSDP2) per microbatch and per unit (layer, chunk root) a weight all-gather
+        (twice under ZeRO 3) and a grad reduce-scatter. ``wire_bytes_per_step``: what each device
+        moves (ring); ``reduce_wire_bytes_per_step``: the grads' share of it.
     """
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
@@ -170,12 +171,14 @@ def comm(cfg: Config, lay: Layout) -> dict:
         if lay.zero == 0:
             e = _entry("all-reduce", n * gb, 1, d)
             e["wire_bytes_per_step"] = int(2 * ring * n * gb)
+            e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
         elif lay.zero == 1:
             # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
             # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
             e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
             e["bytes_per_step"] = int(n * (gb + wb))
             e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n * wb)
+            e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
         else:
             # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
             # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for

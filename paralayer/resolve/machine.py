@@ -174,14 +174,17 @@ def tp_overlap_seconds(ring_flops: tuple[list[float], list[float]], n_dense: int
     return per_mb * mm
 
 
-def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window: float, mach: Machine) -> float:
-    """dp seconds on the critical path, as our runtime moves them. ZeRO 0–1: one all-reduce (and
-    ZeRO-1's broadcasts) after the whole backward: all of it shows. ZeRO 2–3 (FSDP2) without pp:
-    gathers and reduce-scatters per unit and microbatch, hidden by up to ``overlap × window`` of
-    compute. Under pp: torch's REDUCE_GRAD action waits for the stage's grad reduce-scatter after its
-    last backward (``t_reduce`` shows whole); only the weight gathers can hide."""
+def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window: float, mm: int,
+                       mach: Machine) -> float:
+    """dp seconds on the critical path, as our runtime moves them (``window``: the step's compute on
+    the busiest rank, ``mm`` microbatches). ZeRO 0–1: the grads' all-reduce starts bucket by bucket
+    during the last microbatch's backward (about 2/3 of a microbatch's compute hides it,
+    parallel/grad_sync.py); ZeRO-1's broadcasts follow the optimizer step and show whole. ZeRO 2–3
+    (FSDP2) without pp: gathers and reduce-scatters per unit and microbatch, hidden by up to
+    ``overlap × window``. Under pp: torch's REDUCE_GRAD action waits for the stage's grad
+    reduce-scatter after its last backward (``t_reduce`` shows whole); only the gathers can hide."""
     if zero <= 1:
-        return t_dp
+        return max(0.0, t_reduce - mach.dp_overlap * window * 2.0 / 3.0 / max(mm, 1)) + (t_dp - t_reduce)
     if pp > 1:
         return t_reduce + max(0.0, t_dp - t_reduce - mach.dp_overlap * window)
     return max(0.0, t_dp - mach.dp_overlap * window)

@@ -312,7 +312,7 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                     recomp = work * rc_frac[recompute]
                     ovh = ovh_per_m * mm
                     inner = work + recomp + fixed + per_m * mm + t_tp + ovh
-                    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, pp, work + recomp, mach)
+                    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, pp, work + recomp, mm, mach)
                     recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
                                  (fixed + t_tp, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh,
                                  overlap, t_tp))
@@ -427,7 +427,7 @@ def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
                                         plan.recompute == "full", mach, plan.spans["tp"])
     inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
     dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
-                                    plan.zero, g["pp"], work_s + recomp, mach)
+                                    plan.zero, g["pp"], work_s + recomp, mm, mach)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed
     return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "tp_overlap": plan.tp_overlap,
