@@ -39,6 +39,18 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**c)
 
 
+def tp_model(tp_mesh, cfg: ModelConfig, sp: bool, overlap: bool = False):
+    """The model split over a 1-D tp mesh (vocab padded for it), its weights drawn as on one rank."""
+    from paralayer.parallel.tensor import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = Transformer(cfg, padded_vocab(cfg.vocab_size, tp_mesh.size()))
+    apply_tensor_parallel(model, tp_mesh, sp, overlap=overlap)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg, seed=0)
+    return model
+
+
 def batches(cfg: ModelConfig, n: int = STEPS):
     g = torch.Generator().manual_seed(123)
     out = []
@@ -72,11 +84,10 @@ def reference(cfg: ModelConfig, data):
     return losses, grads
 
 
-def _tp_worker(rank, world, cfg, sp, data):
+def _tp_worker(rank, world, cfg, sp, data, overlap=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from paralayer.parallel.tensor import (
-        apply_tensor_parallel,
         full_grads,
         local_param_bytes,
         loss_parallel_ctx,
@@ -84,11 +95,7 @@ def _tp_worker(rank, world, cfg, sp, data):
     )
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    with torch.device("meta"):
-        model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
-    apply_tensor_parallel(model, mesh["tp"], sp)
-    model.to_empty(device="cpu")
-    init_weights(model, cfg, seed=0)
+    model = tp_model(mesh["tp"], cfg, sp, overlap)
     local_numel = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
     opt = _adamw(model.parameters())
     losses, grads = [], None
@@ -245,16 +252,12 @@ def _act_worker(rank, world, cfg, tokens, labels, sps):
     """``sps``: True / False (sequence parallel on / off) or "overlap" (SP with tp_overlap)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
     for sp in sps:
-        with torch.device("meta"):
-            model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
-        apply_tensor_parallel(model, mesh["tp"], sp is not False, overlap=sp == "overlap")
-        model.to_empty(device="cpu")
-        init_weights(model, cfg, seed=0)
+        model = tp_model(mesh["tp"], cfg, sp is not False, sp == "overlap")
         with loss_parallel_ctx(True):
             out[sp] = _saved_bytes(model, tokens, labels, lambda lg, lb: tp_loss(lg, lb, cfg.vocab_size))
     return out
@@ -309,7 +312,7 @@ def _comm_worker(rank, world, sp):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     name = lambda op: str(op).split(".")[-1]  # noqa: E731
@@ -317,11 +320,7 @@ def _comm_worker(rank, world, sp):
     for n_layers in (1, 2):
         cfg = tiny(n_layers=n_layers)
         tokens, labels = batches(cfg, 1)[0]
-        with torch.device("meta"):
-            model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
-        apply_tensor_parallel(model, mesh["tp"], sp)
-        model.to_empty(device="cpu")
-        init_weights(model, cfg, seed=0)
+        model = tp_model(mesh["tp"], cfg, sp)
         with loss_parallel_ctx(True):
             fwd, bwd = CommDebugMode(), CommDebugMode()
             with fwd:

@@ -7,43 +7,10 @@ import pytest
 import torch
 
 from paralayer.config import MoEConfig
-from paralayer.model import Transformer, init_weights, padded_vocab
 from tests.dist import run_ranks
-from tests.test_tensor import B, S, batches, reference, tiny
+from tests.test_tensor import B, S, _tp_worker, batches, reference, tiny, tp_model
 
 torch.set_num_threads(1)
-
-
-def _build(world: int, cfg, overlap: bool = True):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from paralayer.parallel.tensor import apply_tensor_parallel
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    with torch.device("meta"):
-        model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
-    apply_tensor_parallel(model, mesh["tp"], True, overlap=overlap)
-    model.to_empty(device="cpu")
-    init_weights(model, cfg, seed=0)
-    return model
-
-
-def _parity_worker(rank, world, cfg, data):
-    from paralayer.parallel.tensor import full_grads, loss_parallel_ctx, tp_loss
-
-    model = _build(world, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    losses, grads = [], None
-    for tokens, labels in data:
-        opt.zero_grad()
-        with loss_parallel_ctx(True):
-            loss = tp_loss(model(tokens), labels, cfg.vocab_size)
-            loss.backward()
-        if grads is None:
-            grads = {n: g.numpy().copy() for n, g in full_grads(model)}
-        losses.append(loss.item())
-        opt.step()
-    return losses, grads if rank == 0 else None
 
 
 CASES = {
@@ -60,9 +27,9 @@ def test_overlap_matches_one_process(case):
     cfg, tp = CASES[case]
     data = batches(cfg)
     ref_losses, ref_grads = reference(cfg, data)
-    out = run_ranks(_parity_worker, tp, cfg, data)
-    losses, grads = out[0]
-    assert all(o[0] == losses for o in out), "tp ranks disagree on the loss"
+    out = run_ranks(_tp_worker, tp, cfg, True, data, True)  # sequence parallel, overlap
+    losses, grads = out[0]["losses"], out[0]["grads"]
+    assert all(o["losses"] == losses for o in out), "tp ranks disagree on the loss"
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     grad_err = 0.0
     for name, g_ref in ref_grads.items():
@@ -76,6 +43,7 @@ def test_overlap_matches_one_process(case):
 
 # ------------------------------------------------------------------ traffic against the plan
 def _traffic_worker(rank, world, n_layers_list, moe):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
     from paralayer.parallel import tp_overlap
@@ -94,7 +62,7 @@ def _traffic_worker(rank, world, n_layers_list, moe):
     for n_layers in n_layers_list:
         cfg = tiny(n_layers=n_layers, moe=MoEConfig(num_experts=4, top_k=2, every=1) if moe else MoEConfig())
         tokens, labels = batches(cfg, 1)[0]
-        model = _build(world, cfg)
+        model = tp_model(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"], cfg, True, True)
         sent["n"] = sent["bytes"] = 0
         plain = CommDebugMode()
         with loss_parallel_ctx(True), plain:
