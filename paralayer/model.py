@@ -218,6 +218,8 @@ def _seed_for(seed: int, name: str) -> int:
 
 def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of a parameter, from its name alone."""
+    if cfg.tie_embeddings and name == "output.weight":
+        name = "tok_embeddings.weight"  # one matrix, two copies (paralayer/tied_embeddings.py)
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if name.endswith("norm.weight"):
@@ -226,8 +228,8 @@ def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) ->
     std = cfg.init_std
     if parent in ("wo", "w2") or leaf == "w2":
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    if parent in ("tok_embeddings",):
-        std = 1.0
+    if parent in ("tok_embeddings",) and not cfg.tie_embeddings:
+        std = 1.0  # tied, it is also the head: init_std like Megatron's shared embedding
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 

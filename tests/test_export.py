@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.dist import run_ranks
 
 
-def _train_tp2(rank, world, run_dir):
+def _train_tp2(rank, world, run_dir, extra=()):
     from paralayer import config as config_mod
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve
@@ -16,7 +17,7 @@ def _train_tp2(rank, world, run_dir):
 
     cfg = load_config(["recipe=tiny", "parallel.dp=1", "parallel.tp=2", "model.n_layers=2", "model.seq_len=32",
                        "train.steps=2", "train.global_batch=4", "train.micro_batch=2", "checkpoint.every=2",
-                       "logging.wandb.mode=disabled", f"run.dir={run_dir}"])
+                       "logging.wandb.mode=disabled", f"run.dir={run_dir}", *extra])
     plan = resolve(cfg).to_dict()
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -26,7 +27,9 @@ def _train_tp2(rank, world, run_dir):
     return True
 
 
-def test_export_matches_transformers(tmp_path):
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_export_matches_transformers(tmp_path, tie):
+    """Tied: the two trained copies are still one matrix, so dropping lm_head loses nothing."""
     from transformers import AutoModelForCausalLM
 
     from paralayer import checkpoint as ckpt
@@ -35,7 +38,7 @@ def test_export_matches_transformers(tmp_path):
     from paralayer.model import Transformer
 
     run_dir = str(tmp_path / "run")
-    run_ranks(_train_tp2, 2, run_dir)
+    run_ranks(_train_tp2, 2, run_dir, ["model.tie_embeddings=true"] if tie else [])
     out = export_run(run_dir, str(tmp_path / "hf"))
     hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
     cfg = from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
@@ -56,3 +59,6 @@ def test_export_matches_transformers(tmp_path):
         a = ours(x)
         b = hf(input_ids=x).logits
     assert (a - b).abs().max().item() < 1e-4
+    assert hf.config.tie_word_embeddings == tie
+    if tie:
+        assert torch.equal(ours.output.weight, ours.tok_embeddings.weight)

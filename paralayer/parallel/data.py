@@ -117,21 +117,23 @@ class ZeroOneOptimizer:
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Optional[dist.ProcessGroup],
                    expert_params: Iterable[nn.Parameter] = (), ep_group: Optional[dist.ProcessGroup] = None,
-                   tp_group: Optional[dist.ProcessGroup] = None) -> float:
+                   tp_group: Optional[dist.ProcessGroup] = None, skip_norm: Iterable[nn.Parameter] = ()) -> float:
     """Global gradient norm over every shard of every stage; scales grads when above max_norm.
+    ``skip_norm``: parameters scaled with the rest but not counted (a tied head's copy).
 
     DTensor grads (TP, FSDP) know their placements: their norm is computed by DTensor and
     made whole with ``full_tensor``. Pipeline stages and expert shards hold disjoint parameters,
     so their squared norms add over the pp and ep groups.
     """
     expert_ids = {id(p) for p in expert_params}
+    skip_ids = {id(p) for p in skip_norm}
     dense_sq = torch.zeros((), dtype=torch.float32)
     expert_sq = torch.zeros((), dtype=torch.float32)
     grads = [p.grad for p in params if p.grad is not None]
     device = _local(grads[0]).device if grads else torch.device("cpu")
     dense_sq, expert_sq = dense_sq.to(device), expert_sq.to(device)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or id(p) in skip_ids:
             continue
         g = p.grad
         n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2)

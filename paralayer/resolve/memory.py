@@ -129,9 +129,9 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     if first:
         dense += vocab
     if last:
-        dense += h  # final norm
-        if not (m.tie_embeddings and first):
-            dense += vocab
+        # final norm and the head (tied embeddings keep a copy on the head's rank too, even when it
+        # is the embedding's: paralayer/tied_embeddings.py)
+        dense += h + vocab
     return dense, expert, len(layers)
 
 
