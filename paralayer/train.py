@@ -26,6 +26,7 @@ from paralayer.mesh import Meshes, build_mesh
 from paralayer.model import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
 from paralayer.parallel.tensor import loss_parallel_ctx
+from paralayer.preempt import Preempted, PreemptSave
 
 PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
 
@@ -289,6 +290,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
 
     records: list[dict] = []
     tokens_per_step = cfg.train.global_batch * seq_len
+    preempt = PreemptSave.install()
     for step in range(start_step, stop + 1):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -364,8 +366,20 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         records.append(rec)
         if logger is not None:
             logger.log(step, rec)
-        if cfg.checkpoint.every and ckpt_dir and (step % cfg.checkpoint.every == 0 or step == stop):
+        saved = bool(cfg.checkpoint.every and ckpt_dir and (step % cfg.checkpoint.every == 0 or step == stop))
+        if saved:
             _save(cfg, ckpt_dir, step, built, opt, sched)
+        if preempt.active and step < stop and preempt.agreed(device):
+            if ckpt_dir and not saved:
+                _save(cfg, ckpt_dir, step, built, opt, sched)
+            if rank == 0:
+                print(f"paralayer: USR2 after step {step}: checkpoint saved, handing the signal to the requeue",
+                      flush=True)
+            if logger is not None:
+                logger.close()
+            preempt.hand_on()
+            raise Preempted(f"stopped after step {step} for a requeue")
+    preempt.restore()
     if runner is not None and run_dir is not None and (cfg.logging.timeline or os.environ.get("PARALAYER_TIMELINE")):
         _write_timeline(runner, meshes, run_dir)
     if logger is not None:
@@ -451,6 +465,13 @@ def main(run_dir: str) -> int:
     except NonFiniteLoss as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
+    except Preempted:
+        # the requeue ends this task (SIGTERM, then SIGKILL): wait for it, rather than end the job
+        # step as if training were done
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(1)
+        return 3
     finally:
         try:
             dist.destroy_process_group()
