@@ -21,6 +21,7 @@ from torch import nn
 
 from paralayer import config as config_mod
 from paralayer import moe_step
+from paralayer import tied_embeddings as tied
 from paralayer.config import Config
 from paralayer.mesh import Meshes, build_mesh
 from paralayer.model import Transformer, init_weights, lm_loss
@@ -229,10 +230,8 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     if tie and pp > 1 and plan.get("schedule") not in ("zbv", "dualpipev"):
         # the embedding (first rank) and the head (last rank) sum their grads over the pair; the V
         # schedules keep both chunks on pipeline rank 0
-        from paralayer.tied_embeddings import pair_group
-
         w = meshes.world.mesh
-        tied_group = pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), rank)
+        tied_group = tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), rank)
     cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
     dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir,
                                      global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
@@ -327,9 +326,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                 if p.grad is not None:
                     dpar._local(p.grad).div_(ep)
         if tie:
-            from paralayer.tied_embeddings import sum_tied_grads
-
-            sum_tied_grads(built.chunks, tied_group)
+            tied.sum_tied_grads(built.chunks, tied_group)
         if poison:
             loss_sum = loss_sum * float("nan")
         # The loss: every rank that computed one holds its dp·cp shard's mean; average over them.
@@ -337,7 +334,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         grad_norm = dpar.clip_grad_norm(
             built.params, cfg.train.grad_clip, meshes["pp"].get_group() if pp > 1 else None,
             built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
-            skip_norm=_tied_head(built.chunks) if tie else ())
+            skip_norm=tied.head_copy(built.chunks) if tie else ())
         loss_val = float(loss_t)
         if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
             if cfg.train.skip_nonfinite:
@@ -385,12 +382,6 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     if logger is not None:
         logger.close()
     return records
-
-
-def _tied_head(chunks: list) -> list:
-    from paralayer.tied_embeddings import head_copy
-
-    return head_copy(chunks)
 
 
 def _maybe_inject_fault(rank: int, step: int) -> bool:
