@@ -486,3 +486,63 @@ def test_pipeline_stages(sp):
     for name, g_ref in ref_grads.items():
         g = torch.from_numpy(grads[name])[: g_ref.shape[0]]
         assert (g - g_ref).abs().max().item() <= 1e-5 * g_ref.abs().max().item(), name
+
+
+# ------------------------------------------------------------------ the final norm and the head
+def _head_region_bytes(model, tokens, labels, loss_fn) -> int:
+    """Bytes saved for backward inside the final norm and the output head (parameters excluded)."""
+    from torch.distributed.tensor import DTensor
+
+    depth, seen, total = [0], set(), [0]
+    excluded = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                for p in model.parameters()}
+
+    def enter(m, a, *out):
+        depth[0] += -1 if out else 1
+
+    def pack(t):
+        loc = t.to_local() if isinstance(t, DTensor) else t
+        st = getattr(loc, "elem", loc).untyped_storage()
+        if depth[0] and st.data_ptr() not in excluded and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total[0] += st.nbytes()
+        return t
+
+    hooks = []
+    for m in (model.norm, model.output):
+        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(enter)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model(tokens), labels)
+    loss.backward()
+    for hk in hooks:
+        hk.remove()
+    return total[0]
+
+
+def _head_worker(rank, world, cfg, tokens, labels):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for sp in (True, False):
+        model = tp_model(mesh["tp"], cfg, sp)
+        with loss_parallel_ctx(True):
+            out[sp] = _head_region_bytes(model, tokens, labels, lambda lg, lb: tp_loss(lg, lb, cfg.vocab_size))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_head_activation_bytes_match_plan(tp):
+    """The final norm + head save (1 + 2/tp)·h per token under SP, 3·h without (memory.head_saved_elems)."""
+    from paralayer.resolve.memory import head_saved_elems
+    from paralayer.resolve.rules import Layout
+
+    cfg = tiny()
+    tokens, labels = batches(cfg, 1)[0]
+    got = run_ranks(_head_worker, tp, cfg, tokens, labels)[0]
+    for sp in (True, False):
+        plan = head_saved_elems(Layout(tp=tp, sequence_parallel=sp), cfg.d_model) * B * S * 4
+        print(f"[tp={tp} sp={sp}] head region {got[sp]} B, plan {plan:.0f} B")
+        assert abs(got[sp] - plan) <= 0.02 * plan, (sp, got[sp], plan)

@@ -279,10 +279,15 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
         # fp32 logits for the loss, 4·s·b·V/t (vocab-parallel), per microbatch in flight at the end
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
         acts += 4 * tokens * lay.padded_vocab / lay.tp * last_in_flight
-        # final norm: its input, its normalised input (for the weight grad), and its output (the
-        # head's input) — measured: 3·h per token
-        acts += 3 * tokens * m.d_model * ab
+        acts += head_saved_elems(lay, m.d_model) * tokens * ab
     return int(params), int(grads), int(opt), int(acts)
+
+
+def head_saved_elems(lay: Layout, h: int) -> float:
+    """Per token, what the final norm and the head save: the norm's input and normalised input
+    (for its weight grad), and the head's input. Under SP the norm sees s/tp tokens and the head
+    the gathered sequence: (1 + 2/tp)·h; else 3·h (measured at tp = 1, 2, 4 with and without SP)."""
+    return h * (1 + 2 / lay.tp) if lay.sequence_parallel else 3.0 * h
 
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:

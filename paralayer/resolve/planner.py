@@ -284,7 +284,8 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                     extra = 0.0
                     if last:
                         lif = mm if (schedule == "gpipe" and pp > 1) else 1
-                        extra = 4 * tokens * lay.padded_vocab / tp * lif + 3 * tokens * h * ab
+                        extra = (4 * tokens * lay.padded_vocab / tp * lif
+                                 + mem_mod.head_saved_elems(lay, h) * tokens * ab)
                     fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
                 for recompute in RECOMPUTES:
                     ed, em = act[recompute]
