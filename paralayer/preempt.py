@@ -1,12 +1,17 @@
-"""Save before a SLURM requeue: USR2 (``--signal=USR2@N`` before the time limit, or a preemption
-notice) ends the step in progress, every rank saves the checkpoint, and only then does the signal go
-on to the handler that was installed before ours (submitit's: rank 0 requeues the job with
-``resume=auto``). Without it the requeue would restart from the last periodic checkpoint and
-redo up to ``checkpoint.every`` steps.
+"""Save before SLURM ends or requeues a job. Two signals, as Megatron's exit-signal handler and
+submitit use them:
 
-Installed only where a Python handler already owns the signal (a submitit task); a local run keeps
-USR2's default. Ranks agree on the signal at the step's end (one scalar all-reduce, MAX), so they
-stop at the same step even when the signal reaches them at different moments.
+- ``USR2`` (``--signal=USR2@N`` before the time limit, or a preemption notice): the step in
+  progress ends, every rank saves the checkpoint, and only then does the signal go on to the
+  handler installed before ours (submitit's: rank 0 requeues the job with ``resume=auto``).
+- ``SIGTERM`` (``scontrol requeue``, preemption with a grace time, ``scancel``): the same save,
+  then the ranks wait for SLURM's SIGKILL (submitit ignores SIGTERM; the requeue is SLURM's own).
+
+Without it a requeue restarts from the last periodic checkpoint and redoes up to
+``checkpoint.every`` steps. Installed only where a Python handler already owns the signal (a
+submitit task); a local run keeps the defaults. Ranks agree on the signal at the step's end (one
+scalar all-reduce, MAX), so they stop at the same step even when it reaches them at different
+moments.
 """
 from __future__ import annotations
 
@@ -16,49 +21,56 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+#: agreement codes: a rank that saw USR2 wins (the requeue must go through submitit)
+_CODES = {signal.SIGTERM: 1, signal.SIGUSR2: 2}
+
 
 class Preempted(Exception):
     """Raised by the training loop after the checkpoint is saved and the signal handed on."""
 
 
 class PreemptSave:
-    def __init__(self, sig: int = signal.SIGUSR2):
-        self.sig = sig
-        self.previous: Any = signal.getsignal(sig)
-        self.signalled = False
-        self.active = callable(self.previous)
-        if self.active:
-            signal.signal(sig, self._note)
+    def __init__(self, sigs: tuple = (signal.SIGUSR2, signal.SIGTERM)):
+        self.previous: dict = {}
+        self.seen = 0
+        for sig in sigs:
+            prev = signal.getsignal(sig)
+            if callable(prev):
+                self.previous[sig] = prev
+                signal.signal(sig, self._note)
+        self.active = bool(self.previous)
 
     @classmethod
-    def install(cls, sig: int = signal.SIGUSR2) -> "PreemptSave":
-        """Take over ``sig`` if a Python handler owns it; inactive off the main thread."""
+    def install(cls) -> "PreemptSave":
+        """Take over the signals a Python handler owns; inactive off the main thread."""
         try:
-            return cls(sig)
+            return cls()
         except ValueError:  # signal.signal outside the main thread
             inactive = cls.__new__(cls)
-            inactive.sig, inactive.previous, inactive.signalled, inactive.active = sig, None, False, False
+            inactive.previous, inactive.seen, inactive.active = {}, 0, False
             return inactive
 
     def _note(self, signum: int, frame: Optional[Any]) -> None:
-        self.signalled = True
+        self.seen = max(self.seen, _CODES.get(signal.Signals(signum), 0))
 
-    def agreed(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
-        """Collective over ``group``: did any rank get the signal?"""
+    def agreed(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> Optional[signal.Signals]:
+        """Collective over ``group``: the signal some rank got (USR2 over SIGTERM), else None."""
         if not self.active:
-            return False
-        t = torch.tensor([1.0 if self.signalled else 0.0], device=device)
+            return None
+        t = torch.tensor([float(self.seen)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item() > 0)
+        code = int(t.item())
+        return next((s for s, c in _CODES.items() if c == code), None)
 
     def restore(self) -> None:
-        """Training is over: the signal goes straight to the previous handler again."""
-        if self.active:
-            signal.signal(self.sig, self.previous)
-            self.active = False
+        """Training is over: the signals go straight to the previous handlers again."""
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev)
+        self.active = False
 
-    def hand_on(self) -> None:
-        """Give the signal to the previous handler (on rank 0 submitit requeues the job)."""
-        signal.signal(self.sig, self.previous)
-        if callable(self.previous):
-            self.previous(self.sig, None)
+    def hand_on(self, sig: signal.Signals) -> None:
+        """Give ``sig`` to the previous handler (for USR2 under submitit: rank 0 requeues)."""
+        prev = self.previous.get(sig)
+        self.restore()
+        if sig == signal.SIGUSR2 and callable(prev):
+            prev(sig, None)

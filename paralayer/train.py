@@ -10,6 +10,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -366,16 +367,17 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
         saved = bool(cfg.checkpoint.every and ckpt_dir and (step % cfg.checkpoint.every == 0 or step == stop))
         if saved:
             _save(cfg, ckpt_dir, step, built, opt, sched)
-        if preempt.active and step < stop and preempt.agreed(device):
+        sig = preempt.agreed(device) if (preempt.active and step < stop) else None
+        if sig is not None:
             if ckpt_dir and not saved:
                 _save(cfg, ckpt_dir, step, built, opt, sched)
             if rank == 0:
-                print(f"paralayer: USR2 after step {step}: checkpoint saved, handing the signal to the requeue",
-                      flush=True)
+                then = "handing the signal to the requeue" if sig == signal.SIGUSR2 else "waiting for SLURM"
+                print(f"paralayer: {sig.name} after step {step}: checkpoint saved, {then}", flush=True)
             if logger is not None:
                 logger.close()
-            preempt.hand_on()
-            raise Preempted(f"stopped after step {step} for a requeue")
+            preempt.hand_on(sig)
+            raise Preempted(f"stopped after step {step} on {sig.name}")
     preempt.restore()
     if runner is not None and run_dir is not None and (cfg.logging.timeline or os.environ.get("PARALAYER_TIMELINE")):
         _write_timeline(runner, meshes, run_dir)
@@ -457,8 +459,8 @@ def main(run_dir: str) -> int:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
     except Preempted:
-        # the requeue ends this task (SIGTERM, then SIGKILL): wait for it, rather than end the job
-        # step as if training were done
+        # SLURM ends this task (SIGTERM, then SIGKILL): wait for it, rather than end the job step
+        # as if training were done
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             time.sleep(1)

@@ -177,9 +177,10 @@ def _wait_for(cond, what, proc, log_path, deadline_s=120.0):
 def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
     """One checkpointing run (checkpoint.every=3), interrupted twice while it trains:
 
-    1. a bare `scontrol requeue`: SLURM sends Python no signal and re-runs the batch script from its
-       start; the rerun must come back with resume=auto (SLURM_RESTART_COUNT > 0) and load the newest
-       periodic checkpoint;
+    1. a bare `scontrol requeue`: SLURM sends SIGTERM (submitit ignores it), then SIGKILL, and re-runs
+       the batch script from its start; the ranks save at the step's end on SIGTERM
+       (paralayer/preempt.py), and the rerun comes back with resume=auto (SLURM_RESTART_COUNT > 0)
+       and loads that checkpoint;
     2. USR2, what `--signal=USR2@90` sends before the time limit: the ranks finish the step, save a
        checkpoint there (paralayer/preempt.py), and hand the signal to submitit, which calls
        RankTask.checkpoint on rank 0 and requeues the job with resume=auto — so the rerun starts at
@@ -221,8 +222,10 @@ def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
     resumes = [(int(a), int(b)) for a, b in resumed_re.findall(log)]
     assert len(resumes) == 2 and all(b == a + 1 for a, b in resumes), resumes
     assert resumes[0][0] >= 3 and resumes[1][0] >= first, (resumes, first)
-    saved_at = [int(x) for x in re.findall(r"USR2 after step (\d+): checkpoint saved", log)]
-    assert saved_at == [resumes[1][0]], (saved_at, resumes)  # the USR2 save is what the rerun loads
+    # each save at a signal is what the rerun loads: nothing is trained twice
+    term_at = [int(x) for x in re.findall(r"SIGTERM after step (\d+): checkpoint saved", log)]
+    usr2_at = [int(x) for x in re.findall(r"SIGUSR2 after step (\d+): checkpoint saved", log)]
+    assert term_at == [resumes[0][0]] and usr2_at == [resumes[1][0]], (term_at, usr2_at, resumes)
     assert _steps(run) == list(range(1, steps + 1))  # each step once: no gap, no duplicate
     rows = _sacct_until(job, lambda rs: [s for _, s in rs] == ["REQUEUED", "REQUEUED", "COMPLETED"], dup=True)
     assert [s for _, s in rows] == ["REQUEUED", "REQUEUED", "COMPLETED"], rows
