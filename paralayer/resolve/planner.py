@@ -244,49 +244,54 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
     full_ring_flops = {rc: cost_mod.tp_ring_flops(cfg, tp, rc) for rc in RECOMPUTES}
     tp_cache: dict = {}
 
+    acts = {}  # overlap -> the act_elems_per_token table (saved gathered inputs differ)
     for overlap in overlaps:
         lay.tp_overlap = overlap
         akey = (tp, lay.sequence_parallel, cp > 1, overlap)  # the keys act_elems_per_token depends on
         if akey not in act_cache:
             act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
                                       mem_mod.act_elems_per_token(cfg, lay, True, mode)) for mode in RECOMPUTES}
-        act = act_cache[akey]
-        nd_none, nm_none = act["none"]
-        for zero in range(4):
-            states = []
-            for rk in ranks:
-                dense, expert = rk[1], rk[2]
-                pa, gr, op = (int(x) for x in
-                              mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
-                states.append((pa, gr, op, pa + gr + op))
-            mbs = divisors(gb // dp)
-            if avail is not None and min(s[3] for s in states) > avail:
-                drop("memory: model states alone exceed the device", 3 * len(mbs))
-                continue
-            for mb in mbs:
-                mm = gb // (mb * dp)
-                if pp > 1:
-                    need = 2 * pp if schedule == "dualpipev" else pp
-                    if mm < need and schedule != "gpipe":
-                        drop(f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})", 3)
-                        continue
-                    if schedule == "interleaved" and mm % pp:
-                        drop("interleaved: m not a multiple of pp", 3)
-                        continue
-                tokens = mb * seq / cp
-                tab = tokens * ab
-                bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
-                (dpf, dpm), (rdf, rdm) = dp_line[zero]
-                t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-                # per candidate rank: (in flight, logits and final norm if last)
-                fl = []
-                for (r, _d, _e, _nd, _nm, last) in ranks:
-                    extra = 0.0
-                    if last:
-                        lif = mm if (schedule == "gpipe" and pp > 1) else 1
-                        extra = (4 * tokens * lay.padded_vocab / tp * lif
-                                 + mem_mod.head_saved_elems(lay, h) * tokens * ab)
-                    fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
+        acts[overlap] = act_cache[akey]
+    lay.tp_overlap = False
+    n_var = len(overlaps)  # every drop below drops each tp_overlap variant
+    for zero in range(4):
+        states = []
+        for rk in ranks:
+            dense, expert = rk[1], rk[2]
+            pa, gr, op = (int(x) for x in
+                          mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
+            states.append((pa, gr, op, pa + gr + op))
+        mbs = divisors(gb // dp)
+        if avail is not None and min(s[3] for s in states) > avail:
+            drop("memory: model states alone exceed the device", 3 * len(mbs) * n_var)
+            continue
+        for mb in mbs:
+            mm = gb // (mb * dp)
+            if pp > 1:
+                need = 2 * pp if schedule == "dualpipev" else pp
+                if mm < need and schedule != "gpipe":
+                    drop(f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})", 3 * n_var)
+                    continue
+                if schedule == "interleaved" and mm % pp:
+                    drop("interleaved: m not a multiple of pp", 3 * n_var)
+                    continue
+            tokens = mb * seq / cp
+            tab = tokens * ab
+            bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
+            (dpf, dpm), (rdf, rdm) = dp_line[zero]
+            t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
+            # per candidate rank: (in flight, logits and final norm if last)
+            fl = []
+            for (r, _d, _e, _nd, _nm, last) in ranks:
+                extra = 0.0
+                if last:
+                    lif = mm if (schedule == "gpipe" and pp > 1) else 1
+                    extra = (4 * tokens * lay.padded_vocab / tp * lif
+                             + mem_mod.head_saved_elems(lay, h) * tokens * ab)
+                fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
+            for overlap in overlaps:
+                act = acts[overlap]
+                nd_none, nm_none = act["none"]
                 for recompute in RECOMPUTES:
                     ed, em = act[recompute]
                     full = recompute == "full"
@@ -317,7 +322,6 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
                     recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
                                  (fixed + t_tp, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh,
                                  overlap, t_tp))
-    lay.tp_overlap = False
 
 
 def _line(pts: list, ax: str) -> tuple[float, float]:
