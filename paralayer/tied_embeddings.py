@@ -15,11 +15,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from paralayer.parallel.tensor import local_tensor
 
 
 def tied_params(chunks: Sequence[nn.Module]) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:
@@ -51,14 +48,14 @@ def sum_tied_grads(chunks: Sequence[nn.Module], group: Optional[dist.ProcessGrou
     if emb is not None and out is not None:  # one rank holds both (pp = 1, or a V schedule's rank 0)
         if emb.grad is None or out.grad is None:
             return
-        total = _local(emb.grad) + _local(out.grad)
-        _local(emb.grad).copy_(total)
-        _local(out.grad).copy_(total)
+        total = local_tensor(emb.grad) + local_tensor(out.grad)
+        local_tensor(emb.grad).copy_(total)
+        local_tensor(out.grad).copy_(total)
         return
     mine = emb if emb is not None else out
     if mine is None or group is None:
         return
-    g = _local(mine.grad) if mine.grad is not None else torch.zeros_like(_local(mine))
+    g = local_tensor(mine.grad) if mine.grad is not None else torch.zeros_like(local_tensor(mine))
     dist.all_reduce(g, group=group)
     if mine.grad is None:
         mine.grad = g

@@ -27,7 +27,7 @@ from paralayer.config import Config
 from paralayer.mesh import Meshes, build_mesh
 from paralayer.model import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
-from paralayer.parallel.tensor import loss_parallel_ctx
+from paralayer.parallel.tensor import local_tensor, loss_parallel_ctx
 from paralayer.preempt import Preempted, PreemptSave
 
 PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
@@ -325,7 +325,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
             ep = meshes.size("ep")
             for p in built.expert_params:
                 if p.grad is not None:
-                    dpar._local(p.grad).div_(ep)
+                    local_tensor(p.grad).div_(ep)
         if tie:
             tied.sum_tied_grads(built.chunks, tied_group)
         if poison:

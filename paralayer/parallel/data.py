@@ -17,10 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from paralayer.parallel.grad_sync import GradReducer  # noqa: F401 - ZeRO-0/1 gradient averaging lives there
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from paralayer.parallel.tensor import local_tensor as _local
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Optional[torch.dtype] = None,

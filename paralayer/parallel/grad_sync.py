@@ -17,18 +17,15 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from paralayer.parallel.tensor import local_tensor
 
 #: DDP's default bucket size.
 BUCKET_BYTES = 25 * 2**20
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _flat(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(0), grads
     return torch.cat([g.reshape(-1) for g in grads]), grads
@@ -62,7 +59,7 @@ class GradReducer:
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes + 1
         for p in reversed(self.dense):
-            nbytes = _local(p).numel() * _local(p).element_size()
+            nbytes = local_tensor(p).numel() * local_tensor(p).element_size()
             if size + nbytes > bucket_bytes and (not self.buckets or self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
@@ -115,7 +112,7 @@ class GradReducer:
         elif self.divide != 1:
             for p in self.dense:
                 if p.grad is not None:
-                    _local(p.grad).div_(self.divide)
+                    local_tensor(p.grad).div_(self.divide)
         # Expert grads already summed their ep peers' tokens through the all-to-all backward.
         if self.experts:
             flat, grads = _flat(self.experts)

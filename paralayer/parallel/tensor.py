@@ -60,6 +60,11 @@ from torch.distributed.tensor.parallel import (
 _PAD_LOGIT = -1.0e9
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (TP, FSDP), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def check_tp_shapes(model: nn.Module, tp: int) -> None:
     """Raise ValueError naming the field if the model cannot be split ``tp`` ways."""
     cfg = model.cfg

@@ -24,11 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from paralayer.parallel.tensor import local_tensor
 
 
 class _Ring:
@@ -191,8 +188,10 @@ class TpOverlap:
 
     def gather_matmul(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """all_gather(x, seq) @ W_iᵀ for each W_i (column-parallel local shards)."""
-        return _GatherMatmul.apply(_local(x), self.ring, _compute_dtype(_local(x)), *[_local(w) for w in weights])
+        x = local_tensor(x)
+        return _GatherMatmul.apply(x, self.ring, _compute_dtype(x), *[local_tensor(w) for w in weights])
 
     def matmul_scatter(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """reduce_scatter(y @ Wᵀ, seq) (row-parallel local shard)."""
-        return _MatmulScatter.apply(_local(y), self.ring, _compute_dtype(_local(y)), _local(weight))
+        y = local_tensor(y)
+        return _MatmulScatter.apply(y, self.ring, _compute_dtype(y), local_tensor(weight))
