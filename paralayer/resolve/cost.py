@@ -68,13 +68,18 @@ TP_RINGS_MOE = (2, 3)
 TP_PLAIN_MOE = (1, 1)
 
 
+def tp_plain_collectives(n_moe: int, full_recompute: bool) -> int:
+    """Unfused all-gathers per microbatch under tp_overlap: the MoE blocks' (TP_PLAIN_MOE)."""
+    return n_moe * (TP_PLAIN_MOE[0] * (2 if full_recompute else 1) + TP_PLAIN_MOE[1])
+
+
 def tp_overlap_comm(lay: Layout, act_msg: float, n_dense: int, n_moe: int, fwd_extra: int) -> dict:
     """tp traffic under tp_overlap: every fused collective is a ring of tp − 1 chunk sends
     (``count_per_step`` counts the sends, ``message_bytes`` is one chunk); ``plain_bytes_per_step``
     is the MoE blocks' unfused share (it cannot hide behind a GEMM)."""
     t, mm = lay.tp, lay.microbatches
     rings = sum(n * (f * (1 + fwd_extra) + b) for n, (f, b) in ((n_dense, TP_RINGS_DENSE), (n_moe, TP_RINGS_MOE)))
-    plain = n_moe * (TP_PLAIN_MOE[0] * (1 + fwd_extra) + TP_PLAIN_MOE[1])
+    plain = tp_plain_collectives(n_moe, bool(fwd_extra))
     chunk = act_msg / t
     e = _entry("ring send/recv (fused in GEMMs)", chunk, rings * (t - 1) * mm + plain * mm, t)
     e["plain_bytes_per_step"] = int(plain * mm * act_msg * (t - 1) / t)

@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 from paralayer.config import Config
+from paralayer.resolve.cost import tp_plain_collectives
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.rules import resolve_device
 
@@ -156,8 +157,6 @@ def tp_overlap_seconds(ring_flops: tuple[list[float], list[float]], n_dense: int
     chunk's transfer; a step costs the longer of the two, so a ring shows
     (tp − 1)·max(0, hop − overlap·GEMM/tp) beyond its GEMMs. The MoE blocks' plain all-gathers
     (``cost.TP_PLAIN_MOE``) show whole. ``tokens``: the gathered sequence of one microbatch."""
-    from paralayer.resolve.cost import TP_PLAIN_MOE
-
     if tp <= 1:
         return 0.0
     flop_s = 1.0 / (mach.peak_tflops * 1e12 * mach.efficiency)
@@ -169,7 +168,7 @@ def tp_overlap_seconds(ring_flops: tuple[list[float], list[float]], n_dense: int
             per_mb += n * sum(max(0.0, hop - hide * f) for f in flops)
     per_mb *= tp - 1
     if n_moe:
-        plain = n_moe * (TP_PLAIN_MOE[0] * (2 if full_recompute else 1) + TP_PLAIN_MOE[1])
+        plain = tp_plain_collectives(n_moe, full_recompute)
         per_mb += plain * (mach.latency(span) + tokens * h * act_bytes * (tp - 1) / tp / mach.bandwidth(span))
     return per_mb * mm
 
