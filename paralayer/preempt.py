@@ -31,24 +31,18 @@ class Preempted(Exception):
 
 class PreemptSave:
     def __init__(self, sigs: tuple = (signal.SIGUSR2, signal.SIGTERM)):
+        """Take over the signals a Python handler owns; inactive off the main thread."""
         self.previous: dict = {}
         self.seen = 0
         for sig in sigs:
             prev = signal.getsignal(sig)
             if callable(prev):
+                try:
+                    signal.signal(sig, self._note)
+                except ValueError:  # not the main thread: signals are not ours to take
+                    break
                 self.previous[sig] = prev
-                signal.signal(sig, self._note)
         self.active = bool(self.previous)
-
-    @classmethod
-    def install(cls) -> "PreemptSave":
-        """Take over the signals a Python handler owns; inactive off the main thread."""
-        try:
-            return cls()
-        except ValueError:  # signal.signal outside the main thread
-            inactive = cls.__new__(cls)
-            inactive.previous, inactive.seen, inactive.active = {}, 0, False
-            return inactive
 
     def _note(self, signum: int, frame: Optional[Any]) -> None:
         self.seen = max(self.seen, _CODES.get(signal.Signals(signum), 0))

@@ -290,7 +290,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
 
     records: list[dict] = []
     tokens_per_step = cfg.train.global_batch * seq_len
-    preempt = PreemptSave.install()
+    preempt = PreemptSave()
     for step in range(start_step, stop + 1):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
