@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.parallel.tensor import local_tensor
+from paralayer.parallel.tensor import align_grad, local_tensor
 
 #: DDP's default bucket size.
 BUCKET_BYTES = 25 * 2**20
@@ -86,8 +86,6 @@ class GradReducer:
             return
         # tensor.py's hook brings a DTensor grad to its parameter's placements (an SP norm's
         # Partial grad); registered after this one, so do it here before the grad is sent
-        from paralayer.parallel.tensor import align_grad
-
         align_grad(p)
         self._left[self._bucket_of[id(p)]] -= 1
         while self._next < len(self.buckets) and self._left[self._next] == 0:
