@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from paralayer.config import ModelConfig  # noqa: E402
-from paralayer.model import Transformer, init_weights, lm_loss  # noqa: E402
+from paralayer.model.transformer import Transformer, init_weights, lm_loss  # noqa: E402
 from paralayer.parallel import pipeline as pl
 from paralayer.parallel import timeline as tl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402

@@ -10,7 +10,7 @@ per rank, as the local launcher gives ranks that outnumber the cores). Measured 
   the machine is shared with other jobs, which only ever add time, so the least-interfered step
   is the estimate);
 - activations: the peak live bytes of tensors saved for backward during a step
-  (``paralayer.activation_memory.ActivationMemory``: saved-tensor hooks, unique storages, parameters
+  (``paralayer.runtime.activation_memory.ActivationMemory``: saved-tensor hooks, unique storages, parameters
   excluded, released when autograd frees them), max over ranks;
 - state: parameter bytes (the largest set held: after a chunk's forward — FSDP with
   ``reshard_after_forward=False`` still holds the gathered weights there — or after the step),
@@ -91,8 +91,8 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from paralayer.activation_memory import ActivationMemory
-    from paralayer.train import train
+    from paralayer.runtime.activation_memory import ActivationMemory
+    from paralayer.runtime import train
 
     class Acts(ActivationMemory):
         def _pack(self, t):  # parameters (FSDP's gathered ones included) and views of them are not activations
@@ -306,8 +306,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("PARALAYER_CACHE", os.path.join(tempfile.gettempdir(), "paralayer-calibrate-cache"))
     import torch
 
-    import paralayer.train  # noqa: F401 - imported once, before forking the ranks
-    from paralayer.metrics import measure_cpu_peak_tflops
+    import paralayer.runtime.train  # noqa: F401 - imported once, before forking the ranks
+    from paralayer.metrics.throughput import measure_cpu_peak_tflops
 
     if a.load:
         with open(a.load) as f:

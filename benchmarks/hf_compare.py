@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paralayer.config import ModelConfig  # noqa: E402
-from paralayer.model import Transformer, init_weights  # noqa: E402
+from paralayer.model.transformer import Transformer, init_weights  # noqa: E402
 
 
 def build_pair(cfg: ModelConfig):

@@ -84,7 +84,7 @@ def sample_layouts(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2) -> l
 
 
 def _worker(rank: int, world: int, overrides: list) -> Any:
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     cfg = load_config(overrides)
     plan = resolve(cfg).to_dict()
@@ -122,7 +122,7 @@ def sweep(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2, timeout_s: fl
     os.environ.setdefault("PARALAYER_CACHE", os.path.join(tempfile.gettempdir(), "paralayer-soundness-cache"))
     import torch  # noqa: F401 - imported once before forking the ranks
 
-    import paralayer.train  # noqa: F401
+    import paralayer.runtime.train  # noqa: F401
 
     results = []
     for s in sample_layouts(n, seed, worlds, steps):

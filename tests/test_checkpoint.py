@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paralayer.checkpoint import (
+from paralayer.checkpoint.dcp import (
     CheckpointError,
     find_latest,
     list_checkpoints,
@@ -26,7 +26,7 @@ from paralayer.checkpoint import (
     verify_checkpoint,
 )
 from paralayer.config import ModelConfig
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from tests.dist import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,7 +199,7 @@ def _stage(cfg, first: bool, last: bool, layers: list[int]):
 
 def _ep_save(rank, world, root):
     """ep=2 experts, model split in two 'pipeline' parts held by every rank (one optimizer each)."""
-    pytest.importorskip("paralayer.moe")
+    pytest.importorskip("paralayer.model.moe")
     from paralayer.parallel.expert import apply_expert_parallel
     cfg = _moe_cfg()
     parts = [_stage(cfg, True, False, [0]), _stage(cfg, False, True, [1])]
@@ -218,7 +218,7 @@ def _ep_save(rank, world, root):
 
 
 def test_expert_parallel_parts_to_plain(tmp_path):
-    pytest.importorskip("paralayer.moe", reason="paralayer/moe.py (MoEFeedForward) is not there yet")
+    pytest.importorskip("paralayer.model.moe", reason="paralayer/model/moe.py (MoEFeedForward) is not there yet")
     root = str(tmp_path / "ckpt")
     res = run_ranks(_ep_save, 2, root)
     cfg = _moe_cfg()
@@ -238,7 +238,7 @@ def test_expert_parallel_parts_to_plain(tmp_path):
 _SAVER = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {repo!r})
-    import paralayer.checkpoint as ck
+    import paralayer.checkpoint.dcp as ck
     root, mode = sys.argv[1], sys.argv[2]
     model = torch.nn.Linear(512, 1024)
     opt = torch.optim.AdamW(model.parameters())

@@ -1,6 +1,6 @@
 """Context parallel end to end: training parity, measured memory and ring traffic against the plan.
 
-Parity: 5 fp32 steps through ``paralayer.train.train`` under cp (alone and with tp, dp, pp) give the
+Parity: 5 fp32 steps through ``paralayer.runtime.train.train`` under cp (alone and with tp, dp, pp) give the
 one-rank loss and grad norm within 1e-5 relative. Memory: the activation bytes saved for backward
 per rank (saved_tensors_hooks, unique storages, parameters excluded) fall ~cp× and match the
 resolver's ``activations_saved`` within 10%. Traffic: the bytes the ring actually sends (counted at
@@ -40,7 +40,7 @@ def _cfg_plan(base, overrides):
 
 # --------------------------------------------------------------------------------- parity
 def _train(rank, world, overrides):
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     cfg, plan = _cfg_plan(TINY, overrides)
     assert plan["world_size"] == world, (plan["world_size"], world)
@@ -85,10 +85,10 @@ def test_context_parallel_training_parity(reference, name):
 # --------------------------------------------------------------------------------- memory, balance
 def _saved_bytes(rank, world, overrides):
     """One microbatch's forward on this rank: (saved bytes, plan's activations_saved, ring pairs)."""
-    from paralayer.data import labels_for
-    from paralayer.mesh import build_mesh
+    from paralayer.data.loading import labels_for
+    from paralayer.parallel.mesh import build_mesh
     from paralayer.parallel.context import zigzag_shard
-    from paralayer.train import build_model
+    from paralayer.runtime.train import build_model
 
     cfg, plan = _cfg_plan(LONG, overrides)
     cp = int(plan["degrees"]["cp"])
@@ -173,7 +173,7 @@ def test_attention_work_balanced_through_the_model(saved, cp):
 def _ring_bytes(rank, world, overrides):
     """Bytes this rank sends around the cp ring in one optimizer step (one microbatch)."""
     from paralayer.parallel import context
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     sent = {"bytes": 0, "count": 0}
     orig = context._Ring.exchange

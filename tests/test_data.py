@@ -1,4 +1,4 @@
-"""paralayer.data: real `datasets` loads of local text/jsonl/parquet files, the tokens format's order
+"""paralayer.data.loading: real `datasets` loads of local text/jsonl/parquet files, the tokens format's order
 contract, packing, dp shares, determinism, caching, no network."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from paralayer.config import DataConfig
-from paralayer.data import (
+from paralayer.data.loading import (
     ByteTokenizer,
     build_dataset,
     global_batch_indices,
@@ -240,7 +240,7 @@ _NO_NET = textwrap.dedent("""
     socket.create_connection = _refuse
     socket.getaddrinfo = _refuse
     from paralayer.config import DataConfig
-    from paralayer.data import build_dataset
+    from paralayer.data.loading import build_dataset
     d = sys.argv[1]
     out = {}
     for fmt, name, field in [("text", "c.txt", "text"), ("jsonl", "c.jsonl", "body"),

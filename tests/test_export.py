@@ -13,7 +13,7 @@ def _train_tp2(rank, world, run_dir, extra=()):
     from paralayer import config as config_mod
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     cfg = load_config(["recipe=tiny", "parallel.dp=1", "parallel.tp=2", "model.n_layers=2", "model.seq_len=32",
                        "train.steps=2", "train.global_batch=4", "train.micro_batch=2", "checkpoint.every=2",
@@ -32,10 +32,10 @@ def test_export_matches_transformers(tmp_path, tie):
     """Tied: the two trained copies are still one matrix, so dropping lm_head loses nothing."""
     from transformers import AutoModelForCausalLM
 
-    from paralayer import checkpoint as ckpt
+    from paralayer.checkpoint import dcp as ckpt
     from paralayer.config import from_yaml_file
-    from paralayer.export import export_run
-    from paralayer.model import Transformer
+    from paralayer.checkpoint.export import export_run
+    from paralayer.model.transformer import Transformer
 
     run_dir = str(tmp_path / "run")
     run_ranks(_train_tp2, 2, run_dir, ["model.tie_embeddings=true"] if tie else [])

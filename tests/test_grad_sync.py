@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from paralayer.config import ModelConfig
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from tests.dist import run_ranks
 
 torch.set_num_threads(1)

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from paralayer.config import ModelConfig
-from paralayer.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf
-from paralayer.model import Transformer, padded_vocab
+from paralayer.checkpoint.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf
+from paralayer.model.transformer import Transformer, padded_vocab
 from tests.dist import run_ranks
 
 
@@ -141,7 +141,7 @@ def test_unsupported_is_clear(tmp_path):
 
 
 def test_mixtral_logits_and_round_trip(tmp_path):
-    pytest.importorskip("paralayer.moe", reason="paralayer/moe.py (MoEFeedForward) is not there yet")
+    pytest.importorskip("paralayer.model.moe", reason="paralayer/model/moe.py (MoEFeedForward) is not there yet")
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     ref = _save_mixtral(src)
     model, mcfg = _ours(src)
@@ -187,7 +187,7 @@ def test_parallel_import_export_bitwise(tmp_path, kind):
     if kind == "tp":
         _save_llama(src)
     else:
-        pytest.importorskip("paralayer.moe", reason="paralayer/moe.py (MoEFeedForward) is not there yet")
+        pytest.importorskip("paralayer.model.moe", reason="paralayer/model/moe.py (MoEFeedForward) is not there yet")
         _save_mixtral(src)
     run_ranks(_import_export_parallel, 2, src, out, kind)
     a, b = _hf_tensors(src), _hf_tensors(out)

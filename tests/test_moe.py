@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paralayer.moe import MoEFeedForward
+from paralayer.model.moe import MoEFeedForward
 from paralayer.parallel.expert import (
     apply_expert_parallel,
     expert_param_names,

@@ -73,9 +73,9 @@ def _saved_bytes(rank, world, overrides):
     parameters excluded), and the plan's ``activations_saved``."""
     from torch.distributed.tensor import DTensor
 
-    from paralayer.mesh import build_mesh
+    from paralayer.parallel.mesh import build_mesh
     from paralayer.parallel.tensor import loss_parallel_ctx
-    from paralayer.train import build_model, make_loss_fn
+    from paralayer.runtime.train import build_model, make_loss_fn
 
     cfg, plan = _cfg_plan(overrides)
     built = build_model(cfg, plan, build_mesh(plan, "cpu"), torch.device("cpu"))
@@ -135,7 +135,7 @@ def _a2a_traffic(rank, world, overrides):
     bytes sent by this rank) and the plan's ``comm.ep``."""
     import torch.distributed as dist
 
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     cfg, plan = _cfg_plan(overrides)
     sent = []
@@ -182,8 +182,8 @@ def test_all_to_all_traffic_matches_plan(capacity):
 def _forced_train(rank, world, overrides, run_dir):
     """Train with every router forced to pick expert 0 (a test-only patch of ``route``: a large
     bias on expert 0's logit, gradients still flow through the gate)."""
-    from paralayer.moe import MoEFeedForward
-    from paralayer.train import train
+    from paralayer.model.moe import MoEFeedForward
+    from paralayer.runtime import train
 
     def forced_route(self, x):
         logits = self.gate(x).float()
@@ -245,8 +245,8 @@ def _save_tiny_mixtral(rank, world, path):
 
 
 def _our_logits(rank, world, path, tokens, overrides):
-    from paralayer.mesh import build_mesh
-    from paralayer.train import build_model
+    from paralayer.parallel.mesh import build_mesh
+    from paralayer.runtime.train import build_model
 
     cfg, plan = _cfg_plan([f"model.init=hf:{path}"] + overrides)
     assert cfg.model.moe.num_experts == 4 and cfg.model.moe.top_k == 2 and cfg.model.d_model == 32
@@ -322,8 +322,8 @@ def test_expert_memory_divides_by_ep_not_tp():
 
 
 def _train_bias(rank, world, overrides):
-    import paralayer.moe_step as M
-    from paralayer.train import train
+    import paralayer.runtime.moe_step as M
+    from paralayer.runtime import train
     cfg, plan = _cfg_plan(overrides)
     captured = {}
     orig = M.update_bias

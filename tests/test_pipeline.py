@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paralayer.activation_memory import ActivationMemory
+from paralayer.runtime.activation_memory import ActivationMemory
 from paralayer.config import ModelConfig
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import pipeline as pl
 from paralayer.parallel import timeline as tl
 from tests.dist import run_ranks
@@ -295,7 +295,7 @@ def _e2e_data(tmp) -> str:
 
 
 def _e2e_rank(rank, world, cfg, plan):
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     return [{"loss": r["loss"], "bubble_measured": r.get("bubble_measured")} for r in train(cfg, plan)]
 
@@ -312,14 +312,14 @@ def _e2e(tmp, layout: list[str]) -> list[dict]:
 
 def _train_ready() -> bool:
     try:
-        from paralayer import train as t
+        from paralayer.runtime import train as t
         from paralayer.resolve import plan as p  # noqa: F401
     except Exception:  # noqa: BLE001
         return False
     return hasattr(t, "train")
 
 
-needs_train = pytest.mark.skipif(not _train_ready(), reason="paralayer.train.train / resolver not there yet")
+needs_train = pytest.mark.skipif(not _train_ready(), reason="paralayer.runtime.train.train / resolver not there yet")
 _E2E_REF: dict = {}
 
 

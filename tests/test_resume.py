@@ -1,4 +1,4 @@
-"""End-to-end resume through ``paralayer.train.train``: stop at k, resume=auto, steps k+1..2k equal
+"""End-to-end resume through ``paralayer.runtime.train.train``: stop at k, resume=auto, steps k+1..2k equal
 the straight run (bitwise on the same layout), and a tp=2 × pp=2 checkpoint resumed under dp=4."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-train_mod = pytest.importorskip("paralayer.train")
+train_mod = pytest.importorskip("paralayer.runtime.train")
 if not hasattr(train_mod, "train"):
-    pytest.skip("paralayer.train.train is not there yet", allow_module_level=True)
+    pytest.skip("paralayer.runtime.train.train is not there yet", allow_module_level=True)
 
 from paralayer.config import load_config  # noqa: E402
 from paralayer.resolve.plan import resolve  # noqa: E402
@@ -34,7 +34,7 @@ def _data(tmp):
 
 
 def _rank_train(rank, world, cfg, plan, run_dir):
-    from paralayer.train import train
+    from paralayer.runtime import train
     recs = train(cfg, plan, run_dir)
     return [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"]} for r in recs]
 

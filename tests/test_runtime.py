@@ -48,8 +48,8 @@ def test_data_parallel_parity(reference, dp, zero):
 def _full_state(rank, world, overrides):
     from torch.distributed.tensor import DTensor
 
-    from paralayer.mesh import build_mesh
-    from paralayer.train import build_model
+    from paralayer.parallel.mesh import build_mesh
+    from paralayer.runtime.train import build_model
 
     cfg, plan = _cfg_plan(overrides)
     meshes = build_mesh(plan, "cpu")
@@ -72,8 +72,8 @@ def test_init_is_layout_independent():
 
 def _saved_bytes(rank, world, mode):
     """Activation bytes saved for backward in one forward, against the resolver's figure."""
-    from paralayer.mesh import build_mesh
-    from paralayer.train import build_model
+    from paralayer.parallel.mesh import build_mesh
+    from paralayer.runtime.train import build_model
 
     cfg, plan = _cfg_plan([f"parallel.recompute={mode}", "parallel.dp=1", "train.micro_batch=2"])
     built = build_model(cfg, plan, build_mesh(plan, "cpu"), torch.device("cpu"))

@@ -4,7 +4,7 @@ Start it first:  cluster/local_slurm.sh start && export SLURM_CONF=/tmp/paralaye
 (if SLURM_CONF is unset the default location is tried). Skipped, with the reason, when `sinfo` is
 missing or the cluster does not answer. Every wait here has a deadline.
 
-The entry points below stand in for paralayer.train:main; the jobs import them as
+The entry points below stand in for paralayer.runtime.train:main; the jobs import them as
 ``tests.test_slurm:<name>`` (the dispatch puts the repo root on PYTHONPATH), so keep this module
 cheap to import: torch is imported inside the functions.
 """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paralayer.config import ModelConfig, MoEConfig
-from paralayer.model import Transformer, init_weights, lm_loss, padded_vocab
+from paralayer.model.transformer import Transformer, init_weights, lm_loss, padded_vocab
 from tests.dist import run_ranks
 
 torch.set_num_threads(1)
@@ -272,7 +272,7 @@ def test_collectives_per_layer_match_plan(sp):
 
 # ------------------------------------------------------------------ end to end through train()
 def _train_worker(rank, world, cfg, plan):
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
 
@@ -315,7 +315,7 @@ E2E = {
 
 @pytest.mark.parametrize("case", list(E2E))
 def test_train_parity(case):
-    pytest.importorskip("paralayer.train")
+    pytest.importorskip("paralayer.runtime.train")
     tp, dp, extra, kv = E2E[case]
     ref = _e2e_reference(kv)
     cfg, plan = _e2e_cfg(tp, dp, *extra, n_kv_heads=kv)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from tests.dist import run_ranks
 from tests.test_tensor import B, S, batches, tiny, tp_model
 

@@ -1,4 +1,4 @@
-"""model.tie_embeddings (paralayer/tied_embeddings.py): two copies that get the summed gradient
+"""model.tie_embeddings (paralayer/parallel/tied_embeddings.py): two copies that get the summed gradient
 train exactly like one shared matrix, under every layout."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from paralayer.config import ModelConfig
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel.data import clip_grad_norm
-from paralayer.tied_embeddings import head_copy, sum_tied_grads
+from paralayer.parallel.tied_embeddings import head_copy, sum_tied_grads
 from tests.dist import cfg_and_plan, run_ranks
 
 torch.set_num_threads(1)
@@ -60,7 +60,7 @@ BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.tie_embedd
 
 
 def _rank(rank, world, cfg, plan):
-    from paralayer.train import train
+    from paralayer.runtime import train
 
     return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
 

@@ -1,6 +1,6 @@
 """Ranks on this machine through torch's elastic launcher (what torchrun uses).
 
-One process per rank runs ``python -m paralayer.train RUN_DIR``. When a rank fails the agent
+One process per rank runs ``python -m paralayer.runtime.train RUN_DIR``. When a rank fails the agent
 stops the others at once (no restarts), and we name the rank and its error.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_local(run_dir: str, plan: dict) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     print(f"paralayer: {world} rank(s) on this machine; run dir {run_dir}", flush=True)
     try:
-        elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.train", run_dir)
+        elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.runtime.train", run_dir)
     except ChildFailedError as exc:
         rank, failure = root_failure(exc.failures)
         msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)

@@ -5,7 +5,7 @@ Several  -> one job array (one element per run), each element the same shape.
 
 Each task exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT with
 ``submitit.helpers.TorchDistributedEnvironment`` and calls the entry point (default
-``paralayer.train:main``) with the run directory. The task is ``Checkpointable``: on the
+``paralayer.runtime.train:main``) with the run directory. The task is ``Checkpointable``: on the
 pre-timeout USR2 signal (or a preemption) rank 0 requeues the job, and the requeued call
 runs with ``PARALAYER_RESUME=auto`` so the training code resumes from its latest checkpoint.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_ENTRY = "paralayer.train:main"
+DEFAULT_ENTRY = "paralayer.runtime.train:main"
 RESUME_ENV = "PARALAYER_RESUME"
 
 # the variables TorchDistributedEnvironment sets; a copy inherited from the submitter

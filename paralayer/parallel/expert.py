@@ -37,7 +37,7 @@ GRADIENT REDUCTION — what the data-parallel code must do:
     over the concatenated batch; non-expert gradients summed over ranks equal the ep=1 gradient.)
 
 Stats (``module.stats``) are summed over the ep group. The aux loss is per rank (its own tokens), like
-the rest of the loss. Capacity is applied per rank before dispatch (see paralayer/moe.py).
+the rest of the loss. Capacity is applied per rank before dispatch (see paralayer/model/moe.py).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from paralayer.moe import MoEFeedForward
+    from paralayer.model.moe import MoEFeedForward
 
 EXPERT_PARAM_NAMES = ("w1", "w2", "w3")
 # stacked expert weights are raw Parameters named ...w1 (no ".weight"); dense SwiGLU / shared expert
@@ -71,7 +71,7 @@ def is_expert_param(name: str) -> bool:
 def expert_param_names(model: nn.Module) -> set[str]:
     """The exact parameter names of all MoE expert weights in ``model`` (by module type, not by
     name pattern) — use it to cross-check ``is_expert_param``."""
-    from paralayer.moe import MoEFeedForward
+    from paralayer.model.moe import MoEFeedForward
     names = set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, MoEFeedForward):
@@ -84,7 +84,7 @@ def apply_expert_parallel(module: nn.Module, ep_group) -> nn.Module:
     """Shard the experts of ``module`` (a MoEFeedForward, or any model containing them) over
     ``ep_group`` (a ProcessGroup, or a 1-D DeviceMesh). Keeps rows [r·E/ep, (r+1)·E/ep) of
     w1/w2/w3 (works on meta tensors too) and updates ``local_slices``. Returns ``module``."""
-    from paralayer.moe import MoEFeedForward
+    from paralayer.model.moe import MoEFeedForward
     if hasattr(ep_group, "get_group"):  # DeviceMesh
         ep_group = ep_group.get_group()
     ep = dist.get_world_size(ep_group)

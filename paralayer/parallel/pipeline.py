@@ -7,9 +7,9 @@ Layout (the plan's convention, see docs/pipeline.md)
       gpipe, 1f1b, interleaved   c % pp                (Megatron's looped/interleaved layout)
       zbv, dualpipev             c for c < pp, 2pp−1−c after (the "V": rank 0 holds the first
                                  and the last chunk; two chunks per rank, always)
-    A chunk is the plain :class:`~paralayer.model.Transformer` with the other layers deleted and
+    A chunk is the plain :class:`~paralayer.model.transformer.Transformer` with the other layers deleted and
     ``tok_embeddings`` / ``norm`` + ``output`` set to None where not owned, so parameter names are
-    the same under every layout and :func:`paralayer.model.init_weights` gives the same weights.
+    the same under every layout and :func:`paralayer.model.transformer.init_weights` gives the same weights.
 
 Schedules (all torch's)
     gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B,

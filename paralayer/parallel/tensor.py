@@ -250,7 +250,7 @@ def tp_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int
     tensor (the same value on every tp rank) that can be mixed with other plain tensors.
     """
     if not isinstance(logits, DTensor):
-        from paralayer.model import lm_loss
+        from paralayer.model.transformer import lm_loss
 
         return lm_loss(logits, labels, vocab_size)
     mesh, placements = logits.device_mesh, logits.placements

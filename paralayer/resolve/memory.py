@@ -5,7 +5,7 @@ needs the number for thousands of layouts, so this is plain arithmetic on the co
 
 Sources: Megatron theoretical_memory_usage.py; Korthikanti et al. 2022 (activations); the
 Ultra-Scale Playbook (bytes per parameter by ZeRO stage). The activation constants are OURS:
-measured on ``paralayer/model.py`` (TransformerBlock, fp32, CPU) with
+measured on ``paralayer/model/transformer.py`` (TransformerBlock, fp32, CPU) with
 ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and RoPE tables excluded)
 and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per layer, elements:
 
@@ -45,7 +45,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def is_moe_layer(cfg: Config, i: int) -> bool:
-    """Same rule as paralayer.model.is_moe_layer (copied: that module imports torch)."""
+    """Same rule as paralayer.model.transformer.is_moe_layer (copied: that module imports torch)."""
     return cfg.model.moe.num_experts > 0 and (i + 1) % cfg.model.moe.every == 0
 
 
@@ -87,7 +87,7 @@ def parameter_counts(cfg: Config) -> dict:
 
 def matmul_params(cfg: Config) -> int:
     """Active parameters in a matmul per token (embedding lookup and norms excluded, output head in):
-    the N of 6·N (same count as paralayer.model.count_matmul_params)."""
+    the N of 6·N (same count as paralayer.model.transformer.count_matmul_params)."""
     m = cfg.model
     h = m.d_model
     n = 0
@@ -130,7 +130,7 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
         dense += vocab
     if last:
         # final norm and the head (tied embeddings keep a copy on the head's rank too, even when it
-        # is the embedding's: paralayer/tied_embeddings.py)
+        # is the embedding's: paralayer/parallel/tied_embeddings.py)
         dense += h + vocab
     return dense, expert, len(layers)
 

@@ -13,7 +13,7 @@ from paralayer.config import Config
 from paralayer.resolve import cost, memory, rules
 from paralayer.resolve.rules import Issue, Layout, chunk_rank
 
-#: Device mesh axes, outermost first, as paralayer/mesh.py builds them: tp innermost (consecutive
+#: Device mesh axes, outermost first, as paralayer/parallel/mesh.py builds them: tp innermost (consecutive
 #: ranks, inside a node), pp outermost (across nodes) — REFERENCE.md "Layout".
 MESH_ORDER = ("pp", "dp", "cp", "tp")
 

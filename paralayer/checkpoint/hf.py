@@ -4,7 +4,7 @@ Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`l
 :func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json``, read with ``safetensors.safe_open`` (never pickle). Each rank
 reads the FULL tensor of every parameter it holds and keeps its slice, exactly like
-``paralayer.model.init_weights`` (DTensor: ``distribute_tensor(..., src_data_rank=None)``;
+``paralayer.model.transformer.init_weights`` (DTensor: ``distribute_tensor(..., src_data_rank=None)``;
 experts under expert parallel: ``local_slices``; padded vocab rows are zero).
 
 Names (ours ← Hugging Face)::
@@ -34,13 +34,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from paralayer.expert_keys import expert_owners
+from paralayer.checkpoint.expert_keys import expert_owners
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-from paralayer.hf_config import HFFormatError, _read_config, _rope_theta, apply_hf_config, load_hf_config  # noqa: E402,F401
+from paralayer.config.hf_config import HFFormatError, _read_config, _rope_theta, apply_hf_config, load_hf_config  # noqa: E402,F401
 
 # ------------------------------------------------------------------ names
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -172,7 +172,7 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
 
 # ------------------------------------------------------------------ import
 def _clean(name: str) -> str:
-    from paralayer.model import _clean_name
+    from paralayer.model.transformer import _clean_name
 
     return _clean_name(name)
 

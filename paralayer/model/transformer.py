@@ -3,7 +3,7 @@
 Built on the meta device, split and sharded by ``paralayer.parallel``, then materialised by
 :func:`init_weights`, which draws each parameter's FULL tensor from (seed, parameter name) and
 keeps the local slice: one seed gives the same full weights under any layout. Names follow the
-Hugging Face Llama layout closely enough for a direct mapping (``paralayer.hf``); RoPE uses the
+Hugging Face Llama layout closely enough for a direct mapping (``paralayer.checkpoint.hf``); RoPE uses the
 same rotate-half convention so imported weights need no permutation.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.is_moe = is_moe_layer(cfg, layer_id)
         if self.is_moe:
-            from paralayer.moe import MoEFeedForward
+            from paralayer.model.moe import MoEFeedForward
 
             m = cfg.moe
             self.feed_forward = MoEFeedForward(
@@ -219,7 +219,7 @@ def _seed_for(seed: int, name: str) -> int:
 def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of a parameter, from its name alone."""
     if cfg.tie_embeddings and name == "output.weight":
-        name = "tok_embeddings.weight"  # one matrix, two copies (paralayer/tied_embeddings.py)
+        name = "tok_embeddings.weight"  # one matrix, two copies (paralayer/parallel/tied_embeddings.py)
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if name.endswith("norm.weight"):

@@ -1,4 +1,4 @@
-"""Loading recipes: the schema (``paralayer.config_schema``) merged with OmegaConf, strict about every key.
+"""Loading recipes: the schema (``paralayer.config.schema``) merged with OmegaConf, strict about every key.
 
 A recipe is YAML; it may name a parent with ``base: NAME`` and a cluster profile with
 ``cluster: NAME``. Overrides come from the command line as ``dotted.key=value``. Every mistake
@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config_schema import (  # noqa: F401 - the schema's names are this module's API too
+from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
     DATA_FORMATS,
     DEVICES,
@@ -243,7 +243,7 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
 
 def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
     """model.init=hf:PATH: the model's shape comes from PATH/config.json (seq_len stays the recipe's)."""
-    from paralayer.hf_config import HFFormatError, apply_hf_config
+    from paralayer.config.hf_config import HFFormatError, apply_hf_config
 
     try:
         apply_hf_config(cfg.model, cfg.model.init[3:], keep_seq_len=True)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.expert_keys import clean_name, expert_owners, expert_templates, merge_expert_keys, split_expert_keys
+from paralayer.checkpoint.expert_keys import clean_name, expert_owners, expert_templates, merge_expert_keys, split_expert_keys
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step-(\d{8})$")

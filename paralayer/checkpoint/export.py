@@ -1,6 +1,6 @@
 """Export a run's checkpoint to the Hugging Face format (config.json + model.safetensors).
 
-    python -m paralayer.export RUN_DIR --out DIR [--checkpoint PATH]
+    python -m paralayer.checkpoint.export RUN_DIR --out DIR [--checkpoint PATH]
 
 The checkpoint may come from any layout: it is loaded into one process (torch.distributed.checkpoint
 reshards by parameter name) and written whole, in the layout transformers' from_pretrained reads.
@@ -18,10 +18,10 @@ def export_run(run_dir: str, out_dir: str, checkpoint: str | None = None) -> str
     import torch
     import torch.distributed as dist
 
-    from paralayer import checkpoint as ckpt
+    from paralayer.checkpoint import dcp as ckpt
     from paralayer import config as config_mod
-    from paralayer.hf import export_hf
-    from paralayer.model import Transformer
+    from paralayer.checkpoint.hf import export_hf
+    from paralayer.model.transformer import Transformer
 
     cfg = config_mod.from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
     path = checkpoint
@@ -46,7 +46,7 @@ def export_run(run_dir: str, out_dir: str, checkpoint: str | None = None) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m paralayer.export", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m paralayer.checkpoint.export", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the newest complete one)")

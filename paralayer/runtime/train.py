@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer import config as config_mod
-from paralayer import moe_step
-from paralayer import tied_embeddings as tied
+from paralayer.runtime import moe_step as moe_step
+from paralayer.parallel import tied_embeddings as tied
 from paralayer.config import Config
-from paralayer.mesh import Meshes, build_mesh
-from paralayer.model import Transformer, init_weights, lm_loss
+from paralayer.parallel.mesh import Meshes, build_mesh
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
 from paralayer.parallel.tensor import local_tensor, loss_parallel_ctx
-from paralayer.preempt import Preempted, PreemptSave
+from paralayer.runtime.preempt import Preempted, PreemptSave
 
 PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
 
@@ -109,7 +109,7 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
     for chunk in chunks:
         chunk.to_empty(device=device)
         if cfg.model.init.startswith("hf:"):
-            from paralayer.hf import load_hf_weights
+            from paralayer.checkpoint.hf import load_hf_weights
 
             load_hf_weights(chunk, cfg.model.init[3:], cfg.model)
         else:
@@ -193,8 +193,8 @@ def make_loss_fn(cfg: Config, plan: dict, n_valid_global_per_seq: int):
 # ------------------------------------------------------------------ the loop
 def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: bool = False) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
-    from paralayer import data as data_mod
-    from paralayer import metrics as metrics_mod
+    from paralayer.data import loading as data_mod
+    from paralayer.metrics import throughput as metrics_mod
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = resolve_device(plan)
@@ -254,7 +254,7 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
     ckpt_dir = cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None)
     resume = os.environ.get("PARALAYER_RESUME") or cfg.train.resume
     if resume != "none" and ckpt_dir is not None:
-        from paralayer import checkpoint as ckpt
+        from paralayer.checkpoint import dcp as ckpt
 
         if resume == "auto":
             found = ckpt.resume_latest(ckpt_dir, built.chunks, [opt])  # falls back past corrupt ones
@@ -405,7 +405,7 @@ def _maybe_inject_fault(rank: int, step: int) -> bool:
 
 
 def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> None:
-    from paralayer import checkpoint as ckpt
+    from paralayer.checkpoint import dcp as ckpt
 
     extra = {"step": step, "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
     ckpt.save_checkpoint(ckpt_dir, step, built.chunks, [opt], extra, keep=cfg.checkpoint.keep)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer.config import Config
-from paralayer.mesh import Meshes
+from paralayer.parallel.mesh import Meshes
 
 
 def moe_layers(chunks: Sequence[nn.Module]) -> list:

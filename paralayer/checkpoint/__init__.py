@@ -1,0 +1,1 @@
+"""Weights on disk: DCP checkpoints (dcp.py), Hugging Face import/export (hf.py, export.py), expert keys."""

@@ -1,0 +1,1 @@
+"""Training data: tokenizers, the offline corpus, packing and sampling, `datasets` loading."""

@@ -1,0 +1,1 @@
+"""Throughput, peaks, the console table and W&B."""

@@ -1,0 +1,1 @@
+"""The plain Llama-style transformer (transformer.py) and its mixture-of-experts feed-forward (moe.py)."""

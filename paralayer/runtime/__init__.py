@@ -1,0 +1,1 @@
+"""The run loop: the training step and schedule (train.py), MoE step statistics, preemption, activation accounting."""
