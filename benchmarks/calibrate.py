@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from paralayer.runtime.activation_memory import ActivationMemory
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     class Acts(ActivationMemory):
         def _pack(self, t):  # parameters (FSDP's gathered ones included) and views of them are not activations

@@ -84,7 +84,7 @@ def sample_layouts(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2) -> l
 
 
 def _worker(rank: int, world: int, overrides: list) -> Any:
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     cfg = load_config(overrides)
     plan = resolve(cfg).to_dict()

@@ -104,7 +104,7 @@ TINY_SMALL = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_bat
 
 def train_records(overrides: list[str]) -> list[dict]:
     """One rank's ``train()`` on the config and plan of ``overrides``: its metrics records."""
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     cfg, plan = cfg_and_plan(overrides)
     return train(cfg, plan)

@@ -40,7 +40,7 @@ def _cfg_plan(base, overrides):
 
 # --------------------------------------------------------------------------------- parity
 def _train(rank, world, overrides):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     cfg, plan = _cfg_plan(TINY, overrides)
     assert plan["world_size"] == world, (plan["world_size"], world)
@@ -173,7 +173,7 @@ def test_attention_work_balanced_through_the_model(saved, cp):
 def _ring_bytes(rank, world, overrides):
     """Bytes this rank sends around the cp ring in one optimizer step (one microbatch)."""
     from paralayer.parallel import context
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     sent = {"bytes": 0, "count": 0}
     orig = context._Ring.exchange

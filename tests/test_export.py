@@ -13,7 +13,7 @@ def _train_tp2(rank, world, run_dir, extra=()):
     from paralayer import config as config_mod
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     cfg = load_config(["recipe=tiny", "parallel.dp=1", "parallel.tp=2", "model.n_layers=2", "model.seq_len=32",
                        "train.steps=2", "train.global_batch=4", "train.micro_batch=2", "checkpoint.every=2",

@@ -135,7 +135,7 @@ def _a2a_traffic(rank, world, overrides):
     bytes sent by this rank) and the plan's ``comm.ep``."""
     import torch.distributed as dist
 
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     cfg, plan = _cfg_plan(overrides)
     sent = []
@@ -183,7 +183,7 @@ def _forced_train(rank, world, overrides, run_dir):
     """Train with every router forced to pick expert 0 (a test-only patch of ``route``: a large
     bias on expert 0's logit, gradients still flow through the gate)."""
     from paralayer.model.moe import MoEFeedForward
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     def forced_route(self, x):
         logits = self.gate(x).float()
@@ -323,7 +323,7 @@ def test_expert_memory_divides_by_ep_not_tp():
 
 def _train_bias(rank, world, overrides):
     import paralayer.runtime.moe_step as M
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
     cfg, plan = _cfg_plan(overrides)
     captured = {}
     orig = M.update_bias

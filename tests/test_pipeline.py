@@ -295,7 +295,7 @@ def _e2e_data(tmp) -> str:
 
 
 def _e2e_rank(rank, world, cfg, plan):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     return [{"loss": r["loss"], "bubble_measured": r.get("bubble_measured")} for r in train(cfg, plan)]
 

@@ -34,7 +34,7 @@ def _data(tmp):
 
 
 def _rank_train(rank, world, cfg, plan, run_dir):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
     recs = train(cfg, plan, run_dir)
     return [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"]} for r in recs]
 

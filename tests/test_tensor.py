@@ -272,7 +272,7 @@ def test_collectives_per_layer_match_plan(sp):
 
 # ------------------------------------------------------------------ end to end through train()
 def _train_worker(rank, world, cfg, plan):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
 

@@ -60,7 +60,7 @@ BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.tie_embedd
 
 
 def _rank(rank, world, cfg, plan):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
 

@@ -103,7 +103,7 @@ def test_ring_traffic_per_layer_matches_plan(moe):
 
 # ------------------------------------------------------------------ through train()
 def _train_rank(rank, world, cfg, plan):
-    from paralayer.runtime import train
+    from paralayer.runtime.train import train
 
     return [r["loss"] for r in train(cfg, plan)]
 
