@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     import torch
 
     import paralayer.runtime.train  # noqa: F401 - imported once, before forking the ranks
-    from paralayer.metrics.throughput import measure_cpu_peak_tflops
+    from paralayer.metrics.peaks import measure_cpu_peak_tflops
 
     if a.load:
         with open(a.load) as f:

@@ -1,4 +1,4 @@
-"""paralayer.metrics.throughput: peak table / MFU, step records, metrics.jsonl helpers, a real W&B offline run."""
+"""paralayer.metrics: peak table / MFU, step records, metrics.jsonl helpers, a real W&B offline run."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from paralayer.metrics import throughput as M
+from paralayer import metrics as M
 
 
 @pytest.mark.parametrize("name,peak", [

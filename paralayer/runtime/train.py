@@ -194,7 +194,7 @@ def make_loss_fn(cfg: Config, plan: dict, n_valid_global_per_seq: int):
 def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: bool = False) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
     from paralayer.data import loading as data_mod
-    from paralayer.metrics import throughput as metrics_mod
+    from paralayer import metrics as metrics_mod
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = resolve_device(plan)

@@ -1,0 +1,77 @@
+"""MetricsLogger: each logged step goes to metrics.jsonl, the console and W&B; at the end, the
+summary table and the W&B summary."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from paralayer.metrics import wandb_log
+from paralayer.metrics.console import ConsoleProgress
+from paralayer.metrics.jsonl import JsonlWriter, strict_json_record
+from paralayer.metrics.throughput import summarize
+
+
+class MetricsLogger:
+    """Console (rich progress bar + closing summary), ``run_dir/metrics.jsonl`` and W&B.
+
+    Only the logging rank (``is_logging_rank``) does anything; on the others every method is a no-op.
+    metrics.jsonl is opened for append (a resumed run continues it; call
+    :func:`paralayer.metrics.jsonl.truncate_after` first to drop steps past the checkpoint) and
+    flushed after each line. W&B: see :mod:`paralayer.metrics.wandb_log`; its config is
+    ``{"recipe": cfg_dict, "plan": plan_dict}``, its group the sweep's (``wandb_group``).
+    """
+
+    def __init__(self, run_dir: str, cfg_dict: Dict[str, Any], plan_dict: Dict[str, Any],
+                 is_logging_rank: bool, wandb_mode: str = "offline",
+                 wandb_project: str = "paralayer", wandb_group: Optional[str] = None,
+                 total_steps: int = 0, progress: bool = True, run_name: Optional[str] = None,
+                 peak_source: Optional[str] = None, console: Any = None):
+        self.enabled = bool(is_logging_rank)
+        self.run_dir = run_dir
+        self.total_steps = int(total_steps or 0)
+        self.records: List[Dict[str, Any]] = []
+        self.peak_source = peak_source
+        self._closed = False
+        self._wandb_run = None
+        if not self.enabled:
+            return
+        self._jsonl = JsonlWriter(run_dir)
+        self.path = self._jsonl.path
+        self._console = ConsoleProgress(self.total_steps, progress, console)
+        self.console = self._console.console
+        self._wandb_run = wandb_log.start_run(run_dir, wandb_mode, wandb_project, wandb_group,
+                                              {"recipe": cfg_dict, "plan": plan_dict}, name=run_name)
+
+    def log(self, step: int, record: Dict[str, Any]) -> None:
+        """Write one record (``step`` is set into it) to metrics.jsonl, the console and W&B."""
+        if not self.enabled or self._closed:
+            return
+        rec = strict_json_record({**record, "step": int(step)})
+        rec = {"step": rec.pop("step"), **rec}
+        self._jsonl.write(rec)
+        self.records.append(rec)
+        if self._wandb_run is not None:
+            wandb_log.log_step(self._wandb_run, step, rec)
+        self._console.step(step, rec)
+
+    def summary(self) -> Dict[str, Any]:
+        """Medians over the logged steps (see :func:`paralayer.metrics.throughput.summarize`)."""
+        return summarize(self.records)
+
+    def close(self) -> Optional[Dict[str, Any]]:
+        """Stop the bar, print the summary table, finish W&B, close metrics.jsonl. Idempotent."""
+        if not self.enabled or self._closed:
+            return None
+        self._closed = True
+        s = self.summary()
+        self._console.close(s, self.peak_source)
+        if self._wandb_run is not None:
+            run, self._wandb_run = self._wandb_run, None
+            wandb_log.finish_run(run, s)
+        self._jsonl.close()
+        return s
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
