@@ -16,6 +16,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from paralayer.config import bounds, interpolation
+
 from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
     DATA_FORMATS,
@@ -80,12 +82,15 @@ def _unknown_key_error(key: str) -> ConfigError:
 def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
     key = getattr(exc, "full_key", None) or context or "recipe"
     text = str(exc).split("\n")[0]
+    if len(text) > 200:
+        text = text[:197] + "..."
     if type(exc).__name__ in ("ConfigKeyError", "ConfigAttributeError") and "not in struct" in str(exc).lower() \
             or "Key '" in text and "not in" in text:
         return _unknown_key_error(key)
     if type(exc).__name__ == "ValidationError":
-        value = getattr(exc, "value", None)
-        return ConfigError(key, f"invalid value {value!r} ({text})")
+        value = repr(getattr(exc, "value", None))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return ConfigError(key, f"invalid value {value} ({text})")
     return ConfigError(key, text)
 
 
@@ -98,42 +103,87 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
+def _safe_path(field_name: str, name: str) -> Path:
+    """A file name the user typed, checked before the filesystem sees it (NUL, 255-byte parts)."""
+    if not isinstance(name, str) or not name or "\x00" in name or "${" in name:
+        raise ConfigError(field_name, f"'{str(name)[:60]}' is not a file name")
+    if len(name) > 4096 or any(len(part.encode("utf-8", "replace")) > 255 for part in name.split("/")):
+        raise ConfigError(field_name, f"the name is too long ({len(name)} characters; at most 255 per path part)")
+    return Path(name)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _recipe_path(name: str) -> Path:
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    p = _safe_path("recipe", name)
+    if p.suffix in (".yaml", ".yml") and _exists(p):
         return p
     cand = RECIPES_DIR / f"{name}.yaml"
-    if cand.exists():
+    if _exists(cand):
         return cand
     choices = ", ".join(recipe_names())
-    raise ConfigError("recipe", f"no recipe '{name}'; valid recipes: {choices} (or a path to a .yaml file)")
+    raise ConfigError("recipe", f"no recipe '{name[:80]}'; valid recipes: {choices} (or a path to a .yaml file)")
 
 
-def _load_yaml(path: Path, field_name: str) -> DictConfig:
+def _yaml_error(path: Path, exc: Exception) -> str:
+    """'FILE line N: problem' for a YAML syntax error (the parser's own text has no line up front)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"{path} line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and cmark is not None and mark is not None and cmark.line != mark.line:
+        context += f" that starts at line {cmark.line + 1}"
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
+
+
+def _load_yaml(path: Path, field_name: str) -> dict:
+    """A YAML file as a plain dict, its texts checked for resolvers (nothing is resolved here)."""
+    import yaml
+
     try:
         node = OmegaConf.load(path)
-    except Exception as exc:  # noqa: BLE001 - YAML errors vary
-        raise ConfigError(field_name, f"cannot read {path}: {str(exc).splitlines()[0]}") from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(field_name, f"{path} must hold a mapping of keys")
-    return node
+        data = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(field_name, f"invalid YAML at {_yaml_error(path, exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
+        raise ConfigError(field_name, f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(field_name, f"{path} must hold a mapping of keys (it holds a {type(data).__name__})")
+    for k in data:
+        if not isinstance(k, str):
+            raise ConfigError(field_name, f"{path}: key {k!r} is not a name")
+    interpolation.check_tree(data, "" if field_name == "recipe" else f"{field_name}.")
+    return data
 
 
-def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[DictConfig]:
+def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:
     """The recipe and its ancestors (``base: NAME``), root first."""
     path = _recipe_path(name)
     if str(path) in seen:
         raise ConfigError("base", f"recipe inheritance loops through {path}")
+    if len(seen) > 32:
+        raise ConfigError("base", "recipe inheritance is more than 32 levels deep")
     node = _load_yaml(path, "recipe")
     base = node.pop("base", None)
-    chain = _recipe_chain(str(base), seen + (str(path),)) if base else []
+    if base is not None and not isinstance(base, str):
+        raise ConfigError("base", f"{path}: base must name a recipe, got {base!r}")
+    if base is not None:
+        _safe_path("base", base)
+    chain = _recipe_chain(base, seen + (str(path),)) if base else []
     return chain + [node]
 
 
-def _profile(name: str) -> DictConfig:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
-    if not path.exists():
-        raise ConfigError("cluster", f"no cluster profile '{name}'; valid profiles: {', '.join(profile_names())}")
+def _profile(name: str) -> dict:
+    p = _safe_path("cluster", name)
+    path = p if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
+    if not _exists(path):
+        raise ConfigError("cluster", f"no cluster profile '{name[:80]}'; valid profiles: {', '.join(profile_names())}")
     node = _load_yaml(path, "cluster")
     node.setdefault("name", Path(name).stem)
     return node
@@ -143,9 +193,11 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
     recipe, cluster, rest = None, None, []
     for ov in overrides:
         if "=" not in ov:
-            raise ConfigError(ov, "overrides take the form key=value (e.g. parallel.tp=2)")
+            raise ConfigError(ov[:80], "overrides take the form key=value (e.g. parallel.tp=2)")
         key, _, value = ov.partition("=")
         key = key.strip().lstrip("+")
+        if not key or not all(part and (part.replace("_", "a").replace("-", "a").isalnum()) for part in key.split(".")):
+            raise ConfigError(key[:80] or "(empty key)", "is not a dotted key (e.g. parallel.tp=2)")
         if key == "recipe":
             recipe = value
         elif key == "cluster":
@@ -155,24 +207,29 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
     return recipe, cluster, rest
 
 
-def _parse_value(value: str) -> Any:
-    """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it."""
+def _parse_value(key: str, value: str) -> Any:
+    """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it;
+    ``${...}`` kept as a reference (resolved later, against the recipe), resolvers refused."""
+    interpolation.check_text(key, value)
     if value in ("", "null", "~"):  # YAML's null (``model.moe.capacity_factor=null``: dropless)
         return None
     if value.lstrip().startswith(("[", "{")):
         import yaml
 
         try:
-            return yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
-    return OmegaConf.create({"v": value}).v
+        interpolation.check_tree(parsed, key + ".")
+        return parsed
+    return value
 
 
 def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
-    """Unknown keys anywhere in a plain YAML node, with a suggestion."""
+    """Unknown keys anywhere in a plain YAML node, with a suggestion; a section (or a map or list
+    field) given as something else names that field."""
     if not isinstance(node, (dict, DictConfig)):
-        return
+        raise ConfigError(prefix.rstrip(".") or "recipe", f"must be a mapping of keys, got {_kind(node)}")
     names = {f.name: f for f in fields(cls)}
     for key in node:
         full = f"{prefix}{key}"
@@ -180,8 +237,58 @@ def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
             raise _unknown_key_error(full)
         f = names[key]
         default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        value = node[key]
         if is_dataclass(default):
-            _check_keys(node[key], type(default), full + ".")
+            if value is not None:
+                _check_keys(value, type(default), full + ".")
+        elif isinstance(default, dict) and value is not None and not isinstance(value, dict):
+            raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
+        elif isinstance(default, list) and value is not None and not isinstance(value, list):
+            raise ConfigError(full, f"must be a list, got {_kind(value)}")
+        elif not isinstance(default, (dict, list)) and isinstance(value, (dict, list)) and full != "parallel.pp_layout":
+            raise ConfigError(full, f"must be a single value, got {_kind(value)}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{value!r}"[:60]
+
+
+def _pick_profile(chain: list[dict], ov_cluster: Optional[str]) -> Optional[str]:
+    """The most derived recipe names the profile; ``cluster: {name: P, nodes: 64}`` is a profile
+    plus the recipe's own sizing, dropped when the command line picks another profile."""
+    cluster_name = ov_cluster
+    for node in reversed(chain):
+        c = node.get("cluster", None)
+        if isinstance(c, str):
+            node.pop("cluster")
+            cluster_name = cluster_name or c
+        elif isinstance(c, dict) and isinstance(c.get("name"), str):
+            if ov_cluster and ov_cluster != c.get("name"):
+                node.pop("cluster")
+            else:
+                cluster_name = cluster_name or c.get("name")
+    return cluster_name
+
+
+def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
+    for item in dotted:
+        key, _, value = item.partition("=")
+        if key.split(".")[0] == "sweep":
+            continue
+        if key not in all_keys() and not key.startswith("cluster.slurm.sbatch_extra."):
+            raise _unknown_key_error(key)
+        try:
+            OmegaConf.update(merged, key, _parse_value(key, value), merge=True)
+        except OmegaConfBaseException as exc:
+            raise _wrap(exc, key) from None
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
 def load_config(overrides: list[str] | None = None, recipe: str | None = None) -> Config:
@@ -189,53 +296,26 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
     overrides = list(overrides or [])
     ov_recipe, ov_cluster, dotted = _parse_overrides(overrides)
     recipe = ov_recipe or recipe or "tiny"
-    schema = OmegaConf.structured(Config)
-    layers: list[Any] = []
     chain = _recipe_chain(recipe)
-    cluster_name = ov_cluster
-    for node in reversed(chain):  # the most derived recipe names the profile
-        c = node.get("cluster", None)
-        if isinstance(c, str):
-            node.pop("cluster")
-            cluster_name = cluster_name or c
-        elif isinstance(c, DictConfig) and isinstance(c.get("name"), str):
-            # ``cluster: {name: PROFILE, nodes: 64}``: a profile plus the recipe's own sizing, which
-            # is dropped when the command line picks another profile.
-            if ov_cluster and ov_cluster != c.get("name"):
-                node.pop("cluster")
-            else:
-                cluster_name = cluster_name or c.get("name")
+    cluster_name = _pick_profile(chain, ov_cluster)
     for node in chain:
-        _check_keys(OmegaConf.to_container(node), Config)
+        _check_keys(node, Config)
     profile = _profile(cluster_name or "local")
-    _check_keys(OmegaConf.to_container(profile), ClusterConfig, "cluster.")
-    layers.append(OmegaConf.create({"cluster": profile}))
-    layers.extend(chain)
-    try:
-        merged = OmegaConf.merge(schema, *layers)
-        merged.recipe = Path(recipe).stem
-    except OmegaConfBaseException as exc:
-        raise _wrap(exc) from None
-    for item in dotted:
-        key, _, value = item.partition("=")
-        if key.split(".")[0] == "sweep":
-            continue
+    _check_keys(profile, ClusterConfig, "cluster.")
+    layers: list[Any] = [{"cluster": profile}, *chain]
+    merged = OmegaConf.structured(Config)
+    for layer in layers:
         try:
-            OmegaConf.update(merged, key, _parse_value(value), merge=True)
+            merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
-            raise _wrap(exc, key) from None
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(key, str(exc).splitlines()[0]) from None
-    # OmegaConf.update on a struct node adds nothing unknown silently? check explicitly.
-    for item in dotted:
-        key = item.partition("=")[0]
-        if key not in all_keys() and not key.startswith("sweep.") and not key.startswith("cluster.slurm.sbatch_extra."):
-            raise _unknown_key_error(key)
+            raise _wrap(exc) from None
+    merged.recipe = Path(recipe).stem
+    _apply_overrides(merged, dotted)
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from None
-    if cfg.model.init.startswith("hf:"):
+    if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
         _apply_hf_shape(cfg, [d.partition("=")[0] for d in dotted])
     validate_values(cfg)
     return cfg
@@ -245,12 +325,19 @@ def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
     """model.init=hf:PATH: the model's shape comes from PATH/config.json (seq_len stays the recipe's)."""
     from paralayer.config.hf_config import HFFormatError, apply_hf_config
 
+    path = cfg.model.init[3:]
     try:
-        apply_hf_config(cfg.model, cfg.model.init[3:], keep_seq_len=True)
+        apply_hf_config(cfg.model, path, keep_seq_len=True)
     except HFFormatError as exc:
         raise ConfigError("model.init", str(exc)) from None
-    except (KeyError, ValueError, OSError) as exc:
-        raise ConfigError("model.init", f"cannot read {cfg.model.init[3:]}/config.json: {exc}") from None
+    except (KeyError, ValueError, OSError, TypeError) as exc:
+        raise ConfigError("model.init", f"cannot read {path}/config.json: {exc}") from None
+    for name in bounds.INT_BOUNDS:  # the shape came from the file: name the field the user typed
+        if name.startswith("model.") and name.split(".")[-1] not in overridden and name not in overridden:
+            try:
+                bounds.check_int(name, bounds.get(cfg, name))
+            except ConfigError as exc:
+                raise ConfigError("model.init", f"{path}/config.json gives {exc.field} that {exc.message}") from None
 
 
 def _choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -293,12 +380,12 @@ def validate_values(cfg: Config) -> None:
     _choice("parallel.zero", p.zero, (0, 1, 2, 3))
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
     if p.pp_layout is not None:
-        if any((not isinstance(x, int)) or x < 1 for x in p.pp_layout):
-            raise ConfigError("parallel.pp_layout", "must list positive layer counts, one per pipeline chunk")
+        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
+                                          for x in p.pp_layout):
+            raise ConfigError("parallel.pp_layout", "must list positive layer counts (at most 1024 each), one per "
+                              "pipeline chunk (at most 1024 chunks)")
     for name in ("global_batch", "micro_batch", "steps"):
         _positive(f"train.{name}", getattr(t, name))
-    if t.lr <= 0:
-        raise ConfigError("train.lr", f"must be > 0, got {t.lr}")
     _positive("train.warmup_steps", t.warmup_steps, 0)
     _positive("train.log_every", t.log_every)
     _positive("train.threads", t.threads, 0)
@@ -319,6 +406,7 @@ def validate_values(cfg: Config) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, 0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    bounds.check_bounds(cfg)
 
 
 # ---------------------------------------------------------------- round trips
@@ -341,7 +429,8 @@ def from_dict(data: dict) -> Config:
 
 
 def from_yaml_file(path: str | os.PathLike) -> Config:
-    return from_dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+    """A run directory's resolved.yaml (or any full recipe) back into a Config."""
+    return from_dict(_load_yaml(Path(path), "recipe"))
 
 
 def sweep_axes(cfg_sweep: dict, overrides: list[str]) -> dict[str, list[str]]:
