@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--multirun", action="store_true", help="sweep: comma lists become one run per combination")
     p.add_argument("--wait", action="store_true", help="SLURM: wait for the job(s) and return their exit code")
     p.add_argument("--timeline", action="store_true", help="record a per-rank timeline of the step")
+    p.add_argument("--report", action="append", metavar="DIR",
+                   help="the sweep report of DIR (a sweep folder or run folders; repeat for several): "
+                        "predicted against measured, written as report.{csv,md,png}")
     return p
 
 
@@ -196,6 +199,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     try:
+        if args.report:
+            from paralayer.metrics.report import main as report_main
+
+            return report_main(args.report)
         if args.plan:
             return _run_planner(args.overrides, args)
         if args.multirun:

@@ -46,27 +46,35 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
 
 def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     """Run every element of a sweep: one SLURM job array, or one local run after another."""
+    from paralayer.dispatch import sweep
+
     group = cfgs[0].logging.wandb.group or f"{cfgs[0].recipe}-sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    base = cfgs[0].run.dir
+    sweep_dir = cfgs[0].run.dir or str(Path("runs") / group)
+    overrides = sweep.differing(cfgs)
+    names = sweep.run_names(overrides)  # runs named by what differs (tp2-pp2/); the index is in sweep.json
     run_dirs = []
-    for i, (cfg, plan) in enumerate(zip(cfgs, plans)):
+    for cfg, plan, name in zip(cfgs, plans, names):
         cfg.logging.wandb.group = group
-        if base:
-            cfg.run.dir = str(Path(base) / f"{i:03d}")
-        else:
-            cfg.run.dir = str(Path("runs") / group / f"{i:03d}")
+        cfg.run.dir = str(Path(sweep_dir) / name)
         run_dirs.append(prepare_run_dir(cfg, plan))
+    sweep.write_metadata(sweep_dir, group, run_dirs, names, overrides, cfgs[0].cluster.backend)
     if cfgs[0].cluster.backend == "slurm":
         from paralayer.dispatch import slurm
 
         res = slurm.submit(run_dirs, _slurm_settings(cfgs[0], plans), folder=_slurm_folder(cfgs[0], run_dirs[0]),
                            wait=bool(getattr(args, "wait", False)))
+        sweep.record_slurm(res)
+        if getattr(args, "wait", False):
+            sweep.report(sweep_dir, cfgs[0])  # the array has completed
+        else:
+            print(f"paralayer: when the array has run: python -m paralayer.report {sweep_dir}", flush=True)
         return _slurm_rc(res)
     from paralayer.dispatch.local import run_local
 
     worst = 0
     for run_dir, plan in zip(run_dirs, plans):
         worst = max(worst, run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan))
+    sweep.report(sweep_dir, cfgs[0])
     return worst
 
 

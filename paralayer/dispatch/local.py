@@ -58,6 +58,9 @@ def run_local(run_dir: str, plan: dict) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     print(f"paralayer: {world} rank(s) on this machine; run dir {run_dir}", flush=True)
+    error_file = os.path.join(run_dir, "error.txt")  # the failure's line, for the sweep report
+    if os.path.exists(error_file):
+        os.remove(error_file)
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.runtime.train", run_dir)
     except ChildFailedError as exc:
@@ -68,6 +71,8 @@ def run_local(run_dir: str, plan: dict) -> int:
         last = str(msg).strip().splitlines()[-1] if msg else f"exit code {failure.exitcode}"
         ranks = ", ".join(str(r) for r in sorted(exc.failures))
         print(f"paralayer: rank {rank} failed (exit code {failure.exitcode}): {last}", file=sys.stderr, flush=True)
+        with open(error_file, "w", encoding="utf-8") as f:
+            f.write(f"rank {rank} failed (exit code {failure.exitcode}): {last}\n")
         if len(exc.failures) > 1:
             print(f"paralayer: ranks that ended with an error: {ranks}", file=sys.stderr, flush=True)
         return 1
