@@ -6,7 +6,9 @@ Layout for one rank of a ``tp``-sized group (see docs/tensor-parallel.md and doc
                                        returns a partial sum, reduced to Shard(1) (SP: reduce-scatter
                                        over the sequence) or Replicate (all-reduce)
     attention_norm   SequenceParallel  (SP only) the norm sees s/tp tokens
-    attention        PrepareModuleInput  x: Shard(1) -> Replicate (SP: all-gather)
+    attention        PrepareModuleInput  x: Shard(1) -> Replicate (no SP; under SP the column GEMMs
+                                       gather it themselves and save only the shard:
+                                       parallel/sequence_parallel.py)
       wq, wk, wv     ColwiseParallel   whole heads per rank (n_heads % tp == 0, n_kv_heads % tp == 0)
       wo             RowwiseParallel   partial sums -> Shard(1) (SP: reduce-scatter) or Replicate
     ffn_norm         SequenceParallel  (SP only; without SP the norms hold Replicate DTensors)
@@ -55,6 +57,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from paralayer.parallel.sequence_parallel import SpGemms
 
 # Added to the padded vocab columns of the logits: exp(-1e9 - max) is exactly 0 in fp32/bf16.
 _PAD_LOGIT = -1.0e9
@@ -117,11 +121,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
 
+    # Under SP the column GEMMs save this rank's sequence shard and re-gather it in backward
+    # (Megatron's activation saving): bulk collectives (sequence_parallel.py) or, with overlap,
+    # rings fused into the GEMMs (tp_overlap.py). Their linears' own DTensor hooks never run.
     fused = None
     if overlap:
         from paralayer.parallel.tp_overlap import TpOverlap
 
         fused = TpOverlap(tp_mesh.get_group())
+    elif sp:
+        fused = SpGemms(tp_mesh.get_group())
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),
