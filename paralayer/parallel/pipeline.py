@@ -24,10 +24,13 @@ Loss and gradients
 
 The measured bubble (``runner.bubble_measured``, every step)
     Each rank records its compute actions (F forward, B backward — full, or input-grad only
-    under zero-bubble schedules — and W weight-grad) with ``time.perf_counter()`` around the
-    stage's ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``; the
-    last chunk's loss is counted inside its F. Times are relative to the end of a barrier on the
-    pp group just before the step, so ranks on different hosts line up to within a barrier's skew.
+    under zero-bubble schedules — and W weight-grad) with a :class:`~paralayer.clock.StepClock`
+    mark before and after the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
+    ``backward_weight_one_chunk``; the last chunk's loss is counted inside its F. On CPU a mark is
+    ``time.perf_counter()``; on CUDA it is an event on the compute stream, so the timeline is the
+    GPU's, not the host's launches (the marks are read after the step, one synchronise). Times are
+    relative to the end of a barrier on the pp group just before the step, so ranks on different
+    hosts line up to within a barrier's skew.
     Then, over the window W = [first action start on any rank, last action end on any rank]:
 
         busy_r = Σ durations of rank r's actions,   idle_r = W − busy_r
@@ -42,13 +45,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from paralayer.clock import StepClock
+from paralayer.compat import all_gather_single, is_view, stage_action_methods
 
 V_SCHEDULES = ("zbv", "dualpipev")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
@@ -210,11 +215,84 @@ def _unview(t):
     """A copy of ``t`` if it is a view. The zero-bubble schedules split backward into input and
     weight passes and ``detach_()`` the stage output in between, which autograd refuses on a view
     (a chunk ending in the MoE aux hook, the vocab-parallel loss, DTensor's ``to_local``)."""
-    return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
+    return t.clone() if is_view(t) else t
 
 
 def _unview_hook(module, inputs, output):
     return _unview(output)
+
+
+# ------------------------------------------------------------------ ZeRO-2/3 under pp
+def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
+    """Make an FSDP stage reduce-scatter its gradients after EVERY microbatch's backward.
+
+    torch's stages turn FSDP's gradient sync off for all but the step's last backward, so a data
+    rank holds its stage's whole gradients (fp32) through the step — ZeRO 2/3 then save nothing
+    where gradients weigh most. Here each backward reduce-scatters, FSDP accumulates into the
+    1/dp shard and frees the full gradient: at the peak a rank holds 1/dp of its stage's
+    gradients (and, under ZeRO-3, weights), at the price of one reduce-scatter per microbatch
+    instead of one per step (DeepSpeed ZeRO-2's accumulation; the resolver counts it so).
+    Only full backwards: the V schedules split input and weight grads (their weight pass runs
+    after FSDP's post-backward hook), so they keep torch's behaviour.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward
+
+    mod = stage.submod
+    if not isinstance(mod, FSDPModule):
+        return
+    base = stage.backward_maybe_with_nosync
+
+    def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full":
+            return base(backward_type, bwd_kwargs, last_backward=last_backward)
+        mod.set_is_last_backward(False)  # the schedule's REDUCE_GRAD finalises at the step's end
+        mod.set_reshard_after_backward(reshard_weights)
+        mod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
+
+    stage.backward_maybe_with_nosync = backward
+
+
+# ------------------------------------------------------------------ rehearsal (fake tensors)
+def _static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
+    """The schedule's P2P warm-up, rehearsed: its vote (an all-reduce read back with ``.item()``)
+    and its pickled shapes cannot cross the fake process group, and every stage was built with
+    static shapes (``_static_stage_args``), which is what the vote would have agreed on."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for st in stages:
+        st._inference_mode = InferenceMode.STATIC
+
+
+def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> dict:
+    """Example input and output of each of this rank's chunks, for ``PipelineStage``'s static mode.
+
+    A chunk's input is the token ids (chunk 0) or the residual stream in fp32 (b, s/cp, h), split
+    over tp under sequence parallel; its output comes from running the chunk once without grad."""
+    d = plan["degrees"]
+    b, s = runner.microbatch_shape
+    tp = int(d["tp"])
+    out: dict = {}
+    for c, mod in zip(runner.chunk_ids, runner.chunks):
+        if c == 0:
+            x = torch.zeros((b, s), dtype=torch.long, device=runner.device)
+        else:
+            s_stream = s // tp if (tp > 1 and plan.get("sequence_parallel", True)) else s
+            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=torch.float32, device=runner.device)
+        ctx = contextlib.ExitStack()
+        if runner.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx.enter_context(loss_parallel())
+        if autocast_dtype is not None:
+            ctx.enter_context(torch.autocast(runner.device.type, dtype=autocast_dtype))
+        with ctx, torch.no_grad():
+            y = mod(x)
+        out[c] = {"input_args": (x,), "output_args": (y,)}
+    return out
 
 
 # ------------------------------------------------------------------ the runner
@@ -235,6 +313,9 @@ class PipelineRunner:
 
     ``scale_grads=False`` leaves the summed microbatch gradients unscaled (the ZeRO-0/1 reducer,
     whose buckets start during the last backward, divides by m with the data-parallel mean).
+    ``reduce_each_microbatch``: for FSDP chunks (ZeRO 2/3), "grads" reduce-scatters every
+    microbatch's gradients into the 1/dp shard, "weights" also reshards the weights after each
+    backward (ZeRO-3); None keeps torch's one reduction per step. Not for the V schedules.
 
     After ``step``: ``last_timeline`` (this rank's events, dicts with action F/B/W, mb, chunk,
     start, end in seconds from the step's common origin), ``bubble_measured`` (float, same on all
@@ -246,7 +327,8 @@ class PipelineRunner:
                  device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
                  microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
                  aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, reduce_each_microbatch: Optional[str] = None,
+                 rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as S
 
@@ -262,7 +344,8 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.microbatch_shape = tuple(microbatch_shape) if microbatch_shape is not None else None
         self.loss_parallel = loss_parallel
-        self.measure = measure
+        self.rehearse = rehearse
+        self.measure = measure and not rehearse  # timings of fake tensors mean nothing
         ids = rank_chunks(self.pp_rank, self.pp, self.n_chunks, self.schedule_name)
         if len(ids) != len(chunks):
             raise ValueError(f"pp rank {self.pp_rank} should hold chunks {ids}, got {len(chunks)} modules")
@@ -279,11 +362,14 @@ class PipelineRunner:
             if split_backward:
                 mod.register_forward_hook(_unview_hook)
 
-        self.events: list[dict] = []
-        self._t0 = 0.0
+        self.events: list[dict] = []  # start/end are clock marks until _finish_measure reads them
+        self.clock = StepClock(self.device)
         self.stages = []
+        static = _static_stage_args(self, plan, autocast_dtype) if rehearse else {}
         for c, mod in zip(ids, self.chunks):
-            st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group)
+            st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group, **static.get(c, {}))
+            if reduce_each_microbatch and not split_backward:
+                _stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
             self._instrument(st, c)
             self.stages.append(st)
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
@@ -293,7 +379,7 @@ class PipelineRunner:
             if split_backward:
                 loss = _unview(loss)
             if self.measure and self.events:
-                self.events[-1]["end"] = time.perf_counter() - self._t0  # the loss belongs to F
+                self.events[-1]["end"] = self.clock.mark()  # the loss belongs to F
             return loss
 
         cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved": S.ScheduleInterleaved1F1B,
@@ -307,6 +393,8 @@ class PipelineRunner:
                 raise ValueError(f"dualpipev needs microbatches ≥ 2·pp = {2 * self.pp}, got {self.m}")
             self.schedule = cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
 
+        if rehearse:
+            self.schedule._warmup_p2p = _static_warmup
         self.last_timeline: list[dict] = []
         self.bubble_measured: Optional[float] = None
         self.busy_by_rank: list[float] = []
@@ -314,25 +402,24 @@ class PipelineRunner:
 
     # ---- instrumentation
     def _instrument(self, stage, chunk: int) -> None:
+        """Wrap the stage's per-action methods: a clock mark before and after each call."""
         runner = weakref.proxy(self)
 
-        def wrap(fn, action_of):
+        def wrap(fn, action: str):
             def timed(*args, **kwargs):
                 if not runner.measure:
                     return fn(*args, **kwargs)
-                start = time.perf_counter() - runner._t0
+                clock = runner.clock
+                start = clock.mark()
                 out = fn(*args, **kwargs)
-                end = time.perf_counter() - runner._t0
                 mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
-                runner.events.append({"action": action_of(kwargs), "mb": int(mb), "chunk": chunk,
-                                      "start": start, "end": end})
+                runner.events.append({"action": action, "mb": int(mb), "chunk": chunk,
+                                      "start": start, "end": clock.mark()})
                 return out
             return timed
 
-        stage.forward_one_chunk = wrap(stage.forward_one_chunk, lambda kw: "F")
-        stage.backward_one_chunk = wrap(stage.backward_one_chunk,
-                                        lambda kw: "B")
-        stage.backward_weight_one_chunk = wrap(stage.backward_weight_one_chunk, lambda kw: "W")
+        for action, name in stage_action_methods(stage).items():
+            setattr(stage, name, wrap(getattr(stage, name), action))
 
     # ---- one step
     def step(self, tokens: torch.Tensor, labels: torch.Tensor,
@@ -351,7 +438,9 @@ class PipelineRunner:
         self.events = []
         if self.measure:
             dist.barrier(group=self.group)
-        self._t0 = time.perf_counter()
+            if self.clock.cuda:
+                torch.cuda.synchronize(self.device)  # the origin is when this rank's GPU is idle
+        self.clock.start()
         holds_first = 0 in self.chunk_ids
         holds_last = (self.n_chunks - 1) in self.chunk_ids
         args = (tokens,) if holds_first else ()
@@ -377,15 +466,15 @@ class PipelineRunner:
         return loss[0]
 
     def _finish_measure(self) -> None:
-        ev = self.events
+        seconds = self.clock.seconds
+        ev = [dict(e, start=seconds(e["start"]), end=seconds(e["end"])) for e in self.events]
         busy = sum(e["end"] - e["start"] for e in ev)
         first = min((e["start"] for e in ev), default=0.0)
         last = max((e["end"] for e in ev), default=0.0)
-        mine = torch.tensor([busy, first, last], dtype=torch.float64)
-        allv = torch.zeros(self.pp * 3, dtype=torch.float64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(allv, mine, group=self.group)
-        allv = allv.view(self.pp, 3)
+        mine = torch.tensor([busy, first, last], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
+        allv = torch.zeros(self.pp * 3, dtype=torch.float64, device=self.device)
+        all_gather_single(allv, mine, group=self.group)
+        allv = allv.view(self.pp, 3).cpu()
         window = float(allv[:, 2].max() - allv[:, 1].min())
         busy_r = allv[:, 0].tolist()
         mean_busy = sum(busy_r) / len(busy_r)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve.memory import (
+    attn_params,
+    expert_params,
     ACT_BYTES,
     BYTES_PER_PARAM,
     is_moe_layer,
+    layer_recompute,
     matmul_params,
     rank_chunks,
     rank_params,
@@ -42,6 +45,21 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule in ("zbv", "dualpipev"):
         return (p - 1 + max(0, 3 * p - 2 * m - 1)) / (6 * m)
     return (p - 1) / m
+
+
+def recompute_fraction(cfg: Config, mode: str, every: int = 1, flops_per_tok: float | None = None) -> float:
+    """Recomputed FLOPs as a fraction of a step's model FLOPs (6N + 12·L·h·s per token), so the
+    planner can weigh the recompute options against the memory they free:
+    swiglu: silu(gate)·up again, ~5 element ops per f element per layer (memory-bound on GPUs,
+    cheap); core_attn: the attention core's forward, 4·h·s per layer; selective: both;
+    full: one more forward (1/3) of the recomputed layers (1 in ``every``)."""
+    m = cfg.model
+    fpt = float(flops_per_tok or flops_per_token(cfg))
+    swiglu = 5.0 * m.n_layers * m.ffn_hidden / fpt
+    core = 4.0 * m.n_layers * m.d_model * m.seq_len / fpt
+    if mode == "full":
+        return (1.0 / 3.0) * len(range(0, m.n_layers, max(every, 1))) / m.n_layers
+    return {"none": 0.0, "swiglu": swiglu, "core_attn": core, "selective": core + swiglu}[mode]
 
 
 def flops_per_token(cfg: Config) -> int:
@@ -104,11 +122,13 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str) -> tuple[list[float], li
     return dense, moe
 
 
-def comm(cfg: Config, lay: Layout) -> dict:
-    """Per-axis communication of the first pipeline rank (the one the memory figure is for).
+def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
+    """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
+    is for; the rehearsal asks for each rank it steps).
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
-        forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward).
+        forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
+        under SP the backward also re-gathers the column GEMMs' saved shards (+1 pair per layer).
     pp: send/recv of s·b·h activations: per chunk per microbatch one forward send and one backward.
     cp: per attention layer per microbatch, K/V blocks of 2·(s/cp)·b·(h·g/a)/tp elements: cp−1 sends
         in forward, cp−1 more when recompute (selective or full) reruns the ring, cp−1 in backward,
@@ -129,16 +149,22 @@ def comm(cfg: Config, lay: Layout) -> dict:
     s_local = m.seq_len / lay.cp
     tokens = lay.micro_batch * s_local
     act_msg = tokens * m.d_model * ab
-    dense, expert, n_layers = rank_params(cfg, lay, 0)
-    n_moe = sum(1 for c in rank_chunks(lay, 0) for i in lay.stage_layers[c] if is_moe_layer(cfg, i))
+    dense, expert, n_layers = rank_params(cfg, lay, r)
+    n_moe = sum(1 for c in rank_chunks(lay, r) for i in lay.stage_layers[c] if is_moe_layer(cfg, i))
     fwd_extra = 1 if lay.recompute == "full" else 0
+    layers0 = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
+    n_full = sum(1 for i in layers0 if layer_recompute(lay, i) == "full")  # full: every k-th layer
     out: dict = {}
 
     if lay.tp > 1 and lay.tp_overlap:
         out["tp"] = tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, fwd_extra)
+    elif lay.tp > 1 and lay.sequence_parallel:
+        # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only)
+        pairs = 4 * n_layers + 2 * n_full + (2 * (n_layers - n_moe) + n_moe) / 2
+        out["tp"] = _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
     elif lay.tp > 1:
-        coll = "all-gather+reduce-scatter" if lay.sequence_parallel else "all-reduce"
-        out["tp"] = _entry(coll, act_msg, (4 + 2 * fwd_extra) * n_layers * mm, lay.tp)
+        out["tp"] = _entry("all-reduce", act_msg, (4 * n_layers + 2 * n_full) * mm, lay.tp)
     else:
         out["tp"] = _entry("none", 0, 0, 1)
 
@@ -152,19 +178,21 @@ def comm(cfg: Config, lay: Layout) -> dict:
     if lay.cp > 1:
         kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
         kv = kv_elems * ab
-        # selective recompute reruns the attention core (the ring) as full recompute does
-        reruns = 1 if lay.recompute in ("selective", "full") else 0
-        kv_sends = (2 + reruns) * (lay.cp - 1)  # forward (+ recomputed forward) and backward K/V
-        dkv_sends = lay.cp                      # partial dK/dV in fp32: cp hops home
-        e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * n_layers * mm, lay.cp)
-        e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * n_layers * mm)
+        # core_attn / selective recompute rerun the attention core (the ring) as full recompute
+        # does on its layers
+        reruns = n_layers if lay.recompute in ("core_attn", "selective") else n_full
+        kv_sends = 2 * (lay.cp - 1) * n_layers + (lay.cp - 1) * reruns  # forward (+ rerun), backward
+        dkv_sends = lay.cp * n_layers                                   # partial dK/dV in fp32: cp hops home
+        e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * mm, lay.cp)
+        e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * mm)
         out["cp"] = e
     else:
         out["cp"] = _entry("none", 0, 0, 1)
 
     if lay.ep > 1 and m.moe.num_experts > 0:
         rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
-        out["ep"] = _entry("all-to-all", rows * m.d_model * ab, (4 + 2 * fwd_extra) * n_moe * mm, lay.ep)
+        n_moe_full = sum(1 for i in layers0 if is_moe_layer(cfg, i) and layer_recompute(lay, i) == "full")
+        out["ep"] = _entry("all-to-all", rows * m.d_model * ab, (4 * n_moe + 2 * n_moe_full) * mm, lay.ep)
     else:
         out["ep"] = _entry("none", 0, 0, 1)
 
@@ -187,12 +215,13 @@ def comm(cfg: Config, lay: Layout) -> dict:
         else:
             # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
             # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
-            # backward) and reduce-scatters its grads (torchtitan's default). Under pp, torch's
-            # stage defers the reduce-scatter to the step's end and keeps weights gathered after
-            # backward: ZeRO-2 gathers once per step, ZeRO-3 still twice per microbatch.
+            # backward) and reduce-scatters its grads (torchtitan's default). Under pp our stages
+            # reduce-scatter every microbatch too (1/dp of the grads at the peak), except under
+            # the V schedules (torch's stage: once at the step's end); ZeRO-2 keeps the weights
+            # gathered through the step (one gather per step), ZeRO-3 gathers twice per microbatch.
             units = n_layers + lay.chunks // lay.pp
             gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
-            reduces = mm if lay.pp == 1 else 1
+            reduces = 1 if (lay.pp > 1 and lay.schedule in ("zbv", "dualpipev")) else mm
             e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
             e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
             e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
@@ -203,3 +232,34 @@ def comm(cfg: Config, lay: Layout) -> dict:
     else:
         out["dp"] = _entry("none", 0, 0, 1)
     return out
+
+
+def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
+    """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
+    the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
+
+    Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights)/tp + attention
+    4·s·h/tp (not halved for the mask), + 2·(3·h·f)/tp for an MLP, or, for an MoE block (whole on
+    every tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S). Backward is twice the forward. Recompute adds
+    the attention core's forward (selective) or the layer's forward (full). The last chunk adds
+    the head, 2·h·V_padded/tp per token, times 3."""
+    m = cfg.model
+    h, t = m.d_model, lay.tp
+    tokens = lay.microbatches * lay.micro_batch * m.seq_len / lay.cp
+    core = 4.0 * m.seq_len * h / t
+    total = 0.0
+    for c in rank_chunks(lay, r):
+        for i in lay.stage_layers[c]:
+            fwd = 2.0 * attn_params(cfg) / t + core
+            if is_moe_layer(cfg, i):
+                mo = m.moe
+                fwd += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
+                              + 3 * h * mo.shared_ffn_hidden)
+            else:
+                fwd += 2.0 * 3 * h * m.ffn_hidden / t
+            mode = layer_recompute(lay, i)
+            again = fwd if mode == "full" else (core if mode == "selective" else 0.0)
+            total += 3.0 * fwd + again
+        if c == lay.chunks - 1:
+            total += 3.0 * 2.0 * h * lay.padded_vocab / t
+    return total * tokens

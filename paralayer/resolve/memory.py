@@ -10,10 +10,14 @@ measured on ``paralayer/model/transformer.py`` (TransformerBlock, fp32, CPU) wit
 and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per layer, elements:
 
     recompute=none       10h + 4f + a + 2     (replicated under TP: 5h + 2; sharded: 5h + a + 4f)
-    recompute=selective   8h + 2h·g/a + 3f + 2 (attention core and SwiGLU product recomputed:
-                                               replicated 5h + 2; sharded 3h + 2h·g/a + 3f)
+    recompute=swiglu     10h + 3f + a + 2     (silu(gate) not kept: sharded 5h + a + 3f)
+    recompute=core_attn   8h + 2h·g/a + 4f + 2 (RoPE'd q/k/v, output, lse not kept: sharded
+                                               3h + 2h·g/a + 4f)
+    recompute=selective   8h + 2h·g/a + 3f + 2 (both: replicated 5h + 2; sharded 3h + 2h·g/a + 3f)
     recompute=full        h                    (the layer input; one layer's "none" set is live
-                                               again while it is recomputed)
+                                               again while it is recomputed); with
+                                               recompute_every=k only layers i % k == 0, the
+                                               others keep their "none" set
     MoE feed-forward     3·k·h + 4·k·f_E + 4·f_S + E  (dropless, balanced routing; replaces the 4f;
                                                k → min(k, k·capacity_factor) with drops; f_S the
                                                shared expert; whole on every tp rank (experts are
@@ -23,9 +27,9 @@ and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per
 counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA; under
 context parallel the ring attention saves them unexpanded (2h·g/a instead of 2h; its output shares
 wo's input storage as SDPA's does; measured at cp=2 and 4 with g/a = 1/2 and 1/4).
-Sequence parallel: the replicated part is split over tp except the two all-gathered linear inputs
-(q/k/v and w1/w3 inputs), which DTensor saves whole (2h) — an assumption from DTensor semantics,
-not measured here. Context parallel divides the tokens. Predictions are lower bounds (allocator
+Sequence parallel: the replicated part is split over tp, the column GEMMs' inputs included (they
+save their sequence shard and re-gather it in backward, Megatron's §4.2.2: measured at tp 2 and 4 in
+tests/test_tensor_memory.py); an MoE block's input is gathered by DTensor and saved whole (h). Context parallel divides the tokens. Predictions are lower bounds (allocator
 fragmentation, temporary buffers and communication buffers are not counted; Megatron #525, #597).
 """
 from __future__ import annotations
@@ -42,6 +46,22 @@ GIB = 1024 ** 3
 #: bf16 mixed: weights 2 + grads 4 (accumulated and reduced in fp32) + fp32 master, m, v 12.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}
 ACT_BYTES = {"fp32": 4, "bf16": 2}
+#: Bytes per parameter HELD (weights, grads, optimizer) before ZeRO sharding, by how the runtime
+#: runs the precision (:func:`precision_mode`; BYTES_PER_PARAM above stays the bytes on the wire).
+#: bf16 under autocast: the fp32 weights 4 + the bf16 copy autocast makes for the GEMMs, which
+#: backward keeps until the microbatch's backward 2; fp32 grads 4; fp32 Adam m, v 8. bf16 under
+#: FSDP2's MixedPrecisionPolicy is counted in :func:`state_bytes` (fp32 shards, bf16 gathered).
+HELD_BYTES = {"fp32": (4, 4, 8), "bf16-autocast": (6, 4, 8), "bf16-fsdp": (4, 4, 8)}
+
+
+def precision_mode(precision: str, zero: int, d_dense: int) -> str:
+    """How the runtime runs ``precision`` (paralayer.runtime.train follows this, the memory model too):
+    'fp32'; 'bf16-fsdp' when FSDP2 shards (ZeRO ≥ 2 over more than one dp·cp rank): bf16 params
+    and compute, fp32 gradient reduction (MixedPrecisionPolicy); else 'bf16-autocast': fp32 weights,
+    bf16 compute under ``torch.autocast``."""
+    if precision != "bf16":
+        return "fp32"
+    return "bf16-fsdp" if zero >= 2 and d_dense > 1 else "bf16-autocast"
 
 
 def is_moe_layer(cfg: Config, i: int) -> bool:
@@ -144,15 +164,15 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 5 * h + 2
-    if mode == "none":
+    if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
+        shard = 3 * h + 2 * h * g / a
+    else:
         shard = 5 * h + a
         if lay.cp > 1:
             # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
             shard -= 2 * h * (1 - g / a)
-        ffn_mult = 4
-    else:  # selective
-        shard = 3 * h + 2 * h * g / a
-        ffn_mult = 3
+    # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not
+    ffn_mult = 3 if mode in ("swiglu", "selective") else 4
     moe_whole = 0.0
     if moe:
         # Experts are not split by tp (ETP=1, paralayer/parallel/tensor.py): the MoE block runs
@@ -164,12 +184,21 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     else:
         shard += ffn_mult * f
     if lay.sequence_parallel:
-        # the inputs of the column GEMMs (attention, FFN): saved gathered, 2·h per token, or with
-        # tp_overlap only this rank's chunk (the backward gathers it again); MoE input stays gathered
-        gathered = 2 * h if not lay.tp_overlap else (h / t + (h if moe else h / t))
+        # the inputs of the column GEMMs (attention, FFN): only this rank's chunk is saved, the
+        # backward gathers it again (parallel/sequence_parallel.py, tp_overlap.py); an MoE block's
+        # input is gathered by DTensor and saved whole
+        gathered = h / t + (h if moe else h / t)
         return gathered + (rep - 2 * h) / t + shard / t + moe_whole
     # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
     return rep + shard / t + (h - h / t) + moe_whole
+
+
+def layer_recompute(lay: Layout, i: int) -> str:
+    """The recompute mode of global layer i: recompute=full with recompute_every=k recomputes the
+    layers with i % k == 0 and keeps the others' activations (paralayer.runtime.train.apply_recompute)."""
+    if lay.recompute == "full" and i % max(lay.recompute_every, 1):
+        return "none"
+    return lay.recompute
 
 
 def routed_rows_per_token(cfg: Config) -> float:
@@ -237,17 +266,32 @@ def _shard(n: float, d: int, zero: int, stage: int) -> float:
     return n / d if zero >= stage else n
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
 def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int, pp: int,
-                bytes_per_param: tuple) -> tuple[float, float, float]:
+                bytes_per_param: tuple | str, schedule: str = "1f1b") -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes of a rank holding ``dense`` + ``expert`` parameters.
 
-    Under pp, torch's pipeline stage runs FSDP without gradient sync and without resharding after
-    backward until the step's last action: the peak holds whole weights and whole grads. ZeRO-1
-    keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the experts are
-    dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp."""
-    wb, gb, ob = bytes_per_param
-    pz = zero if pp == 1 else min(zero, 1)
+    ``bytes_per_param``: the precision ('fp32' | 'bf16'), counted as the runtime runs it
+    (:func:`precision_mode`), or an explicit (weights, grads, optimizer) tuple. Under FSDP2's
+    MixedPrecisionPolicy (bf16, ZeRO ≥ 2) the weights are fp32 shards (4 B / d) plus the bf16
+    copies FSDP gathers for compute (2 B): all of them held from forward to backward under ZeRO-2
+    (no reshard after forward) and under the V schedules, one block at a time under ZeRO-3 (not
+    counted, like the fp32 gather buffers); grads reduce to fp32 shards.
+
+    Under pp our stages reduce-scatter every microbatch's gradients into the 1/dp shard (ZeRO 2/3,
+    parallel/pipeline.py ``reduce_each_microbatch``; ZeRO-3 also reshards the weights), so the
+    peak holds sharded grads as without pp. The V schedules split input and weight backward and
+    keep torch's behaviour (FSDP syncs at the step's end): whole weights and grads at the peak.
+    ZeRO-1 keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the
+    experts are dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp."""
+    mode = precision_mode(bytes_per_param, zero, d_dense) if isinstance(bytes_per_param, str) else None
+    wb, gb, ob = HELD_BYTES[mode] if mode else bytes_per_param
+    pz = min(zero, 1) if (pp > 1 and schedule in V_SCHEDULES) else zero
     params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
+    if mode == "bf16-fsdp":
+        params = wb * (dense / d_dense + expert / d_exp) + (2 * (dense + expert) if pz < 3 else 0)
     grads = gb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2))
     opt = ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1)))
     return params, grads, opt
@@ -258,21 +302,22 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
 
     ZeRO shards over the ranks that hold the same weights: dp·cp for dense weights, the
     expert-data-parallel group dp·cp/ep for experts. Stage 1 shards the optimizer, 2 also the grads,
-    3 also the weights: bf16 Z0 2+4+12, Z1 2+4+12/d, Z2 2+(4+12)/d, Z3 (2+4+12)/d bytes per param."""
-    wb, gb, ob = BYTES_PER_PARAM[lay.precision]
+    3 also the weights. bf16 as the runtime runs it (:func:`precision_mode`): autocast (ZeRO 0/1)
+    Z0 6+4+8, Z1 6+4+8/d; FSDP2 mixed precision Z2 2+4/d + (4+8)/d, Z3 (4+4+8)/d bytes per param."""
     dense, expert, _ = rank_params(cfg, lay, r)
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     z = lay.zero
 
-    params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, (wb, gb, ob))
+    params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, lay.precision, lay.schedule)
 
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     chunks = rank_chunks(lay, r)
     layers = [i for c in chunks for i in lay.stage_layers[c]]
-    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab
+    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
+                 for i in layers) * tokens * ab
     acts = in_flight(lay, r) * per_mb
     acts += recompute_transient(cfg, lay, r)
     if (lay.chunks - 1) in chunks:
@@ -297,7 +342,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """
     if lay.recompute != "full":
         return 0
-    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
+    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c] if layer_recompute(lay, i) == "full"]
     if not layers:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
@@ -325,4 +370,4 @@ def gib(n: float | None) -> str:
 
 
 __all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "in_flight",
-           "act_elems_per_token", "rank_chunks", "is_moe_layer"]
+           "act_elems_per_token", "rank_chunks", "is_moe_layer", "layer_recompute"]
