@@ -379,6 +379,10 @@ def validate_values(cfg: Config) -> None:
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.zero", p.zero, (0, 1, 2, 3))
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if isinstance(p.recompute_every, bool) or not isinstance(p.recompute_every, int) \
+            or not 1 <= p.recompute_every <= 1024:
+        raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "
+                          "(recompute=full: every k-th layer recomputed)")
     if p.pp_layout is not None:
         if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
                                           for x in p.pp_layout):

@@ -12,7 +12,9 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 PROFILES_DIR = REPO_ROOT / "cluster" / "profiles"
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-RECOMPUTE = ("none", "selective", "full")
+# swiglu: the SwiGLU activation and product; core_attn: RoPE + attention core; selective: both;
+# full: whole blocks (every parallel.recompute_every-th layer)
+RECOMPUTE = ("none", "swiglu", "core_attn", "selective", "full")
 PRECISIONS = ("auto", "fp32", "bf16")
 DATA_FORMATS = ("text", "jsonl", "parquet", "tokens")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -71,6 +73,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     zero: int = 0
     recompute: str = "none"
+    recompute_every: int = 1  # recompute=full: layers i with i % recompute_every == 0 (1 = every layer)
     sequence_parallel: Optional[bool] = None  # None = on when tp > 1
     tp_overlap: bool = False  # tp collectives decomposed into the GEMMs (needs sequence parallel)
     pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split

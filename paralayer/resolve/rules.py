@@ -48,6 +48,7 @@ class Layout:
     tp_overlap: bool = False
     zero: int = 0
     recompute: str = "none"
+    recompute_every: int = 1
     micro_batch: int = 1
     microbatches: int = 1
     padded_vocab: int = 1
@@ -133,7 +134,7 @@ def check(cfg: Config) -> Layout:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     c = cfg.cluster
     lay = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, schedule=p.schedule, zero=p.zero,
-                 recompute=p.recompute, micro_batch=t.micro_batch)
+                 recompute=p.recompute, recompute_every=p.recompute_every, micro_batch=t.micro_batch)
     err, warn = lay.errors, lay.warnings
 
     def e(fld: str, msg: str) -> None:
