@@ -44,15 +44,17 @@ def resolve_device(plan: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
-    """none; selective: the attention core and the SwiGLU product; full: each block from its input."""
+def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
+    """none; swiglu: the SwiGLU activation and product; core_attn: RoPE and the attention core;
+    selective: both; full: each block from its input, on layers i with i % every == 0 (global
+    index: the same layers under any pipeline split; resolve.memory.layer_recompute)."""
     for layer in model.layers.values():
         if mode == "full":
-            layer.recompute_full = True
-        elif mode == "selective":
+            layer.recompute_full = layer.layer_id % every == 0
+        if mode in ("core_attn", "selective"):
             layer.attention.recompute_core = True
-            if hasattr(layer.feed_forward, "recompute_act"):
-                layer.feed_forward.recompute_act = True
+        if mode in ("swiglu", "selective") and hasattr(layer.feed_forward, "recompute_act"):
+            layer.feed_forward.recompute_act = True
 
 
 @dataclass
@@ -93,7 +95,7 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
             for layer in chunk.layers.values():
                 if getattr(layer, "is_moe", False):
                     apply_expert_parallel(layer.feed_forward, meshes["ep"].get_group())
-        apply_recompute(chunk, cfg.parallel.recompute)
+        apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every)
     expert_names: set[str] = set()
     if cfg.model.moe.num_experts > 0 and ep > 1:  # ep=1: experts are ordinary data-parallel weights
         from paralayer.parallel.expert import is_expert_param
@@ -246,7 +248,9 @@ def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: 
                                 microbatch_shape=(cfg.train.micro_batch, seq_len // cp),
                                 loss_parallel=tp > 1,
                                 aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0,
-                                scale_grads=reducer is None)
+                                scale_grads=reducer is None,
+                                # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
+                                reduce_each_microbatch={2: "grads", 3: "weights"}.get(zero))
         moe_step.count_real_forwards_only(runner, built.chunks)
 
     # ---- resume
