@@ -88,7 +88,8 @@ def _load_json(path: str) -> Dict[str, Any]:
 def find_runs(paths: Sequence[str]) -> List[str]:
     """The run folders (each holding plan.json) in ``paths``: a run folder itself, a sweep folder
     (its sweep.json lists the runs in sweep order), or any folder whose sub-folders (two levels
-    deep at most) are runs. Order: sweep index, then path. Raises ReportError when none is found."""
+    deep at most) are runs. Order: the sweep index when every run has one, else as found (folders
+in name order). Raises ReportError when none is found."""
     found: List[str] = []
     for p in paths:
         p = os.path.abspath(p)
@@ -111,7 +112,10 @@ def find_runs(paths: Sequence[str]) -> List[str]:
     runs = list(dict.fromkeys(found))
     if not runs:
         raise ReportError(f"{', '.join(paths)}: no run folder (one holding plan.json) found")
-    return sorted(runs, key=lambda d: (_load_json(os.path.join(d, SWEEP_FILE)).get("index", 1 << 30), d))
+    index = {d: _load_json(os.path.join(d, SWEEP_FILE)).get("index") for d in runs}
+    if all(isinstance(i, int) for i in index.values()):
+        return sorted(runs, key=lambda d: (index[d], d))
+    return runs
 
 
 # ------------------------------------------------------------------ reading one run
@@ -296,6 +300,10 @@ def columns() -> List[str]:
 
 
 def _csv_row(r: Row) -> Dict[str, Any]:
+    return {k: ("" if v is None else v) for k, v in _values(r).items()}
+
+
+def _values(r: Row) -> Dict[str, Any]:
     d: Dict[str, Any] = {"index": r.index, "name": r.name, "overrides": " ".join(r.overrides), "state": r.state,
                          "steps_logged": r.steps_logged, "steps_planned": r.steps_planned,
                          "final_loss": r.final_loss, "predicted_by": r.predicted_by, "error": r.error,
@@ -303,7 +311,7 @@ def _csv_row(r: Row) -> Dict[str, Any]:
     for key, _ in QUANTITIES:
         d[f"predicted_{key}"], d[f"measured_{key}"] = r.predicted.get(key), r.measured.get(key)
         d[f"ratio_{key}"] = r.ratio(key)
-    return {k: ("" if v is None else v) for k, v in d.items()}
+    return d
 
 
 def write_csv(rows: Sequence[Row], path: str) -> None:
@@ -439,7 +447,7 @@ def log_to_wandb(rep: Report, mode: str, project: str, group: Optional[str], fol
     import wandb
 
     cols = columns()
-    data = [[_csv_row(r)[c] for c in cols] for r in rep.rows]
+    data = [[_values(r)[c] for c in cols] for r in rep.rows]
     run.log({"report": wandb.Table(columns=cols, data=data), "report_plot": wandb.Image(rep.files["png"])})
     sync_file = getattr(getattr(run, "settings", None), "sync_file", None)
     wandb_log.finish_run(run, {"runs": len(rep.rows), "failed": len(rep.failed)})
