@@ -12,6 +12,7 @@ machine; the whole file stays under ~4 min. Every wait has a deadline.
 """
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import os
@@ -150,19 +151,29 @@ def test_sweep_is_one_job_array(slurm_env, tmp_path):
     m = re.search(r"submitted job array (\d+) \(2 run\(s\)\)", r.stdout)
     assert m, r.stdout
     job = m.group(1)
-    assert f"{job}_0: {base / '000'}" in r.stdout and f"{job}_1: {base / '001'}" in r.stdout, r.stdout
+    # runs named by what differs; the array index stays in each run's sweep.json
+    assert f"{job}_0: {base / 'dp1'}" in r.stdout and f"{job}_1: {base / 'dp2'}" in r.stdout, r.stdout
     rows = _sacct_until(job, lambda rs: len(rs) == 2 and all(s == "COMPLETED" for _, s in rs))
     assert sorted(rows) == [[f"{job}_0", "COMPLETED"], [f"{job}_1", "COMPLETED"]], rows
     groups, ids = set(), set()
     for i, dp in enumerate((1, 2)):
-        rd = base / f"{i:03d}"
+        rd = base / f"dp{dp}"
         assert _steps(rd) == [1, 2, 3, 4], rd
+        meta = json.loads((rd / "sweep.json").read_text())
+        assert meta["index"] == i and meta["slurm"]["job_id"] == f"{job}_{i}" and meta["slurm"]["state"] == "COMPLETED"
         assert json.loads((rd / "plan.json").read_text())["degrees"]["dp"] == dp
         runs = _wandb_runs(str(rd))
         assert len(runs) == 1, runs
         ids.add(runs[0][0])
         groups.add(runs[0][1])
     assert len(ids) == 2 and len(groups) == 1 and groups.pop(), (ids, groups)
+    # --wait saw the array complete, then the sweep report was printed and written
+    assert "paralayer sweep report" in r.stdout, r.stdout[-3000:]
+    with open(base / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(x["name"], x["state"], x["overrides"]) for x in rows] == [
+        ("dp1", "completed", "parallel.dp=1"), ("dp2", "completed", "parallel.dp=2")], rows
+    assert all(float(x["ratio_step_time_s"]) > 0 for x in rows) and (base / "report.png").stat().st_size > 10_000
     print(f"sweep of 2 as a job array: {took:.0f}s")
 
 
