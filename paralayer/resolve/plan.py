@@ -6,7 +6,7 @@ later, so nothing can disagree. Torch-free: resolving imports no torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from paralayer.config import Config
@@ -64,6 +64,20 @@ class Plan:
         d.update(d.pop("extra") or {})
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """plan.json → Plan, the typed object the runtime reads (never a dict with defaults).
+
+        Every field without a default must be present (a missing one raises, naming it); keys this
+        version does not know are kept in ``extra``, so ``to_dict`` gives the same JSON back."""
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        missing = [n for n, f in known.items()
+                   if n not in d and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"plan is missing {', '.join(missing)} (was it written by paralayer's resolver?)")
+        extra = {k: v for k, v in d.items() if k not in known}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
+
     @property
     def ok(self) -> bool:
         """Valid and fits: what a dry run's exit code reports."""
@@ -113,7 +127,9 @@ def resolve(cfg: Config) -> Plan:
         notes.append(f"fits = total <= capacity - reserve (cluster.memory_reserve_gib="
                      f"{cfg.cluster.memory_reserve_gib:g} GiB kept free)")
     if lay.precision == "bf16":
-        notes.append("bf16 mixed precision: weights 2 B + grads 4 B (fp32 accumulation) + fp32 master, m, v 12 B "
+        notes.append("bf16 mixed precision as the runtime runs it: ZeRO 0/1 autocast (fp32 weights 4 B + the bf16 "
+                     "copy autocast keeps 2 B, fp32 grads 4 B, m, v 8 B); ZeRO 2/3 FSDP2 MixedPrecisionPolicy "
+                     "(fp32 shards, bf16 gathered weights under ZeRO-2, fp32 reduce) "
                      "per parameter before ZeRO sharding")
     if cfg.cluster.peak_tflops is None:
         notes.append("peak TFLOP/s unknown for this device: no MFU will be reported")
@@ -125,7 +141,7 @@ def resolve(cfg: Config) -> Plan:
     gb = cfg.train.global_batch
     tokens = gb * cfg.model.seq_len
     dp_cp = lay.dp * lay.cp
-    return Plan(
+    plan = Plan(
         world_size=lay.world,
         degrees={"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp},
         microbatches=lay.microbatches,
@@ -164,6 +180,13 @@ def resolve(cfg: Config) -> Plan:
         recipe=cfg.recipe,
         tp_overlap=lay.tp_overlap,
     )
+    if plan.valid and lay.device != "cpu":
+        # the calibrated GPU time model (resolve/step_time.py): step_time_s, tokens_per_s, mfu and
+        # the time and device-hours to train on train.tokens (or train.steps)
+        from paralayer.resolve.step_time import plan_timing
+
+        plan.extra.update(plan_timing(cfg, plan))
+    return plan
 
 
 def plan_dict(cfg: Config) -> dict[str, Any]:

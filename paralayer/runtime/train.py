@@ -14,20 +14,25 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paralayer import config as config_mod
-from paralayer.runtime import moe_step as moe_step
-from paralayer.parallel import tied_embeddings as tied
+from paralayer.clock import StepClock
 from paralayer.config import Config
-from paralayer.parallel.mesh import Meshes, build_mesh
+from paralayer.model.compile import compile_blocks, compile_loss
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
-from paralayer.parallel.tensor import local_tensor, loss_parallel_ctx
+from paralayer.parallel import tied_embeddings as tied
+from paralayer.parallel.grad_scaling import GradScaling, cp_loss_weight, finish_grads
+from paralayer.parallel.mesh import Meshes, build_mesh
+from paralayer.parallel.tensor import loss_parallel_ctx
+from paralayer.resolve.plan import Plan
+from paralayer.runtime import moe_step as moe_step
+from paralayer.runtime import optimizer, precision
 from paralayer.runtime.preempt import Preempted, PreemptSave
 
 PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
@@ -38,8 +43,9 @@ class NonFiniteLoss(RuntimeError):
 
 
 # ------------------------------------------------------------------ building
-def resolve_device(plan: dict) -> torch.device:
-    if plan.get("device", "cpu") == "cuda" and torch.cuda.is_available():
+def resolve_device(plan: Plan) -> torch.device:
+    """The plan's device: CUDA (this rank's LOCAL_RANK GPU, set by the launcher) or CPU."""
+    if plan.device == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -67,24 +73,24 @@ class Built:
     pipeline: Any = None
 
 
-def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -> Built:
+def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: torch.device) -> Built:
     """Apply parallelism in the order the design gives, then materialise the weights."""
-    d = plan["degrees"]
+    plan = as_plan(plan)
+    d = plan.degrees
     tp, pp, cp, ep = (int(d[k]) for k in ("tp", "pp", "cp", "ep"))
     with torch.device("meta"):
-        model = Transformer(cfg.model, plan.get("padded_vocab_size") or cfg.model.vocab_size)
+        model = Transformer(cfg.model, plan.padded_vocab_size)
     if pp > 1:
         from paralayer.parallel import pipeline
 
-        chunks = pipeline.split_model(model, plan, meshes.local_rank("pp"))
+        chunks = pipeline.split_model(model, plan.to_dict(), meshes.local_rank("pp"))
     else:
         chunks = [model]
     for chunk in chunks:
         if tp > 1:
             from paralayer.parallel.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(chunk, meshes["tp"], bool(plan.get("sequence_parallel", True)),
-                                  overlap=bool(plan.get("tp_overlap", False)))
+            apply_tensor_parallel(chunk, meshes["tp"], bool(plan.sequence_parallel), overlap=bool(plan.tp_overlap))
         if cp > 1:
             from paralayer.parallel.context import apply_context_parallel
 
@@ -96,6 +102,8 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
                 if getattr(layer, "is_moe", False):
                     apply_expert_parallel(layer.feed_forward, meshes["ep"].get_group())
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every)
+        if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
+            compile_blocks(chunk, cfg.train.compile_backend)
     expert_names: set[str] = set()
     if cfg.model.moe.num_experts > 0 and ep > 1:  # ep=1: experts are ordinary data-parallel weights
         from paralayer.parallel.expert import is_expert_param
@@ -107,6 +115,7 @@ def build_model(cfg: Config, plan: dict, meshes: Meshes, device: torch.device) -
     if zero >= 2 and dp_cp > 1:
         for chunk in chunks:
             dpar.apply_fsdp(chunk, meshes["dp_cp"], zero,
+                            param_dtype=precision.fsdp_param_dtype(precision.mode(cfg, device, dp_cp)),
                             expert_mesh=meshes["edp"] if ep > 1 else None)
     for chunk in chunks:
         chunk.to_empty(device=device)
@@ -144,14 +153,8 @@ def lr_lambda(cfg: Config):
 def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
     t = cfg.train
 
-    def make(params):
-        # foreach kernels refuse to mix DTensors with plain tensors (MoE blocks stay plain under TP)
-        from torch.distributed.tensor import DTensor
-
-        groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
-                              [p for p in params if not isinstance(p, DTensor)]) if g]
-        return torch.optim.AdamW([{"params": g} for g in groups], lr=t.lr, betas=(t.beta1, t.beta2),
-                                 weight_decay=t.weight_decay, eps=1e-8, foreach=True)
+    def make(params):  # fused on CUDA, foreach elsewhere (paralayer/runtime/optimizer.py)
+        return optimizer.adamw(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
     if int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1:
         dp_mesh = meshes["dp_cp"]
@@ -166,15 +169,17 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
 
 
 # ------------------------------------------------------------------ loss
-def make_loss_fn(cfg: Config, plan: dict, n_valid_global_per_seq: int):
+def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: int):
     """Per-microbatch loss whose average over the dp·cp ranks is the global mean CE.
 
     Context ranks hold unequal numbers of valid labels (the sequence's last position has none),
-    so the local mean is re-weighted by the local share of the sequence's valid tokens.
+    so the local mean is re-weighted (``cp_loss_weight``, the gradient-scaling contract).
     """
-    tp = int(plan["degrees"]["tp"])
-    cp = int(plan["degrees"]["cp"])
+    plan = as_plan(plan)
+    tp = int(plan.degrees["tp"])
+    cp = int(plan.degrees["cp"])
     vocab = cfg.model.vocab_size
+    ce = compile_loss(lm_loss, cfg.train.compile_backend) if cfg.train.compile and tp == 1 else lm_loss
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         n_local = (labels != -100).sum()
@@ -184,235 +189,382 @@ def make_loss_fn(cfg: Config, plan: dict, n_valid_global_per_seq: int):
 
             mean = tp_loss(logits, labels, vocab)
         else:
-            mean = lm_loss(logits, labels, vocab)  # cross_entropy ignores the -100 labels
+            mean = ce(logits, labels, vocab)  # cross_entropy ignores the -100 labels
         if cp == 1:
             return mean
-        return mean * (n_local.to(mean.dtype) * cp / n_global)
+        return mean * cp_loss_weight(n_local.to(mean.dtype), n_global, cp)
 
     return loss_fn
 
 
-# ------------------------------------------------------------------ the loop
-def train(cfg: Config, plan: dict, run_dir: Optional[str] = None, log_progress: bool = False) -> list[dict]:
-    """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
-    from paralayer.data import loading as data_mod
-    from paralayer import metrics as metrics_mod
+# ------------------------------------------------------------------ the rank's state
+class StepHooks:
+    """Where a test reaches into a step; the production loop runs these no-ops.
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    tests/fault_hook installs a subclass that kills, raises or poisons the loss at a chosen rank
+    and step (the failure paths: a dying rank, a non-finite loss)."""
+
+    def before_forward(self, rank: int, step: int) -> None:
+        """Called before the step's forward."""
+
+    def local_loss(self, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss, before it is averaged over the data ranks."""
+        return loss
+
+
+class _EnvFault(StepHooks):
+    """PARALAYER_FAULT=raise|kill|nan:RANK:STEP (moving to a test-installed hook)."""
+
+    def _hit(self, rank: int, step: int) -> Optional[str]:
+        spec = os.environ.get("PARALAYER_FAULT")
+        if not spec:
+            return None
+        kind, r, s = spec.split(":")
+        return kind if (int(r) == rank and int(s) == step) else None
+
+    def before_forward(self, rank: int, step: int) -> None:
+        kind = self._hit(rank, step)
+        when = f"at unix time {time.time():.3f}"
+        if kind == "kill":
+            print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), 9)
+        if kind == "raise":
+            raise RuntimeError(f"injected fault on rank {rank} at step {step} {when}")
+
+    def local_loss(self, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self._hit(rank, step) == "nan" else loss
+
+
+@dataclass
+class RankRun:
+    """Everything one rank's loop holds, built once by :func:`setup`, read by every step."""
+
+    cfg: Config
+    plan: Plan
+    device: torch.device
+    meshes: Meshes
+    built: Built
+    opt: Any
+    sched: Any
+    scaling: GradScaling
+    reducer: Any
+    runner: Any
+    dataset: Any
+    loss_fn: Callable
+    tied_group: Any
+    autocast_dtype: Optional[torch.dtype]
+    ckpt_dir: Optional[str]
+    peak_tflops: Optional[float] = None
+    peak_source: str = "rank 0"
+    hooks: StepHooks = field(default_factory=StepHooks)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def degree(self) -> dict:
+        return {k: int(v) for k, v in self.plan.degrees.items()}
+
+
+def as_plan(plan: Union[Plan, dict]) -> Plan:
+    """The typed plan; ``plan.json`` read as a dict becomes a :class:`Plan` (missing keys raise)."""
+    return plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+
+
+def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepHooks] = None) -> RankRun:
+    """Device, mesh, model, optimizer, gradient reduction, data, pipeline and peak FLOP/s."""
     device = resolve_device(plan)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    meshes = build_mesh(plan, device.type)
-    d = plan["degrees"]
-    tp, pp, cp = int(d["tp"]), int(d["pp"]), int(d["cp"])
+    meshes = build_mesh(plan.to_dict(), device.type)
     torch.manual_seed(cfg.train.seed)
     built = build_model(cfg, plan, meshes, device)
     opt, sched = build_optimizer(cfg, built, meshes)
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+    scaling = grad_scaling(plan, meshes)
+    loss_fn = make_loss_fn(cfg, plan, cfg.model.seq_len - 1)
+    reducer = build_reducer(scaling, built, meshes)
+    run = RankRun(cfg=cfg, plan=plan, device=device, meshes=meshes, built=built, opt=opt, sched=sched,
+                  scaling=scaling, reducer=reducer, runner=None, dataset=None, loss_fn=loss_fn,
+                  tied_group=build_tied_group(cfg, plan, meshes),
+                  autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
+                  ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
+                  hooks=hooks or _EnvFault())
+    run.dataset = build_data(cfg)
+    run.runner = build_runner(run)
+    run.peak_tflops, run.peak_source = agree_peak_tflops(cfg, device)
+    return run
 
-    dp_cp_mesh = meshes["dp_cp"]
-    dp_size, dp_rank = int(d["dp"]), meshes.local_rank("dp")
-    cp_rank = meshes.local_rank("cp")
-    seq_len = cfg.model.seq_len
-    m = int(plan["microbatches"])
-    zero = int(cfg.parallel.zero)
-    reducer = None
-    if zero <= 1 and dp_cp_mesh.size() > 1:
-        edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
-        # Under pp the reducer also takes the schedule's 1/m (the schedule then leaves the grads
-        # unscaled): buckets that start during the last backward hold grads from before that scaling.
-        reducer = dpar.GradReducer(built.params, dp_cp_mesh.get_group(), dp_cp_mesh.size(),
-                                   built.expert_params, edp_group, microbatches=m,
-                                   divide=dp_cp_mesh.size() * (m if pp > 1 else 1))
 
-    tied_group = None
-    tie = bool(cfg.model.tie_embeddings)
-    if tie and pp > 1 and plan.get("schedule") not in ("zbv", "dualpipev"):
-        # the embedding (first rank) and the head (last rank) sum their grads over the pair; the V
-        # schedules keep both chunks on pipeline rank 0
-        w = meshes.world.mesh
-        tied_group = tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), rank)
+def grad_scaling(plan: Plan, meshes: Meshes) -> GradScaling:
+    """The gradient-scaling contract's factors for this layout (paralayer/parallel/grad_scaling.py)."""
+    return GradScaling(microbatches=int(plan.microbatches), pp=int(plan.degrees["pp"]),
+                       dp_cp=meshes.size("dp_cp"), ep=int(plan.degrees["ep"]), zero=int(plan.zero))
+
+
+def build_reducer(scaling: GradScaling, built: Built, meshes: Meshes):
+    """ZeRO-0/1 over dp·cp > 1: the bucketed gradient reducer; otherwise None (FSDP or one rank)."""
+    if not scaling.uses_reducer:
+        return None
+    dp_cp = meshes["dp_cp"]
+    edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
+    return dpar.GradReducer(built.params, dp_cp.get_group(), dp_cp.size(), built.expert_params, edp_group,
+                            microbatches=scaling.microbatches, divide=scaling.reducer_divisor)
+
+
+def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
+    """Tied embeddings under pp: the (first, last) pipeline pair that sums the embedding and head
+    grads; None when they sit on one rank (pp = 1, or the V schedules keep both on pp rank 0)."""
+    if not (cfg.model.tie_embeddings and int(plan.degrees["pp"]) > 1 and plan.schedule not in ("zbv", "dualpipev")):
+        return None
+    w = meshes.world.mesh
+    return tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), dist.get_rank())
+
+
+def build_data(cfg: Config):
+    """The packed token dataset the recipe names (cached under ~/.cache/paralayer)."""
+    from paralayer.data import loading as data_mod
+
     cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
-    dataset = data_mod.build_dataset(cfg.data, seq_len, cfg.train.seed, cache_dir,
-                                     global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
-    loss_fn = make_loss_fn(cfg, plan, seq_len - 1)
+    return data_mod.build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
+                                  global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
 
-    runner = None
-    if pp > 1:
-        from paralayer.parallel.pipeline import PipelineRunner
 
-        runner = PipelineRunner(built.chunks, meshes["pp"], plan, loss_fn, device,
-                                microbatch_shape=(cfg.train.micro_batch, seq_len // cp),
-                                loss_parallel=tp > 1,
-                                aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts > 0 else 0.0,
-                                scale_grads=reducer is None,
-                                # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
-                                reduce_each_microbatch={2: "grads", 3: "weights"}.get(zero))
-        moe_step.count_real_forwards_only(runner, built.chunks)
+def build_runner(run: RankRun):
+    """pp > 1: the pipeline schedule over this rank's chunks; None otherwise."""
+    cfg, d = run.cfg, run.degree
+    if d["pp"] == 1:
+        return None
+    from paralayer.parallel.pipeline import PipelineRunner
 
-    # ---- resume
-    start_step = 1
-    ckpt_dir = cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None)
-    resume = os.environ.get("PARALAYER_RESUME") or cfg.train.resume
-    if resume != "none" and ckpt_dir is not None:
-        from paralayer.checkpoint import dcp as ckpt
+    moe = cfg.model.moe
+    runner = PipelineRunner(run.built.chunks, run.meshes["pp"], run.plan.to_dict(), run.loss_fn, run.device,
+                            microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
+                            loss_parallel=d["tp"] > 1,
+                            aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
+                            scale_grads=run.scaling.schedule_scales,
+                            # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
+                            reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)))
+    moe_step.count_real_forwards_only(runner, run.built.chunks)
+    return runner
 
-        if resume == "auto":
-            found = ckpt.resume_latest(ckpt_dir, built.chunks, [opt])  # falls back past corrupt ones
-        else:
-            found = (resume, ckpt.load_checkpoint(resume, built.chunks, [opt]))
-        if found is not None:
-            path, extra = found
-            sched.load_state_dict(extra["scheduler"])
-            ckpt.set_rng_state(extra["rng"])
-            start_step = int(extra["step"]) + 1
-            if rank == 0:
-                print(f"paralayer: resumed from {path} at step {start_step}", flush=True)
+
+def agree_peak_tflops(cfg: Config, device: torch.device) -> tuple[Optional[float], str]:
+    """Rank 0 resolves the peak (configured, or measured on CPU) and every rank takes its value."""
+    from paralayer import metrics as metrics_mod
+
+    peak, source = None, "rank 0"
+    if dist.get_rank() == 0:
+        peak, source = metrics_mod.resolve_peak_tflops(device, cfg.cluster.peak_tflops, torch.get_num_threads())
+    t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item()) or None, source
+
+
+# ------------------------------------------------------------------ resume and logging
+def resume(run: RankRun) -> int:
+    """Load ``train.resume`` (auto: the newest good checkpoint, a path, or none); the first step to run."""
+    resume_from = os.environ.get("PARALAYER_RESUME") or run.cfg.train.resume
+    if resume_from == "none" or run.ckpt_dir is None:
+        return 1
+    from paralayer.checkpoint import dcp as ckpt
+
+    if resume_from == "auto":
+        found = ckpt.resume_latest(run.ckpt_dir, run.built.chunks, [run.opt])  # falls back past corrupt ones
+    else:
+        found = (resume_from, ckpt.load_checkpoint(resume_from, run.built.chunks, [run.opt]))
+    if found is None:
+        return 1
+    path, extra = found
+    run.sched.load_state_dict(extra["scheduler"])
+    ckpt.set_rng_state(extra["rng"])
+    start_step = int(extra["step"]) + 1
+    if run.rank == 0:
+        print(f"paralayer: resumed from {path} at step {start_step}", flush=True)
+    return start_step
+
+
+def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progress: bool):
+    """metrics.jsonl (cut back to the resumed step), console and W&B; None without a run directory."""
+    if run_dir is None:
+        return None
+    from paralayer import metrics as metrics_mod
+
+    cfg = run.cfg
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if run.rank == 0 and os.path.exists(metrics_path):
+        metrics_mod.truncate_after(metrics_path, start_step - 1)
+    return metrics_mod.MetricsLogger(
+        run_dir, config_mod.to_dict(cfg), run.plan.to_dict(), run.rank == 0, cfg.logging.wandb.mode,
+        cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
+        progress=log_progress and cfg.logging.progress, peak_source=run.peak_source,
+        run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)))
+
+
+# ------------------------------------------------------------------ one step
+def step_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and labels of the step's global batch (its dp share, its cp zigzag shard)."""
+    from paralayer.data import loading as data_mod
+
+    d = run.degree
+    tokens = run.dataset.get_batch(step, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
+    tokens = tokens.to(run.device)
+    labels = data_mod.labels_for(tokens)
+    if d["cp"] > 1:
+        from paralayer.parallel.context import zigzag_shard
+
+        cp_rank = run.meshes.local_rank("cp")
+        tokens = zigzag_shard(tokens, 1, d["cp"], cp_rank)
+        labels = zigzag_shard(labels, 1, d["cp"], cp_rank)
+    return tokens, labels
+
+
+def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The step's forward and backward over its microbatches; returns this rank's mean loss.
+
+    Gradients are left as the contract says (paralayer/parallel/grad_scaling.py): scaled for the
+    microbatches, not yet reduced over the data ranks."""
+    if run.runner is not None:
+        return run.runner.step(tokens, labels, autocast_dtype=run.autocast_dtype)
+    model, m = run.built.chunks[0], run.scaling.microbatches
+    dtype = run.autocast_dtype
+    loss_sum = torch.zeros((), device=run.device)
+    for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
+        with loss_parallel_ctx(run.degree["tp"] > 1):
+            with torch.autocast(run.device.type, dtype=dtype, enabled=dtype is not None):
+                logits = model(mb_tokens)
+            loss = run.loss_fn(logits, mb_labels)
+            aux = model.aux_loss()
+            total = loss if aux is None else loss + run.cfg.model.moe.aux_loss_coef * aux
+            (total / run.scaling.loss_divisor).backward()
+        loss_sum = loss_sum + loss.detach() / m
+    return loss_sum
+
+
+def reduce_and_clip(run: RankRun, local_loss: torch.Tensor) -> tuple[float, float]:
+    """Finish the gradients (contract), average the loss over dp·cp, clip; (loss, grad norm)."""
+    built, meshes = run.built, run.meshes
+    tie = bool(run.cfg.model.tie_embeddings)
+    finish_grads(run.scaling, run.reducer, built.expert_params,
+                 tied_chunks=built.chunks if tie else None, tied_group=run.tied_group)
+    loss_t = _global_loss(local_loss, meshes)
+    grad_norm = dpar.clip_grad_norm(
+        built.params, run.cfg.train.grad_clip, meshes["pp"].get_group() if run.degree["pp"] > 1 else None,
+        built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
+        skip_norm=tied.head_copy(built.chunks) if tie else ())
+    return float(loss_t), grad_norm
+
+
+def nonfinite_step(run: RankRun, step: int, loss: float, grad_norm: float) -> bool:
+    """A non-finite loss or norm: skip the update (train.skip_nonfinite) and return True, or raise."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return False
+    if not run.cfg.train.skip_nonfinite:
+        raise NonFiniteLoss(f"step {step}: loss is {loss} (grad norm {grad_norm}); stopping. "
+                            f"Lower train.lr or set train.skip_nonfinite=true to skip such steps.")
+    run.opt.zero_grad(set_to_none=True)
+    if run.rank == 0:
+        print(f"paralayer: step {step}: non-finite loss {loss}; step skipped", flush=True)
+    run.sched.step()
+    return True
+
+
+def train_step(run: RankRun, step: int) -> Optional[dict]:
+    """One optimizer step; its metrics record, or None when a non-finite step was skipped."""
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    clock = StepClock(run.device)  # CUDA events on a GPU: step_time_s is the device's time
+    clock.start()
+    tokens, labels = step_batch(run, step)
+    run.hooks.before_forward(run.rank, step)
+    run.opt.zero_grad(set_to_none=True)
+    moe_step.reset(run.built.chunks)
+    local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
+    loss, grad_norm = reduce_and_clip(run, local_loss)
+    if nonfinite_step(run, step, loss, grad_norm):
+        return None
+    lr = run.opt.param_groups[0]["lr"]
+    run.opt.step()
+    moe_step.update_bias(run.built.chunks, run.cfg, run.meshes)
+    run.sched.step()
+    return step_record(run, step, loss, lr, grad_norm, clock.elapsed())
+
+
+def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: float, seconds: float) -> dict:
+    """The metrics.jsonl record of a step (+ the measured bubble under pp, + MoE routing stats)."""
+    from paralayer import metrics as metrics_mod
+
+    cfg = run.cfg
+    rec = metrics_mod.step_record(
+        step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=cfg.train.global_batch * cfg.model.seq_len,
+        step_time_s=seconds, world_size=dist.get_world_size(), flops_per_token=float(run.plan.flops_per_token),
+        peak_tflops=run.peak_tflops, device=run.device)
+    if run.runner is not None and getattr(run.runner, "bubble_measured", None) is not None:
+        rec["bubble_measured"] = run.runner.bubble_measured
+    rec.update(moe_step.step_stats(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.moe.num_experts,
+                                   run.device) or {})
+    return rec
+
+
+# ------------------------------------------------------------------ checkpoints and signals
+def save_if_due(run: RankRun, step: int, stop: int) -> bool:
+    """A periodic checkpoint (every ``checkpoint.every`` steps and at the run's last step)."""
+    every = run.cfg.checkpoint.every
+    if not (every and run.ckpt_dir and (step % every == 0 or step == stop)):
+        return False
+    _save(run, step)
+    return True
+
+
+def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, saved: bool, logger) -> None:
+    """SLURM's USR2/TERM, agreed by every rank: save (unless just saved), hand the signal on, raise."""
+    sig = preempt.agreed(run.device) if (preempt.active and step < stop) else None
+    if sig is None:
+        return
+    if run.ckpt_dir and not saved:
+        _save(run, step)
+    if run.rank == 0:
+        then = "handing the signal to the requeue" if sig == signal.SIGUSR2 else "waiting for SLURM"
+        print(f"paralayer: {sig.name} after step {step}: checkpoint saved, {then}", flush=True)
+    if logger is not None:
+        logger.close()
+    preempt.hand_on(sig)
+    raise Preempted(f"stopped after step {step} on {sig.name}")
+
+
+# ------------------------------------------------------------------ the loop
+def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, log_progress: bool = False,
+          hooks: Optional[StepHooks] = None) -> list[dict]:
+    """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
+    run = setup(cfg, as_plan(plan), run_dir, hooks)
+    start_step = resume(run)
     stop = cfg.train.stop_at_step or cfg.train.steps
-
-    flops_per_token = float(plan.get("flops_per_token") or 0)
-    peak, peak_source = None, "rank 0"
-    if rank == 0:
-        peak, peak_source = metrics_mod.resolve_peak_tflops(device, cfg.cluster.peak_tflops, torch.get_num_threads())
-    peak_t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
-    dist.broadcast(peak_t, src=0)
-    peak = float(peak_t.item()) or None
-
-    logger = None
-    if run_dir is not None:
-        metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        if rank == 0 and os.path.exists(metrics_path):
-            metrics_mod.truncate_after(metrics_path, start_step - 1)
-        logger = metrics_mod.MetricsLogger(
-            run_dir, config_mod.to_dict(cfg), plan, rank == 0, cfg.logging.wandb.mode,
-            cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
-            progress=log_progress and cfg.logging.progress, peak_source=peak_source,
-            run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)))
-
+    logger = open_logger(run, run_dir, start_step, log_progress)
     records: list[dict] = []
-    tokens_per_step = cfg.train.global_batch * seq_len
     preempt = PreemptSave()
     for step in range(start_step, stop + 1):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        tokens = dataset.get_batch(step, dp_rank, dp_size, cfg.train.global_batch).to(device)
-        labels = data_mod.labels_for(tokens)
-        if cp > 1:
-            from paralayer.parallel.context import zigzag_shard
-
-            tokens = zigzag_shard(tokens, 1, cp, cp_rank)
-            labels = zigzag_shard(labels, 1, cp, cp_rank)
-        poison = _maybe_inject_fault(rank, step)
-        opt.zero_grad(set_to_none=True)
-        moe_step.reset(built.chunks)
-        if runner is not None:
-            loss_sum = runner.step(tokens, labels, autocast_dtype=autocast_dtype)
-        else:
-            loss_sum = torch.zeros((), device=device)
-            for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
-                with loss_parallel_ctx(tp > 1):
-                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                        logits = built.chunks[0](mb_tokens)
-                    loss = loss_fn(logits, mb_labels)
-                    aux = built.chunks[0].aux_loss()
-                    total = loss if aux is None else loss + cfg.model.moe.aux_loss_coef * aux
-                    (total / m).backward()
-                loss_sum = loss_sum + loss.detach() / m
-        if reducer is not None:
-            reducer.reduce()
-        elif zero >= 2 and meshes.expert is not None:
-            # FSDP averaged expert grads over dp·cp/ep ranks; the mean is over all dp·cp.
-            ep = meshes.size("ep")
-            for p in built.expert_params:
-                if p.grad is not None:
-                    local_tensor(p.grad).div_(ep)
-        if tie:
-            tied.sum_tied_grads(built.chunks, tied_group)
-        if poison:
-            loss_sum = loss_sum * float("nan")
-        # The loss: every rank that computed one holds its dp·cp shard's mean; average over them.
-        loss_t = _global_loss(loss_sum, meshes)
-        grad_norm = dpar.clip_grad_norm(
-            built.params, cfg.train.grad_clip, meshes["pp"].get_group() if pp > 1 else None,
-            built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
-            skip_norm=tied.head_copy(built.chunks) if tie else ())
-        loss_val = float(loss_t)
-        if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
-            if cfg.train.skip_nonfinite:
-                opt.zero_grad(set_to_none=True)
-                if rank == 0:
-                    print(f"paralayer: step {step}: non-finite loss {loss_val}; step skipped", flush=True)
-                sched.step()
-                continue
-            raise NonFiniteLoss(f"step {step}: loss is {loss_val} (grad norm {grad_norm}); stopping. "
-                                f"Lower train.lr or set train.skip_nonfinite=true to skip such steps.")
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        moe_step.update_bias(built.chunks, cfg, meshes)
-        sched.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step_time = time.perf_counter() - t0
-        rec = metrics_mod.step_record(
-            step=step, loss=loss_val, lr=lr, grad_norm=grad_norm, tokens=tokens_per_step, step_time_s=step_time,
-            world_size=world, flops_per_token=flops_per_token, peak_tflops=peak, device=device)
-        if runner is not None and getattr(runner, "bubble_measured", None) is not None:
-            rec["bubble_measured"] = runner.bubble_measured
-        moe_stats = moe_step.step_stats(built.chunks, meshes, pp, cfg.model.moe.num_experts, built.device)
-        if moe_stats:
-            rec.update(moe_stats)
+        rec = train_step(run, step)
+        if rec is None:
+            continue
         records.append(rec)
         if logger is not None:
             logger.log(step, rec)
-        saved = bool(cfg.checkpoint.every and ckpt_dir and (step % cfg.checkpoint.every == 0 or step == stop))
-        if saved:
-            _save(cfg, ckpt_dir, step, built, opt, sched)
-        sig = preempt.agreed(device) if (preempt.active and step < stop) else None
-        if sig is not None:
-            if ckpt_dir and not saved:
-                _save(cfg, ckpt_dir, step, built, opt, sched)
-            if rank == 0:
-                then = "handing the signal to the requeue" if sig == signal.SIGUSR2 else "waiting for SLURM"
-                print(f"paralayer: {sig.name} after step {step}: checkpoint saved, {then}", flush=True)
-            if logger is not None:
-                logger.close()
-            preempt.hand_on(sig)
-            raise Preempted(f"stopped after step {step} on {sig.name}")
+        saved = save_if_due(run, step, stop)
+        stop_if_signalled(run, preempt, step, stop, saved, logger)
     preempt.restore()
-    if runner is not None and run_dir is not None and (cfg.logging.timeline or os.environ.get("PARALAYER_TIMELINE")):
-        _write_timeline(runner, meshes, run_dir)
+    timeline = cfg.logging.timeline or os.environ.get("PARALAYER_TIMELINE")
+    if run.runner is not None and run_dir is not None and timeline:
+        _write_timeline(run.runner, run.meshes, run_dir)
     if logger is not None:
         logger.close()
     return records
 
 
-def _maybe_inject_fault(rank: int, step: int) -> bool:
-    """Test hook: PARALAYER_FAULT=raise|kill|nan:RANK:STEP makes that rank fail at that step
-    (nan: its loss becomes NaN, which the global loss then carries to every rank)."""
-    spec = os.environ.get("PARALAYER_FAULT")
-    if not spec:
-        return False
-    kind, r, s = spec.split(":")
-    if int(r) == rank and int(s) == step:
-        when = f"at unix time {time.time():.3f}"
-        if kind == "kill":
-            print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), 9)
-        if kind == "nan":
-            return True
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} {when}")
-    return False
-
-
-def _save(cfg: Config, ckpt_dir: str, step: int, built: Built, opt, sched) -> None:
+def _save(run: RankRun, step: int) -> None:
     from paralayer.checkpoint import dcp as ckpt
 
-    extra = {"step": step, "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
-    ckpt.save_checkpoint(ckpt_dir, step, built.chunks, [opt], extra, keep=cfg.checkpoint.keep)
+    extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state()}
+    ckpt.save_checkpoint(run.ckpt_dir, step, run.built.chunks, [run.opt], extra, keep=run.cfg.checkpoint.keep)
 
 
 def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
@@ -448,7 +600,7 @@ def main(run_dir: str) -> int:
     """Entry point of every rank: read the run directory, train, leave metrics behind."""
     cfg = config_mod.from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
     with open(os.path.join(run_dir, "plan.json")) as f:
-        plan = json.load(f)
+        plan = as_plan(json.load(f))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task
     threads = cfg.train.threads or slurm_cpus or max(1, (os.cpu_count() or 1) // local_world)
