@@ -22,12 +22,9 @@ GRADIENT REDUCTION — what the data-parallel code must do:
     the ep group again. Reduce them (sum) only over the expert-data-parallel group, i.e. the ranks of
     dp·cp holding the same expert shard (size dp·cp / ep: same ep rank, different ep group).
   * Everything else is reduced over all dp·cp ranks, as usual.
-  * Scaling: if non-expert gradients are AVERAGED over the N = dp·cp ranks (sum / N), expert
-    gradients must be divided by the same N (sum over expert-dp, then / N), not by the expert-dp
-    group size N/ep; otherwise expert gradients come out ep× too large. With FSDP2 on the expert-dp
-    mesh (ZeRO 2/3) FSDP divides by N/ep and the trainer divides the expert grads by ep afterwards
-    (``set_gradient_divide_factor`` needs PREMUL_SUM, which gloo lacks); the router and shared
-    expert are sharded on the dp·cp mesh (``paralayer.parallel.data.apply_fsdp``).
+  * Scaling: expert gradients divide by N = dp·cp like every other weight, not by the expert-dp
+    group size N/ep (factor 3 of the gradient-scaling contract, paralayer/parallel/grad_scaling.py).
+    The router and shared expert are sharded on the dp·cp mesh (``paralayer.parallel.data.apply_fsdp``).
   * Only with ep > 1: at ep = 1 the experts are ordinary data-parallel weights (the trainer passes
     no expert params then).
   * Tensor parallel: experts are NOT split by tp (ETP=1). The MoE block runs whole on every tp rank

@@ -44,8 +44,7 @@ class GradReducer:
     """Averages gradients over ``group`` (dp·cp) in buckets that start during the backward.
 
     ``microbatches``: gradient accumulations per parameter per step. ``divide``: what the summed
-    gradients are divided by (the group size, times the microbatches when the pipeline schedule
-    leaves its gradients unscaled)."""
+    gradients are divided by (``GradScaling.reducer_divisor``, paralayer/parallel/grad_scaling.py)."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, world: int,
                  expert_params: Iterable[nn.Parameter] = (), expert_group: Optional[dist.ProcessGroup] = None,
