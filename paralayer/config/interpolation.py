@@ -24,7 +24,7 @@ def check_text(field: str, value: str) -> None:
     rest = _REFERENCE.sub("", value)
     if "${" in rest:
         bad = value[value.find("${"):][:40]
-        what = "reads the environment" if "oc.env" in value or "env:" in value else "calls a resolver"
+        what = "reads the environment" if "env:" in value else "is not a plain reference to a recipe field"
         raise ConfigError(field, f"'{_redact(bad)}' {what}; recipes and overrides may only reference other "
                           "recipe fields (${model.d_model}); resolvers such as oc.env are refused. Let the shell "
                           "expand $VAR on the command line instead")

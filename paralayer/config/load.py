@@ -20,6 +20,7 @@ from paralayer.config import bounds, interpolation
 
 from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
+    COMPILE_BACKENDS,
     DATA_FORMATS,
     DEVICES,
     PRECISIONS,
@@ -145,9 +146,15 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     """A YAML file as a plain dict, its texts checked for resolvers (nothing is resolved here)."""
     import yaml
 
+    try:  # OmegaConf's own YAML dialect (and its alias-expansion limit), without its grammar check
+        from omegaconf._yaml import get_yaml_loader
+    except ImportError:  # omegaconf < 2.4
+        from omegaconf._utils import get_yaml_loader
+
     try:
-        node = OmegaConf.load(path)
-        data = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=get_yaml_loader())
+        data = {} if data is None else data
     except yaml.YAMLError as exc:
         raise ConfigError(field_name, f"invalid YAML at {_yaml_error(path, exc)}") from None
     except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
@@ -394,6 +401,7 @@ def validate_values(cfg: Config) -> None:
     _positive("train.log_every", t.log_every)
     _positive("train.threads", t.threads, 0)
     _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
     _choice("data.format", cfg.data.format, DATA_FORMATS)

@@ -81,13 +81,18 @@ def _fmt(values) -> str:
     return ", ".join(map(str, values)) if values else "none"
 
 
+def auto_device(device: str, peak_tflops: object = None) -> str:
+    """THE rule for ``cluster.device: auto`` (the resolver, dispatch and the SLURM submitter all ask
+    this): cuda when the profile names a GPU peak (``peak_tflops`` set), else cpu. Torch-free on
+    purpose: a plan for a GPU cluster is made on a laptop; whether this machine has the devices is
+    checked only when a run is launched here."""
+    if device != "auto":
+        return device
+    return "cuda" if peak_tflops else "cpu"
+
+
 def resolve_device(cfg: Config) -> str:
-    """'auto' → cuda when the profile names a GPU peak (peak_tflops set), else cpu. Kept simple on
-    purpose: the resolver must not import torch to ask."""
-    d = cfg.cluster.device
-    if d != "auto":
-        return d
-    return "cuda" if cfg.cluster.peak_tflops else "cpu"
+    return auto_device(cfg.cluster.device, cfg.cluster.peak_tflops)
 
 
 def resolve_precision(cfg: Config, device: str) -> str:
@@ -130,217 +135,249 @@ def _multiples_near(target: int, step: int) -> list[int]:
 
 # ------------------------------------------------------------------ the rules
 def check(cfg: Config) -> Layout:
-    """Resolve the layout and collect every rule violation (never stops at the first)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    c = cfg.cluster
+    """Resolve the layout and collect every rule violation (never stops at the first).
+
+    Each step reads the config and the layout resolved so far, sets its part of the layout and
+    appends its Issues; the order matters only where a step needs an earlier one's result (dp
+    before the batch rules, vpp before the pipeline split)."""
+    p, t = cfg.parallel, cfg.train
     lay = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, schedule=p.schedule, zero=p.zero,
-                 recompute=p.recompute, recompute_every=p.recompute_every, micro_batch=t.micro_batch)
-    err, warn = lay.errors, lay.warnings
-
-    def e(fld: str, msg: str) -> None:
-        err.append(Issue(fld, msg))
-
-    def w(fld: str, msg: str) -> None:
-        warn.append(Issue(fld, msg))
-
+                 recompute=p.recompute, recompute_every=getattr(p, "recompute_every", 1), micro_batch=t.micro_batch)
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
-    tp, pp, cp, ep = p.tp, p.pp, p.cp, p.ep
+    for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
+                 check_context_parallel, check_experts, check_batch):
+        step(cfg, lay)
+    return lay
 
-    # --- schedule and vpp
-    sched = p.schedule
+
+def _error(lay: Layout, fld: str, msg: str) -> None:
+    lay.errors.append(Issue(fld, msg))
+
+
+def _warn(lay: Layout, fld: str, msg: str) -> None:
+    lay.warnings.append(Issue(fld, msg))
+
+
+def check_schedule(cfg: Config, lay: Layout) -> None:
+    """The schedule fixes vpp: V schedules run exactly 2 chunks per rank, interleaved needs >= 2,
+    the others 1; every pipeline schedule needs pp >= 2."""
+    p = cfg.parallel
+    sched, pp = p.schedule, p.pp
     if sched in V_SCHEDULES:
         if p.vpp == 1:
             lay.vpp = 2
             lay.notes.append(f"parallel.schedule={sched} runs exactly 2 chunks per pipeline rank: vpp set to 2")
         elif p.vpp != 2:
-            e("parallel.vpp", f"parallel.schedule={sched} runs exactly 2 model chunks per pipeline rank; "
-              f"parallel.vpp={p.vpp} is not valid (use vpp=2, or 1 to let it be set)")
+            _error(lay, "parallel.vpp", f"parallel.schedule={sched} runs exactly 2 model chunks per pipeline rank; "
+                   f"parallel.vpp={p.vpp} is not valid (use vpp=2, or 1 to let it be set)")
             lay.vpp = 2
         if pp < 2:
-            e("parallel.pp", f"parallel.schedule={sched} is a pipeline schedule and needs parallel.pp >= 2 "
-              f"(got pp={pp}); use schedule=1f1b for pp=1")
+            _error(lay, "parallel.pp", f"parallel.schedule={sched} is a pipeline schedule and needs parallel.pp >= 2 "
+                   f"(got pp={pp}); use schedule=1f1b for pp=1")
     elif sched == "interleaved":
         if p.vpp < 2:
-            e("parallel.vpp", f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per rank "
-              f"(got vpp={p.vpp}); e.g. vpp=2, or schedule=1f1b")
+            _error(lay, "parallel.vpp", f"parallel.schedule=interleaved needs parallel.vpp >= 2 model chunks per rank "
+                   f"(got vpp={p.vpp}); e.g. vpp=2, or schedule=1f1b")
         if pp < 2:
-            e("parallel.pp", f"parallel.schedule=interleaved needs parallel.pp >= 2 (got pp={pp})")
+            _error(lay, "parallel.pp", f"parallel.schedule=interleaved needs parallel.pp >= 2 (got pp={pp})")
     elif p.vpp != 1:
-        e("parallel.vpp", f"parallel.vpp={p.vpp} (virtual pipeline chunks) needs parallel.schedule=interleaved "
-          f"(or zbv/dualpipev with vpp=2); with schedule={sched} use vpp=1")
+        _error(lay, "parallel.vpp", f"parallel.vpp={p.vpp} (virtual pipeline chunks) needs "
+               f"parallel.schedule=interleaved (or zbv/dualpipev with vpp=2); with schedule={sched} use vpp=1")
 
-    # --- world and dp
+
+def check_world(cfg: Config, lay: Layout) -> None:
+    """The world (from the profile, or on CPU the product of the degrees) and dp (auto: what is left)."""
+    p, c = cfg.parallel, cfg.cluster
+    tp, pp, cp = p.tp, p.pp, p.cp
     fixed = tp * pp * cp
     explicit_dp = p.dp if isinstance(p.dp, int) else None
-    dpn_given = c.devices_per_node
-    if dpn_given is None:
+    if c.devices_per_node is None:
         # cluster=local (DESIGN.md): the world is the product of the degrees, dp=auto counts as 1.
         dpn = fixed * (explicit_dp or 1)
-        world = dpn * c.nodes
         where = "the product of the degrees" + (f" × cluster.nodes={c.nodes}" if c.nodes > 1 else "")
     else:
-        dpn = dpn_given
-        world = c.nodes * dpn
+        dpn = c.devices_per_node
         where = f"cluster.nodes={c.nodes} × cluster.devices_per_node={dpn}"
+    world = dpn * c.nodes
     lay.nodes, lay.devices_per_node, lay.world = c.nodes, dpn, world
     if explicit_dp is None:
+        lay.dp = max(world // fixed, 1)
         if world % fixed:
             need = fixed * dpn // math.gcd(fixed, dpn)
-            e("parallel.dp", f"dp=auto: tp·pp·cp = {tp}·{pp}·{cp} = {fixed} does not divide the world of {world} "
-              f"devices ({where}); use a world that is a multiple of {fixed} (e.g. cluster.nodes={max(need // dpn, 1)}"
-              f" for {max(need, fixed)} devices) or degrees whose product divides {world}")
-            lay.dp = max(world // fixed, 1)
-        else:
-            lay.dp = world // fixed
-    else:
-        lay.dp = explicit_dp
-        if fixed * explicit_dp != world:
-            hint = f"dp=auto gives dp={world // fixed}" if world % fixed == 0 else \
-                f"tp·pp·cp={fixed} does not divide {world} either"
-            e("parallel.dp", f"world = tp·pp·cp·dp = {tp}·{pp}·{cp}·{explicit_dp} = {fixed * explicit_dp} but the "
-              f"cluster has {world} devices ({where}); {hint}")
-    dp = lay.dp
+            _error(lay, "parallel.dp", f"dp=auto: tp·pp·cp = {tp}·{pp}·{cp} = {fixed} (parallel.tp·parallel.pp·"
+                   f"parallel.cp) does not divide the world of {world} devices ({where}); use a world that is a "
+                   f"multiple of {fixed} (e.g. cluster.nodes={max(need // dpn, 1)} for {max(need, fixed)} devices) "
+                   f"or degrees whose product divides {world}")
+        return
+    lay.dp = explicit_dp
+    if fixed * explicit_dp != world:
+        hint = f"dp=auto gives dp={world // fixed}" if world % fixed == 0 else \
+            f"tp·pp·cp={fixed} does not divide {world} either"
+        _error(lay, "parallel.dp", f"world = tp·pp·cp·dp = {tp}·{pp}·{cp}·{explicit_dp} = {fixed * explicit_dp} "
+               f"(parallel.tp·parallel.pp·parallel.cp·parallel.dp) but the cluster has {world} devices ({where}); "
+               f"{hint}")
 
-    # --- heads, ffn, vocab against tp
-    if dpn_given is None:
+
+def check_tensor_parallel(cfg: Config, lay: Layout) -> None:
+    """Heads (RoPE needs an even head dim, GQA groups), KV heads and FFN width against tp; vocab padded."""
+    m, tp, dpn = cfg.model, cfg.parallel.tp, lay.devices_per_node
+    if cfg.cluster.devices_per_node is None:
         vt_msg = f"valid tp for this model: {_fmt(valid_tp(cfg, max(8, tp)))}"
     else:
         vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(valid_tp(cfg, dpn))}"
     if m.d_model % m.n_heads:
-        e("model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid n_heads: "
-          f"{_fmt(nearest(divisors(m.d_model), m.n_heads))}")
+        _error(lay, "model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid "
+               f"n_heads: {_fmt(nearest(divisors(m.d_model), m.n_heads))}")
     elif (m.d_model // m.n_heads) % 2:
-        e("model.n_heads", f"head dim d_model/n_heads = {m.d_model // m.n_heads} must be even for RoPE; "
-          f"valid n_heads: {_fmt(nearest([d for d in divisors(m.d_model) if (m.d_model // d) % 2 == 0], m.n_heads))}")
+        _error(lay, "model.n_heads", f"head dim model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even "
+               f"for RoPE; valid n_heads: "
+               f"{_fmt(nearest([d for d in divisors(m.d_model) if (m.d_model // d) % 2 == 0], m.n_heads))}")
     if m.n_heads % m.n_kv_heads:
-        e("model.n_kv_heads", f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups); "
-          f"valid n_kv_heads: {_fmt(nearest(divisors(m.n_heads), m.n_kv_heads))}")
+        _error(lay, "model.n_kv_heads", f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+               f"(GQA groups); valid n_kv_heads: {_fmt(nearest(divisors(m.n_heads), m.n_kv_heads))}")
     if m.n_heads % tp:
-        e("parallel.tp", f"parallel.tp={tp} does not divide model.n_heads={m.n_heads}; {vt_msg}")
+        _error(lay, "parallel.tp", f"parallel.tp={tp} does not divide model.n_heads={m.n_heads}; {vt_msg}")
     if m.n_kv_heads < tp:
-        e("parallel.tp", f"parallel.tp={tp} exceeds model.n_kv_heads={m.n_kv_heads}: KV heads are not replicated "
-          f"across tp ranks here (that crashes mid-forward elsewhere, torchtitan #2577), so tp must divide "
-          f"n_kv_heads; {vt_msg}")
+        _error(lay, "parallel.tp", f"parallel.tp={tp} exceeds model.n_kv_heads={m.n_kv_heads}: KV heads are not "
+               f"replicated across tp ranks here (that crashes mid-forward elsewhere, torchtitan #2577), so tp must "
+               f"divide n_kv_heads; {vt_msg}")
     elif m.n_kv_heads % tp:
-        e("parallel.tp", f"parallel.tp={tp} does not divide model.n_kv_heads={m.n_kv_heads}; {vt_msg}")
+        _error(lay, "parallel.tp", f"parallel.tp={tp} does not divide model.n_kv_heads={m.n_kv_heads}; {vt_msg}")
     if m.ffn_hidden % tp:
-        e("parallel.tp", f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}; {vt_msg}")
-    lay.padded_vocab = int(math.ceil(m.vocab_size / tp) * tp)
+        _error(lay, "parallel.tp", f"parallel.tp={tp} does not divide model.ffn_hidden={m.ffn_hidden}; {vt_msg}")
+    lay.padded_vocab = -(-m.vocab_size // tp) * tp
     if lay.padded_vocab != m.vocab_size:
         lay.notes.append(f"model.vocab_size={m.vocab_size} padded to {lay.padded_vocab} (a multiple of tp={tp}); "
                          "the padding columns are masked out of the loss")
     if tp > dpn:
-        w("parallel.tp", f"parallel.tp={tp} exceeds the {dpn} devices of a node: tensor parallel crosses nodes "
-          f"(slow links on every layer); {vt_msg}")
+        _warn(lay, "parallel.tp", f"parallel.tp={tp} exceeds the {dpn} devices of a node: tensor parallel crosses "
+              f"nodes (slow links on every layer); {vt_msg}")
 
-    # --- sequence parallel
+
+def check_sequence_parallel(cfg: Config, lay: Layout) -> None:
+    """Sequence parallel on by default with tp > 1; tp_overlap needs it."""
+    p, tp = cfg.parallel, cfg.parallel.tp
     if p.sequence_parallel is None:
         lay.sequence_parallel = tp > 1
     elif p.sequence_parallel and tp == 1:
         lay.sequence_parallel = False
-        w("parallel.sequence_parallel", "sequence_parallel=true has no effect with parallel.tp=1; ignored")
+        _warn(lay, "parallel.sequence_parallel", "sequence_parallel=true has no effect with parallel.tp=1; ignored")
     else:
         lay.sequence_parallel = bool(p.sequence_parallel)
     if p.tp_overlap and tp == 1:
-        w("parallel.tp_overlap", "tp_overlap=true has no effect with parallel.tp=1; ignored")
+        _warn(lay, "parallel.tp_overlap", "tp_overlap=true has no effect with parallel.tp=1; ignored")
     elif p.tp_overlap and not lay.sequence_parallel:
-        e("parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
-          "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
+        _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
+               "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
     lay.tp_overlap = bool(p.tp_overlap) and tp > 1
-    if lay.tp_overlap and p.schedule in V_SCHEDULES and pp > 1:
-        w("parallel.tp_overlap", f"under {p.schedule}, torch's split backward (input grads, then weight grads) "
-          "runs some fused GEMMs' backward in both passes: more tp traffic and GEMMs than 1f1b "
-          "(docs/tensor-parallel.md)")
+    if lay.tp_overlap and p.schedule in V_SCHEDULES and p.pp > 1:
+        _warn(lay, "parallel.tp_overlap", f"under {p.schedule}, torch's split backward (input grads, then weight "
+              "grads) runs some fused GEMMs' backward in both passes: more tp traffic and GEMMs than 1f1b "
+              "(docs/tensor-parallel.md)")
 
-    # --- pipeline split
-    chunks = pp * lay.vpp
+
+def check_pipeline_split(cfg: Config, lay: Layout) -> None:
+    """Layers into pp·vpp chunks: even, or as parallel.pp_layout says. An invalid split still gets
+    an even placeholder so memory and cost stay computable for the report."""
+    m, p = cfg.model, cfg.parallel
+    pp, chunks = p.pp, p.pp * lay.vpp
     if p.pp_layout is not None:
         lo = list(p.pp_layout)
         if len(lo) != chunks:
-            e("parallel.pp_layout", f"parallel.pp_layout has {len(lo)} entries but pp·vpp = {pp}·{lay.vpp} = {chunks} "
-              f"pipeline chunks need one layer count each")
+            _error(lay, "parallel.pp_layout", f"parallel.pp_layout has {len(lo)} entries but parallel.pp·vpp = "
+                   f"{pp}·{lay.vpp} = {chunks} pipeline chunks need one layer count each")
         if sum(lo) != m.n_layers:
-            e("parallel.pp_layout", f"parallel.pp_layout sums to {sum(lo)} layers but model.n_layers={m.n_layers}")
+            _error(lay, "parallel.pp_layout", f"parallel.pp_layout sums to {sum(lo)} layers but "
+                   f"model.n_layers={m.n_layers}")
         if len(lo) == chunks and sum(lo) == m.n_layers:
             lay.stage_layers = stage_layers(m.n_layers, lo)
+    elif m.n_layers % chunks:
+        okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]
+        base, rem = divmod(m.n_layers, chunks)
+        even = [base + 1] * rem + [base] * (chunks - rem) if chunks <= 64 else []
+        _error(lay, "parallel.pp", f"model.n_layers={m.n_layers} is not divisible into parallel.pp·vpp = "
+               f"{pp}·{lay.vpp} = {chunks} equal chunks; valid pp with vpp={lay.vpp}: {_fmt(nearest(okp, pp))}"
+               + (f"; or give an uneven split, e.g. parallel.pp_layout=[{','.join(map(str, even))}]"
+                  if even and base else ""))
     else:
-        if m.n_layers % chunks:
-            okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]
-            base = m.n_layers // chunks
-            rem = m.n_layers - base * chunks
-            even = [base + 1] * rem + [base] * (chunks - rem)
-            e("parallel.pp", f"model.n_layers={m.n_layers} is not divisible into pp·vpp = {pp}·{lay.vpp} = {chunks} "
-              f"equal chunks; valid pp with vpp={lay.vpp}: {_fmt(nearest(okp, pp))}; or give an uneven split, "
-              f"e.g. parallel.pp_layout=[{','.join(map(str, even))}]")
-        else:
-            lay.stage_layers = stage_layers(m.n_layers, [m.n_layers // chunks] * chunks)
+        lay.stage_layers = stage_layers(m.n_layers, [m.n_layers // chunks] * chunks)
     if not lay.stage_layers:
-        # Placeholder so memory/cost stay computable for an invalid plan: an even split.
         base, rem = divmod(m.n_layers, chunks)
         lay.stage_layers = stage_layers(m.n_layers, [base + (1 if i < rem else 0) for i in range(chunks)])
 
-    # --- context parallel
-    if cp > 1:
-        if m.seq_len % (2 * cp):
-            okc = divisors(m.seq_len // 2)
-            e("parallel.cp", f"model.seq_len={m.seq_len} must be divisible by 2·cp = {2 * cp} (zigzag sharding into "
-              f"2·cp chunks); valid cp: {_fmt(nearest(okc, cp))}")
-    if lay.sequence_parallel and (m.seq_len % (cp * tp)):
-        e("model.seq_len", f"with sequence parallel, the tokens per microbatch on a cp rank (model.seq_len/cp = "
-          f"{m.seq_len}/{cp}) must be divisible by parallel.tp={tp}; use seq_len a multiple of {cp * tp}"
-          f"{' and of ' + str(2 * cp) if cp > 1 else ''}, or parallel.sequence_parallel=false")
 
-    # --- experts
+def check_context_parallel(cfg: Config, lay: Layout) -> None:
+    """cp shards the sequence into 2·cp zigzag chunks; with SP each cp rank's tokens split over tp."""
+    m, cp, tp = cfg.model, cfg.parallel.cp, cfg.parallel.tp
+    if cp > 1 and m.seq_len % (2 * cp):
+        okc = divisors(m.seq_len // 2)
+        _error(lay, "parallel.cp", f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp = {2 * cp} "
+               f"(zigzag sharding into 2·cp chunks); valid cp: {_fmt(nearest(okc, cp))}")
+    if lay.sequence_parallel and (m.seq_len % (cp * tp)):
+        _error(lay, "model.seq_len", f"with sequence parallel, the tokens per microbatch on a cp rank "
+               f"(model.seq_len/parallel.cp = {m.seq_len}/{cp}) must be divisible by parallel.tp={tp}; use seq_len a "
+               f"multiple of {cp * tp}{' and of ' + str(2 * cp) if cp > 1 else ''}, or "
+               "parallel.sequence_parallel=false")
+
+
+def check_experts(cfg: Config, lay: Layout) -> None:
+    """Experts split over ep (a grid carved out of dp·cp); top_k and every within the model."""
+    m, ep, dp, cp = cfg.model, cfg.parallel.ep, lay.dp, cfg.parallel.cp
     E = m.moe.num_experts
     if E > 0:
         # (no expert-width rule for tp: experts are replicated over tp, split only by ep)
         if m.moe.top_k > E:
-            e("model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; "
-              f"valid top_k: 1..{E}")
+            _error(lay, "model.moe.top_k", f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={E}; "
+                   f"valid top_k: 1..{E}")
         if E % ep:
-            e("parallel.ep", f"parallel.ep={ep} does not divide model.moe.num_experts={E}; valid ep: "
-              f"{_fmt([d for d in divisors(E) if (dp * cp) % d == 0] or divisors(E))}")
+            _error(lay, "parallel.ep", f"parallel.ep={ep} does not divide model.moe.num_experts={E}; valid ep: "
+                   f"{_fmt([d for d in divisors(E) if (dp * cp) % d == 0] or divisors(E))}")
         if m.moe.every > m.n_layers:
-            e("model.moe.every", f"model.moe.every={m.moe.every} exceeds model.n_layers={m.n_layers}: no layer "
-              f"would be MoE; valid: 1..{m.n_layers}")
+            _error(lay, "model.moe.every", f"model.moe.every={m.moe.every} exceeds model.n_layers={m.n_layers}: no "
+                   f"layer would be MoE; valid: 1..{m.n_layers}")
     elif ep > 1:
-        e("parallel.ep", f"parallel.ep={ep} needs experts: model.moe.num_experts is 0 (dense); use ep=1 or set "
-          f"model.moe.num_experts to a multiple of {ep}")
+        _error(lay, "parallel.ep", f"parallel.ep={ep} needs experts: model.moe.num_experts is 0 (dense); use ep=1 or "
+               f"set model.moe.num_experts to a multiple of {ep}")
     if ep > 1 and (dp * cp) % ep:
-        e("parallel.ep", f"parallel.ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (the expert grid is carved out "
-          f"of the data/context-parallel ranks); valid ep: "
-          f"{_fmt([d for d in divisors(dp * cp) if E == 0 or E % d == 0])}")
+        _error(lay, "parallel.ep", f"parallel.ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (the expert grid is "
+               f"carved out of the data/context-parallel ranks); valid ep: "
+               f"{_fmt([d for d in divisors(dp * cp) if E == 0 or E % d == 0])}")
     if E > 0 and ep > 1 and E % ep == 0 and E // ep == 1:
-        w("parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
-          "all-to-all and the busiest expert sets the pace")
+        _warn(lay, "parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
+              "all-to-all and the busiest expert sets the pace")
 
-    # --- batch and microbatches
+
+def check_batch(cfg: Config, lay: Layout) -> None:
+    """global_batch = micro_batch · dp · m; the pipeline schedules' needs on m."""
+    t, sched, pp, dp = cfg.train, cfg.parallel.schedule, cfg.parallel.pp, lay.dp
     gb, mb = t.global_batch, t.micro_batch
+    lay.microbatches = max(gb // (mb * dp), 1)
     if gb % (mb * dp):
         okmb = divisors(gb // dp) if gb % dp == 0 else []
-        e("train.global_batch", f"train.global_batch={gb} must be divisible by micro_batch·dp = {mb}·{dp} = {mb * dp}; "
-          f"nearest valid global_batch: {_fmt(_multiples_near(gb, mb * dp))}"
-          + (f"; valid micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else ""))
-        lay.microbatches = max(gb // (mb * dp), 1)
-    else:
-        lay.microbatches = gb // (mb * dp)
-    mm = lay.microbatches
+        _error(lay, "train.global_batch", f"train.global_batch={gb} must be divisible by train.micro_batch·dp = "
+               f"{mb}·{dp} = {mb * dp}; nearest valid global_batch: {_fmt(_multiples_near(gb, mb * dp))}"
+               + (f"; valid train.micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else ""))
     if pp > 1:
-        need = 2 * pp if sched == "dualpipev" else pp
-        if mm < need and sched != "gpipe":
-            e("train.global_batch", f"microbatches m = global_batch/(micro_batch·dp) = {gb}/({mb}·{dp}) = {mm} but "
-              f"schedule={sched} needs m >= {'2·pp' if sched == 'dualpipev' else 'pp'} = {need}; use "
-              f"train.global_batch >= {need * mb * dp} or a smaller train.micro_batch")
-        elif mm < pp:
-            w("train.global_batch", f"m = {mm} < pp = {pp}: the pipeline never fills")
-        if sched == "interleaved" and mm % pp:
-            e("train.global_batch", f"schedule=interleaved runs microbatches in groups of pp: m = {mm} must be a "
-              f"multiple of pp={pp}; nearest valid global_batch: "
-              f"{_fmt(_multiples_near(gb, pp * mb * dp))}")
-        if mm < 4 * pp:
-            w("train.global_batch", f"m = {mm} microbatches < 4·pp = {4 * pp}: the pipeline bubble is large; raise "
-              f"train.global_batch or lower train.micro_batch")
-        if sched == "zbv" and mm < 2 * pp:
-            w("train.global_batch", f"zbv is bubble-free only with m >= 2·pp = {2 * pp} (got m = {mm})")
-    return lay
+        _check_microbatches(lay, sched, pp, gb, mb, dp)
+
+
+def _check_microbatches(lay: Layout, sched: str, pp: int, gb: int, mb: int, dp: int) -> None:
+    mm = lay.microbatches
+    need = 2 * pp if sched == "dualpipev" else pp
+    if mm < need and sched != "gpipe":
+        _error(lay, "train.global_batch", f"microbatches m = train.global_batch/(train.micro_batch·dp) = "
+               f"{gb}/({mb}·{dp}) = {mm} but parallel.schedule={sched} needs m >= "
+               f"{'2·pp' if sched == 'dualpipev' else 'pp'} = {need}; use train.global_batch >= {need * mb * dp} "
+               "or a smaller train.micro_batch")
+    elif mm < pp:
+        _warn(lay, "train.global_batch", f"m = {mm} < pp = {pp}: the pipeline never fills")
+    if sched == "interleaved" and mm % pp:
+        _error(lay, "train.global_batch", f"parallel.schedule=interleaved runs microbatches in groups of pp: m = {mm} "
+               f"must be a multiple of parallel.pp={pp}; nearest valid global_batch: "
+               f"{_fmt(_multiples_near(gb, pp * mb * dp))}")
+    if mm < 4 * pp:
+        _warn(lay, "train.global_batch", f"m = {mm} microbatches < 4·pp = {4 * pp}: the pipeline bubble is large; "
+              "raise train.global_batch or lower train.micro_batch")
+    if sched == "zbv" and mm < 2 * pp:
+        _warn(lay, "train.global_batch", f"zbv is bubble-free only with m >= 2·pp = {2 * pp} (got m = {mm})")
