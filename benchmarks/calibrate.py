@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from paralayer.compat import dtensor_local  # noqa: E402
 from paralayer.config import load_config  # noqa: E402
 from paralayer.resolve import planner  # noqa: E402
 from paralayer.resolve.plan import resolve  # noqa: E402
@@ -83,7 +84,7 @@ MATRIX = [
 def _local_bytes(t) -> int:
     if t is None:
         return 0
-    base = t._local_tensor if hasattr(t, "_local_tensor") else t
+    base = dtensor_local(t)
     return int(base.numel() * base.element_size())
 
 
@@ -100,7 +101,7 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
                 for x in (t, getattr(t, "_base", None)):
                     if x is not None and (isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad)):
                         return t
-                base = t._local_tensor if hasattr(t, "_local_tensor") else t
+                base = dtensor_local(t)
                 base.untyped_storage().data_ptr()
             except Exception:  # noqa: BLE001 - no real storage (e.g. a DTensor wrapper's): not counted
                 return t

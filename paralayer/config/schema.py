@@ -16,6 +16,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 # full: whole blocks (every parallel.recompute_every-th layer)
 RECOMPUTE = ("none", "swiglu", "core_attn", "selective", "full")
 PRECISIONS = ("auto", "fp32", "bf16")
+# torch.compile backends for train.compile: inductor generates kernels; aot_eager traces the same
+# graphs (forward and backward) but runs them eagerly: CPU tests check the tracing without codegen
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DATA_FORMATS = ("text", "jsonl", "parquet", "tokens")
 WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
@@ -84,6 +87,7 @@ class TrainConfig:
     global_batch: int = 8
     micro_batch: int = 1
     steps: int = 20
+    tokens: Optional[float] = None  # token budget (e.g. 15.6e12): time and cost to train; None = steps × batch
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 2
@@ -93,11 +97,14 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU
+    compile: bool = False  # torch.compile each transformer block (and the loss without tp)
+    compile_backend: str = "inductor"
     resume: str = "none"  # none | auto | PATH
     stop_at_step: Optional[int] = None
     skip_nonfinite: bool = False
     log_every: int = 1
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    collective_timeout_s: float = 120.0  # process-group timeout: a peer gone this long ends every rank
 
 
 @dataclass
@@ -107,6 +114,7 @@ class DataConfig:
     shuffle: bool = True
     tokenizer: Optional[str] = None  # None = byte-level; else a tokenizers JSON file
     text_field: str = "text"
+    cache_dir: Optional[str] = None  # tokenised/packed corpora; None = ~/.cache/paralayer
 
 
 @dataclass
@@ -137,6 +145,7 @@ class ClusterConfig:
     intra_node_gbps: float = 10.0  # GB/s per device, inside a node
     inter_node_gbps: float = 1.0  # GB/s per device, across nodes
     memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels
+    price_per_device_hour: Optional[float] = None  # cost of a device-hour (any currency): the plan's train_cost
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 

@@ -220,10 +220,9 @@ class MoEFeedForward(nn.Module):
     def _in_backward() -> bool:
         # a forward re-run by activation checkpointing (recompute=full) inside backward: its tokens
         # were already counted by the first forward
-        try:
-            return torch._C._current_graph_task_id() != -1
-        except AttributeError:  # pragma: no cover - older torch
-            return False
+        from paralayer.compat import in_backward
+
+        return in_backward()
 
     @torch.no_grad()
     def _record_stats(self, routed: Tensor, dropped: int) -> None:

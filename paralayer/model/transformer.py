@@ -101,6 +101,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=False)
         self.recompute_act = False
         self.tp_overlap = None  # as Attention.tp_overlap
+        self.act_fn = _swiglu  # compiled in place under train.compile with tp (model/compile.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_overlap is not None:
@@ -108,9 +109,9 @@ class FeedForward(nn.Module):
         else:
             gate, up = self.w1(x), self.w3(x)
         if self.recompute_act:
-            act = checkpoint(_swiglu, gate, up, use_reentrant=False)
+            act = checkpoint(self.act_fn, gate, up, use_reentrant=False)
         else:
-            act = _swiglu(gate, up)
+            act = self.act_fn(gate, up)
         if self.tp_overlap is not None:
             return self.tp_overlap.matmul_scatter(act, self.w2.weight)
         return self.w2(act)

@@ -43,6 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from paralayer.compat import aten_op
+
 __all__ = [
     "RingAttention",
     "RingStats",
@@ -128,10 +130,10 @@ def _block_fwd(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scal
     """Attention of one block. Returns (out in q.dtype, lse fp32 contiguous (b, h, s_q))."""
     sq = q.size(2)
     if backend == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
             q, k, v, 0.0, causal, scale=scale)
     elif backend == "cuda":
-        out, lse, _seed, _off = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, _seed, _off = aten_op("_scaled_dot_product_efficient_attention")(
             q, k, v, None, True, 0.0, causal, scale=scale)
         lse = lse[..., :sq]
     else:
@@ -145,14 +147,14 @@ def _block_bwd(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                lse: Tensor, causal: bool, scale: float):
     """Gradients of one block given the GLOBAL (merged) out and lse of these query rows."""
     if backend == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     elif backend == "cuda":
         sq = q.size(2)
         pad = (-sq) % 32  # the kernel's own lse is padded to a multiple of 32
         lse_p = F.pad(lse, (0, pad)) if pad else lse
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv, _db = aten_op("_scaled_dot_product_efficient_attention_backward")(
             dout, q, k, v, None, out, lse_p.contiguous(), zero, zero, 0.0,
             [True, True, True, False], causal, scale=scale)
     else:

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from paralayer.compat import flatten_mesh
+
 AXES = ("pp", "dp", "cp", "tp")
 
 
@@ -45,7 +47,7 @@ def build_mesh(plan: dict, device_type: str) -> Meshes:
     d = plan["degrees"]
     shape = tuple(int(d[a]) for a in AXES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-    dp_cp = world["dp", "cp"]._flatten("dp_cp")
+    dp_cp = flatten_mesh(world["dp", "cp"], "dp_cp")
     expert = None
     ep = int(d.get("ep", 1))
     if ep > 1:

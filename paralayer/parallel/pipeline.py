@@ -16,9 +16,9 @@ Schedules (all torch's)
     zbv → ScheduleZBVZeroBubble, dualpipev → ScheduleDualPipeV (needs m ≥ 2·pp).
 
 Loss and gradients
-    ``loss_fn(logits, labels)`` returns the MEAN loss of one microbatch. torch's schedules sum the
-    microbatch gradients and divide by m at the end (``scale_grads=True``), so with equal
-    microbatches the gradient is the gradient of the mean over the step's batch; the runner
+    ``loss_fn(logits, labels)`` returns the MEAN loss of one microbatch. Whether the schedule
+    divides the summed microbatch gradients by m (``scale_grads``) is factor 1 of the
+    gradient-scaling contract (paralayer/parallel/grad_scaling.py). The runner
     returns the mean of the m microbatch losses, broadcast over the pp group so EVERY pp rank
     returns the same value (the last chunk lives on rank pp−1, or rank 0 under a V schedule).
 
@@ -311,8 +311,7 @@ class PipelineRunner:
             this weight (gradient only; the returned loss is the LM loss alone).
         measure: record the timeline and compute ``bubble_measured`` every step.
 
-    ``scale_grads=False`` leaves the summed microbatch gradients unscaled (the ZeRO-0/1 reducer,
-    whose buckets start during the last backward, divides by m with the data-parallel mean).
+    ``scale_grads``: see paralayer/parallel/grad_scaling.py (GradScaling.schedule_scales).
     ``reduce_each_microbatch``: for FSDP chunks (ZeRO 2/3), "grads" reduce-scatters every
     microbatch's gradients into the 1/dp shard, "weights" also reshards the weights after each
     backward (ZeRO-3); None keeps torch's one reduction per step. Not for the V schedules.

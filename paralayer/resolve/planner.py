@@ -41,9 +41,10 @@ tp_overlap, pp can win by the tp traffic it saves: docs/planner.md, the 70B exam
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
@@ -70,9 +71,10 @@ from paralayer.resolve.rules import (
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
+from paralayer.resolve.step_time import compute_seconds, time_plan, time_to_train
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
 AXES = ("tp", "pp", "cp", "ep", "dp")
 MAX_VPP = 8
 
@@ -81,9 +83,9 @@ def schedule_options(pp: int, n_layers: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     out = [("gpipe", 1), ("1f1b", 1)]
-    # interleaving: vpp = 2 (any split), and larger vpp where the layers divide evenly
-    out += [("interleaved", v) for v in range(2, MAX_VPP + 1)
-            if pp * v <= n_layers and (v == 2 or n_layers % (pp * v) == 0)]
+    # interleaving: vpp = 2 … MAX_VPP chunks per rank (an uneven split keeps the remainder off the
+    # first and last chunk, as Meta's 405B split 7 + 14·8 + 7)
+    out += [("interleaved", v) for v in range(2, MAX_VPP + 1) if pp * v <= n_layers]
     if 2 * pp <= n_layers:
         out += [("zbv", 2), ("dualpipev", 2)]
     return out
@@ -101,127 +103,260 @@ def axis_spans(tp: int, pp: int, cp: int, dp: int, ep: int, dpn: int) -> dict:
             "ep": where((ep_cp - 1) * tp + (ep_dp - 1) * tp * cp), "dp": where((dp - 1) * tp * cp)}
 
 
-# ------------------------------------------------------------------ the planner
+# ------------------------------------------------------------------ records
+#: The most layout structures (tp, cp, pp, ep, schedule/vpp) one plan evaluates: beyond it the
+#: structures with the highest lower bound on step time are left out and counted in
+#: ``stats["unexplored"]`` (the answer stays under a few seconds for any recipe the bounds allow).
+MAX_STRUCTURES = 3000
 
-def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optional[dict] = None) -> list[dict]:
+
+class Totals(NamedTuple):
+    """Model- and cluster-wide numbers every structure shares (computed once per plan)."""
+
+    wb: int  # bytes per parameter: weights, grads, optimizer
+    gbb: int
+    ob: int
+    ab: int  # bytes per activation element
+    gb: int  # global batch (sequences)
+    seq: int
+    h: int
+    compute: float  # seconds of the step's FLOPs (+ non-matmul kernels) per device
+    rc_frac: dict  # recompute mode -> extra FLOPs / step FLOPs
+    avail: Optional[float]  # bytes a device may fill (capacity - reserve), None = unknown
+
+
+class RankInfo(NamedTuple):
+    """A pipeline rank that can be the most loaded one."""
+
+    rank: int
+    dense: float  # parameters held (after tp sharding)
+    expert: float
+    n_dense: int  # layers held
+    n_moe: int
+    last: bool  # holds the output head
+
+
+class MemPick(NamedTuple):
+    """The most loaded device of a layout: bytes and the pipeline rank."""
+
+    total: int
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+
+@dataclasses.dataclass
+class Structure:
+    """One choice of (tp, cp, pp, dp, ep, schedule, vpp) and what is computed once for it."""
+
+    lay: Layout
+    split: list
+    imbalance: float
+    spans: dict
+    degrees: dict
+    prefix: list  # the overrides that select it
+    bound: float  # a lower bound on any of its layouts' step time
+    per_ax: dict = dataclasses.field(default_factory=dict)  # (overlap, recompute) -> {axis: (fixed, per m)}
+
+    @property
+    def pp_layout(self) -> Optional[list]:
+        return self.split if (self.lay.pp > 1 and len(set(self.split)) > 1) else None
+
+
+class Candidate(NamedTuple):
+    """One listed layout before it becomes the output dict (``_materialise``)."""
+
+    step: float
+    key: int  # index of its Structure
+    zero: int
+    mb: int
+    mm: int
+    recompute: str
+    mem: MemPick
+    fixed: float  # tp + pp + cp + ep seconds: the part independent of m (tp_overlap's included)
+    per_m: float  # ... and per microbatch
+    t_dp: float
+    dp_exposed: float
+    bubble: float
+    recomp: float
+    bubble_s: float
+    imb_s: float
+    ovh: float
+    overlap: bool
+    t_tp: float
+
+
+# ------------------------------------------------------------------ the planner
+def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optional[dict] = None,
+                 top: Optional[int] = None, fixed: Optional[dict] = None) -> list[dict]:
     """Every valid layout that fits, best (lowest predicted step time) first.
 
     Each is a dict: ``degrees``, ``schedule``, ``zero``, ``recompute``, ``micro_batch``,
     ``microbatches``, ``pp_layout``, predictions (``step_time_s``, ``tokens_per_s``, ``mfu``,
     ``bubble``, ``memory`` {params, grads, optimizer, activations, total, capacity, stage},
-    ``comm_time_s`` per axis, ``spans``, and the step's parts). ``stats`` (a dict) receives
-    ``considered``, ``dropped`` {reason: count}, ``machine``, ``listed`` and ``seconds`` (CPU)."""
+    ``comm_time_s`` per axis, ``spans``, the step's parts, and the time to train). ``top``: only
+    the best ``top`` (structures whose lower bound cannot reach them are skipped). ``fixed``:
+    {tp, pp, vpp, cp, ep, dp, schedule, zero, recompute, micro_batch: value} narrows the search.
+    ``stats`` (a dict) receives ``considered``, ``dropped`` {reason: count}, ``machine``,
+    ``listed`` (layouts that fit), ``unexplored`` (structures left out) and ``seconds`` (CPU)."""
     t0 = time.process_time()
-    m_ = cfg.model
+    fixed = dict(fixed or {})
     mach = machine_for(cfg, calibration)
-    world, dpn = mach.world, mach.devices_per_node
-    device = resolve_device(cfg)
-    precision = resolve_precision(cfg, device)
-    wb, gbb, ob = BYTES_PER_PARAM[precision]
-    ab = ACT_BYTES[precision]
-    gb = cfg.train.global_batch
-    seq, h, L = m_.seq_len, m_.d_model, m_.n_layers
-    E = m_.moe.num_experts
-    fpt = cost_mod.flops_per_token(cfg)
-    flops_step = fpt * gb * seq
-    compute = flops_step / (world * mach.peak_tflops * 1e12 * mach.efficiency)
-    rc_frac = {"none": 0.0, "selective": 4.0 * L * h * seq / fpt, "full": 1.0 / 3.0}
-    avail = None if mach.capacity is None else mach.capacity - mach.reserve
-    sp_setting = cfg.parallel.sequence_parallel
-    work, head = layer_work(cfg)
-    moe_flags = [mem_mod.is_moe_layer(cfg, i) for i in range(L)]
+    tot = _totals(cfg, mach)
     dropped: dict[str, int] = {}
-    considered = 0
-    split_cache: dict = {}
-    structs: list = []
-    recs: list = []
 
     def drop(reason: str, n: int = 1) -> None:
         dropped[reason] = dropped.get(reason, 0) + n
 
-    act_cache: dict = {}
-    for tp in valid_tp(cfg, world):
-        if world % tp:
-            continue
+    structs = _structures(cfg, mach, tot, fixed, drop)
+    structs.sort(key=lambda st: st.bound)
+    unexplored = max(0, len(structs) - MAX_STRUCTURES)
+    structs = structs[:MAX_STRUCTURES]
+    recs: list[Candidate] = []
+    ctx = _Context(cfg, mach, tot, fixed, drop, {})
+    considered = 0
+    best: list[float] = []  # max-heap (negated) of the best ``top`` step times so far
+    for key, st in enumerate(structs):
+        if top and len(best) >= top and st.bound > -best[0]:
+            unexplored += len(structs) - key  # sorted by bound: none of the rest can reach the top
+            break
+        considered += 1
+        n0 = len(recs)
+        _plan_structure(ctx, key, st, recs)
+        if top:
+            for t in recs[n0:]:
+                if len(best) < top:
+                    heapq.heappush(best, -t.step)
+                elif t.step < -best[0]:
+                    heapq.heapreplace(best, -t.step)
+    recs.sort(key=lambda t: (t.step, t.mem.total))
+    shown = recs[:top] if top else recs
+    out = [_materialise(cfg, t, structs, mach, i + 1) for i, t in enumerate(shown)]
+    if stats is not None:
+        stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
+                     seconds=time.process_time() - t0, listed=len(recs), unexplored=unexplored,
+                     fixed=fixed)
+    return out
+
+
+def _totals(cfg: Config, mach: Machine) -> Totals:
+    m_ = cfg.model
+    device = resolve_device(cfg)
+    precision = resolve_precision(cfg, device)
+    wb, gbb, ob = BYTES_PER_PARAM[precision]
+    gb, seq, h, L = cfg.train.global_batch, m_.seq_len, m_.d_model, m_.n_layers
+    fpt = cost_mod.flops_per_token(cfg)
+    compute = compute_seconds(fpt * gb * seq, gb * seq, cfg, mach)
+    rc_frac = {mode: cost_mod.recompute_fraction(cfg, mode, 1, fpt) for mode in RECOMPUTES}
+    avail = None if mach.capacity is None else mach.capacity - mach.reserve
+    return Totals(wb, gbb, ob, ACT_BYTES[precision], gb, seq, h, compute, rc_frac, avail)
+
+
+def _allowed(fixed: dict, name: str, values: list) -> list:
+    """``values`` narrowed by ``fixed[name]``: one value, or a list/tuple/set of the allowed ones."""
+    if name not in fixed:
+        return list(values)
+    want = fixed[name]
+    ok = set(want) if isinstance(want, (list, tuple, set, frozenset)) else {want}
+    return [v for v in values if v in ok]
+
+
+def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> list[Structure]:
+    """Every (tp, cp, pp, dp, ep, schedule, vpp) that passes the divisibility rules, with its
+    pipeline split and a lower bound on its step time (compute × imbalance × (1 + least bubble))."""
+    m_ = cfg.model
+    world, dpn, L = mach.world, mach.devices_per_node, m_.n_layers
+    device = resolve_device(cfg)
+    precision = resolve_precision(cfg, device)
+    sp_setting = cfg.parallel.sequence_parallel
+    work, head = layer_work(cfg)
+    E = m_.moe.num_experts
+    split_cache: dict = {}
+    out: list[Structure] = []
+    for tp in _allowed(fixed, "tp", [t for t in valid_tp(cfg, world) if world % t == 0]):
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
         padded = int(math.ceil(m_.vocab_size / tp) * tp)
-        for cp in divisors(world // tp):
-            if cp > 1 and seq % (2 * cp):
+        for cp in _allowed(fixed, "cp", divisors(world // tp)):
+            if cp > 1 and tot.seq % (2 * cp):
                 continue
-            if sp and seq % (cp * tp):
+            if sp and tot.seq % (cp * tp):
                 drop("sequence parallel: seq_len/cp not divisible by tp")
                 continue
-            for pp in divisors(world // (tp * cp)):
-                if pp > L:
-                    continue
+            for pp in _allowed(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= L]):
                 dp = world // (tp * cp * pp)
-                if gb % dp:
+                if "dp" in fixed and dp != fixed["dp"]:
+                    continue
+                if tot.gb % dp:
                     drop("global_batch not divisible by dp")
                     continue
                 eps = [1] if E == 0 else [e for e in divisors(E) if (dp * cp) % e == 0]
-                for ep in eps:
+                for ep in _allowed(fixed, "ep", eps):
                     for schedule, vpp in schedule_options(pp, L):
+                        if not (_allowed(fixed, "schedule", [schedule]) and _allowed(fixed, "vpp", [vpp])):
+                            continue
                         skey = (pp, vpp, schedule in V_SCHEDULES)
                         if skey not in split_cache:
                             split_cache[skey] = best_split(cfg, work, head, pp, vpp, schedule)
-                        sp_res = split_cache[skey]
-                        if sp_res is None:
+                        if split_cache[skey] is None:
                             drop("more pipeline chunks than layers")
                             continue
-                        split, imbalance = sp_res
+                        split, imbalance = split_cache[skey]
                         lay = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, world=world, nodes=mach.nodes,
                                      devices_per_node=dpn, schedule=schedule, sequence_parallel=sp,
                                      padded_vocab=padded, device=device, precision=precision,
                                      stage_layers=make_stage_layers(L, split))
-                        key = len(structs)
-                        structs.append((lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
-                                        {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
-                                        split if (pp > 1 and len(set(split)) > 1) else None, {},
-                                        _override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split)))
-                        considered += 1
-                        _plan_structure(cfg, key, structs[key], mach, recs, drop, act_cache, moe_flags, dict(
-                            wb=wb, gbb=gbb, ob=ob, ab=ab, gb=gb, seq=seq, h=h, compute=compute,
-                            rc_frac=rc_frac, avail=avail))
-    recs.sort(key=lambda t: (t[0], t[6][0]))
-    out = [_materialise(t, structs, mach, flops_step, gb * seq, i + 1) for i, t in enumerate(recs)]
-    if stats is not None:
-        stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
-                     seconds=time.process_time() - t0, listed=len(out))
+                        least_bubble = cost_mod.bubble_fraction(schedule, pp, tot.gb // dp, vpp)
+                        out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
+                                             {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
+                                             _override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
+                                             tot.compute * imbalance * (1 + least_bubble)))
     return out
 
 
-def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: list, drop, act_cache: dict,
-                    moe_flags: list, k: dict) -> None:
-    lay, split, imbalance, spans = struct[:4]
-    tp, pp, cp, ep, dp, vpp, schedule = lay.tp, lay.pp, lay.cp, lay.ep, lay.dp, lay.vpp, lay.schedule
-    wb, gbb, ob, ab, gb, seq, h = k["wb"], k["gbb"], k["ob"], k["ab"], k["gb"], k["seq"], k["h"]
-    avail, compute, rc_frac = k["avail"], k["compute"], k["rc_frac"]
-    d_dense = dp * cp
-    d_exp = max(d_dense // max(ep, 1), 1)
+class _Context(NamedTuple):
+    cfg: Config
+    mach: Machine
+    tot: Totals
+    fixed: dict
+    drop: Any
+    act_cache: dict  # (tp, sp, cp > 1, overlap) -> act_elems_per_token table
 
-    # the ranks that can be the most loaded: first, second, second to last, last
+
+def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
+    """The ranks that can be the most loaded: first, second, second to last, last."""
+    pp, schedule = lay.pp, lay.schedule
     ranks = []
     for r in sorted({0, 1, pp - 2, pp - 1} & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
         layers = [i for c in chunks for i in lay.stage_layers[c]]
-        n_moe = sum(1 for i in layers if moe_flags[i])
-        ranks.append((r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks))
+        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks))
+    return ranks
 
-    # Communication per step: the resolver's own cost.comm volumes, timed by comm_seconds. Every
-    # term is affine in the number of microbatches m (bytes of tp/pp/cp/ep do not depend on the
-    # micro-batch: tokens per microbatch × m is fixed; counts scale with m; ZeRO-3 gathers per
-    # microbatch), so two evaluations (m1, m2) per recompute mode / zero stage give the line.
-    # tp_overlap's exposed tp time is not affine in m (a ring step costs the longer of a chunk's
-    # GEMM and its transfer): it is computed per micro-batch size, from cost.tp_ring_flops.
+
+def _overlaps(lay: Layout, mach: Machine) -> tuple:
+    """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V)."""
+    ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0
+    return (False, True) if ok else (False,)
+
+
+def _comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tuple) -> dict:
+    """Communication per step as lines in the microbatch count m, from the resolver's own
+    ``cost.comm`` at two values of m per (recompute, zero): every axis's time is affine in m (bytes
+    of tp/pp/cp/ep are fixed by the step's tokens, counts scale with m, ZeRO-3 gathers per
+    microbatch). Fills ``st.per_ax``; returns {zero: (dp line, grad reduce-scatter line)}.
+    tp_overlap's exposed tp time is not affine in m: it is computed per micro-batch size later."""
+    lay, spans = st.lay, st.spans
+    dp = lay.dp
     m1 = gb // dp  # micro_batch 1
     mb2 = next((q for q in divisors(gb // dp) if q > 1), 1)
     m2 = gb // (dp * mb2)
-    overlaps = (False, True) if (tp > 1 and lay.sequence_parallel and schedule not in V_SCHEDULES
-                                 and mach.tp_overlap > 0) else (False,)
-    per_ax: dict = {}  # (overlap, recompute) -> {axis: (fixed seconds, seconds per microbatch)}
-    dp_line = {}  # zero -> (fixed, per microbatch) of all dp traffic, and of the grad reduce-scatter
-    for recompute, zero_ in (("none", 0), ("selective", 1), ("full", 2), ("full", 3)):
+    dp_line = {}
+    for recompute, zero_ in (("none", 0), ("swiglu", 0), ("core_attn", 1), ("selective", 1), ("full", 2),
+                             ("full", 3)):
         pts = []
         for mb_, mm_ in ((1, m1), (mb2, m2)):
             lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero_
@@ -229,99 +364,148 @@ def _plan_structure(cfg: Config, key: int, struct: tuple, mach: Machine, recs: l
             t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
             t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
             pts.append((mm_, t))
-        if (False, recompute) not in per_ax:
-            per_ax[(False, recompute)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
-            if True in overlaps:  # pp, cp, ep as without; tp per micro-batch size below
-                per_ax[(True, recompute)] = {ax: per_ax[(False, recompute)][ax] for ax in ("pp", "cp", "ep")}
+        if (False, recompute) not in st.per_ax:
+            st.per_ax[(False, recompute)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+            if True in overlaps:  # pp, cp, ep as without; tp per micro-batch size
+                st.per_ax[(True, recompute)] = {ax: st.per_ax[(False, recompute)][ax] for ax in ("pp", "cp", "ep")}
         dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
-    lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in per_ax.items()}
-    struct[6].update(per_ax)
-    work = compute * imbalance
-    imb_s = compute * (imbalance - 1)
-    ovh_per_m = max(mach.layer_overhead(rk[3], rk[4], tp) for rk in ranks)
-    r0 = ranks[0]  # cost.comm's rank: the first pipeline rank
-    full_ring_flops = {rc: cost_mod.tp_ring_flops(cfg, tp, rc) for rc in RECOMPUTES}
-    tp_cache: dict = {}
+    return dp_line
 
-    acts = {}  # overlap -> the act_elems_per_token table (saved gathered inputs differ)
+
+def _act_tables(ctx: _Context, lay: Layout, overlaps: tuple) -> dict:
+    """overlap -> {recompute: saved elements per token (dense layer, MoE layer)}; shared by the
+    structures with the same keys act_elems_per_token depends on."""
+    acts = {}
     for overlap in overlaps:
         lay.tp_overlap = overlap
-        akey = (tp, lay.sequence_parallel, cp > 1, overlap)  # the keys act_elems_per_token depends on
-        if akey not in act_cache:
-            act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
-                                      mem_mod.act_elems_per_token(cfg, lay, True, mode)) for mode in RECOMPUTES}
-        acts[overlap] = act_cache[akey]
+        akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap)
+        if akey not in ctx.act_cache:
+            ctx.act_cache[akey] = {mode: (mem_mod.act_elems_per_token(ctx.cfg, lay, False, mode),
+                                          mem_mod.act_elems_per_token(ctx.cfg, lay, True, mode))
+                                   for mode in RECOMPUTES}
+        acts[overlap] = ctx.act_cache[akey]
     lay.tp_overlap = False
-    n_var = len(overlaps)  # every drop below drops each tp_overlap variant
-    for zero in range(4):
-        states = []
-        for rk in ranks:
-            dense, expert = rk[1], rk[2]
-            pa, gr, op = (int(x) for x in
-                          mem_mod.state_bytes(dense, expert, d_dense, d_exp, zero, pp, (wb, gbb, ob)))
-            states.append((pa, gr, op, pa + gr + op))
-        mbs = divisors(gb // dp)
-        if avail is not None and min(s[3] for s in states) > avail:
-            drop("memory: model states alone exceed the device", 3 * len(mbs) * n_var)
+    return acts
+
+
+def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
+    """Why a schedule cannot run m microbatches on pp stages (None: it can)."""
+    if pp == 1:
+        return None
+    need = 2 * pp if schedule == "dualpipev" else pp
+    if mm < need and schedule != "gpipe":
+        return f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})"
+    if schedule == "interleaved" and mm % pp:
+        return "interleaved: m not a multiple of pp"
+    return None
+
+
+def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int) -> list[tuple]:
+    """Per candidate rank: (microbatches in flight, the logits and final norm bytes if it is last)."""
+    pp, schedule = lay.pp, lay.schedule
+    out = []
+    for rk in ranks:
+        extra = 0.0
+        if rk.last:
+            lif = mm if (schedule == "gpipe" and pp > 1) else 1
+            extra = 4 * tokens * lay.padded_vocab / lay.tp * lif + mem_mod.head_saved_elems(lay, h) * tokens * ab
+        out.append((mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank), extra))
+    return out
+
+
+def _peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
+                 recompute: str, tab: float) -> MemPick:
+    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
+    ed, em = act[recompute]
+    nd_none, nm_none = act["none"]
+    best: Optional[MemPick] = None
+    for rk, st, (inf, extra) in zip(ranks, states, flight):
+        a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
+        if recompute == "full" and (rk.n_dense + rk.n_moe):
+            a += max(nd_none if rk.n_dense else 0, nm_none if rk.n_moe else 0) * tab
+        a = int(a)
+        if best is None or st[3] + a > best.total:
+            best = MemPick(st[3] + a, rk.rank, st[0], st[1], st[2], a)
+    assert best is not None
+    return best
+
+
+def _state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals) -> list[tuple]:
+    """(params, grads, optimizer, total) bytes of each candidate rank under a ZeRO stage."""
+    d_dense = lay.dp * lay.cp
+    d_exp = max(d_dense // max(lay.ep, 1), 1)
+    out = []
+    for rk in ranks:
+        pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
+                                                          lay.precision, lay.schedule))
+        out.append((pa, gr, op, pa + gr + op))
+    return out
+
+
+def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
+    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed."""
+    cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
+    lay = st.lay
+    ranks = _candidate_ranks(cfg, lay)
+    overlaps = _overlaps(lay, mach)
+    if "tp_overlap" in ctx.fixed:
+        overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
+    dp_line = _comm_lines(cfg, st, mach, tot.gb, overlaps)
+    lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
+    work = tot.compute * st.imbalance
+    ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
+    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc) for rc in RECOMPUTES} if True in overlaps else {}
+    acts = _act_tables(ctx, lay, overlaps)
+    recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
+    mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
+    n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
+    tp_cache: dict = {}
+    for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
+        states = _state_table(ranks, lay, zero, tot)
+        if tot.avail is not None and min(s[3] for s in states) > tot.avail:
+            drop("memory: model states alone exceed the device", len(mbs) * n_var)
             continue
         for mb in mbs:
-            mm = gb // (mb * dp)
-            if pp > 1:
-                need = 2 * pp if schedule == "dualpipev" else pp
-                if mm < need and schedule != "gpipe":
-                    drop(f"microbatches m < {'2·pp' if schedule == 'dualpipev' else 'pp'} ({schedule})", 3 * n_var)
-                    continue
-                if schedule == "interleaved" and mm % pp:
-                    drop("interleaved: m not a multiple of pp", 3 * n_var)
-                    continue
-            tokens = mb * seq / cp
-            tab = tokens * ab
-            bubble = cost_mod.bubble_fraction(schedule, pp, mm, vpp)
+            mm = tot.gb // (mb * lay.dp)
+            why = _microbatch_refusal(lay.pp, mm, lay.schedule)
+            if why:
+                drop(why, n_var)
+                continue
+            tokens = mb * tot.seq / lay.cp
+            bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            # per candidate rank: (in flight, logits and final norm if last)
-            fl = []
-            for (r, _d, _e, _nd, _nm, last) in ranks:
-                extra = 0.0
-                if last:
-                    lif = mm if (schedule == "gpipe" and pp > 1) else 1
-                    extra = (4 * tokens * lay.padded_vocab / tp * lif
-                             + mem_mod.head_saved_elems(lay, h) * tokens * ab)
-                fl.append((mem_mod.in_flight_count(pp, mm, schedule, vpp, r), extra))
+            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h)
             for overlap in overlaps:
-                act = acts[overlap]
-                nd_none, nm_none = act["none"]
-                for recompute in RECOMPUTES:
-                    ed, em = act[recompute]
-                    full = recompute == "full"
-                    best = None
-                    for (r, _d, _e, n_dense, n_moe, _last), st, (inf, extra) in zip(ranks, states, fl):
-                        a = inf * (n_dense * ed + n_moe * em) * tab + extra
-                        if full and (n_dense + n_moe):
-                            a += max(nd_none if n_dense else 0, nm_none if n_moe else 0) * tab
-                        a = int(a)
-                        tot = st[3] + a
-                        if best is None or tot > best[0]:
-                            best = (tot, r, st[0], st[1], st[2], a)
-                    if avail is not None and best[0] > avail:
+                for recompute in recomputes:
+                    mem = _peak_memory(ranks, states, flight, acts[overlap], recompute, tokens * tot.ab)
+                    if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
-                    fixed, per_m = lin[(overlap, recompute)]
                     t_tp = 0.0
                     if overlap:  # does not depend on zero: once per (micro-batch, recompute)
-                        t_tp = tp_cache.get((mb, recompute))
-                        if t_tp is None:
-                            t_tp = tp_cache[(mb, recompute)] = tp_overlap_seconds(
-                                full_ring_flops[recompute], r0[3], r0[4], tokens, mm, tp, h, ab, full, mach,
-                                spans["tp"])
-                    recomp = work * rc_frac[recompute]
-                    ovh = ovh_per_m * mm
-                    inner = work + recomp + fixed + per_m * mm + t_tp + ovh
-                    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, pp, work + recomp, mm, mach)
-                    recs.append((inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, best,
-                                 (fixed + t_tp, per_m, t_dp), dp_exposed, bubble, recomp, inner * bubble, imb_s, ovh,
-                                 overlap, t_tp))
+                        if (mb, recompute) not in tp_cache:
+                            tp_cache[(mb, recompute)] = tp_overlap_seconds(
+                                ring_flops[recompute], ranks[0].n_dense, ranks[0].n_moe, tokens, mm, lay.tp,
+                                tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
+                        t_tp = tp_cache[(mb, recompute)]
+                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute)], t_tp,
+                                       (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
+
+
+def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
+           line: tuple, t_tp: float, dp: tuple, bubble: float, work: float, ovh_per_m: float, overlap: bool,
+           tot: Totals, mach: Machine) -> Candidate:
+    """The step time of one layout from its parts (the formula in the module docstring)."""
+    fixed, per_m = line
+    t_dp, t_red = dp
+    recomp = work * tot.rc_frac[recompute]
+    ovh = ovh_per_m * mm
+    inner = work + recomp + fixed + per_m * mm + t_tp + ovh
+    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
+    return Candidate(inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
+                     dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp)
 
 
 def _line(pts: list, ax: str) -> tuple[float, float]:
@@ -333,48 +517,49 @@ def _line(pts: list, ax: str) -> tuple[float, float]:
     return (ta[ax] - slope * ma, slope)
 
 
-def _materialise(t: tuple, structs: list, mach: Machine, flops_step: float, tokens: int, rank: int,
-                 cfg: Optional[Config] = None) -> dict:
-    (step, key, zero, mb, mm, recompute, best, (fixed, per_m, t_dp), dp_exposed, bubble, recomp, bubble_s, imb_s, ovh,
-     overlap, t_tp) = t
-    lay, split, imbalance, spans, degrees, pp_layout, per_ax, prefix = structs[key]
-    tot, r, pa, gr, op, a = best
-    ax = per_ax[(overlap, recompute)]
-    ct = {"tp": t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t_dp}  # tp_overlap: the exposed share
-    for name, (f_, p_) in ax.items():
-        ct[name] = f_ + p_ * mm
-    return {
+def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, rank: int) -> dict:
+    st = structs[t.key]
+    lay = st.lay
+    flops_step = cost_mod.flops_per_token(cfg) * cfg.train.global_batch * cfg.model.seq_len
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
+    for name, (f_, p_) in st.per_ax[(t.overlap, t.recompute)].items():
+        ct[name] = f_ + p_ * t.mm
+    m = t.mem
+    out = {
         "rank": rank,
-        "degrees": degrees,
+        "degrees": dict(st.degrees),
         "schedule": lay.schedule,
-        "zero": zero,
-        "recompute": recompute,
-        "micro_batch": mb,
-        "microbatches": mm,
+        "zero": t.zero,
+        "recompute": t.recompute,
+        "micro_batch": t.mb,
+        "microbatches": t.mm,
         "sequence_parallel": lay.sequence_parallel,
-        "tp_overlap": overlap,
-        "pp_layout": pp_layout,
+        "tp_overlap": t.overlap,
+        "pp_layout": st.pp_layout,
         "world_size": mach.world,
-        "step_time_s": step,
-        "tokens_per_s": tokens / step,
-        "mfu": flops_step / (step * mach.world * mach.peak_tflops * 1e12),
-        "bubble": bubble,
-        "compute_s": flops_step / (mach.world * mach.peak_tflops * 1e12 * mach.efficiency),
-        "imbalance": imbalance,
-        "imbalance_s": imb_s,
-        "recompute_s": recomp,
-        "overhead_s": ovh,
-        "bubble_s": bubble_s,
-        "comm_s": fixed + per_m * mm,  # tp + pp + cp + ep, on the critical path
-        "dp_comm_s": t_dp,
-        "dp_exposed_s": dp_exposed,
+        "step_time_s": t.step,
+        "tokens_per_s": tokens / t.step,
+        "mfu": flops_step / (t.step * mach.world * mach.peak_tflops * 1e12),
+        "bubble": t.bubble,
+        "compute_s": compute_seconds(flops_step, tokens, cfg, mach),
+        "imbalance": st.imbalance,
+        "imbalance_s": t.imb_s,
+        "recompute_s": t.recomp,
+        "overhead_s": t.ovh,
+        "bubble_s": t.bubble_s,
+        "comm_s": t.fixed + t.per_m * t.mm,  # tp + pp + cp + ep, on the critical path
+        "dp_comm_s": t.t_dp,
+        "dp_exposed_s": t.dp_exposed,
         "comm_time_s": ct,
-        "spans": spans,
-        "memory": {"params": pa, "grads": gr, "optimizer": op, "activations": a, "total": tot,
-                   "capacity": mach.capacity, "stage": r},
-        "overrides": prefix + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", f"train.micro_batch={mb}"]
-        + (["parallel.tp_overlap=true"] if overlap else []),
+        "spans": st.spans,
+        "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+                   "total": m.total, "capacity": mach.capacity, "stage": m.rank},
+        "overrides": st.prefix + [f"parallel.zero={t.zero}", f"parallel.recompute={t.recompute}",
+                                  f"train.micro_batch={t.mb}"] + (["parallel.tp_overlap=true"] if t.overlap else []),
     }
+    out.update(time_to_train(cfg, t.step, tokens, mach.world))
+    return out
 
 
 def _override_prefix(tp: int, pp: int, vpp: int, cp: int, ep: int, dp: int, schedule: str, split: list) -> list[str]:
@@ -397,51 +582,14 @@ def config_for(cfg: Config, d: dict) -> Config:
 
 def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     """The cost model's prediction for the config's own layout (for calibration): memory from
-    ``resolve()`` (the same numbers the planner mirrors), time from the same terms as the ranking.
-    Raises ValueError if the layout is not valid."""
+    ``resolve()`` (the same numbers the planner mirrors), time from the same terms as the ranking
+    (``paralayer.resolve.step_time``). Raises ValueError if the layout is not valid."""
     from paralayer.resolve.plan import resolve
 
     plan = resolve(cfg)
     if plan.errors:
         raise ValueError(f"invalid layout: {plan.errors}")
-    g = plan.degrees
-    mach = machine_for(cfg, calibration)
-    work, head = layer_work(cfg)
-    split = [len(s) for s in plan.stage_layers]
-    rw = rank_work(work, head, split, g["pp"], plan.schedule)
-    imbalance = g["pp"] * max(rw) / (sum(work) + head)
-    L, h, seq = cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len
-    fpt = plan.flops_per_token
-    compute = plan.flops_per_step / (mach.world * mach.peak_tflops * 1e12 * mach.efficiency)
-    rc = {"none": 0.0, "selective": 4.0 * L * h * seq / fpt, "full": 1.0 / 3.0}[plan.recompute]
-    t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
-    work_s = compute * imbalance
-    recomp = work_s * rc
-    mm = plan.microbatches
-    ovh = 0.0
-    layer_kinds = []  # (dense, MoE) layers per pipeline rank
-    for r in range(g["pp"]):
-        layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
-                  for i in plan.stage_layers[c]]
-        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        layer_kinds.append((len(layers) - n_moe, n_moe))
-        ovh = max(ovh, mach.layer_overhead(len(layers) - n_moe, n_moe, g["tp"]) * mm)
-    if plan.tp_overlap:
-        t_ax["tp"] = tp_overlap_seconds(cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute), *layer_kinds[0],
-                                        plan.micro_batch * seq / g["cp"], mm, g["tp"], h, ACT_BYTES[plan.precision],
-                                        plan.recompute == "full", mach, plan.spans["tp"])
-    inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
-    dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
-                                    plan.zero, g["pp"], work_s + recomp, mm, mach)
-    step = inner * (1 + plan.bubble_fraction) + dp_exposed
-    return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
-            "tp_overlap": plan.tp_overlap,
-            "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
-            "compute_s": compute, "imbalance": imbalance, "recompute_s": recomp, "overhead_s": ovh,
-            "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
-            "dp_exposed_s": dp_exposed, "memory": dict(plan.memory_per_device_bytes),
-            "tokens_per_s": plan.tokens_per_step / step,
-            "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
+    return time_plan(cfg, plan, machine_for(cfg, calibration))
 
 
 __all__ = ["plan_layouts", "predict", "config_for", "machine_for", "Machine", "LOCAL_CALIBRATION",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from paralayer.compat import dtensor_local
+
 
 class ActivationMemory:
     """Live bytes of tensors saved for backward (``saved_tensors_hooks``), and their peak.
@@ -29,7 +31,7 @@ class ActivationMemory:
         self._ctx = None
 
     def _pack(self, t):
-        base = t._local_tensor if hasattr(t, "_local_tensor") else t
+        base = dtensor_local(t)
         try:
             st = base.untyped_storage()
         except Exception:  # noqa: BLE001 - e.g. sparse / meta: not counted

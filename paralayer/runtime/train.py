@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,6 @@ from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import optimizer, precision
 from paralayer.runtime.preempt import Preempted, PreemptSave
 
-PG_TIMEOUT_S = float(os.environ.get("PARALAYER_PG_TIMEOUT_S", "120"))
-
 
 class NonFiniteLoss(RuntimeError):
     pass
@@ -44,8 +42,12 @@ class NonFiniteLoss(RuntimeError):
 
 # ------------------------------------------------------------------ building
 def resolve_device(plan: Plan) -> torch.device:
-    """The plan's device: CUDA (this rank's LOCAL_RANK GPU, set by the launcher) or CPU."""
-    if plan.device == "cuda" and torch.cuda.is_available():
+    """The plan's device: CUDA (this rank's LOCAL_RANK GPU, set by the launcher) or CPU. A cuda plan
+    where no CUDA device is visible is an error naming the rank, never a silent CPU run."""
+    if plan.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"rank {os.environ.get('RANK', '?')}: the plan runs on cuda but no CUDA device is "
+                               "visible to this process; nothing was trained on CPU")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -103,7 +105,7 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
                     apply_expert_parallel(layer.feed_forward, meshes["ep"].get_group())
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every)
         if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
-            compile_blocks(chunk, cfg.train.compile_backend)
+            compile_blocks(chunk, cfg.train.compile_backend, tp=tp, cp=cp)
     expert_names: set[str] = set()
     if cfg.model.moe.num_experts > 0 and ep > 1:  # ep=1: experts are ordinary data-parallel weights
         from paralayer.parallel.expert import is_expert_param
@@ -201,7 +203,7 @@ def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: i
 class StepHooks:
     """Where a test reaches into a step; the production loop runs these no-ops.
 
-    tests/fault_hook installs a subclass that kills, raises or poisons the loss at a chosen rank
+    tests/fault_hook.py installs a subclass that kills, raises or poisons the loss at a chosen rank
     and step (the failure paths: a dying rank, a non-finite loss)."""
 
     def before_forward(self, rank: int, step: int) -> None:
@@ -210,29 +212,6 @@ class StepHooks:
     def local_loss(self, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss, before it is averaged over the data ranks."""
         return loss
-
-
-class _EnvFault(StepHooks):
-    """PARALAYER_FAULT=raise|kill|nan:RANK:STEP (moving to a test-installed hook)."""
-
-    def _hit(self, rank: int, step: int) -> Optional[str]:
-        spec = os.environ.get("PARALAYER_FAULT")
-        if not spec:
-            return None
-        kind, r, s = spec.split(":")
-        return kind if (int(r) == rank and int(s) == step) else None
-
-    def before_forward(self, rank: int, step: int) -> None:
-        kind = self._hit(rank, step)
-        when = f"at unix time {time.time():.3f}"
-        if kind == "kill":
-            print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), 9)
-        if kind == "raise":
-            raise RuntimeError(f"injected fault on rank {rank} at step {step} {when}")
-
-    def local_loss(self, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if self._hit(rank, step) == "nan" else loss
 
 
 @dataclass
@@ -289,7 +268,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   tied_group=build_tied_group(cfg, plan, meshes),
                   autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
-                  hooks=hooks or _EnvFault())
+                  hooks=hooks or StepHooks())
     run.dataset = build_data(cfg)
     run.runner = build_runner(run)
     run.peak_tflops, run.peak_source = agree_peak_tflops(cfg, device)
@@ -322,10 +301,10 @@ def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
 
 
 def build_data(cfg: Config):
-    """The packed token dataset the recipe names (cached under ~/.cache/paralayer)."""
+    """The packed token dataset the recipe names (cached in data.cache_dir, default ~/.cache/paralayer)."""
     from paralayer.data import loading as data_mod
 
-    cache_dir = os.environ.get("PARALAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
+    cache_dir = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
     return data_mod.build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
                                   global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
 
@@ -364,7 +343,7 @@ def agree_peak_tflops(cfg: Config, device: torch.device) -> tuple[Optional[float
 # ------------------------------------------------------------------ resume and logging
 def resume(run: RankRun) -> int:
     """Load ``train.resume`` (auto: the newest good checkpoint, a path, or none); the first step to run."""
-    resume_from = os.environ.get("PARALAYER_RESUME") or run.cfg.train.resume
+    resume_from = run.cfg.train.resume
     if resume_from == "none" or run.ckpt_dir is None:
         return 1
     from paralayer.checkpoint import dcp as ckpt
@@ -552,8 +531,7 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
         saved = save_if_due(run, step, stop)
         stop_if_signalled(run, preempt, step, stop, saved, logger)
     preempt.restore()
-    timeline = cfg.logging.timeline or os.environ.get("PARALAYER_TIMELINE")
-    if run.runner is not None and run_dir is not None and timeline:
+    if run.runner is not None and run_dir is not None and cfg.logging.timeline:
         _write_timeline(run.runner, run.meshes, run_dir)
     if logger is not None:
         logger.close()
@@ -588,28 +566,45 @@ def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:
 
 
 # ------------------------------------------------------------------ entry point
-def init_distributed(device_type: str) -> None:
+def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
+    """The process group from the launcher's RANK/WORLD_SIZE/MASTER_* (torch's env:// init)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo") if os.environ.get("MASTER_ADDR", "127.0.0.1") in (
             "127.0.0.1", "localhost") else None
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def main(run_dir: str) -> int:
-    """Entry point of every rank: read the run directory, train, leave metrics behind."""
+def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]:
+    """resolved.yaml with the launcher's ``key=value`` overrides (a requeued SLURM job passes
+    ``train.resume=auto``), and plan.json as a :class:`Plan`."""
     cfg = config_mod.from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
+    if overrides:
+        from omegaconf import OmegaConf
+
+        merged = OmegaConf.merge(OmegaConf.create(config_mod.to_dict(cfg)), OmegaConf.from_dotlist(list(overrides)))
+        cfg = config_mod.from_dict(OmegaConf.to_container(merged))
     with open(os.path.join(run_dir, "plan.json")) as f:
         plan = as_plan(json.load(f))
+    return cfg, plan
+
+
+def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> int:
+    """Entry point of every rank: read the run directory, train, leave metrics behind.
+
+    What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
+    launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
+    cfg, plan = load_run(run_dir, overrides)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task
     threads = cfg.train.threads or slurm_cpus or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     device = resolve_device(plan)
-    init_distributed(device.type)
+    init_distributed(device.type, cfg.train.collective_timeout_s)
     rank = dist.get_rank()
     try:
-        train(cfg, plan, run_dir, log_progress=True)
+        train(cfg, plan, run_dir, log_progress=True, hooks=hooks)
         dist.barrier()
     except NonFiniteLoss as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
@@ -632,4 +627,7 @@ def main(run_dir: str) -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)(sys.argv[1]))
+    # through the imported module, not this __main__ copy: what a test installs on it applies
+    from paralayer.runtime import train as _runtime_train
+
+    sys.exit(record(_runtime_train.main)(*sys.argv[1:]))
