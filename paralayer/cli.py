@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 from typing import Any, Optional
@@ -18,6 +19,8 @@ from paralayer import config as config_mod
 from paralayer.config import ConfigError
 
 EXIT_OK, EXIT_INVALID, EXIT_INTERNAL = 0, 2, 3
+#: runs one sweep may hold (each is resolved before anything starts)
+MAX_SWEEP = 256
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,9 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="resolve and print the plan; start nothing")
     p.add_argument("--json", action="store_true", help="print the plan (or plans) as JSON")
     p.add_argument("--plan", action="store_true", help="every valid layout for the model on the cluster, ranked")
+    p.add_argument("--top", type=int, default=None, metavar="N",
+                   help="--plan: list only the best N layouts (degrees given as overrides narrow the search)")
     p.add_argument("-m", "--multirun", action="store_true", help="sweep: comma lists become one run per combination")
     p.add_argument("--wait", action="store_true", help="SLURM: wait for the job(s) and return their exit code")
     p.add_argument("--timeline", action="store_true", help="record a per-rank timeline of the step")
+    p.add_argument("--rehearse", action="store_true",
+                   help="one real step of the runtime for chosen ranks at the full world size (fake process "
+                        "group and tensors): memory, collectives and FLOPs beside the plan's")
+    p.add_argument("--ranks", default=None, metavar="SPEC",
+                   help="with --rehearse: default (first and last pipeline rank, + an expert rank), "
+                        "all-stages, or rank numbers and ranges (0,7,512-515)")
+    p.add_argument("--no-rehearse", action="store_true",
+                   help="SLURM: submit without the pre-flight rehearsal of the first and last pipeline rank")
     p.add_argument("--report", action="append", metavar="DIR",
                    help="the sweep report of DIR (a sweep folder or run folders; repeat for several): "
                         "predicted against measured, written as report.{csv,md,png}")
@@ -59,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON (NaN/inf as null)."""
+    from paralayer.resolve.strict_json import dumps as strict
+
+    return strict(obj)
 
 
 def _report_errors(plan: Any, label: str = "") -> None:
@@ -82,6 +102,10 @@ def expand(overrides: list[str]) -> list[list[str]]:
     if not axes:
         return [fixed]
     keys = list(axes)
+    n = math.prod(len(v) for v in axes.values())
+    if n > MAX_SWEEP:
+        big = max(keys, key=lambda k: len(axes[k]))
+        raise ConfigError(big, f"the sweep has {n:,} combinations; at most {MAX_SWEEP} (the bound)")
     return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*(axes[k] for k in keys))]
 
 
@@ -141,6 +165,7 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     t.add_row("tokens per step", f"{d['tokens_per_step']:,}")
     t.add_row("padded vocab", str(d["padded_vocab_size"]))
     t.add_row("layers per pipeline chunk", ", ".join(str(len(s)) for s in d["stage_layers"]))
+    _time_rows(t, d, cfg)
     con.print(t)
 
     t = Table(title="Communication per device per step")
@@ -164,6 +189,25 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     con.print("[green]valid[/green]" if plan.ok else "[red]not runnable[/red] (exit 2)")
 
 
+def _time_rows(t: Any, d: dict, cfg: Any) -> None:
+    """The calibrated GPU time model's prediction (resolve/step_time.py), when the plan has one."""
+    if d.get("step_time_s") is None:
+        return
+    dev = (d.get("gpu") or "device").upper()
+    t.add_row("predicted step time", f"{d['step_time_s']:.3g} s")
+    t.add_row("predicted tokens/s", f"{d['tokens_per_s']:,.0f}")
+    if d.get("mfu") is not None:
+        t.add_row("predicted MFU", f"{100 * d['mfu']:.1f}%")
+    basis = "train.tokens" if d.get("train_tokens_from") == "train.tokens" else "train.steps × tokens per step"
+    t.add_row(f"time to train {d['train_tokens']:.4g} tokens ({basis})",
+              f"{d['train_days']:.1f} days, {d['device_hours']:,.0f} {dev}-hours")
+    if d.get("train_cost") is not None:
+        t.add_row("cost (cluster.price_per_device_hour)",
+                  f"{d['train_cost']:,.0f} ({cfg.cluster.price_per_device_hour:g} per {dev}-hour)")
+    t.add_row("[dim]what the time includes[/dim]",
+              "[dim]ideal steps only: no failures, restarts, checkpoint stalls, evaluation or queueing[/dim]")
+
+
 def _bytes(n: float) -> str:
     for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= k:
@@ -183,7 +227,7 @@ def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
     from paralayer.resolve import plan_report
 
     cfg = config_mod.load_config(overrides)
-    return int(plan_report.run(cfg, args))
+    return int(plan_report.run(cfg, args, plan_report.fixed_from_overrides(overrides, cfg)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -217,9 +261,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         _err(f"internal error while resolving ({type(exc).__name__}: {exc}); rerun with PARALAYER_DEBUG=1 "
              "for the traceback")
         return EXIT_INTERNAL
+    if args.rehearse:
+        if not plan.valid:
+            _report_errors(plan)
+            return EXIT_INVALID
+        from paralayer.runtime import rehearse
+
+        return rehearse.run_cli(cfg, plan.to_dict(), args.ranks, args.json)
     if args.dry_run:
         if args.json:
-            print(json.dumps(plan.to_dict()))
+            print(dumps(plan.to_dict()))
         else:
             print_plan(plan, cfg)
         if not plan.ok:
@@ -230,7 +281,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_INVALID
     from paralayer import dispatch
 
-    return int(dispatch.launch(cfg, plan, args) or 0)
+    if cfg.cluster.backend == "slurm" and not args.no_rehearse:
+        from paralayer.runtime import rehearse
+
+        if rehearse.preflight(cfg, plan.to_dict()) != 0:
+            return EXIT_INVALID
+    try:
+        return int(dispatch.launch(cfg, plan, args) or 0)
+    except dispatch.LaunchError as exc:  # sbatch refused, no CUDA device here: one line, no traceback
+        _err(str(exc))
+        return EXIT_INVALID
 
 
 def _multirun(args: argparse.Namespace) -> int:
@@ -252,7 +312,7 @@ def _multirun(args: argparse.Namespace) -> int:
             bad += 1
     if args.dry_run:
         if args.json:
-            print(json.dumps([p.to_dict() for p in plans]))
+            print(dumps([p.to_dict() for p in plans]))
         else:
             for cfg, plan in zip(cfgs, plans):
                 print_plan(plan, cfg)
@@ -262,7 +322,11 @@ def _multirun(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     from paralayer import dispatch
 
-    return int(dispatch.launch_sweep(cfgs, plans, args) or 0)
+    try:
+        return int(dispatch.launch_sweep(cfgs, plans, args) or 0)
+    except dispatch.LaunchError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
 
 
 def entry() -> None:

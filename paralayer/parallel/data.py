@@ -1,9 +1,8 @@
 """Data parallelism: replicated (ZeRO-0), sharded optimizer states (ZeRO-1), FSDP2 (ZeRO-2/3).
 
-Gradients are averaged over the flattened (dp, cp) group: context ranks see different tokens of
-the same sequences, so their gradients add up exactly like data ranks'. Expert weights under
-expert parallel are different on every ep rank: they are averaged over the expert-data group only
-(their count still divides by dp·cp, see ``paralayer.parallel.expert``).
+Gradients are averaged over the flattened (dp, cp) group; expert weights under expert parallel
+over the expert-data group only. Who divides by what: paralayer/parallel/grad_scaling.py (the
+gradient-scaling contract).
 """
 from __future__ import annotations
 
@@ -37,9 +36,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
                 for sub in ff.children():
                     if any(True for _ in sub.parameters()):
                         fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-                # Experts shard over the expert-data ranks only; grads divide by all of dp·cp.
-                # FSDP averages these over the expert-data ranks only; the caller rescales by 1/ep
-                # (a custom divide factor needs PREMUL_SUM, which gloo lacks).
+                # Experts shard over the expert-data ranks only (their rescale: grad_scaling.py).
                 fully_shard(ff, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -114,39 +111,71 @@ class ZeroOneOptimizer:
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Optional[dist.ProcessGroup],
                    expert_params: Iterable[nn.Parameter] = (), ep_group: Optional[dist.ProcessGroup] = None,
-                   tp_group: Optional[dist.ProcessGroup] = None, skip_norm: Iterable[nn.Parameter] = ()) -> float:
+                   tp_group: Optional[dist.ProcessGroup] = None, skip_norm: Iterable[nn.Parameter] = (),
+                   as_tensor: bool = False):
     """Global gradient norm over every shard of every stage; scales grads when above max_norm.
     ``skip_norm``: parameters scaled with the rest but not counted (a tied head's copy).
+    ``as_tensor``: return the norm as a 0-d tensor and never read it back (the rehearsal's fake
+    tensors have no values); the scaling is then ``min(1, max_norm / norm)`` without a branch.
 
-    DTensor grads (TP, FSDP) know their placements: their norm is computed by DTensor and
-    made whole with ``full_tensor``. Pipeline stages and expert shards hold disjoint parameters,
-    so their squared norms add over the pp and ep groups.
+    A bounded number of collectives, whatever the parameter count: the local squared norms are
+    summed per set of process groups they are sharded over (a DTensor's Shard/Partial mesh dims),
+    then ONE all-reduce per distinct group carries the sums of every set that includes it. Pipeline
+    stages and expert shards hold disjoint parameters: their sums add over pp and ep (one
+    all-reduce each). 405B under tp·pp·FSDP: 4 all-reduces, not one per parameter.
     """
     expert_ids = {id(p) for p in expert_params}
     skip_ids = {id(p) for p in skip_norm}
-    dense_sq = torch.zeros((), dtype=torch.float32)
-    expert_sq = torch.zeros((), dtype=torch.float32)
     grads = [p.grad for p in params if p.grad is not None]
     device = _local(grads[0]).device if grads else torch.device("cpu")
-    dense_sq, expert_sq = dense_sq.to(device), expert_sq.to(device)
+    # (is_expert, tuple of sharded-over groups) -> list of local squared norms
+    parts: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[str, dist.ProcessGroup] = {}
     for p in params:
         if p.grad is None or id(p) in skip_ids:
             continue
         g = p.grad
-        n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq = n.float() ** 2
-        if id(p) in expert_ids:
-            expert_sq = expert_sq + sq
-        else:
-            dense_sq = dense_sq + sq
+        names: tuple = ()
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # pending sums: settle them first
+                from torch.distributed.tensor import Replicate
+
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+                p.grad = g
+            for dim, pl in enumerate(g.placements):
+                if pl.is_shard():
+                    pg = g.device_mesh.get_group(dim)
+                    groups[pg.group_name] = pg
+                    names += (pg.group_name,)
+        local = _local(g)
+        parts.setdefault((id(p) in expert_ids, tuple(sorted(names))), []).append(local)
+    keys = sorted(parts)
+    sums = torch.zeros(max(len(keys), 1), dtype=torch.float32, device=device)
+    for i, k in enumerate(keys):
+        norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in parts[k]], 2)
+        sums[i] = torch.stack(norms).square().sum()
+    for name in sorted(groups):
+        rows = [i for i, k in enumerate(keys) if name in k[1]]
+        if rows:
+            idx = torch.tensor(rows, device=device)
+            part = sums.index_select(0, idx)
+            dist.all_reduce(part, group=groups[name])
+            sums = sums.index_copy(0, idx, part)
+    is_exp = torch.tensor([k[0] for k in keys] or [False], device=device)
+    expert_sq = (sums * is_exp).sum()
+    dense_sq = (sums * ~is_exp).sum()
     if ep_group is not None and expert_ids:
         dist.all_reduce(expert_sq, group=ep_group)
-    total = dense_sq + expert_sq
+    total = (dense_sq + expert_sq).reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    norm = float(total.sqrt())
+    norm_t = total[0].sqrt()
+    if as_tensor:
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm_t + 1e-6), max=1.0)
+            torch._foreach_mul_([_local(g) for g in grads], coef)
+        return norm_t
+    norm = float(norm_t)
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

@@ -238,11 +238,12 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
 
-    Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights)/tp + attention
-    4·s·h/tp (not halved for the mask), + 2·(3·h·f)/tp for an MLP, or, for an MoE block (whole on
-    every tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S). Backward is twice the forward. Recompute adds
-    the attention core's forward (selective) or the layer's forward (full). The last chunk adds
-    the head, 2·h·V_padded/tp per token, times 3."""
+    Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights)/tp, + 2·(3·h·f)/tp
+    for an MLP or, for an MoE block (whole on every tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S); the
+    attention core 4·s·h/tp (not halved for the mask). Backward: twice the matmuls, 2.5 times the
+    core (the flash-attention backward recomputes the scores: 5 matmuls to the forward's 2).
+    Recompute adds the core's forward (selective) or the layer's forward (full). The last chunk
+    adds the head, 2·h·V_padded/tp per token, times 3."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     tokens = lay.microbatches * lay.micro_batch * m.seq_len / lay.cp
@@ -250,16 +251,16 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     total = 0.0
     for c in rank_chunks(lay, r):
         for i in lay.stage_layers[c]:
-            fwd = 2.0 * attn_params(cfg) / t + core
+            mat = 2.0 * attn_params(cfg) / t
             if is_moe_layer(cfg, i):
                 mo = m.moe
-                fwd += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
+                mat += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
                               + 3 * h * mo.shared_ffn_hidden)
             else:
-                fwd += 2.0 * 3 * h * m.ffn_hidden / t
+                mat += 2.0 * 3 * h * m.ffn_hidden / t
             mode = layer_recompute(lay, i)
-            again = fwd if mode == "full" else (core if mode == "selective" else 0.0)
-            total += 3.0 * fwd + again
+            again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
+            total += 3.0 * mat + 3.5 * core + again
         if c == lay.chunks - 1:
             total += 3.0 * 2.0 * h * lay.padded_vocab / t
     return total * tokens

@@ -1,0 +1,313 @@
+"""``launch.py ... --rehearse``: one real step of the runtime for chosen ranks of the full world.
+
+Why: the plan is formulas; before a cluster-week queues, the user needs to know that the real
+code builds this model in this layout, that it fits, and that it communicates what the plan says.
+Each chosen rank runs in its own process (``paralayer.runtime.rehearse_rank``) on torch's fake
+process group and fake tensors: the training runtime's own build and step, at the full world
+size, with no weight allocated. Beside every measured figure stands the plan's prediction for
+that rank, and their ratio.
+
+Like for like: a step of m microbatches repeats the same microbatch; the rehearsal runs the
+fewest that reach the schedule's steady state (2 without a pipeline: the first and the last,
+whose backward starts the gradient buckets; 2·pp with one) and resolves the plan again for that
+batch, so plan and rehearsal are compared on the same step. ``microbatches`` and
+``microbatches_full`` say which.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from paralayer import config as config_mod
+from paralayer.config import Config
+
+#: Fields of the contract's memory objects.
+MEM_KEYS = ("params", "grads", "optimizer", "activations", "total")
+#: Agreement the acceptance asks for: exact for states, 5% activations and comm, 2% FLOPs.
+TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.05, "comm": 0.05, "flops": 0.02}
+RANK_TIMEOUT_S = float(os.environ.get("PARALAYER_REHEARSE_TIMEOUT_S", "600"))
+
+
+class RanksError(ValueError):
+    """A --ranks spec that names no valid rank (exit 2 with the valid forms)."""
+
+
+# ------------------------------------------------------------------ which ranks
+def rank_of(plan: dict, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+    """Global rank at mesh coordinates (pp, dp, cp, tp), tp fastest (paralayer/parallel/mesh.py)."""
+    d = plan["degrees"]
+    return ((pp * int(d["dp"]) + dp) * int(d["cp"]) + cp) * int(d["tp"]) + tp
+
+
+def default_ranks(plan: dict) -> list[int]:
+    """The first and the last pipeline rank; with experts, also the last expert rank of the first
+    stage (a different expert shard and a different all-to-all peer set)."""
+    d = plan["degrees"]
+    out = [0, rank_of(plan, pp=int(d["pp"]) - 1)]
+    ep = int(d.get("ep", 1))
+    if ep > 1:
+        j = ep - 1  # flattened (dp, cp) index of the last ep rank of the first expert group
+        out.append(rank_of(plan, dp=j // int(d["cp"]), cp=j % int(d["cp"])))
+    return sorted(set(out))
+
+
+def parse_ranks(spec: Optional[str], plan: dict) -> list[int]:
+    """``None``/``default``; ``all-stages`` (the first rank of every pipeline stage); or rank numbers
+    and ranges, ``0,7,512-515``."""
+    world = int(plan["world_size"])
+    if spec in (None, "", "default"):
+        return default_ranks(plan)
+    if spec == "all-stages":
+        return [rank_of(plan, pp=p) for p in range(int(plan["degrees"]["pp"]))]
+    out: list[int] = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                out += list(range(a, b + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise RanksError(f"--ranks: {part!r} is not a rank; valid: default, all-stages, or rank numbers "
+                             f"and ranges in 0..{world - 1} (e.g. 0,{world - 1})") from None
+    bad = [r for r in out if not 0 <= r < world]
+    if bad or not out:
+        raise RanksError(f"--ranks: {bad or spec} outside the world; valid: ranks 0..{world - 1}, default, all-stages")
+    return sorted(set(out))
+
+
+# ------------------------------------------------------------------ the batch that is rehearsed
+def rehearsal_microbatches(plan: dict) -> int:
+    """Fewest microbatches that show a full step's steady state (see the module docstring)."""
+    m = int(plan["microbatches"])
+    pp = int(plan["degrees"]["pp"])
+    want = 2 if pp == 1 else 2 * pp
+    return max(1, min(m, want))
+
+
+def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
+    """The recipe with the global batch cut to :func:`rehearsal_microbatches` (and real-weight
+    loading off: fake tensors have nothing to load into). Returns (config, microbatches)."""
+    m_run = rehearsal_microbatches(plan)
+    d = config_mod.to_dict(cfg)
+    dp = int(plan["degrees"]["dp"])
+    d["train"]["global_batch"] = m_run * int(cfg.train.micro_batch) * dp
+    d["parallel"]["dp"] = dp
+    if str(d["model"].get("init", "")).startswith("hf:"):
+        d["model"]["init"] = "normal"
+    return config_mod.from_dict(d), m_run
+
+
+# ------------------------------------------------------------------ the plan's figures per rank
+def plan_figures(cfg: Config, pp_rank: int) -> dict:
+    """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free)."""
+    from paralayer.resolve import cost, memory, rules
+
+    lay = rules.check(cfg)
+    p, g, o, a = memory.rank_memory(cfg, lay, pp_rank)
+    comm = cost.comm(cfg, lay, pp_rank)
+    return {
+        "plan_memory_bytes": {"params": p, "grads": g, "optimizer": o, "activations": a, "total": p + g + o + a},
+        "plan_comm": {ax: int(e["bytes_per_step"]) for ax, e in comm.items() if e["bytes_per_step"]},
+        "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank)),
+        # the plan counts tp's sequence-parallel all-gather + reduce-scatter as one all-reduce's
+        # payload per pair (resolve/cost.py; machine.comm_seconds); ZeRO-2/3's pairs count each
+        "plan_comm_pairs": [ax for ax, e in comm.items()
+                            if ax == "tp" and e["collective"] == "all-gather+reduce-scatter"],
+    }
+
+
+def _ratio(measured: float, planned: float) -> Optional[float]:
+    if planned:
+        return measured / planned
+    return None if measured else 1.0
+
+
+def compare(rank: dict) -> dict:
+    """Ratios measured / planned, and whether each is within :data:`TOLERANCE`."""
+    mem, pmem = rank["memory_bytes"], rank["plan_memory_bytes"]
+    ratios: dict[str, Any] = {k: _ratio(mem[k], pmem[k]) for k in MEM_KEYS}
+    from paralayer.runtime.rehearse_comm import bytes_per_axis
+
+    got = bytes_per_axis(rank["collectives"], pairs=rank.get("plan_comm_pairs", ()))
+    axes = sorted(set(got) | set(rank["plan_comm"]))
+    ratios["comm"] = {ax: _ratio(got.get(ax, 0), rank["plan_comm"].get(ax, 0)) for ax in axes}
+    ratios["flops"] = _ratio(rank["flops"], rank["plan_flops"])
+    agree = {}
+    for k in ("params", "grads", "optimizer", "activations", "flops"):
+        r = ratios[k]
+        agree[k] = r is not None and abs(r - 1) <= TOLERANCE[k] + 1e-12
+    agree["comm"] = all(r is not None and abs(r - 1) <= TOLERANCE["comm"] for r in ratios["comm"].values())
+    return {"ratios": ratios, "agrees": agree}
+
+
+# ------------------------------------------------------------------ running the ranks
+def _spawn(run_dir: str, rank: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.Popen([sys.executable, "-m", "paralayer.runtime.rehearse_rank", run_dir, str(rank)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_ranks(cfg: Config, plan: dict, ranks: list[int], parallel: int = 0) -> tuple[list[dict], list[str]]:
+    """One process per rank (at most ``parallel`` at once, default the cores); returns the ranks'
+    results and the one-line errors of those that failed."""
+    parallel = parallel or max(1, min(len(ranks), os.cpu_count() or 1))
+    results, errors = [], []
+    with tempfile.TemporaryDirectory(prefix="paralayer-rehearse-") as tmp:
+        with open(os.path.join(tmp, "resolved.yaml"), "w") as f:
+            f.write(config_mod.to_yaml(cfg))
+        with open(os.path.join(tmp, "plan.json"), "w") as f:
+            json.dump(plan, f)
+        pending, running = list(ranks), []
+        while pending or running:
+            while pending and len(running) < parallel:
+                r = pending.pop(0)
+                running.append((r, _spawn(tmp, r), time.monotonic()))
+            r, proc, t0 = running.pop(0)
+            try:
+                _, err = proc.communicate(timeout=max(1.0, RANK_TIMEOUT_S - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                errors.append(f"rank {r}: rehearsal did not finish in {RANK_TIMEOUT_S:g} s")
+                continue
+            path = os.path.join(tmp, f"rank-{r}.json")
+            if proc.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+                mine = [ln for ln in lines if ln.startswith(f"rank {r}:")]
+                errors.append(mine[-1] if mine else f"rank {r}: exited {proc.returncode}: "
+                              f"{lines[-1] if lines else 'no message'}")
+    return sorted(results, key=lambda x: x["rank"]), errors
+
+
+def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, parallel: int = 0) -> dict:
+    """Rehearse ``ranks`` (default :func:`default_ranks`) of the plan; the contract's JSON object."""
+    from paralayer.resolve import resolve
+
+    ranks = default_ranks(plan) if ranks is None else ranks
+    cfg_run, m_run = rehearsal_config(cfg, plan)
+    plan_run = resolve(cfg_run).to_dict()
+    if plan_run["degrees"] != plan["degrees"] or int(plan_run["microbatches"]) != m_run:
+        raise RuntimeError(f"rehearsal batch changed the layout: {plan_run['degrees']} m={plan_run['microbatches']}")
+    results, errors = run_ranks(cfg_run, plan_run, ranks, parallel)
+    mem = plan.get("memory_per_device_bytes") or {}
+    cap = mem.get("capacity")
+    usable = None if cap is None else int(cap) - int(plan.get("memory_reserve_bytes") or 0)
+    out_ranks = []
+    for res in results:
+        res.update(plan_figures(cfg_run, int(res["coords"]["pp"])))
+        res.update(compare(res))
+        res["fits"] = usable is None or res["memory_bytes"]["total"] <= usable
+        out_ranks.append(res)
+    ok = not errors and all(r["fits"] for r in out_ranks)
+    return {
+        "ok": ok, "world_size": int(plan["world_size"]), "ranks": out_ranks, "errors": errors,
+        "microbatches": m_run, "microbatches_full": int(plan["microbatches"]),
+        "usable_memory_bytes": usable,
+        "agrees": bool(out_ranks) and all(all(r["agrees"].values()) for r in out_ranks),
+        "notes": _notes(cfg, plan, m_run),
+    }
+
+
+def _notes(cfg: Config, plan: dict, m_run: int) -> list[str]:
+    notes = [f"rehearsed {m_run} of the step's {plan['microbatches']} microbatches per pipeline "
+             f"(global_batch {m_run * cfg.train.micro_batch * int(plan['degrees']['dp'])}); the plan "
+             "figures beside them are for the same batch",
+             "synthetic tokens; fake process group and fake tensors: nothing is allocated or sent"]
+    if cfg.model.moe.num_experts > 0:
+        notes.append("MoE: the router spreads tokens evenly over the experts (all-to-all split sizes are "
+                     "data; the rehearsal uses balanced ones)")
+    return notes
+
+
+# ------------------------------------------------------------------ the front door's side
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _fmt_ratio(r: Optional[float]) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def print_report(out: dict, file: Any = None) -> None:
+    """The rehearsal as tables: per rank, measured beside planned, and the ratio."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(file=file or sys.stdout, width=120)
+    con.print(f"rehearsal of world {out['world_size']}: {len(out['ranks'])} rank(s); "
+              + ("[green]ok[/green]" if out["ok"] else "[red]FAILED[/red]"))
+    for r in out["ranks"]:
+        t = Table(title=f"rank {r['rank']} {r['coords']} ({r['seconds']:.1f} s)")
+        for c in ("figure", "rehearsed", "plan", "ratio"):
+            t.add_column(c, justify="left" if c == "figure" else "right")
+        for k in MEM_KEYS:
+            t.add_row(f"{k} GiB", _gib(r["memory_bytes"][k]), _gib(r["plan_memory_bytes"][k]),
+                      _fmt_ratio(r["ratios"][k]))
+        from paralayer.runtime.rehearse_comm import bytes_per_axis
+
+        got = bytes_per_axis(r["collectives"], pairs=r.get("plan_comm_pairs", ()))
+        for ax, ratio in r["ratios"]["comm"].items():
+            t.add_row(f"comm {ax} GB/step", f"{got.get(ax, 0) / 1e9:.3f}",
+                      f"{r['plan_comm'].get(ax, 0) / 1e9:.3f}", _fmt_ratio(ratio))
+        t.add_row("TFLOP/step", f"{r['flops'] / 1e12:.2f}", f"{r['plan_flops'] / 1e12:.2f}",
+                  _fmt_ratio(r["ratios"]["flops"]))
+        con.print(t)
+        n = sum(c["count"] for c in r["collectives"])
+        con.print(f"  {n} collectives in the step; fits: {'yes' if r['fits'] else 'NO'}")
+    for note in out["notes"]:
+        con.print(f"[dim]note:[/dim] {note}")
+    for e in out["errors"]:
+        con.print(f"[red]error:[/red] {e}")
+
+
+def run_cli(cfg: Config, plan: dict, ranks_spec: Optional[str], as_json: bool) -> int:
+    """``--rehearse``: 0 when every rank built, stepped and fits; 2 otherwise (reason on stderr)."""
+    try:
+        ranks = parse_ranks(ranks_spec, plan)
+    except RanksError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = rehearse(cfg, plan, ranks)
+    if as_json:
+        print(json.dumps(out))
+    else:
+        print_report(out)
+    for e in out["errors"]:
+        print(f"error: rehearse: {e}", file=sys.stderr)
+    usable = out.get("usable_memory_bytes")
+    for r in out["ranks"]:
+        if not r["fits"]:
+            print(f"error: rehearse: rank {r['rank']} needs {_gib(r['memory_bytes']['total'])} GiB but the device "
+                  f"has {_gib(usable or 0)} GiB usable (capacity less cluster.memory_reserve_gib)", file=sys.stderr)
+    return 0 if out["ok"] else 2
+
+
+def preflight(cfg: Config, plan: dict) -> int:
+    """Before a SLURM submission: rehearse the first and last pipeline rank and refuse a job that
+    would fail at step 1 (``--no-rehearse`` skips it). Prints one line; returns 0 or 2."""
+    d = plan["degrees"]
+    ranks = sorted({0, rank_of(plan, pp=int(d["pp"]) - 1)})
+    out = rehearse(cfg, plan, ranks)
+    if out["ok"]:
+        secs = max((r["seconds"] for r in out["ranks"]), default=0.0)
+        print(f"paralayer: pre-flight rehearsal of ranks {ranks} passed ({secs:.0f} s; --no-rehearse skips it)",
+              file=sys.stderr)
+        return 0
+    for e in out["errors"]:
+        print(f"error: pre-flight rehearsal: {e}", file=sys.stderr)
+    for r in out["ranks"]:
+        if not r["fits"]:
+            print(f"error: pre-flight rehearsal: rank {r['rank']} needs {_gib(r['memory_bytes']['total'])} GiB, "
+                  f"more than the device's usable {_gib(out['usable_memory_bytes'] or 0)} GiB", file=sys.stderr)
+    print("error: not submitted (the job would fail at step 1); --no-rehearse submits anyway", file=sys.stderr)
+    return 2

@@ -1,0 +1,119 @@
+"""What one rehearsed rank holds: weights, gradients, optimizer states, and the activation peak.
+
+Why these counters: under ``FakeTensorMode`` no byte is allocated, but every tensor still has its
+shape and dtype, so the bytes a real device would hold are exact. Parameters, gradients and the
+optimizer's states are counted from the tensors themselves after the step (the local shard of a
+DTensor); the activation peak is the peak of the bytes autograd keeps for backward
+(``saved_tensors_hooks``, one count per storage), the same quantity the plan's activation model
+was fitted to (``paralayer/runtime/activation_memory.py``), keyed by storage identity because
+fake storages have no address. ``MemTracker`` gives torch's own view of the whole step on top.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _bytes(ts: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    n = 0
+    for t in ts:
+        t = _local(t)
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        n += int(t.numel()) * t.element_size()
+    return n
+
+
+def param_bytes(params: list) -> int:
+    """This rank's weights: the local shard of each parameter."""
+    return _bytes(params)
+
+
+def grad_bytes(params: list) -> int:
+    """This rank's gradients after the step's backward (and the reducer)."""
+    return _bytes(p.grad for p in params if p.grad is not None)
+
+
+def optimizer_bytes(opt: Any) -> int:
+    """Every state tensor the optimizer keeps (AdamW: exp_avg, exp_avg_sq; the 0-d step counter is
+    not memory anyone plans for)."""
+    inner = getattr(opt, "inner", opt)
+    out = []
+    for st in inner.state.values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return _bytes(out)
+
+
+def _key(t: torch.Tensor) -> int:
+    return _local(t).untyped_storage()._cdata
+
+
+class SavedPeak:
+    """Live bytes of tensors saved for backward and their peak, for fake tensors too.
+
+    ``exclude`` (parameters, the step's tokens) are not activations; a storage saved several times
+    counts once; bytes leave when autograd drops the saved tensor."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.skip = {_key(t) for t in exclude}
+        self.live = 0
+        self.peak_bytes = 0
+        self.refs: dict[int, int] = {}
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            base = _local(t)
+            st = base.untyped_storage()
+            key, nbytes = st._cdata, st.nbytes()
+        except Exception:  # noqa: BLE001 - a tensor without storage (sparse, nested)
+            return t
+        if key in self.skip or nbytes == 0:
+            return t
+        n = self.refs.get(key, 0)
+        if n == 0:
+            self.live += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live)
+        self.refs[key] = n + 1
+        return _Held(t.detach(), key, nbytes, self)
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if isinstance(x, _Held) else x
+
+    def release(self, key: int, nbytes: int) -> None:
+        n = self.refs.get(key, 0) - 1
+        if n <= 0:
+            self.refs.pop(key, None)
+            self.live -= nbytes
+        else:
+            self.refs[key] = n
+
+    def __enter__(self) -> "SavedPeak":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._ctx.__exit__(*exc)
+        return False
+
+
+class _Held:
+    __slots__ = ("t", "key", "nbytes", "owner")
+
+    def __init__(self, t, key, nbytes, owner):
+        self.t, self.key, self.nbytes, self.owner = t, key, nbytes, owner
+
+    def __del__(self):
+        try:
+            self.owner.release(self.key, self.nbytes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
