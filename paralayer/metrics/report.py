@@ -136,9 +136,10 @@ _NOT_OVERRIDES = ("run.", "logging.wandb.group", "checkpoint.dir", "sweep.")
 
 def differing_overrides(configs: Sequence[Dict[str, Any]]) -> List[List[str]]:
     """``key=value`` of every recipe key whose value differs between the configs (flattened
-    resolved.yaml dicts), per config; run folders, W&B groups and checkpoint paths left out."""
+    resolved.yaml dicts, in the schema's order), per config; run folders, W&B groups and
+    checkpoint paths left out."""
     flat = [_flatten(c) for c in configs]
-    keys = sorted({k for f in flat for k in f})
+    keys = list(dict.fromkeys(k for f in flat for k in f))  # the recipe's order: tp before pp
     diff = [k for k in keys if not k.startswith(_NOT_OVERRIDES)
             and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1]
     return [[f"{k}={_show_value(f.get(k))}" for k in diff] for f in flat]
@@ -398,10 +399,12 @@ def print_table(rows: Sequence[Row], file: Any = None) -> None:
         t.add_column(_SHORT[key], justify="right", no_wrap=True)
     t.add_column("final loss", justify="right")
     for r in rows:
-        cells = [r.label + ("" if r.label == " ".join(r.overrides) or not r.overrides else "\n" + " ".join(r.overrides)),
+        ovs = " ".join(r.overrides)
+        cells = [r.label + ("" if r.label == ovs or not ovs else "\n" + ovs),
                  r.state if r.state == "completed" else f"{r.state} ({r.steps_logged}/{r.steps_planned})"]
         for key, _ in QUANTITIES:
-            cells.append(f"{_fmt(key, r.predicted.get(key))} → {_fmt(key, r.measured.get(key))}\n×{_ratio(r.ratio(key))}")
+            pm = f"{_fmt(key, r.predicted.get(key))} → {_fmt(key, r.measured.get(key))}"
+            cells.append(f"{pm}\n×{_ratio(r.ratio(key))}")
         cells.append("-" if r.final_loss is None else f"{r.final_loss:.4f}")
         t.add_row(*cells, style=None if r.state == "completed" else "red")
     con.print(t)
