@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks, train_records
+from tests.fault_hook import fault_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_SMALL
@@ -145,7 +146,7 @@ def _seconds_since_fault(stderr: str) -> float:
 
 
 def test_failing_rank_ends_run_naming_it(tmp_path):
-    res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "raise:1:3"})
+    res = _launch_small(tmp_path / "r", "train.steps=10", env=fault_env(tmp_path, "raise:1:3"))
     assert res.returncode != 0
     assert "rank 1 failed" in res.stderr, res.stderr[-2000:]
     assert "injected fault" in res.stderr
@@ -153,14 +154,14 @@ def test_failing_rank_ends_run_naming_it(tmp_path):
 
 
 def test_killed_rank_ends_run_naming_it(tmp_path):
-    res = _launch_small(tmp_path / "r", "train.steps=10", env={"PARALAYER_FAULT": "kill:1:3"})
+    res = _launch_small(tmp_path / "r", "train.steps=10", env=fault_env(tmp_path, "kill:1:3"))
     assert res.returncode != 0
     assert "rank 1 failed" in res.stderr, res.stderr[-2000:]
     assert _seconds_since_fault(res.stderr) < 30
 
 
 def test_nonfinite_loss_stops_with_clear_message(tmp_path):
-    res = _launch_small(tmp_path / "r", "train.steps=6", env={"PARALAYER_FAULT": "nan:0:3"})
+    res = _launch_small(tmp_path / "r", "train.steps=6", env=fault_env(tmp_path, "nan:0:3"))
     assert res.returncode != 0
     assert "step 3: loss is nan" in res.stderr, res.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -169,7 +170,7 @@ def test_nonfinite_loss_stops_with_clear_message(tmp_path):
 
 def test_nonfinite_loss_skipped_when_asked(tmp_path):
     res = _launch_small(tmp_path / "r", "train.steps=5", "train.skip_nonfinite=true",
-                        env={"PARALAYER_FAULT": "nan:0:3"})
+                        env=fault_env(tmp_path, "nan:0:3"))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step 3: non-finite loss" in res.stdout + res.stderr
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

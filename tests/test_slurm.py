@@ -24,7 +24,7 @@ DEFAULT_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralay
 
 
 # ----------------------------------------------------------------------------- entry points (run in jobs)
-def allreduce_entry(run_dir: str) -> dict:
+def allreduce_entry(run_dir: str, *overrides: str) -> dict:
     """Init gloo from the env vars the dispatch exported, all_reduce, write rank<N>.json."""
     import datetime
 
@@ -38,7 +38,7 @@ def allreduce_entry(run_dir: str) -> dict:
     dist.all_reduce(t)
     out = {"rank": rank, "world_size": world, "sum": t.item(),
            "local_rank": int(os.environ["LOCAL_RANK"]), "master": os.environ["MASTER_ADDR"],
-           "resume": os.environ.get("PARALAYER_RESUME")}
+           "resume": dict(o.split("=", 1) for o in overrides).get("train.resume")}
     dist.destroy_process_group()
     Path(run_dir, f"rank{rank}.json").write_text(json.dumps(out))
     return out
@@ -55,10 +55,10 @@ def failing_entry(run_dir: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 
 
-def resumable_entry(run_dir: str) -> str:
-    """First run: mark started, then sleep (to be interrupted). Requeued run: must see resume=auto."""
+def resumable_entry(run_dir: str, *overrides: str) -> str:
+    """First run: mark started, then sleep (to be interrupted). Requeued run: must get train.resume=auto."""
     rank = os.environ["RANK"]
-    resume = os.environ.get("PARALAYER_RESUME", "")
+    resume = dict(o.split("=", 1) for o in overrides).get("train.resume", "")
     if resume != "auto":
         Path(run_dir, f"started{rank}").write_text("1")
         time.sleep(120)

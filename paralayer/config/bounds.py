@@ -72,16 +72,19 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.beta1": (0.0, 1.0, True, False),  # torch.optim.AdamW: 0 <= beta < 1
     "train.beta2": (0.0, 1.0, True, False),
     "train.grad_clip": (0.0, 1e12, True, True),  # 0 = no clipping
+    "train.collective_timeout_s": (0.0, 86400.0, False, True),
     "cluster.device_memory_gib": (0.0, 2.0 ** 20, False, True),
     "cluster.peak_tflops": (0.0, 1e7, False, True),
     "cluster.intra_node_gbps": (0.0, 1e7, False, True),
     "cluster.inter_node_gbps": (0.0, 1e7, False, True),
     "cluster.memory_reserve_gib": (0.0, 2.0 ** 20, True, True),
+    "train.tokens": (0.0, 1e18, False, True),  # a token budget; null = train.steps
+    "cluster.price_per_device_hour": (0.0, 1e9, True, True),
 }
 
 #: Text fields that name a file or folder: each path component at most 255 bytes (the limit of
 #: every common filesystem), the whole at most 4096 (PATH_MAX).
-PATH_FIELDS = ("recipe", "data.path", "data.tokenizer", "checkpoint.dir", "run.dir", "cluster.slurm.folder",
+PATH_FIELDS = ("recipe", "data.path", "data.tokenizer", "data.cache_dir", "checkpoint.dir", "run.dir", "cluster.slurm.folder",
                "model.init", "train.resume")
 MAX_TEXT = 4096
 MAX_COMPONENT = 255
@@ -108,7 +111,8 @@ def check_int(name: str, value: Any) -> None:
 
 def _bound_float(name: str, value: Any) -> None:
     lo, hi, lo_ok, hi_ok = FLOAT_BOUNDS[name]
-    if value is None and name in ("cluster.device_memory_gib", "cluster.peak_tflops", "model.moe.capacity_factor"):
+    if value is None and name in ("cluster.device_memory_gib", "cluster.peak_tflops", "model.moe.capacity_factor",
+                                  "train.tokens", "cluster.price_per_device_hour"):
         return
     rng = f"{'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):

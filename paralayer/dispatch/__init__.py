@@ -7,12 +7,37 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from paralayer import config as config_mod
 from paralayer.config import Config
+from paralayer.resolve.rules import auto_device
+
+
+class LaunchError(RuntimeError):
+    """A run that cannot start as planned (no CUDA device for a cuda plan, sbatch refused it):
+    the front door prints its one-line message and exits 2; nothing was started."""
+
+
+def check_devices(plans: list[Any]) -> None:
+    """A cuda plan launched here needs the CUDA devices to be visible: never a silent CPU run.
+    (Planning for a GPU cluster from a CPU machine, --dry-run/--plan/--rehearse, never gets here.)"""
+    need = max((int(_plan_value(p, "world_size") or 1) for p in plans if _plan_value(p, "device") == "cuda"),
+               default=0)
+    if not need:
+        return
+    import os
+
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < need:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise LaunchError(f"cluster.device: the plan runs {need} rank(s) on cuda but {have} CUDA device(s) are visible "
+                          f"here (torch {torch.__version__}, CUDA_VISIBLE_DEVICES={vis if vis is not None else 'unset'});"
+                          " nothing was started. Use cluster.device=cpu to train on this machine's CPU, or a SLURM "
+                          "profile to run on GPU nodes (--dry-run and --plan work from here)")
 
 
 def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
@@ -30,9 +55,11 @@ def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
 
 def launch(cfg: Config, plan: Any, args: Any) -> int:
     """Run one resolved recipe; returns the process exit code."""
+    if getattr(args, "timeline", False):  # --timeline is logging.timeline=true
+        cfg.logging.timeline = True
+    if cfg.cluster.backend != "slurm":
+        check_devices([plan])
     run_dir = prepare_run_dir(cfg, plan)
-    if getattr(args, "timeline", False):
-        os.environ["PARALAYER_TIMELINE"] = "1"
     if cfg.cluster.backend == "slurm":
         from paralayer.dispatch import slurm
 
@@ -48,6 +75,8 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     """Run every element of a sweep: one SLURM job array, or one local run after another."""
     from paralayer.dispatch import sweep
 
+    if cfgs[0].cluster.backend != "slurm":
+        check_devices(plans)
     group = cfgs[0].logging.wandb.group or f"{cfgs[0].recipe}-sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     sweep_dir = cfgs[0].run.dir or str(Path("runs") / group)
     overrides = sweep.differing(cfgs)
@@ -97,8 +126,9 @@ def _slurm_settings(cfg: Config, plans: list[Any] | None = None) -> dict:
     c = cfg.cluster
     s = config_mod.to_dict(cfg)["cluster"]["slurm"]
     dpn = [int(v) for v in (_plan_value(p, "devices_per_node") for p in (plans or [])) if v]
+    devices = {d for d in (_plan_value(p, "device") for p in (plans or [])) if d}
     s.update(nodes=c.nodes, devices_per_node=max(dpn) if dpn else (c.devices_per_node or 1),
-             device="cuda" if c.device == "cuda" else "cpu")
+             device=devices.pop() if len(devices) == 1 else auto_device(c.device, c.peak_tflops))
     return s
 
 

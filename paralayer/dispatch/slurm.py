@@ -7,7 +7,8 @@ Each task exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT wit
 ``submitit.helpers.TorchDistributedEnvironment`` and calls the entry point (default
 ``paralayer.runtime.train:main``) with the run directory. The task is ``Checkpointable``: on the
 pre-timeout USR2 signal (or a preemption) rank 0 requeues the job, and the requeued call
-runs with ``PARALAYER_RESUME=auto`` so the training code resumes from its latest checkpoint.
+passes the config override ``train.resume=auto`` to the entry (``main(run_dir, "train.resume=auto")``)
+so the training code resumes from its latest checkpoint.
 
 Usage::
 
@@ -32,7 +33,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENTRY = "paralayer.runtime.train:main"
-RESUME_ENV = "PARALAYER_RESUME"
 
 # the variables TorchDistributedEnvironment sets; a copy inherited from the submitter
 # (sbatch exports the caller's environment) must not leak into the ranks
@@ -50,11 +50,14 @@ from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and fol
     follow,
 )
 
+from paralayer.dispatch import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
+from paralayer.resolve.rules import auto_device  # noqa: E402 - the one rule for device: auto
+
 LOCAL_SLURM_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm"), "etc", "slurm.conf")
 
 
-class DispatchError(RuntimeError):
-    """Bad cluster settings or run directories, or sbatch refused the job."""
+class DispatchError(LaunchError):
+    """Bad cluster settings or run directories, or sbatch refused the job (one line)."""
 
 
 def resolve_entry(entry: str | Callable[[str], Any]) -> Callable[[str], Any]:
@@ -88,7 +91,7 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
     """What each SLURM task runs: export the torch.distributed variables, call the entry point.
 
     Picklable: holds only strings. ``resume`` is set to ``"auto"`` on the copy that
-    ``checkpoint()`` resubmits, and exported as ``PARALAYER_RESUME`` before the entry runs.
+    ``checkpoint()`` resubmits; the entry then gets the override ``train.resume=auto``.
     """
 
     def __init__(self, run_dir: str, entry: str = DEFAULT_ENTRY, resume: str | None = None,
@@ -104,13 +107,12 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
         for k in _DIST_VARS:
             os.environ.pop(k, None)
         os.environ.update(self.env)
-        if self.resume:
-            os.environ[RESUME_ENV] = self.resume
-        elif int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        resume = self.resume
+        if not resume and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
             # requeued without our checkpoint() running (a bare `scontrol requeue`, a node failure,
             # a requeue by the admin): the batch script re-runs from its start with the original
             # pickled task, so resume from the newest periodic checkpoint of the run
-            os.environ[RESUME_ENV] = "auto"
+            resume = "auto"
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True)
         want = _plan_world(self.run_dir)
@@ -128,20 +130,43 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
             os.environ["WORLD_SIZE"] = str(want)
         print(f"[paralayer.slurm] rank {dist_env.rank}/{dist_env.world_size} "
               f"(local {dist_env.local_rank}) master {dist_env.master_addr}:{dist_env.master_port} "
-              f"run_dir={self.run_dir} resume={os.environ.get(RESUME_ENV, '-')}", flush=True)
+              f"run_dir={self.run_dir} resume={resume or '-'}", flush=True)
+        _require_planned_device(self.run_dir, dist_env.rank)
         fn = resolve_entry(self.entry)
-        return fn(self.run_dir)
+        return fn(self.run_dir, f"train.resume={resume}") if resume else fn(self.run_dir)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """Called by submitit on rank 0 at USR2 (timeout) or preemption: requeue with resume=auto."""
         import submitit.helpers
 
-        os.environ[RESUME_ENV] = "auto"
         nxt = RankTask(self.run_dir, self.entry, resume="auto", env=self.env)
         return submitit.helpers.DelayedSubmission(nxt, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"RankTask(run_dir={self.run_dir!r}, entry={self.entry!r}, resume={self.resume!r})"
+
+
+def _require_planned_device(run_dir: str, rank: int) -> None:
+    """A cuda plan on a node where this task sees no CUDA device stops here, naming the rank and the
+    node, instead of training on the CPU (srun --kill-on-bad-exit ends the other tasks)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "plan.json")) as f:
+            device = json.load(f).get("device")
+    except (OSError, ValueError, AttributeError):
+        return
+    if device != "cuda":
+        return
+    import socket
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"rank {rank} on {socket.gethostname()}: the plan runs on cuda but this task sees no CUDA "
+                           f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, "
+                           f"SLURM_JOB_GPUS={os.environ.get('SLURM_JOB_GPUS', 'unset')}); ask for GPUs with "
+                           "cluster.slurm.gpus_per_node, or plan with cluster.device=cpu. Nothing was trained on CPU")
 
 
 def _plan_world(run_dir: str) -> int | None:
@@ -205,7 +230,7 @@ def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralaye
         raise DispatchError(f"cluster.nodes={nodes}, cluster.devices_per_node={tasks_per_node}: must be >= 1")
     device = str(cluster.get("device") or "auto").lower()
     if device == "auto":
-        device = "cuda" if int(cluster.get("gpus_per_node") or 0) > 0 else "cpu"
+        device = auto_device(device, cluster.get("peak_tflops"))
     if device not in ("cpu", "cuda", "gpu"):
         raise DispatchError(f"cluster.device={device!r}: expected one of 'cpu', 'cuda'")
     time_min = int(cluster.get("time_min") or 60)
@@ -339,7 +364,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
 
         msgs = list(dict.fromkeys(m.strip() for m in re.findall(r"sbatch: error: [^\n]*?(?=sbatch: error:|\n|$)",
                                                                  str(e))))
-        raise DispatchError("submission failed: " + ("; ".join(msgs) if msgs else str(e))) from e
+        text = "; ".join(msgs) if msgs else " ".join(str(e).split()) or type(e).__name__
+        raise DispatchError(f"cluster.slurm: submission failed: {text[:500]}") from e
 
     stdout, stderr = [], []
     for j in jobs:

@@ -1,0 +1,88 @@
+"""Test-only fault injection into ranks that the launcher starts (the production loop has none).
+
+``fault_env(tmp_dir, "raise:1:3")`` returns an environment whose PYTHONPATH starts with a folder
+holding a ``sitecustomize.py``; every Python process started with it (the launcher, then each
+rank) registers an import hook. When a rank imports ``paralayer.runtime.train``, the hook wraps
+its ``main`` so that ``train`` runs with :class:`FaultHooks` — a ``StepHooks`` that, on the
+chosen rank at the chosen step, raises (``raise``), kills itself with SIGKILL (``kill``), or makes
+its loss NaN (``nan``, which the global loss then carries to every rank).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = "paralayer.runtime.train"
+
+
+def fault_env(tmp_dir, spec: str, base: dict | None = None) -> dict:
+    """An environment that installs the fault ``KIND:RANK:STEP`` in every rank started with it."""
+    folder = Path(tmp_dir) / "fault-hook"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        f"from tests.fault_hook import install_on_import\ninstall_on_import({spec!r})\n")
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def make_hooks(module, spec: str):
+    """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``."""
+    kind, rank_s, step_s = spec.split(":")
+    at_rank, at_step = int(rank_s), int(step_s)
+
+    class FaultHooks(module.StepHooks):
+        def before_forward(self, rank: int, step: int) -> None:
+            if (rank, step) != (at_rank, at_step) or kind == "nan":
+                return
+            when = f"at unix time {time.time():.3f}"
+            if kind == "kill":
+                print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), 9)
+            raise RuntimeError(f"injected fault on rank {rank} at step {step} {when}")
+
+        def local_loss(self, rank: int, step: int, loss):
+            if kind == "nan" and (rank, step) == (at_rank, at_step):
+                return loss * float("nan")
+            return loss
+
+    return FaultHooks()
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET:
+            return None
+        found = importlib.machinery.PathFinder.find_spec(name, path)
+        if found is None or found.loader is None:
+            return None
+        exec_module = found.loader.exec_module
+
+        def exec_and_install(module):
+            exec_module(module)
+            main = module.main
+
+            @functools.wraps(main)
+            def main_with_fault(run_dir, *args, **kwargs):
+                kwargs.setdefault("hooks", make_hooks(module, self.spec))
+                return main(run_dir, *args, **kwargs)
+
+            module.main = main_with_fault
+
+        found.loader.exec_module = exec_and_install
+        return found
+
+
+def install_on_import(spec: str) -> None:
+    """Called from the generated sitecustomize.py: install the fault when the runtime is imported."""
+    sys.meta_path.insert(0, _InstallOnImport(spec))
