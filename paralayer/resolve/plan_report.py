@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from paralayer.config import Config
 from paralayer.resolve.machine import Machine, machine_for
+from paralayer.resolve import strict_json
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.planner import plan_layouts
 
@@ -55,34 +56,84 @@ def why_slower(d: dict, best: dict, mach: Machine) -> str:
 
 
 # ------------------------------------------------------------------ CLI
-def run(cfg: Config, args: Any) -> int:  # noqa: D401
-    """``launch.py --plan [--json]``: the ranked layouts; exit 0 if any layout fits, else 2."""
-    stats: dict = {}
-    plans = plan_layouts(cfg, stats=stats)
+#: overrides that narrow ``--plan``: dotted key -> the planner's ``fixed`` name
+NARROWING = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.vpp": "vpp", "parallel.cp": "cp",
+             "parallel.ep": "ep", "parallel.dp": "dp", "parallel.schedule": "schedule", "parallel.zero": "zero",
+             "parallel.recompute": "recompute", "parallel.tp_overlap": "tp_overlap", "train.micro_batch": "micro_batch"}
+#: rows of the table when --top is not given
+TABLE_ROWS = 15
+
+
+def fixed_from_overrides(overrides: list[str], cfg: Config) -> dict:
+    """The layout settings given on the command line (their typed values from ``cfg``): ``--plan``
+    lists only layouts with them. The recipe's own degrees do not narrow (they are what is being
+    planned); ``parallel.dp=auto`` does not either."""
+    fixed = {}
+    for ov in overrides:
+        key = ov.partition("=")[0].strip()
+        if key in NARROWING:
+            section, _, name = key.partition(".")
+            value = getattr(getattr(cfg, section), name)
+            if value != "auto":
+                fixed[NARROWING[key]] = value
+    return fixed
+
+
+def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D401
+    """``launch.py --plan [--json] [--top N] [parallel.tp=8 ...]``: the ranked layouts (by time to
+    train: every layout trains the same tokens per step, so by step time), narrowed to the degrees
+    given as overrides; exit 0 if any layout fits, else 2."""
+    top = getattr(args, "top", None)
+    if top is not None and top < 1:
+        print(f"error: --top: must be a whole number >= 1, got {top}", file=sys.stderr)
+        return 2
     as_json = getattr(args, "json", False)
-    finish(plans, cfg, upto=None if as_json else 15)
+    stats: dict = {}
+    plans = plan_layouts(cfg, stats=stats, top=top if (top or as_json) else TABLE_ROWS, fixed=fixed)
+    finish(plans, cfg)
+    if not plans:  # say so on stderr, with the closest layouts and why each fails (exit 2 below)
+        from paralayer.resolve import no_fit
+
+        no_fit.report(cfg, stats, fixed)
     if as_json:
-        print(json.dumps(plans))
+        print(strict_json.dumps(plans))
+        if stats["unexplored"] and not top:
+            print(f"warning: {stats['unexplored']:,} layout structures not explored (more than "
+                  f"{stats['considered']:,}); narrow with overrides or use --top", file=sys.stderr)
         return 0 if plans else 2
-    print_plans(cfg, plans, stats)
+    print_plans(cfg, plans, stats, top=top or TABLE_ROWS)
     return 0 if plans else 2
 
 
-def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, console: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = console or Console(file=sys.stdout, width=max(160, Console().width))
+def _header(cfg: Config, stats: dict, con: Any) -> None:
     mach = stats["machine"]
     con.print(f"[bold]{cfg.recipe}[/bold] on {cfg.cluster.name}: {mach['nodes']} node(s) × "
               f"{mach['devices_per_node']} = {mach['world']} devices; peak {mach['peak_tflops']:g} TFLOP/s × "
-              f"efficiency {mach['efficiency']:g}; links {mach['intra_gbps']:g} GB/s in a node, "
-              f"{mach['inter_gbps']:g} GB/s across")
-    con.print(f"{stats['considered']:,} layout structures considered, {stats['listed']:,} layouts fit and are "
-              f"listed, planned in {stats['seconds']:.2f} s CPU")
-    t = Table(title=f"Top {min(top, len(plans))} layouts (best first)")
-    for c in ("#", "tp", "ovl", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
-              "tok/s", "MFU", "bubble", "mem GiB", "why it loses to #1"):
+              f"efficiency {mach['efficiency']:.3g}; links {mach['intra_gbps']:.4g} GB/s in a node, "
+              f"{mach['inter_gbps']:.4g} GB/s across (effective)")
+    fixed = stats.get("fixed") or {}
+    if fixed:
+        con.print("fixed on the command line: " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+                  + " (only layouts with these are listed)")
+    more = (f"; {stats['unexplored']:,} structures not explored (their lower bound on step time cannot reach "
+            "the listed ones)" if stats.get("unexplored") else "")
+    con.print(f"{stats['considered']:,} layout structures evaluated, {stats['listed']:,} layouts fit{more}; "
+              f"planned in {stats['seconds']:.2f} s CPU")
+
+
+def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_ROWS, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console(file=sys.stdout, width=max(170, Console().width))
+    _header(cfg, stats, con)
+    priced = cfg.cluster.price_per_device_hour is not None
+    basis = plans[0]["train_tokens_from"] if plans else "train.tokens"
+    t = Table(title=f"Top {min(top, len(plans))} layouts, ranked by time to train "
+                    f"({plans[0]['train_tokens']:.3g} tokens from {basis})" if plans else "No layout")
+    cols = ["#", "tp", "ovl", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
+            "tok/s", "MFU", "bubble", "mem GiB", "days", "device-h"] + (["cost"] if priced else []) + ["why it loses to #1"]
+    for c in cols:
         t.add_column(c, justify="left" if c in ("schedule", "recompute", "why it loses to #1") else "right")
     for d in plans[:top]:
         g = d["degrees"]
@@ -90,7 +141,8 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, cons
                   *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
                   str(d["zero"]), d["recompute"], str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
                   f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
-                  f"{d['memory']['total'] / GIB:.1f}", d["why"])
+                  f"{d['memory']['total'] / GIB:.1f}", f"{d['train_days']:.3g}", f"{d['device_hours']:,.0f}",
+                  *([f"{d['train_cost']:,.0f}"] if priced else []), d["why"])
     con.print(t)
     if stats["dropped"]:
         t = Table(title="Dropped layouts, by reason")
@@ -100,9 +152,11 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = 15, cons
             t.add_row(reason, f"{n:,}")
         con.print(t)
     if plans:
+        con.print("[dim]time to train: ideal steps only (no failures, restarts, checkpoint stalls, evaluation)[/dim]")
         con.print("run the first: python launch.py recipe=" + cfg.recipe + " " + " ".join(plans[0]["overrides"]))
     else:
-        con.print("[red]no layout fits[/red]")
+        con.print("[red]no layout fits[/red]" + (" with the degrees fixed on the command line" if stats.get("fixed")
+                                                  else ""))
 
 
-__all__ = ["finish", "why_slower", "print_plans", "run"]
+__all__ = ["finish", "why_slower", "print_plans", "run", "fixed_from_overrides"]
