@@ -34,6 +34,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -108,6 +109,7 @@ def _worker(rank: int, world: int, overrides: list, steps: int) -> Any:
             return super()._pack(t)
 
     cfg = load_config(overrides)
+    cfg.data.cache_dir = os.path.join(tempfile.gettempdir(), "paralayer-calibrate-cache")
     plan = resolve(cfg).to_dict()
     per_step: list = []
     fwd_params: dict = {}
@@ -302,9 +304,6 @@ def main(argv=None) -> int:
     ap.add_argument("--load", default=None, help="refit from saved measurements instead of running")
     a = ap.parse_args(argv)
 
-    import tempfile
-
-    os.environ.setdefault("PARALAYER_CACHE", os.path.join(tempfile.gettempdir(), "paralayer-calibrate-cache"))
     import torch
 
     import paralayer.runtime.train  # noqa: F401 - imported once, before forking the ranks

@@ -9,10 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-runs/gpu-bench}}"
 mkdir -p "$OUT"
-export PARALAYER_CACHE="$OUT/cache"
+CACHE="$OUT/cache"  # data.cache_dir below
 python -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; print(torch.cuda.get_device_name(0), torch.__version__)" | tee "$OUT/device.txt"
 python launch.py recipe=llama-1b cluster=local cluster.device=cuda cluster.devices_per_node=1 \
-    train.steps=30 logging.wandb.mode=disabled run.dir="$OUT/llama-1b" 2>&1 | tee "$OUT/train.log" | grep -v "^step [0-9]*/" || true
+    train.steps=30 logging.wandb.mode=disabled run.dir="$OUT/llama-1b" data.cache_dir="$CACHE" 2>&1 | tee "$OUT/train.log" | grep -v "^step [0-9]*/" || true
 python - "$OUT" <<'PY' | tee "$OUT/gpu-bench.md"
 import json, statistics, sys
 out = sys.argv[1]

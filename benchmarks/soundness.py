@@ -17,6 +17,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -87,6 +88,7 @@ def _worker(rank: int, world: int, overrides: list) -> Any:
     from paralayer.runtime.train import train
 
     cfg = load_config(overrides)
+    cfg.data.cache_dir = os.path.join(tempfile.gettempdir(), "paralayer-soundness-cache")
     plan = resolve(cfg).to_dict()
     recs = train(cfg, plan)
     return [(r["loss"], r["step_time_s"]) for r in recs]
@@ -117,9 +119,6 @@ def run_one(sample: dict, timeout_s: float = 120) -> dict:
 def sweep(n: int, seed: int = 0, worlds=(2, 4, 8), steps: int = 2, timeout_s: float = 120,
           log=None) -> list[dict]:
     """Sample n layouts and run each; returns one result per layout."""
-    import tempfile
-
-    os.environ.setdefault("PARALAYER_CACHE", os.path.join(tempfile.gettempdir(), "paralayer-soundness-cache"))
     import torch  # noqa: F401 - imported once before forking the ranks
 
     import paralayer.runtime.train  # noqa: F401
