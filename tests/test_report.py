@@ -172,6 +172,8 @@ def test_last_error_line():
     assert R.last_error_line("torch.distributed.DistBackendError: gloo: timeout\n\n") == \
         "torch.distributed.DistBackendError: gloo: timeout"
     assert R.last_error_line("just words\nlast words\n") == "last words"
+    assert R.last_error_line("[rank1]:   raise X\n[rank1]: KeyError: 'k'\nsrun: error: Terminating\n") == \
+        "[rank1]: KeyError: 'k'"
     assert R.last_error_line("") == ""
 
 

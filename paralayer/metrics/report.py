@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -211,9 +212,10 @@ def last_error_line(text: str) -> str:
     else the last non-empty line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        head = ln.split(":", 1)[0].split(".")[-1]
-        if ":" in ln and head.isidentifier() and head.endswith(("Error", "Exception", "Interrupt", "Exit",
-                                                                  "Loss", "Failure")):
+        bare = re.sub(r"^\[[^\]]*\]:?\s*", "", ln)  # torch's "[rank0]: " prefix
+        head = bare.split(":", 1)[0].split(".")[-1]
+        if ":" in bare and head.isidentifier() and head.endswith(("Error", "Exception", "Interrupt", "Exit",
+                                                                    "Loss", "Failure")):
             return ln
     return lines[-1] if lines else ""
 
@@ -229,16 +231,20 @@ def _read_text(path: str, tail_bytes: int = 65536) -> str:
 
 
 def _slurm_state(job_id: str) -> Optional[str]:
-    """sacct's state of one job (array element ids like 12_0 included), or None."""
-    try:
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id.split("_")[0]],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        parts = line.split("|")
-        if len(parts) >= 2 and parts[0].strip() == job_id and parts[1].split():
-            return parts[1].split()[0].upper()
+    """The job's state (array element ids like 12_0 included): slurmctld's (squeue) while it is
+    queued or running, where sacct still lists a pending array as one line; sacct's after. None
+    when neither knows it."""
+    base = job_id.split("_")[0]
+    for cmd in (["squeue", "-h", "-r", "-o", "%i|%T", "-j", base],
+                ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", base]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) >= 2 and parts[0] == job_id and parts[1].split():
+                return parts[1].split()[0].upper()
     return None
 
 
@@ -254,7 +260,7 @@ def run_state(run_dir: str, meta: Dict[str, Any], last_step: int, planned: int) 
         sstate = _slurm_state(str(slurm["job_id"])) or sstate
     if not err and (sstate or "COMPLETED") != "COMPLETED":
         logs = [last_error_line(_read_text(p)) for p in slurm.get("stderr", [])]
-        err = next((ln for ln in logs if ln and ln.split(":", 1)[0].endswith(("Error", "Exception", "Loss"))),
+        err = next((ln for ln in logs if re.search(r"(Error|Exception|Loss)\b:", ln)),
                    next((ln for ln in logs if ln), ""))
     done = planned > 0 and last_step >= planned
     if err:
@@ -389,6 +395,7 @@ def print_table(rows: Sequence[Row], file: Any = None) -> None:
     """The table on the console (rich): one cell per quantity, ``predicted → measured`` over
     ``×ratio``; each run that did not complete is followed by its error line."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console(file=file or sys.stdout, width=max(180, Console().width))
@@ -406,11 +413,12 @@ def print_table(rows: Sequence[Row], file: Any = None) -> None:
             pm = f"{_fmt(key, r.predicted.get(key))} → {_fmt(key, r.measured.get(key))}"
             cells.append(f"{pm}\n×{_ratio(r.ratio(key))}")
         cells.append("-" if r.final_loss is None else f"{r.final_loss:.4f}")
-        t.add_row(*cells, style=None if r.state == "completed" else "red")
+        t.add_row(*(escape(c) for c in cells), style=None if r.state == "completed" else "red")
     con.print(t)
     for r in rows:
         if r.state != "completed":
-            con.print(f"[red]{r.label}[/red]: {r.state}: {r.error or 'no error recorded'}", highlight=False)
+            con.print(f"[red]{escape(r.label)}[/red]: {r.state}" + (f": {escape(r.error)}" if r.error else ""),
+                      highlight=False)
 
 
 # ------------------------------------------------------------------ entry points
