@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralayer.compat import flatten_mesh
+from paralayer.resolve.plan import plan_field
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -43,13 +44,14 @@ class Meshes:
         return self[axis].get_local_rank()
 
 
-def build_mesh(plan: dict, device_type: str) -> Meshes:
-    d = plan["degrees"]
+def build_mesh(plan: Any, device_type: str) -> Meshes:
+    """The meshes of a :class:`~paralayer.resolve.plan.Plan` (or its JSON dict)."""
+    d = plan_field(plan, "degrees")
     shape = tuple(int(d[a]) for a in AXES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
     dp_cp = flatten_mesh(world["dp", "cp"], "dp_cp")
     expert = None
-    ep = int(d.get("ep", 1))
+    ep = int(d["ep"])
     if ep > 1:
         pp, dp, cp, tp = shape
         ranks = torch.arange(pp * dp * cp * tp).view(pp, dp * cp // ep, ep, tp)

@@ -53,7 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer.clock import StepClock
-from paralayer.compat import all_gather_single, is_view, stage_action_methods
+from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
+from paralayer.resolve.plan import plan_field
 
 V_SCHEDULES = ("zbv", "dualpipev")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
@@ -142,20 +143,19 @@ def default_stage_layers(n_layers: int, pp: int, vpp: int = 1, schedule: str = "
     return out
 
 
-def _plan_layout(plan: dict) -> tuple[int, str, list[list[int]]]:
-    d = plan["degrees"]
-    pp = int(d["pp"])
-    schedule = str(plan.get("schedule") or "1f1b")
+def _plan_layout(plan: Any) -> tuple[int, str, list[list[int]]]:
+    pp = int(plan_field(plan, "degrees")["pp"])
+    schedule = str(plan_field(plan, "schedule"))
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    stage_layers = plan.get("stage_layers")
+    stage_layers = plan_field(plan, "stage_layers")
     if not stage_layers:
         raise ValueError("plan has no stage_layers (the resolver lists the layers of every pipeline chunk)")
     return pp, schedule, [list(map(int, s)) for s in stage_layers]
 
 
 # ------------------------------------------------------------------ split
-def split_model(model: nn.Module, plan: dict, pp_rank: int) -> list[nn.Module]:
+def split_model(model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
     """This rank's pipeline chunks, in pipeline order: deep copies of the (meta) model holding
     only their layers; the embedding stays on chunk 0, norm + head on the last chunk.
 
@@ -236,7 +236,7 @@ def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
     after FSDP's post-backward hook), so they keep torch's behaviour.
     """
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.pipelining._backward import stage_backward
+    stage_backward = private("torch.distributed.pipelining._backward", "stage_backward")
 
     mod = stage.submod
     if not isinstance(mod, FSDPModule):
@@ -261,7 +261,7 @@ def _static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
     """The schedule's P2P warm-up, rehearsed: its vote (an all-reduce read back with ``.item()``)
     and its pickled shapes cannot cross the fake process group, and every stage was built with
     static shapes (``_static_stage_args``), which is what the vote would have agreed on."""
-    from torch.distributed.pipelining._utils import InferenceMode
+    InferenceMode = private("torch.distributed.pipelining._utils", "InferenceMode")
 
     for st in stages:
         st._inference_mode = InferenceMode.STATIC
@@ -272,7 +272,7 @@ def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> 
 
     A chunk's input is the token ids (chunk 0) or the residual stream in fp32 (b, s/cp, h), split
     over tp under sequence parallel; its output comes from running the chunk once without grad."""
-    d = plan["degrees"]
+    d = plan_field(plan, "degrees")
     b, s = runner.microbatch_shape
     tp = int(d["tp"])
     out: dict = {}
@@ -280,8 +280,9 @@ def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> 
         if c == 0:
             x = torch.zeros((b, s), dtype=torch.long, device=runner.device)
         else:
-            s_stream = s // tp if (tp > 1 and plan.get("sequence_parallel", True)) else s
-            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=torch.float32, device=runner.device)
+            s_stream = s // tp if (tp > 1 and plan_field(plan, "sequence_parallel")) else s
+            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=torch.float32, device=runner.device,
+                            requires_grad=True)  # received activations carry the backward
         ctx = contextlib.ExitStack()
         if runner.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -291,7 +292,11 @@ def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> 
             ctx.enter_context(torch.autocast(runner.device.type, dtype=autocast_dtype))
         with ctx, torch.no_grad():
             y = mod(x)
-        out[c] = {"input_args": (x,), "output_args": (y,)}
+        y = y.detach().requires_grad_(True)
+        last = c == runner.n_chunks - 1
+        out[c] = {"input_args": (x,), "output_args": (y,),
+                  "output_grads": (None,) if last else (torch.zeros_like(y),),
+                  "input_grads": (None,) if c == 0 else (torch.zeros_like(x),)}
     return out
 
 
@@ -302,7 +307,8 @@ class PipelineRunner:
     Args:
         chunks: this rank's chunks from :func:`split_model`, after TP/FSDP and materialisation.
         pp_group: the pp ProcessGroup, or a 1-D DeviceMesh of the pp axis.
-        plan: the plan dict (``degrees``, ``microbatches``, ``schedule``, ``stage_layers``).
+        plan: the :class:`~paralayer.resolve.plan.Plan`, or a dict with its ``degrees``,
+            ``microbatches``, ``schedule`` and ``stage_layers``.
         loss_fn: ``loss_fn(logits, labels) -> scalar`` MEAN loss of one microbatch.
         device: the device the stages run on.
         microbatch_shape: optional (b, s) of one microbatch's tokens; checked against step()'s input.
@@ -321,7 +327,7 @@ class PipelineRunner:
     pp ranks), ``busy_by_rank`` / ``window`` (seconds).
     """
 
-    def __init__(self, chunks: Sequence[nn.Module], pp_group: Any, plan: dict,
+    def __init__(self, chunks: Sequence[nn.Module], pp_group: Any, plan: Any,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
                  microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
@@ -339,7 +345,7 @@ class PipelineRunner:
             raise ValueError(f"pp group has {dist.get_world_size(pp_group)} ranks, plan says pp={self.pp}")
         self.pp_rank = dist.get_rank(pp_group) if pp_rank is None else pp_rank
         self.n_chunks = len(stage_layers)
-        self.m = int(plan["microbatches"])
+        self.m = int(plan_field(plan, "microbatches"))
         self.device = torch.device(device)
         self.microbatch_shape = tuple(microbatch_shape) if microbatch_shape is not None else None
         self.loss_parallel = loss_parallel

@@ -84,6 +84,17 @@ class Plan:
         return self.valid and self.fits
 
 
+def plan_field(plan: Any, key: str) -> Any:
+    """``key`` of a :class:`Plan` or of its JSON dict (a test's hand-made layout); a missing key is
+    an error naming it, never a silent default."""
+    if isinstance(plan, Plan):
+        return getattr(plan, key) if key in plan.__dataclass_fields__ else plan.extra[key]
+    try:
+        return plan[key]
+    except KeyError:
+        raise KeyError(f"plan has no {key!r} (plan.json is written by paralayer's resolver)") from None
+
+
 def _group(axis_sizes: dict, members: dict) -> list[int]:
     """Global ranks of the group through rank 0 that varies the axes in ``members`` (size each)."""
     strides, s = {}, 1

@@ -85,7 +85,7 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     if pp > 1:
         from paralayer.parallel import pipeline
 
-        chunks = pipeline.split_model(model, plan.to_dict(), meshes.local_rank("pp"))
+        chunks = pipeline.split_model(model, plan, meshes.local_rank("pp"))
     else:
         chunks = [model]
     for chunk in chunks:
@@ -256,7 +256,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
     device = resolve_device(plan)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    meshes = build_mesh(plan.to_dict(), device.type)
+    meshes = build_mesh(plan, device.type)
     torch.manual_seed(cfg.train.seed)
     built = build_model(cfg, plan, meshes, device)
     opt, sched = build_optimizer(cfg, built, meshes)
@@ -317,7 +317,7 @@ def build_runner(run: RankRun):
     from paralayer.parallel.pipeline import PipelineRunner
 
     moe = cfg.model.moe
-    runner = PipelineRunner(run.built.chunks, run.meshes["pp"], run.plan.to_dict(), run.loss_fn, run.device,
+    runner = PipelineRunner(run.built.chunks, run.meshes["pp"], run.plan, run.loss_fn, run.device,
                             microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
                             loss_parallel=d["tp"] > 1,
                             aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
