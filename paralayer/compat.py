@@ -102,6 +102,34 @@ def fake_store() -> Any:
     return _attr(mod, "FakeStore", "torch.testing._internal.distributed.fake_pg.FakeStore")()
 
 
+#: private modules and names reached by path: (module, attribute or None for the module itself)
+PRIVATE_NAMES = (
+    ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
+    ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
+    ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # runtime/rehearse_rank.py
+    ("torch._subclasses.fake_tensor", "FakeTensor"),               # runtime/rehearse_flops.py
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # runtime/rehearse_flops.py
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),         # runtime/rehearse_comm.py
+    ("torch.utils._pytree", "tree_flatten"),                       # runtime/rehearse_comm.py
+    ("torch", "_foreach_norm"),                                    # parallel/data.py (clip)
+    ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
+)
+
+
+def private(module: str, name: Optional[str] = None) -> Any:
+    """A private torch module (``name`` None) or a name in it, listed in PRIVATE_NAMES; a clear
+    CompatError naming it and the torch version when this torch lacks it."""
+    if (module, name) not in PRIVATE_NAMES:
+        raise ValueError(f"{module}.{name} is not a registered private API: add it to PRIVATE_NAMES")
+    what = module if name is None else f"{module}.{name}"
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        raise _missing(what) from None
+    return mod if name is None else _attr(mod, name, what)
+
+
 # ------------------------------------------------------------------ newer public APIs, with fallbacks
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                       _api: Optional[Callable[..., Any]] = None) -> None:
@@ -132,6 +160,11 @@ REQUIRED = {
 def check() -> list[str]:
     """Names of the required private APIs missing from this torch (empty when all are there)."""
     missing = []
+    for module, name in PRIVATE_NAMES:
+        try:
+            private(module, name)
+        except CompatError:
+            missing.append(module if name is None else f"{module}.{name}")
     for name, probe in REQUIRED.items():
         try:
             if not probe():

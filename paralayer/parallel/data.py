@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from paralayer.compat import private
 from paralayer.parallel.grad_sync import GradReducer  # noqa: F401 - ZeRO-0/1 gradient averaging lives there
 from paralayer.parallel.tensor import local_tensor as _local
 
@@ -152,7 +153,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Option
     keys = sorted(parts)
     sums = torch.zeros(max(len(keys), 1), dtype=torch.float32, device=device)
     for i, k in enumerate(keys):
-        norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in parts[k]], 2)
+        norms = private("torch", "_foreach_norm")([t.float() if t.dtype != torch.float32 else t for t in parts[k]], 2)
         sums[i] = torch.stack(norms).square().sum()
     for name in sorted(groups):
         rows = [i for i, k in enumerate(keys) if name in k[1]]
@@ -173,7 +174,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Option
     if as_tensor:
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm_t + 1e-6), max=1.0)
-            torch._foreach_mul_([_local(g) for g in grads], coef)
+            private("torch", "_foreach_mul_")([_local(g) for g in grads], coef)
         return norm_t
     norm = float(norm_t)
     if max_norm > 0 and math.isfinite(norm):

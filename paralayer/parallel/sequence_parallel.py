@@ -23,8 +23,11 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
+
+from paralayer.compat import private
+
+funcol = private("torch.distributed._functional_collectives")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,11 @@ from collections import Counter
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from paralayer.compat import private
+
+TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
+tree_flatten = private("torch.utils._pytree", "tree_flatten")
 
 #: dispatcher op name (``c10d`` and ``_c10d_functional``) → the collective's kind
 KINDS = {

@@ -25,7 +25,9 @@ class _LocalFlopMode(fc._FlopCounterMode):
 
 def _foreign(args, fake_mode) -> bool:
     """True when the op's first tensor is meta or belongs to another FakeTensorMode than the step's."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from paralayer.compat import private
+
+    FakeTensor = private("torch._subclasses.fake_tensor", "FakeTensor")
 
     for a in args:
         if isinstance(a, (list, tuple)) and a:
@@ -71,8 +73,10 @@ class LocalFlopCounter(fc.FlopCounterMode):
         """DTensor's sharding propagation runs each new op once more on fake tensors of the GLOBAL
         shape, to learn the output's shape: work no device does, so it is not counted."""
         try:
-            from torch.distributed.tensor._sharding_prop import ShardingPropagator
-        except ImportError:  # pragma: no cover - other torch versions
+            from paralayer.compat import CompatError, private
+
+            ShardingPropagator = private("torch.distributed.tensor._sharding_prop", "ShardingPropagator")
+        except CompatError:  # pragma: no cover - other torch versions
             return
         name = "_propagate_tensor_meta_non_cached"
         orig = getattr(ShardingPropagator, name, None)

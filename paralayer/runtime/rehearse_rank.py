@@ -38,9 +38,9 @@ class RehearsalError(RuntimeError):
 
 
 def _init_fake(rank: int, world: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from paralayer.compat import fake_store
 
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=fake_store())
 
 
 def _module_of(exc: BaseException) -> str:
@@ -117,7 +117,9 @@ def _step(cfg: Config, plan: dict, built: Any, opt: Any, reducer: Any, runner: A
 def rehearse_rank(cfg: Config, plan: dict, rank: int) -> dict:
     """Build and step ``rank`` of ``plan``'s world on fake tensors; measure what it holds, sends
     and computes. Raises :class:`RehearsalError` naming the rank and the module on failure."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from paralayer.compat import private
+
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
 
     from paralayer.parallel import data as dpar
     from paralayer.parallel import tied_embeddings as tied
