@@ -3,6 +3,11 @@
 Fork keeps the parent's already-imported torch, so a 4-rank test starts in well under a second
 instead of ~5 s of imports per rank. Every rank gets a process group with a short timeout, so an
 unmatched collective fails the test instead of hanging CI.
+
+``PARALAYER_TEST_BACKEND=nccl`` (a multi-GPU box) runs the same tests on NCCL: one GPU per rank
+(rank % visible GPUs), ranks started with spawn (a forked child cannot use CUDA), and
+:func:`cfg_and_plan` puts the run on ``cluster.device=cuda``, so the parity suite's train() runs
+on the GPUs. Tests whose workers build CPU tensors by hand stay gloo-only.
 """
 from __future__ import annotations
 
@@ -11,12 +16,21 @@ import multiprocessing as mp
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 DEFAULT_TIMEOUT_S = 120
+BACKENDS = ("gloo", "nccl")
 
 
-def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s):
+def backend() -> str:
+    """The process-group backend the tests use: PARALAYER_TEST_BACKEND (gloo unless set)."""
+    b = os.environ.get("PARALAYER_TEST_BACKEND", "gloo")
+    if b not in BACKENDS:
+        raise ValueError(f"PARALAYER_TEST_BACKEND={b!r}; valid: {', '.join(BACKENDS)}")
+    return b
+
+
+def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s, kind="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -24,8 +38,11 @@ def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s):
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
+        if kind == "nccl":
+            os.environ["LOCAL_RANK"] = str(rank)  # train.resolve_device picks this GPU
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            kind, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world_size, *args)
@@ -41,17 +58,19 @@ def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = DEFAULT_TIMEOUT_S, pg_timeout_s: float = 60) -> list[Any]:
+              timeout_s: float = DEFAULT_TIMEOUT_S, pg_timeout_s: float = 60,
+              backend_name: Optional[str] = None) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function; its return value must be picklable (use
     ``.tolist()`` or ``.item()`` for tensors). Raises AssertionError naming the failing rank.
     """
-    ctx = mp.get_context("fork")
+    kind = backend_name or backend()
+    ctx = mp.get_context("spawn" if kind == "nccl" else "fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, args, queue, pg_timeout_s))
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, args, queue, pg_timeout_s, kind))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -91,6 +110,8 @@ def cfg_and_plan(overrides: list[str]):
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve
 
+    if backend() == "nccl":
+        overrides = list(overrides) + ["cluster.device=cuda"]
     cfg = load_config(list(overrides))
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
