@@ -49,5 +49,12 @@ def check_tree(node: Any, prefix: str = "") -> None:
         check_text(prefix.rstrip(".") or "recipe", node)
 
 
-def is_reference(value: str) -> bool:
-    return "${" in value
+def references(node: Any, prefix: str = "") -> list[str]:
+    """The dotted fields of a plain tree (or a list of trees) whose text holds a ``${...}``."""
+    if isinstance(node, list) and prefix == "":
+        return [f for n in node for f in references(n)]
+    if isinstance(node, dict):
+        return [f for k, v in node.items() for f in references(v, f"{prefix}{k}.")]
+    if isinstance(node, (list, tuple)):
+        return [f for v in node for f in references(v, prefix)]
+    return [prefix.rstrip(".")] if isinstance(node, str) and "${" in node else []

@@ -321,6 +321,11 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
+        if not getattr(exc, "full_key", None):  # a reference that resolved to the wrong kind of value
+            refs = [d.partition("=")[0] for d in dotted if "${" in d.partition("=")[2]]
+            refs += interpolation.references(layers)
+            if refs:
+                raise _wrap(exc, refs[0]) from None
         raise _wrap(exc) from None
     if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
         _apply_hf_shape(cfg, [d.partition("=")[0] for d in dotted])

@@ -219,6 +219,17 @@ def check_world(cfg: Config, lay: Layout) -> None:
                f"{hint}")
 
 
+def dp_source(cfg: Config, lay: Layout) -> str:
+    """Where dp came from, for messages about rules that involve it: the field a user typed may be
+    the cluster's size rather than a degree."""
+    c, p = cfg.cluster, cfg.parallel
+    if isinstance(p.dp, int):
+        return "parallel.dp"
+    world = (f"cluster.nodes={c.nodes} × cluster.devices_per_node={c.devices_per_node}" if c.devices_per_node
+             else "the product of the degrees" + (f" × cluster.nodes={c.nodes}" if c.nodes > 1 else ""))
+    return f"parallel.dp=auto: {lay.world} devices ({world}) / parallel.tp·pp·cp"
+
+
 def check_tensor_parallel(cfg: Config, lay: Layout) -> None:
     """Heads (RoPE needs an even head dim, GQA groups), KV heads and FFN width against tp; vocab padded."""
     m, tp, dpn = cfg.model, cfg.parallel.tp, lay.devices_per_node
@@ -340,8 +351,8 @@ def check_experts(cfg: Config, lay: Layout) -> None:
         _error(lay, "parallel.ep", f"parallel.ep={ep} needs experts: model.moe.num_experts is 0 (dense); use ep=1 or "
                f"set model.moe.num_experts to a multiple of {ep}")
     if ep > 1 and (dp * cp) % ep:
-        _error(lay, "parallel.ep", f"parallel.ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (the expert grid is "
-               f"carved out of the data/context-parallel ranks); valid ep: "
+        _error(lay, "parallel.ep", f"parallel.ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (dp from "
+               f"{dp_source(cfg, lay)}; the expert grid is carved out of the data/context-parallel ranks); valid ep: "
                f"{_fmt([d for d in divisors(dp * cp) if E == 0 or E % d == 0])}")
     if E > 0 and ep > 1 and E % ep == 0 and E // ep == 1:
         _warn(lay, "parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
@@ -356,18 +367,18 @@ def check_batch(cfg: Config, lay: Layout) -> None:
     if gb % (mb * dp):
         okmb = divisors(gb // dp) if gb % dp == 0 else []
         _error(lay, "train.global_batch", f"train.global_batch={gb} must be divisible by train.micro_batch·dp = "
-               f"{mb}·{dp} = {mb * dp}; nearest valid global_batch: {_fmt(_multiples_near(gb, mb * dp))}"
+               f"{mb}·{dp} = {mb * dp} (dp from {dp_source(cfg, lay)}); nearest valid global_batch: {_fmt(_multiples_near(gb, mb * dp))}"
                + (f"; valid train.micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else ""))
     if pp > 1:
-        _check_microbatches(lay, sched, pp, gb, mb, dp)
+        _check_microbatches(lay, sched, pp, gb, mb, dp, dp_source(cfg, lay))
 
 
-def _check_microbatches(lay: Layout, sched: str, pp: int, gb: int, mb: int, dp: int) -> None:
+def _check_microbatches(lay: Layout, sched: str, pp: int, gb: int, mb: int, dp: int, dp_from: str) -> None:
     mm = lay.microbatches
     need = 2 * pp if sched == "dualpipev" else pp
     if mm < need and sched != "gpipe":
         _error(lay, "train.global_batch", f"microbatches m = train.global_batch/(train.micro_batch·dp) = "
-               f"{gb}/({mb}·{dp}) = {mm} but parallel.schedule={sched} needs m >= "
+               f"{gb}/({mb}·{dp}) = {mm} (dp from {dp_from}) but parallel.schedule={sched} needs m >= "
                f"{'2·pp' if sched == 'dualpipev' else 'pp'} = {need}; use train.global_batch >= {need * mb * dp} "
                "or a smaller train.micro_batch")
     elif mm < pp:
