@@ -12,12 +12,8 @@ from typing import Any
 
 from paralayer import config as config_mod
 from paralayer.config import Config
+from paralayer.dispatch.errors import LaunchError
 from paralayer.resolve.rules import auto_device
-
-
-class LaunchError(RuntimeError):
-    """A run that cannot start as planned (no CUDA device for a cuda plan, sbatch refused it):
-    the front door prints its one-line message and exits 2; nothing was started."""
 
 
 def check_devices(plans: list[Any]) -> None:

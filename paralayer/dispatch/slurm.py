@@ -45,12 +45,11 @@ CLUSTER_KEYS = (
     "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
     "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf",
 )
+from paralayer.dispatch.errors import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
     SubmitResult,
     follow,
 )
-
-from paralayer.dispatch import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
 from paralayer.resolve.rules import auto_device  # noqa: E402 - the one rule for device: auto
 
 LOCAL_SLURM_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm"), "etc", "slurm.conf")

@@ -84,7 +84,9 @@ class MoEFeedForward(nn.Module):
             # routed token-slots per expert since the last update_bias (this rank's tokens only)
             self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
 
-        # expert parallel (set by paralayer.parallel.expert.apply_expert_parallel)
+        # expert parallel (set by paralayer.parallel.expert.apply_expert_parallel, which also installs
+        # ep_dispatch(module, xs, counts) -> ys, the all-to-all path: the model never imports parallel/)
+        self.ep_dispatch = None
         self.ep_group = None
         self.ep_size = 1
         self.ep_rank = 0
@@ -190,11 +192,10 @@ class MoEFeedForward(nn.Module):
 
         tokens = slot_token[order]
         xs = x.index_select(0, tokens)
-        if self.ep_group is None:
+        if self.ep_dispatch is None:
             ys = self.experts_forward(xs, counts.tolist())
         else:
-            from paralayer.parallel.expert import expert_parallel_forward
-            ys = expert_parallel_forward(self, xs, counts)
+            ys = self.ep_dispatch(self, xs, counts)
 
         out = torch.zeros_like(x).index_add(0, tokens, ys * slot_weight[order].to(ys.dtype).unsqueeze(1))
         if self.shared is not None:

@@ -100,6 +100,7 @@ def apply_expert_parallel(module: nn.Module, ep_group) -> nn.Module:
             local = full.detach()[start:start + n_local].clone()
             setattr(m, name, nn.Parameter(local, requires_grad=full.requires_grad))
         m.ep_group, m.ep_size, m.ep_rank = ep_group, ep, rank
+        m.ep_dispatch = expert_parallel_forward
         m.num_local_experts, m.expert_offset = n_local, start
         m.local_slices = m._make_local_slices()
     return module

@@ -58,15 +58,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from paralayer.parallel.local_shard import local_tensor  # noqa: F401 - callers import it from here too
 from paralayer.parallel.sequence_parallel import SpGemms
 
 # Added to the padded vocab columns of the logits: exp(-1e9 - max) is exactly 0 in fp32/bf16.
 _PAD_LOGIT = -1.0e9
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (TP, FSDP), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_tp_shapes(model: nn.Module, tp: int) -> None:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from paralayer.parallel.tensor import local_tensor
+from paralayer.parallel.local_shard import local_tensor
 
 
 class _Ring:
