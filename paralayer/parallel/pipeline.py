@@ -232,10 +232,11 @@ def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
     1/dp shard and frees the full gradient: at the peak a rank holds 1/dp of its stage's
     gradients (and, under ZeRO-3, weights), at the price of one reduce-scatter per microbatch
     instead of one per step (DeepSpeed ZeRO-2's accumulation; the resolver counts it so).
-    Only full backwards: the V schedules split input and weight grads (their weight pass runs
-    after FSDP's post-backward hook), so they keep torch's behaviour.
+    The V schedules split input and weight grads: their weight pass runs after FSDP's
+    post-backward hook, so the reduce-scatter is started by hand once the weight pass is done
+    (as torch's own REDUCE_GRAD does at the step's end).
     """
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     stage_backward = private("torch.distributed.pipelining._backward", "stage_backward")
 
     mod = stage.submod
@@ -243,12 +244,24 @@ def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
         return
     base = stage.backward_maybe_with_nosync
 
-    def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "full":
-            return base(backward_type, bwd_kwargs, last_backward=last_backward)
+    def sync_on() -> None:
         mod.set_is_last_backward(False)  # the schedule's REDUCE_GRAD finalises at the step's end
         mod.set_reshard_after_backward(reshard_weights)
         mod.set_requires_gradient_sync(True)
+
+    def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type == "input":  # the weight grads come in the weight pass
+            return base(backward_type, bwd_kwargs, last_backward=last_backward)
+        if backward_type == "weight":
+            out = base(backward_type, bwd_kwargs, last_backward=last_backward)
+            sync_on()
+            state = fully_shard.state(mod)
+            for st in state._state_ctx.all_states:
+                for group in st._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+            return out
+        sync_on()
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                bwd_kwargs["input_values"])
         return grads, None
@@ -320,7 +333,7 @@ class PipelineRunner:
     ``scale_grads``: see paralayer/parallel/grad_scaling.py (GradScaling.schedule_scales).
     ``reduce_each_microbatch``: for FSDP chunks (ZeRO 2/3), "grads" reduce-scatters every
     microbatch's gradients into the 1/dp shard, "weights" also reshards the weights after each
-    backward (ZeRO-3); None keeps torch's one reduction per step. Not for the V schedules.
+    backward (ZeRO-3); None keeps torch's one reduction per step.
 
     After ``step``: ``last_timeline`` (this rank's events, dicts with action F/B/W, mb, chunk,
     start, end in seconds from the step's common origin), ``bubble_measured`` (float, same on all
@@ -373,7 +386,7 @@ class PipelineRunner:
         static = _static_stage_args(self, plan, autocast_dtype) if rehearse else {}
         for c, mod in zip(ids, self.chunks):
             st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group, **static.get(c, {}))
-            if reduce_each_microbatch and not split_backward:
+            if reduce_each_microbatch:
                 _stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
             self._instrument(st, c)
             self.stages.append(st)

@@ -1,0 +1,83 @@
+"""--rehearse: the runtime's build and one step of chosen ranks at the full world, on fake tensors,
+beside the plan's figures (tiny depth, real widths and world sizes: seconds per rank)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paralayer import config as config_mod
+from paralayer.resolve import resolve
+from paralayer.runtime import rehearse as R
+
+BASE = ["recipe=llama3-8b", "cluster.nodes=8", "train.precision=fp32", "model.n_layers=2"]
+
+
+def _rehearse(*overrides: str, ranks=None) -> dict:
+    cfg = config_mod.load_config(list(overrides))
+    plan = resolve(cfg).to_dict()
+    return R.rehearse(cfg, plan, ranks)
+
+
+def test_dense_tp8_dp8_at_64_ranks_agrees_with_the_plan():
+    out = _rehearse(*BASE)
+    assert out["ok"] and out["world_size"] == 64 and not out["errors"]
+    (r,) = out["ranks"]
+    assert r["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"]
+    assert r["memory_bytes"]["grads"] == r["plan_memory_bytes"]["grads"]
+    assert abs(r["ratios"]["activations"] - 1) < 0.05
+    assert abs(r["ratios"]["flops"] - 1) < 0.02
+    assert abs(r["ratios"]["comm"]["dp"] - 1) < 0.05
+    kinds = {(c["axis"], c["kind"]) for c in r["collectives"]}
+    assert {("tp", "all-gather"), ("tp", "reduce-scatter"), ("dp", "all-reduce"), ("dp", "broadcast")} <= kinds
+    # grad clipping and the loss: a constant number of scalar all-reduces, not one per parameter
+    scalars = [c for c in r["collectives"] if c["kind"] == "all-reduce" and c["message_bytes"] <= 16]
+    assert sum(c["count"] for c in scalars) <= 4
+
+
+def test_pipeline_first_and_last_rank_step_through_the_schedule():
+    out = _rehearse(*BASE, "model.n_layers=4", "parallel.pp=2", "parallel.tp=4")
+    assert out["ok"], out["errors"]
+    assert [r["rank"] for r in out["ranks"]] == [0, 32]
+    for r in out["ranks"]:
+        assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"]
+        assert abs(r["ratios"]["comm"]["pp"] - 1) < 0.05
+        assert abs(r["ratios"]["flops"] - 1) < 0.02
+        sends = sum(c["count"] for c in r["collectives"] if c["axis"] == "pp" and c["kind"] in ("send", "recv"))
+        assert sends == 2 * out["microbatches"]
+
+
+def test_ranks_spec():
+    plan = resolve(config_mod.load_config(BASE + ["parallel.pp=2", "parallel.tp=4"])).to_dict()
+    assert R.parse_ranks(None, plan) == [0, 32]
+    assert R.parse_ranks("all-stages", plan) == [0, 32]
+    assert R.parse_ranks("1,3-5", plan) == [1, 3, 4, 5]
+    with pytest.raises(R.RanksError):
+        R.parse_ranks("64", plan)
+    with pytest.raises(R.RanksError):
+        R.parse_ranks("x", plan)
+
+
+def test_cli_bad_ranks_exit_2_and_json_contract():
+    bad = subprocess.run([sys.executable, "launch.py", *BASE, "--rehearse", "--ranks", "999"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--ranks" in bad.stderr and "Traceback" not in bad.stderr
+    ok = subprocess.run([sys.executable, "launch.py", *BASE, "model.n_layers=1", "--rehearse", "--json"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    r = out["ranks"][0]
+    for key in ("rank", "coords", "memory_bytes", "plan_memory_bytes", "collectives", "plan_comm", "flops",
+                "plan_flops", "seconds"):
+        assert key in r
+    assert set(r["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(r["collectives"][0]) >= {"axis", "kind", "message_bytes", "count"}
+
+
+def test_a_layout_that_does_not_fit_exits_2():
+    r = subprocess.run([sys.executable, "launch.py", *BASE, "model.n_layers=1", "cluster.device_memory_gib=1",
+                        "--rehearse"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "needs" in r.stderr
