@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model.transformer import Transformer, init_weights, lm_loss  # noqa: E402
-from paralayer.parallel import pipeline as pl
+from paralayer.parallel import pipeline as pl  # noqa: E402
 from paralayer.parallel import timeline as tl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -197,8 +197,8 @@ def main() -> int:
                 png_timeline = (r0["timeline"], r0["bubble_of_timeline"])
     if png_timeline is not None and args.png:
         os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
-        tl, b = png_timeline
-        tl.plot_timeline(tl, args.png, title=f"{args.png_schedule}, pp={p}, m={args.png_m}: measured bubble "
+        events, b = png_timeline
+        tl.plot_timeline(events, args.png, title=f"{args.png_schedule}, pp={p}, m={args.png_m}: measured bubble "
                          f"{b:.3f} (formula {predicted(args.png_schedule, p, args.png_m):.3f})")
         print(f"\ntimeline: {args.png}")
     return 0
