@@ -69,30 +69,17 @@ def resumable_entry(run_dir: str, *overrides: str) -> str:
 
 # ----------------------------------------------------------------------------- fixtures
 def _cluster_up() -> str | None:
-    """None when usable, else the reason to skip."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        return "SLURM client tools (sinfo/sbatch) not installed: run cluster/install_slurm_deps.sh"
-    if not os.environ.get("SLURM_CONF"):
-        if not os.path.isfile(DEFAULT_CONF):
-            return f"SLURM_CONF unset and {DEFAULT_CONF} missing: run cluster/local_slurm.sh start"
-        os.environ["SLURM_CONF"] = DEFAULT_CONF
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except (subprocess.SubprocessError, OSError) as e:
-        return f"sinfo failed: {e}"
-    states = r.stdout.split()
-    if r.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
-                                    for s in states):
-        return f"SLURM cluster not up (sinfo rc={r.returncode}: {(r.stdout + r.stderr).strip()[:200]})"
-    return None
+    """None when a SLURM answers (SLURM_CONF set to the local cluster's when unset), else why not.
+    The tests take the session fixture ``local_slurm`` (tests/conftest.py), which also installs and
+    starts one where it can."""
+    from tests.conftest import slurm_answers
+
+    return slurm_answers()
 
 
 @pytest.fixture(scope="module")
-def slurm():
-    reason = _cluster_up()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("submitit")
+def slurm(local_slurm):
+    import submitit  # noqa: F401 - a dependency (pyproject): missing is a failure, not a skip
     part = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=10).stdout.split()
     default = next((p.rstrip("*") for p in part if p.endswith("*")), part[0].rstrip("*"))
     # the shape of the lead's ClusterConfig: SLURM settings nested under "slurm"
@@ -117,7 +104,7 @@ def _sacct_ids(base_id: str) -> list[str]:
 # ----------------------------------------------------------------------------- tests
 def test_profiles_load_and_map():
     """The two profiles pass the lead's strict schema and map onto submitit parameters."""
-    config = pytest.importorskip("paralayer.config")
+    from paralayer import config
     from paralayer.dispatch import _slurm_settings
     from paralayer.dispatch.slurm import executor_parameters
     from paralayer.resolve import resolve

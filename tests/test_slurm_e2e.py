@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm import _cluster_up
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = str(REPO / "launch.py")
@@ -33,11 +32,8 @@ SMALL = ["recipe=tiny", "parallel.tp=1", "cluster=local-slurm", "logging.progres
 
 
 @pytest.fixture(scope="module")
-def slurm_env():
-    reason = _cluster_up()  # sets SLURM_CONF to the local cluster's when unset
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("submitit")
+def slurm_env(local_slurm):
+    import submitit  # noqa: F401 - a dependency (pyproject): missing is a failure, not a skip
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for k in ("PARALAYER_RESUME", "PARALAYER_FAULT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -290,3 +286,45 @@ def test_launch_returns_the_wait_status(monkeypatch, tmp_path):
     cfgs[0].run.dir = str(tmp_path / "sw")
     assert dispatch.launch_sweep(cfgs, [resolve(c) for c in cfgs], types.SimpleNamespace(wait=True)) == 1
     assert seen["cluster"]["devices_per_node"] == 2 and len(seen["run_dirs"]) == 2
+
+
+SECRET = "sk_PLANTED_5e1f0c9a7b"
+
+
+def _files_holding(root: Path, needle: str) -> list[str]:
+    hits = []
+    for p in Path(root).rglob("*"):
+        if p.is_file() and needle.encode() in p.read_bytes():
+            hits.append(str(p))
+    return hits
+
+
+def test_default_recipe_four_ranks_and_no_secret_anywhere(slurm_env, tmp_path):
+    """Issue 16: the README's `python launch.py cluster=local-slurm --wait` with the DEFAULT recipe
+    (tiny: tp=2 × dp=2 = 4 ranks, more than this 2-core machine's cores) completes; with a planted
+    WANDB_API_KEY (W&B offline) no file of the run (resolved.yaml, plan.json, metrics, W&B files),
+    no SLURM log and nothing printed holds it."""
+    run = tmp_path / "default"
+    env = dict(slurm_env, WANDB_API_KEY=SECRET)
+    r = _launch(["cluster=local-slurm", f"run.dir={run}", "train.steps=3", "train.warmup_steps=1", "--wait"],
+                tmp_path, env, timeout=400)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["world_size"] == 4 and plan["degrees"]["tp"] == 2 and plan["degrees"]["dp"] == 2
+    assert _steps(run) == [1, 2, 3]
+    assert list(run.glob("wandb/offline-run-*")), "W&B offline files were written"
+    assert SECRET not in r.stdout + r.stderr
+    assert _files_holding(tmp_path, SECRET) == []  # run dir and slurm-logs/ (submitit files, task logs)
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_submission_refused_is_one_line(slurm_env, tmp_path, sweep):
+    """sbatch refusing the job (no such partition): one line, exit 2, for a job and a sweep alike."""
+    args = [*SMALL, "cluster.slurm.partition=no-such-partition", f"run.dir={tmp_path / 'r'}", "--wait"]
+    if sweep:
+        args += ["-m", "parallel.dp=1,2"]
+    r = _launch(args, tmp_path, slurm_env, timeout=120)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cluster.slurm: submission failed:"), r.stderr
+    assert "partition" in lines[0] and "Traceback" not in r.stderr

@@ -351,13 +351,18 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
 
     entry_str = entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
     tasks = [RankTask(d, entry_str, resume=None, env=env) for d in dirs]
+    import contextlib
+    import io
+
     try:
-        if len(tasks) == 1:
-            jobs = [executor.submit(tasks[0])]
-        else:
-            with executor.batch():
-                pending = [executor.submit(t) for t in tasks]
-            jobs = list(pending)
+        # sbatch's own stderr is echoed by submitit: kept out, its lines go into our one-line error
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            if len(tasks) == 1:
+                jobs = [executor.submit(tasks[0])]
+            else:
+                with executor.batch():
+                    pending = [executor.submit(t) for t in tasks]
+                jobs = list(pending)
     except Exception as e:  # sbatch refused: bad partition, account, ...
         import re
 

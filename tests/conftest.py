@@ -1,0 +1,86 @@
+"""Session fixtures shared by the test files.
+
+``local_slurm``: the README's ``python -m pytest`` exercises the SLURM tests as CI does. It reuses
+a running SLURM (``SLURM_CONF``, or the local cluster's default config, where ``sinfo`` answers);
+otherwise, as root, it installs the packages (``cluster/install_slurm_deps.sh``, apt) and starts
+the one-node cluster of ``cluster/local_slurm.sh``, and stops it after the session. It skips, with
+the reason, only where it cannot: not root, no package mirror, no SLURM client tools.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_HOME = os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm")
+DEFAULT_CONF = os.path.join(SLURM_HOME, "etc", "slurm.conf")
+_UP_STATES = ("idle", "mixed", "allocated", "completing")
+
+
+def slurm_answers() -> str | None:
+    """None when ``sinfo`` answers with a usable node (SLURM_CONF set to the default if unset),
+    else why not."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "SLURM client tools (sinfo/sbatch) not installed"
+    env = dict(os.environ)
+    if not env.get("SLURM_CONF"):
+        if not os.path.isfile(DEFAULT_CONF):
+            return f"SLURM_CONF unset and {DEFAULT_CONF} missing"
+        env["SLURM_CONF"] = DEFAULT_CONF
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10, env=env)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"sinfo failed: {exc}"
+    if r.returncode != 0 or not any(s.rstrip("*~#") in _UP_STATES for s in r.stdout.split()):
+        return f"SLURM not up (sinfo rc={r.returncode}: {(r.stdout + r.stderr).strip()[:200]})"
+    os.environ["SLURM_CONF"] = env["SLURM_CONF"]
+    return None
+
+
+def _start_local_slurm() -> tuple[bool, str]:
+    """Install (apt, as root) and start cluster/local_slurm.sh: (started, reason if not)."""
+    if os.geteuid() != 0:
+        return False, "not root: cannot install or start the local SLURM (run cluster/local_slurm.sh start as root)"
+    env = dict(os.environ, PARALAYER_SLURM_HOME=SLURM_HOME)
+    env.pop("SLURM_CONF", None)
+    try:
+        inst = subprocess.run(["bash", str(REPO / "cluster" / "install_slurm_deps.sh")], capture_output=True,
+                              text=True, timeout=900, env=env)
+    except subprocess.TimeoutExpired:
+        return False, "installing the SLURM packages took more than 15 min (no package mirror?)"
+    if inst.returncode != 0:
+        return False, f"could not install the SLURM packages: {(inst.stdout + inst.stderr).strip()[-300:]}"
+    start = subprocess.run(["bash", str(REPO / "cluster" / "local_slurm.sh"), "start"], capture_output=True,
+                           text=True, timeout=300, env=env)
+    if start.returncode != 0:
+        # packages present but the cluster does not come up: a bug in our script, not a reason to skip
+        raise RuntimeError(f"cluster/local_slurm.sh start failed:\n{start.stderr[-2000:]}")
+    for line in start.stdout.splitlines():
+        if line.startswith("export SLURM_CONF="):
+            os.environ["SLURM_CONF"] = line.split("=", 1)[1].strip()
+    return True, ""
+
+
+@pytest.fixture(scope="session")
+def local_slurm():
+    """A usable SLURM for the session: reused if running, else installed and started (and
+    stopped at the end). Yields SLURM_CONF."""
+    reason = slurm_answers()
+    started = False
+    if reason:
+        started, why = _start_local_slurm()
+        if not started:
+            pytest.skip(f"{reason}; {why}")
+        reason = slurm_answers()
+        if reason:
+            raise RuntimeError(f"the local SLURM started but does not answer: {reason}")
+    try:
+        yield os.environ["SLURM_CONF"]
+    finally:
+        if started:
+            subprocess.run(["bash", str(REPO / "cluster" / "local_slurm.sh"), "stop"], capture_output=True,
+                           timeout=120, env=dict(os.environ, PARALAYER_SLURM_HOME=SLURM_HOME))
