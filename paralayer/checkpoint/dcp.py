@@ -7,89 +7,61 @@ Layout of ``checkpoint.dir``::
         __0_0.distcp ...      DCP shards, one file per writing rank
         extra-rank00000.pt    per-rank small state (LR scheduler, RNG, step, data position),
                               written with torch.save, read back with weights_only=True
-        COMPLETE              JSON manifest: step, world size, {file: {size, sha256}}
+        digests-rank00000.json  what each rank digested of the files it wrote (manifest.py)
+        COMPLETE              JSON manifest: step, world size, {file: {size, digest(s)}}
     step-00000020.tmp/        a save in progress, or one killed mid-way: ignored, cleaned later
+    step-00000005.damaged/    a checkpoint found damaged, set aside (never deleted by us)
 
-A save writes everything into ``step-XXXXXXXX.tmp``; after a barrier rank 0 hashes the files,
-writes ``COMPLETE`` (fsynced) and renames the directory to ``step-XXXXXXXX`` (``os.replace``:
-atomic on POSIX). A kill at any moment leaves either the previous checkpoints untouched plus a
-``.tmp`` directory, or the new complete one.
+A save writes everything into ``step-XXXXXXXX.tmp``; each rank digests what it wrote; rank 0
+merges the digests into ``COMPLETE`` (fsynced) and renames the directory to ``step-XXXXXXXX``
+(``os.replace``: atomic on POSIX). A kill at any moment leaves the previous checkpoints untouched
+plus a ``.tmp`` directory, or the new complete one. With ``async_save`` DCP writes on a
+background thread (``dcp.async_save``) and rank 0 completes the checkpoint as soon as every
+rank's digests are on disk (checked between steps), or at the next save, at the latest.
 
-Model and optimizer state go through ``torch.distributed.checkpoint.state_dict``: keys are the
-parameters' fully qualified names (FQNs) and the optimizer state is flattened by FQN
-(``flatten_optimizer_state_dict=True``), so a checkpoint saved under one layout (tp, pp, dp, zero,
-ep) loads under another: DCP reshards DTensors, and a pipeline stage only asks for its own keys.
-Experts under expert parallel are plain local slices (not DTensors); they are saved under
-per-expert keys (``...feed_forward.w1`` → ``...feed_forward.w1.expert{j}``), so the ep degree
-may change too.
-
-Trust boundary: see docs/checkpoints.md.
+What is saved and how it reshards: state.py. Integrity: manifest.py. What is kept: retention.py.
+Trust boundary: docs/checkpoints.md.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import random
-import re
 import shutil
-import warnings
+import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from paralayer.checkpoint.expert_keys import clean_name, expert_owners, expert_templates, merge_expert_keys, split_expert_keys
+from paralayer.checkpoint import group as grp
+from paralayer.checkpoint.manifest import (
+    COMPLETE,
+    CheckpointDamaged,
+    CheckpointError,
+    check_file,
+    merge_digests,
+    rank_digests,
+    ranks_with_digests,
+    verify_checkpoint,
+    verifying_reader,
+    write_manifest,
+    write_rank_digests,
+)
+from paralayer.checkpoint.retention import (
+    DAMAGED_RE,
+    apply_retention,
+    checkpoint_step,
+    list_checkpoints,
+    set_aside,
+    step_dir,
+    warn,
+)
+from paralayer.checkpoint.rng import rng_state, set_rng_state
+from paralayer.checkpoint.state import LoadRequest, get_states
 
-COMPLETE = "COMPLETE"
-_STEP_RE = re.compile(r"^step-(\d{8})$")
-_TMP_RE = re.compile(r"^step-(\d{8})\.tmp$")
-_FORMAT = 1
-
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the directory and the bad file."""
-
-
-# ---------------------------------------------------------------- small helpers
-def step_dir(ckpt_root: str, step: int) -> str:
-    return os.path.join(ckpt_root, f"step-{step:08d}")
-
-
-def _rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier(group=None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def _broadcast_obj(obj: Any, group=None) -> Any:
-    """rank 0 of ``group`` → everyone (the identity without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def _sha256(path: str, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+__all__ = ["CheckpointError", "CheckpointDamaged", "Checkpointer", "save_checkpoint", "load_checkpoint",
+           "resume_latest", "find_latest", "verify_checkpoint", "list_checkpoints", "checkpoint_step",
+           "step_dir", "rng_state", "set_rng_state", "get_states"]
 
 
 def _fsync_dir(path: str) -> None:
@@ -105,378 +77,300 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _data_files(path: str) -> list[str]:
-    return sorted(f for f in os.listdir(path) if f != COMPLETE and os.path.isfile(os.path.join(path, f)))
+def _extra_name(rank: int) -> str:
+    return f"extra-rank{rank:05d}.pt"
 
 
-# ---------------------------------------------------------------- RNG state (weights_only-safe)
-def rng_state() -> dict:
-    """Python, torch (CPU and CUDA) and numpy RNG states as plain types + tensors."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
-                          float(cached))
-    except ImportError:  # pragma: no cover
-        pass
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    if "python" in state:
-        py = state["python"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-# ---------------------------------------------------------------- state dicts (FQN keyed)
-def _options(full: bool = False):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=full)
-
-
-def _inner(opt) -> torch.optim.Optimizer:
-    """The torch optimizer behind a wrapper (the ZeRO-1 wrapper keeps it as ``.inner``)."""
-    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "inner"):
-        opt = opt.inner
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"not an optimizer: {type(opt).__name__} (expected torch.optim.Optimizer or a "
-                        f"wrapper with .inner)")
-    return opt
-
-
-def _param_fqns(parts: Sequence[nn.Module]) -> dict[int, str]:
-    fqns: dict[int, str] = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            fqns.setdefault(id(p), clean_name(name))
-    return fqns
-
-
-def _init_optim_state(opt: torch.optim.Optimizer) -> None:
-    """Create the optimizer state (a zero-lr step on zero grads) so a load has tensors to fill."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state as init
-
-    init(opt)
-
-
-_GROUP_SKIP = ("params",)
-
-
-def _optim_state(parts: Sequence[nn.Module], optimizers: Sequence) -> dict:
-    """Optimizer state flattened by parameter FQN (the DSD ``flatten_optimizer_state_dict`` form):
-    ``state.{fqn}.{name}`` → tensor (a DTensor for a DTensor parameter), ``param_groups.{fqn}.{key}``
-    → hyperparameter, plus ``param_groups.#{i}.{key}`` per group index. Any number of optimizers
-    over any number of parts; a parameter this rank's optimizer does not hold (ZeRO-1) is absent."""
-    fqns = _param_fqns(parts)
-    out: dict = {}
-    for opt in optimizers:
-        opt = _inner(opt)
-        _init_optim_state(opt)
-        for gi, group in enumerate(opt.param_groups):
-            hyper = {k: v for k, v in group.items() if k not in _GROUP_SKIP}
-            for k, v in hyper.items():
-                out[f"param_groups.#{gi}.{k}"] = v
-            for p in group["params"]:
-                fqn = fqns.get(id(p))
-                if fqn is None:  # e.g. a placeholder parameter of an empty ZeRO-1 shard
-                    continue
-                for k, v in hyper.items():
-                    out[f"param_groups.{fqn}.{k}"] = v
-                for k, v in opt.state.get(p, {}).items():
-                    out[f"state.{fqn}.{k}"] = v
-    return out
-
-
-def _set_optim_hyper(parts: Sequence[nn.Module], optimizers: Sequence, loaded: dict) -> None:
-    fqns = _param_fqns(parts)
-    for opt in optimizers:
-        opt = _inner(opt)
-        for gi, group in enumerate(opt.param_groups):
-            src = None
-            for p in group["params"]:
-                fqn = fqns.get(id(p))
-                if fqn is not None:
-                    src = f"param_groups.{fqn}."
-                    break
-            if src is None:
-                src = f"param_groups.#{gi}."
-            for k in list(group.keys()):
-                if k in _GROUP_SKIP:
-                    continue
-                if src + k in loaded:
-                    group[k] = loaded[src + k]
-                elif f"param_groups.#{gi}.{k}" in loaded:
-                    group[k] = loaded[f"param_groups.#{gi}.{k}"]
-
-
-def _raw_states(parts, opts) -> tuple[dict, dict, dict]:
-    """(model sd, flattened optimizer sd, expert owners) merged over the parts, FQN keyed,
-    experts still as local slices. Initialises empty optimizer state (a zero-lr step)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    model_sd: dict = {}
-    owners: dict = {}
-    for part in parts:
-        owners.update(expert_owners(part))
-        model_sd.update(get_model_state_dict(part, options=_options()))
-    optim_sd = _optim_state(parts, opts) if opts else {}
-    return model_sd, optim_sd, owners
-
-
-def get_states(model_parts: Sequence[nn.Module], optimizers: Sequence) -> dict:
-    """{"model": {fqn: tensor}, "optim": {flattened fqn keys}} merged over the model parts, with
-    expert slices split into per-expert keys: what a checkpoint holds."""
-    parts, opts = list(model_parts), list(optimizers or [])
-    model_sd, optim_sd, owners = _raw_states(parts, opts)
-    out = {"model": split_expert_keys(model_sd, owners)}
-    if opts:
-        out["optim"] = split_expert_keys(optim_sd, owners)
-    return out
-
-
-# ---------------------------------------------------------------- save
-def save_checkpoint(ckpt_root: str, step: int, model_parts: Sequence[nn.Module],
-                    optimizers: Sequence, extra: Optional[dict] = None,
-                    group=None, keep: Optional[int] = None) -> str:
-    """Save model + optimizer (DCP) and ``extra`` (this rank's small state) as ``step-XXXXXXXX``.
-
-    Collective over ``group`` (default: the world): every rank calls it at the same step.
-    ``extra``: plain types and tensors only (it is read back with ``weights_only=True``), e.g.
-    ``{"step": k, "scheduler": sched.state_dict(), "rng": rng_state(), "data": {"step": k}}``.
-    ``keep``: keep only that many newest complete checkpoints (None = keep all).
-    Returns the final directory.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    rank, world = _rank(group), _world(group)
-    final = step_dir(ckpt_root, step)
-    tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(ckpt_root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    _barrier(group)
-
-    states = get_states(model_parts, optimizers)
-    use_dist = dist.is_available() and dist.is_initialized()
-    dcp.save(states, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-             process_group=group, no_dist=not use_dist)
-    extra = dict(extra or {})
-    extra.setdefault("step", step)
-    extra_path = os.path.join(tmp, f"extra-rank{rank:05d}.pt")
-    with open(extra_path, "wb") as f:
+def _write_extra(path: str, extra: dict) -> None:
+    with open(path, "wb") as f:
         torch.save(extra, f)
         f.flush()
         os.fsync(f.fileno())
-    _barrier(group)
 
-    if rank == 0:
-        files = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
-                 for name in _data_files(tmp)}
-        manifest = {"format": _FORMAT, "step": step, "world_size": world, "files": files}
-        marker = os.path.join(tmp, COMPLETE)
-        with open(marker, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+
+def _own_segments(metadata: Any, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """The storage items (file → [(offset, length)]) this rank's DCP writer put in its own files."""
+    prefix = f"__{rank}_"
+    out: dict[str, list[tuple[int, int]]] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = os.path.basename(info.relative_path)
+        if name.startswith(prefix):
+            out.setdefault(name, []).append((int(info.offset), int(info.length)))
+    return out
+
+
+def _digest_own_files(tmp: str, rank: int, metadata: Any) -> None:
+    """Digest what this rank wrote (its shard files, its extra state; rank 0 also .metadata) and
+    leave the result in ``digests-rankNNNNN.json``: no collective, every rank in parallel."""
+    segments = _own_segments(metadata, rank)
+    names = list(segments) + [_extra_name(rank)] + ([".metadata"] if rank == 0 else [])
+    write_rank_digests(tmp, rank, rank_digests(tmp, names, segments))
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: str
+    final: str
+    future: Any = None
+    error: Optional[str] = None
+
+
+class Checkpointer:
+    """Saves into ``ckpt_root`` over ``group`` (every rank of it calls :meth:`save` at the same step).
+
+    ``async_save``: DCP writes on a background thread and :meth:`save` returns once the state is
+    copied; the checkpoint becomes COMPLETE when :meth:`poll` (called between steps) or
+    :meth:`wait` (the next save, the end of the run) sees every rank's digests. ``timeout_s``
+    bounds that wait; ``group`` should be a :func:`group.checkpoint_group` with the same timeout.
+    """
+
+    def __init__(self, ckpt_root: str, keep: Optional[int] = None, group=None, async_save: bool = False,
+                 timeout_s: float = 600.0):
+        self.root, self.keep, self.group = ckpt_root, keep, group
+        self.async_save, self.timeout_s = bool(async_save), float(timeout_s)
+        self.rank, self.world = grp.rank(group), grp.world(group)
+        self.pending: Optional[_Pending] = None
+
+    def save(self, step: int, model_parts: Sequence[nn.Module], optimizers: Sequence,
+             extra: Optional[dict] = None) -> str:
+        """Save model + optimizer (DCP) and ``extra`` (this rank's small state: plain types and
+        tensors, read back with ``weights_only=True``) as ``step-XXXXXXXX``; returns that path."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        pend = _Pending(step, step_dir(self.root, step) + ".tmp", step_dir(self.root, step))
+        if self.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            if os.path.exists(pend.tmp):
+                shutil.rmtree(pend.tmp)
+            os.makedirs(pend.tmp)
+        grp.barrier(self.group)
+        states = get_states(model_parts, optimizers)
+        extra = dict(extra or {})
+        extra.setdefault("step", step)
+        _write_extra(os.path.join(pend.tmp, _extra_name(self.rank)), extra)
+        writer = dcp.FileSystemWriter(pend.tmp, sync_files=True)
+        no_dist = not grp.initialized()
+        if not self.async_save:
+            metadata = dcp.save(states, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+            _digest_own_files(pend.tmp, self.rank, metadata)
+            grp.barrier(self.group)
+            if self.rank == 0:
+                self._complete(pend)
+            grp.barrier(self.group)
+            return pend.final
+        resp = dcp.async_save(states, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        pend.future = getattr(resp, "upload_completion", resp)
+        pend.future.add_done_callback(lambda fut, p=pend: self._after_write(p, fut))
+        self.pending = pend
+        return pend.final
+
+    def _after_write(self, pend: _Pending, fut) -> None:
+        """On the writer thread, once DCP is done: digest this rank's files (or record the error)."""
+        try:
+            _digest_own_files(pend.tmp, self.rank, fut.result())
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            pend.error = f"checkpoint {pend.tmp}: asynchronous save failed on rank {self.rank}: " \
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def poll(self) -> bool:
+        """Between steps: complete the pending asynchronous save if every rank has finished
+        writing (rank 0 only; others return at once). True when nothing is pending on this rank."""
+        pend = self.pending
+        if pend is None:
+            return True
+        if self.rank == 0 and pend.error is None and pend.future.done() \
+                and ranks_with_digests(pend.tmp) >= set(range(self.world)):
+            self._complete(pend)
+            pend.future = None  # completed; wait() only has to join the others
+        return False
+
+    def wait(self) -> None:
+        """Block until the pending save (if any) is written everywhere and complete."""
+        pend, self.pending = self.pending, None
+        if pend is None:
+            return
+        error = None
+        if pend.future is not None:
+            try:
+                pend.future.result(timeout=self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001
+                error = f"checkpoint {pend.tmp}: asynchronous save failed: {type(exc).__name__}: {exc}"
+            error = error or pend.error
+        if self.rank == 0 and error is None and pend.future is not None:
+            error = self._wait_for_digests(pend)
+            if error is None:
+                self._complete(pend)
+        error = grp.agree(error, self.group)
+        if error:
+            raise CheckpointError(error)
+
+    def _wait_for_digests(self, pend: _Pending) -> Optional[str]:
+        deadline = time.monotonic() + self.timeout_s
+        while ranks_with_digests(pend.tmp) < set(range(self.world)):
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world)) - ranks_with_digests(pend.tmp))
+                return (f"checkpoint {pend.tmp}: ranks {missing} did not finish writing within "
+                        f"checkpoint.timeout_s={self.timeout_s:g} s")
+            time.sleep(0.02)
+        return None
+
+    def _complete(self, pend: _Pending) -> None:
+        """Rank 0: manifest from the gathered digests, atomic rename, then retention."""
+        write_manifest(pend.tmp, pend.step, self.world, merge_digests(pend.tmp, self.world))
+        _fsync_dir(pend.tmp)
         old = None
-        if os.path.exists(final):  # re-saving a step (e.g. after resuming from an older one)
-            old = f"{final}.old-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
+        if os.path.exists(pend.final):  # re-saving a step (e.g. after resuming from an older one)
+            old = f"{pend.final}.old-{os.getpid()}"
+            os.replace(pend.final, old)
+        os.replace(pend.tmp, pend.final)
+        _fsync_dir(self.root)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        _cleanup(ckpt_root, keep, current=step)
-    _barrier(group)
-    return final
+        apply_retention(self.root, self.keep, current=pend.step)
+
+    def close(self) -> None:
+        self.wait()
 
 
-def _cleanup(ckpt_root: str, keep: Optional[int], current: int) -> None:
-    """Remove stale .tmp / .old directories (killed saves) and all but the ``keep`` newest."""
-    for name in os.listdir(ckpt_root):
-        p = os.path.join(ckpt_root, name)
-        if (_TMP_RE.match(name) or ".old-" in name) and os.path.isdir(p):
-            shutil.rmtree(p, ignore_errors=True)
-    if keep is None or keep <= 0:
-        return
-    steps = sorted(_complete_steps(ckpt_root), reverse=True)
-    for s in steps[keep:]:
-        shutil.rmtree(step_dir(ckpt_root, s), ignore_errors=True)
+def save_checkpoint(ckpt_root: str, step: int, model_parts: Sequence[nn.Module], optimizers: Sequence,
+                    extra: Optional[dict] = None, group=None, keep: Optional[int] = None) -> str:
+    """A synchronous save (see :class:`Checkpointer`); ``keep``: how many verified checkpoints to keep."""
+    return Checkpointer(ckpt_root, keep, group).save(step, model_parts, optimizers, extra)
 
 
-def _complete_steps(ckpt_root: str) -> list[int]:
-    if not os.path.isdir(ckpt_root):
-        return []
-    out = []
-    for name in os.listdir(ckpt_root):
-        m = _STEP_RE.match(name)
-        if m and os.path.isfile(os.path.join(ckpt_root, name, COMPLETE)):
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-# ---------------------------------------------------------------- verify / find
-def verify_checkpoint(path: str, full: bool = True) -> dict:
-    """Check ``path`` against its manifest; returns the manifest or raises CheckpointError
-    naming the offending file. ``full=False`` checks presence and sizes only (cheap)."""
-    marker = os.path.join(path, COMPLETE)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path}: not a directory")
-    if not os.path.isfile(marker):
-        raise CheckpointError(f"checkpoint {path}: no {COMPLETE} marker ({marker}): the save did not finish")
-    try:
-        with open(marker) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: corrupt manifest {marker}: {exc}") from None
-    if ".metadata" not in files:
-        raise CheckpointError(f"checkpoint {path}: manifest {marker} lists no .metadata file")
-    for name, info in sorted(files.items()):
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"checkpoint {path}: missing file {fp}")
-        size = os.path.getsize(fp)
-        if size != info["size"]:
-            raise CheckpointError(f"checkpoint {path}: file {fp} has {size} bytes, the manifest says "
-                                  f"{info['size']} (truncated or overwritten)")
-        if full and info.get("sha256") and _sha256(fp) != info["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {fp} does not match its sha256 checksum (corrupt)")
-    return manifest
-
-
-def list_checkpoints(ckpt_root: str) -> list[str]:
-    """Directories named like complete checkpoints (not verified), oldest first."""
-    return [step_dir(ckpt_root, s) for s in _complete_steps(ckpt_root)]
-
-
+# ---------------------------------------------------------------- load
 def find_latest(ckpt_root: str, full: bool = False, group=None) -> Optional[str]:
     """The newest checkpoint under ``ckpt_root`` that passes :func:`verify_checkpoint`, or None.
-    Corrupt or partial ones are skipped with a warning naming the file. Under a process group,
+    Damaged or partial ones are skipped with a warning naming the file. Under a process group,
     rank 0 decides and broadcasts, so all ranks agree."""
     result = None
-    if _rank(group) == 0:
+    if grp.rank(group) == 0:
         for path in reversed(list_checkpoints(ckpt_root)):
             try:
                 verify_checkpoint(path, full=full)
             except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint: {exc}", stacklevel=2)
+                warn(f"skipping checkpoint: {exc}")
                 continue
             result = path
             break
-    return _broadcast_obj(result, group)
+    return grp.broadcast_obj(result, group)
 
 
-def checkpoint_step(path: str) -> int:
-    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
-    if not m:
-        raise CheckpointError(f"{path}: not a checkpoint directory (expected step-XXXXXXXX)")
-    return int(m.group(1))
+def _reason(exc: BaseException, path: str) -> tuple[str, str]:
+    """(kind, message) of a failed load: DCP wraps each rank's error in CheckpointException
+    (a BaseException), whose failures hold the original exceptions."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = failures[min(failures)]
+        exc = first[0] if isinstance(first, tuple) else first
+    if isinstance(exc, CheckpointError):
+        return ("damaged" if isinstance(exc, CheckpointDamaged) else "error"), str(exc)
+    text = str(exc).strip().splitlines()
+    return "error", (f"checkpoint {path}: cannot load model/optimizer state: {type(exc).__name__}"
+                     f"{': ' + text[0] if text else ''}")
 
 
-# ---------------------------------------------------------------- load
-def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Sequence,
-                    group=None, verify: bool = True) -> dict:
-    """Load model (+ optimizer) state from ``path`` into this layout; return this rank's ``extra``
-    (rank 0's when the checkpoint had fewer ranks). Collective over ``group``.
-
-    Raises CheckpointError naming the file when the checkpoint is incomplete or corrupt (checked
-    against the manifest by rank 0 before anything is touched, so all ranks raise together).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    error = None
-    if _rank(group) == 0 and verify:
-        try:
-            verify_checkpoint(path, full=True)
-        except CheckpointError as exc:
-            error = str(exc)
-    error = _broadcast_obj(error, group)
-    if error:
-        raise CheckpointError(error)
-
-    parts, opts = list(model_parts), list(optimizers or [])
-    model_raw, optim_raw, owners = _raw_states(parts, opts)
-    # request per-expert keys where the model holds experts as local slices
-    request = {"model": expert_templates(model_raw, owners)}
-    if opts:
-        request["optim"] = expert_templates(optim_raw, owners)
-    use_dist = dist.is_available() and dist.is_initialized()
-    try:
-        dcp.load(request, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not use_dist)
-    except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures
-        raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer state: "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
-    model_sd = merge_expert_keys(request["model"], model_raw, owners)
-    for part in parts:
-        keys = set(_part_keys(part))
-        set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in keys}, options=_options())
-    if opts:
-        optim_sd = merge_expert_keys(request["optim"], optim_raw, owners)
-        with torch.no_grad():
-            for key, target in optim_raw.items():
-                if isinstance(target, torch.Tensor) and optim_sd[key] is not target:
-                    _copy_into(target, optim_sd[key])
-        _set_optim_hyper(parts, opts, optim_sd)
-
-    return _load_extra(path, _rank(group))
+def _raise(kind_msg: Optional[tuple[str, str]]) -> None:
+    if kind_msg:
+        kind, msg = kind_msg
+        raise (CheckpointDamaged if kind == "damaged" else CheckpointError)(msg)
 
 
-def _copy_into(target, value) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(target, DTensor):
-        target.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
-    else:
-        target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
-
-
-def _part_keys(part: nn.Module) -> list[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return list(get_model_state_dict(part, options=_options()).keys())
-
-
-def _load_extra(path: str, rank: int) -> dict:
-    fp = os.path.join(path, f"extra-rank{rank:05d}.pt")
-    if not os.path.isfile(fp):
-        fp = os.path.join(path, "extra-rank00000.pt")
+def _load_extra(path: str, rank: int, manifest: Optional[dict]) -> dict:
+    name = _extra_name(rank)
+    if not os.path.isfile(os.path.join(path, name)):
+        name = _extra_name(0)  # the checkpoint had fewer ranks
+    fp = os.path.join(path, name)
     if not os.path.isfile(fp):
         return {}
+    if manifest is not None and name in manifest["files"]:
+        check_file(path, name, manifest["files"][name], full=True)
     try:
         return torch.load(fp, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path}: cannot read {fp}: {exc}") from None
 
 
-def resume_latest(ckpt_root: str, model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+def load_checkpoint(path: str, model_parts: Sequence[nn.Module], optimizers: Sequence,
+                    group=None, verify: bool = True) -> dict:
+    """Load model (+ optimizer) state from ``path`` into this layout; return this rank's ``extra``
+    (rank 0's when the checkpoint had fewer ranks). Collective over ``group``.
+
+    With ``verify`` every rank checks the manifest, then the digest of every byte it reads
+    (``.metadata``, each DCP storage item, its extra state). Whatever fails, on whichever rank
+    (torch's CheckpointException included, a BaseException), every rank raises CheckpointError
+    naming the directory and the file; CheckpointDamaged when the bytes do not match.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    manifest, err, req = None, None, None
+    try:
+        manifest = verify_checkpoint(path, full=False) if verify else None
+        if manifest is not None:
+            check_file(path, ".metadata", manifest["files"][".metadata"], full=True)
+        reader = verifying_reader(path, manifest) if verify else dcp.FileSystemReader(path)
+        reader.read_metadata()  # unpickled here, so a bad one is one clean error, not DCP's logged tracebacks
+        req = LoadRequest(model_parts, optimizers)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        err = _reason(exc, path)
+    _raise(grp.agree(err, group))
+    rank = grp.rank(group)
+    try:
+        dcp.load(req.request, storage_reader=reader, process_group=group, no_dist=not grp.initialized())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        err = _reason(exc, path)
+    _raise(grp.agree(err, group))
+    extra: dict = {}
+    try:
+        req.apply()
+        extra = _load_extra(path, rank, manifest)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        err = _reason(exc, path)
+    _raise(grp.agree(err, group))
+    return extra
+
+
+def _set_aside_names(ckpt_root: str) -> list[str]:
+    if not os.path.isdir(ckpt_root):
+        return []
+    return sorted(n for n in os.listdir(ckpt_root) if DAMAGED_RE.match(n))
+
+
+def resume_latest(ckpt_root: str, model_parts: Sequence[nn.Module], optimizers: Sequence,
                   group=None) -> Optional[tuple[str, dict]]:
-    """``train.resume=auto``: load the newest loadable checkpoint, falling back to older ones when
-    one is corrupt (with a warning naming the file). Returns (path, extra) or None if there is none."""
-    candidates = list(reversed(list_checkpoints(ckpt_root))) if _rank(group) == 0 else None
-    candidates = _broadcast_obj(candidates, group)
+    """``train.resume=auto``: load the newest checkpoint that loads, falling back past every one
+    that does not (naming each and why). Newer checkpoints that failed while an older one loaded
+    are set aside as ``step-N.damaged``. Returns (path, extra); None only when ``ckpt_root`` holds
+    no checkpoint at all. Raises CheckpointError, naming the directory and every reason, when
+    checkpoints exist but none loads."""
+    candidates = grp.broadcast_obj(list(reversed(list_checkpoints(ckpt_root))) if grp.rank(group) == 0 else None,
+                                   group)
+    failed: list[tuple[str, str]] = []
     for path in candidates:
         try:
-            return path, load_checkpoint(path, model_parts, optimizers, group=group)
+            extra = load_checkpoint(path, model_parts, optimizers, group=group)
         except CheckpointError as exc:
-            if _rank(group) == 0:
-                warnings.warn(f"skipping checkpoint: {exc}", stacklevel=2)
-    return None
+            failed.append((path, str(exc)))
+            if grp.rank(group) == 0:
+                warn(f"skipping checkpoint {path}: {exc}")
+            continue
+        if grp.rank(group) == 0:
+            for bad, why in failed:
+                set_aside(bad, why)
+        return path, extra
+    earlier = grp.broadcast_obj(_set_aside_names(ckpt_root) if grp.rank(group) == 0 else None, group)
+    if not failed and not earlier:
+        return None
+    reasons = [f"{os.path.basename(p)}: {why}" for p, why in failed]
+    if earlier:
+        reasons.append(f"set aside earlier as damaged: {', '.join(earlier)}")
+    raise CheckpointError(f"train.resume=auto: checkpoint.dir {ckpt_root} holds checkpoints but none loads "
+                          f"(fix or move them, or set train.resume=none to start over): {'; '.join(reasons)}")

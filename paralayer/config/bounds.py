@@ -73,6 +73,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.beta2": (0.0, 1.0, True, False),
     "train.grad_clip": (0.0, 1e12, True, True),  # 0 = no clipping
     "train.collective_timeout_s": (0.0, 86400.0, False, True),
+    "checkpoint.timeout_s": (0.0, 7 * 86400.0, False, True),
     "cluster.device_memory_gib": (0.0, 2.0 ** 20, False, True),
     "cluster.peak_tflops": (0.0, 1e7, False, True),
     "cluster.intra_node_gbps": (0.0, 1e7, False, True),

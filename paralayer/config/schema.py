@@ -153,7 +153,9 @@ class ClusterConfig:
 class CheckpointConfig:
     dir: Optional[str] = None  # None = run.dir/checkpoints
     every: int = 0  # 0 = never
-    keep: int = 2
+    keep: int = 2  # the newest checkpoints that verify; 0 = all
+    async_save: bool = False  # DCP async_save: the next steps run while the checkpoint is written
+    timeout_s: float = 600.0  # checkpoint collectives and waits (I/O-sized, not the training timeout)
 
 
 @dataclass

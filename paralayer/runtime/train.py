@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer import config as config_mod
+from paralayer.checkpoint.manifest import CheckpointError
 from paralayer.clock import StepClock
 from paralayer.config import Config
+from paralayer.data.errors import DataError
 from paralayer.model.compile import compile_blocks, compile_loss
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
@@ -233,9 +235,11 @@ class RankRun:
     tied_group: Any
     autocast_dtype: Optional[torch.dtype]
     ckpt_dir: Optional[str]
+    rehearsing: bool = False  # paralayer/runtime/rehearse_rank.py: fake tensors, fake process group
     peak_tflops: Optional[float] = None
     peak_source: str = "rank 0"
     hooks: StepHooks = field(default_factory=StepHooks)
+    checkpointer: Any = None  # paralayer.checkpoint.dcp.Checkpointer, made by checkpoints()
 
     @property
     def rank(self) -> int:
@@ -323,7 +327,8 @@ def build_runner(run: RankRun):
                             aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
                             scale_grads=run.scaling.schedule_scales,
                             # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
-                            reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)))
+                            reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),
+                            rehearse=run.rehearsing, autocast_dtype=run.autocast_dtype)
     moe_step.count_real_forwards_only(runner, run.built.chunks)
     return runner
 
@@ -348,10 +353,11 @@ def resume(run: RankRun) -> int:
         return 1
     from paralayer.checkpoint import dcp as ckpt
 
-    if resume_from == "auto":
-        found = ckpt.resume_latest(run.ckpt_dir, run.built.chunks, [run.opt])  # falls back past corrupt ones
+    group = checkpoints(run).group
+    if resume_from == "auto":  # falls back past damaged ones; raises if some exist but none loads
+        found = ckpt.resume_latest(run.ckpt_dir, run.built.chunks, [run.opt], group=group)
     else:
-        found = (resume_from, ckpt.load_checkpoint(resume_from, run.built.chunks, [run.opt]))
+        found = (resume_from, ckpt.load_checkpoint(resume_from, run.built.chunks, [run.opt], group=group))
     if found is None:
         return 1
     path, extra = found
@@ -377,7 +383,7 @@ def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progr
         run_dir, config_mod.to_dict(cfg), run.plan.to_dict(), run.rank == 0, cfg.logging.wandb.mode,
         cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
         progress=log_progress and cfg.logging.progress, peak_source=run.peak_source,
-        run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)))
+        run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)), log_every=cfg.train.log_every)
 
 
 # ------------------------------------------------------------------ one step
@@ -422,6 +428,13 @@ def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -
 
 def reduce_and_clip(run: RankRun, local_loss: torch.Tensor) -> tuple[float, float]:
     """Finish the gradients (contract), average the loss over dp·cp, clip; (loss, grad norm)."""
+    loss_t, norm_t = reduce_and_clip_tensors(run, local_loss)
+    return float(loss_t), float(norm_t)
+
+
+def reduce_and_clip_tensors(run: RankRun, local_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reduce_and_clip` without reading back to the host (the rehearsal's fake tensors have
+    no values; a GPU is not made to wait): the loss and the grad norm as 0-d tensors."""
     built, meshes = run.built, run.meshes
     tie = bool(run.cfg.model.tie_embeddings)
     finish_grads(run.scaling, run.reducer, built.expert_params,
@@ -430,8 +443,8 @@ def reduce_and_clip(run: RankRun, local_loss: torch.Tensor) -> tuple[float, floa
     grad_norm = dpar.clip_grad_norm(
         built.params, run.cfg.train.grad_clip, meshes["pp"].get_group() if run.degree["pp"] > 1 else None,
         built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
-        skip_norm=tied.head_copy(built.chunks) if tie else ())
-    return float(loss_t), grad_norm
+        skip_norm=tied.head_copy(built.chunks) if tie else (), as_tensor=True)
+    return loss_t, grad_norm
 
 
 def nonfinite_step(run: RankRun, step: int, loss: float, grad_norm: float) -> bool:
@@ -490,6 +503,8 @@ def save_if_due(run: RankRun, step: int, stop: int) -> bool:
     """A periodic checkpoint (every ``checkpoint.every`` steps and at the run's last step)."""
     every = run.cfg.checkpoint.every
     if not (every and run.ckpt_dir and (step % every == 0 or step == stop)):
+        if run.checkpointer is not None:
+            run.checkpointer.poll()  # an asynchronous save becomes COMPLETE once every rank wrote it
         return False
     _save(run, step)
     return True
@@ -502,6 +517,8 @@ def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, 
         return
     if run.ckpt_dir and not saved:
         _save(run, step)
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
     if run.rank == 0:
         then = "handing the signal to the requeue" if sig == signal.SIGUSR2 else "waiting for SLURM"
         print(f"paralayer: {sig.name} after step {step}: checkpoint saved, {then}", flush=True)
@@ -531,6 +548,8 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
         saved = save_if_due(run, step, stop)
         stop_if_signalled(run, preempt, step, stop, saved, logger)
     preempt.restore()
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
     if run.runner is not None and run_dir is not None and cfg.logging.timeline:
         _write_timeline(run.runner, run.meshes, run_dir)
     if logger is not None:
@@ -538,11 +557,23 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     return records
 
 
+def checkpoints(run: RankRun):
+    """The run's Checkpointer: its own gloo group with checkpoint.timeout_s (collective on first use)."""
+    if run.checkpointer is None:
+        from paralayer.checkpoint import dcp as ckpt
+        from paralayer.checkpoint.group import checkpoint_group
+
+        c = run.cfg.checkpoint
+        run.checkpointer = ckpt.Checkpointer(run.ckpt_dir, c.keep, checkpoint_group(c.timeout_s),
+                                             async_save=c.async_save, timeout_s=c.timeout_s)
+    return run.checkpointer
+
+
 def _save(run: RankRun, step: int) -> None:
     from paralayer.checkpoint import dcp as ckpt
 
     extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state()}
-    ckpt.save_checkpoint(run.ckpt_dir, step, run.built.chunks, [run.opt], extra, keep=run.cfg.checkpoint.keep)
+    checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 
 
 def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
@@ -609,6 +640,10 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     except NonFiniteLoss as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
+    except (CheckpointError, DataError) as exc:  # one line from rank 0, no traceback; every rank exits
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, DataError) else 1
     except Preempted:
         # SLURM ends this task (SIGTERM, then SIGKILL): wait for it, rather than end the job step
         # as if training were done
