@@ -93,6 +93,33 @@ def test_metrics_logger_real_wandb_offline(tmp_path, capsys, monkeypatch):
         assert needle in data, needle
 
 
+def test_log_every_thins_console_and_wandb_not_the_jsonl(tmp_path, monkeypatch):
+    """train.log_every=3 over 7 steps: metrics.jsonl has every step; W&B (a real offline run; the
+    spy calls through) and the console get steps 3, 6 and the last one, 7."""
+    import io
+
+    from rich.console import Console
+
+    from paralayer.metrics import wandb_log
+
+    for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_SILENT"):
+        monkeypatch.delenv(k, raising=False)
+    to_wandb = []
+    real = wandb_log.log_step
+    monkeypatch.setattr(wandb_log, "log_step", lambda run, step, rec: (to_wandb.append(step), real(run, step, rec)))
+    out = io.StringIO()
+    run_dir = tmp_path / "run"
+    log = M.MetricsLogger(str(run_dir), {}, {}, True, "offline", "paralayer-test", None, total_steps=7,
+                          progress=True, console=Console(file=out, force_terminal=False, width=200), log_every=3)
+    for s in range(1, 8):
+        log.log(s, M.step_record(s, 5.0 - 0.1 * s, 1e-3, 1.0, 2048, 0.1, 2, 1e6, None))
+    log.close()
+    assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == list(range(1, 8))
+    assert to_wandb == [3, 6, 7]
+    printed = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert printed == [3, 6, 7], out.getvalue()
+
+
 def test_non_logging_rank_and_disabled_write_nothing(tmp_path):
     other = M.MetricsLogger(str(tmp_path / "r1"), {}, {}, False, "offline", "p", None, 2, True)
     other.log(1, {"loss": 1.0})

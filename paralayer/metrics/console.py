@@ -21,13 +21,15 @@ class ConsoleProgress:
     """Shows each logged step: a live bar when the console is a terminal, plain lines otherwise;
     ``show=False`` prints nothing at all."""
 
-    def __init__(self, total_steps: int, show: bool = True, console: Any = None):
+    def __init__(self, total_steps: int, show: bool = True, console: Any = None, every: int = 1):
         from rich.console import Console
 
         self.console = console or Console(stderr=False)
         self.total_steps = int(total_steps or 0)
         self.show = bool(show)
-        self._plain_every = max(1, self.total_steps // 20) if self.total_steps else 1
+        # plain lines (no terminal): about 20 per run, each on a step the logger hands over (every N-th)
+        every = max(1, int(every))
+        self._plain_every = every * max(1, self.total_steps // (20 * every)) if self.total_steps else every
         self._progress = None
         self._task = None
         if self.show and self.console.is_terminal:

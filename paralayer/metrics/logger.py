@@ -18,14 +18,17 @@ class MetricsLogger:
     :func:`paralayer.metrics.jsonl.truncate_after` first to drop steps past the checkpoint) and
     flushed after each line. W&B: see :mod:`paralayer.metrics.wandb_log`; its config is
     ``{"recipe": cfg_dict, "plan": plan_dict}``, its group the sweep's (``wandb_group``).
+    ``log_every`` (``train.log_every``): metrics.jsonl gets every step; the console and W&B every
+    N-th step and the last one (a long run's W&B history and SLURM log stay small).
     """
 
     def __init__(self, run_dir: str, cfg_dict: Dict[str, Any], plan_dict: Dict[str, Any],
                  is_logging_rank: bool, wandb_mode: str = "offline",
                  wandb_project: str = "paralayer", wandb_group: Optional[str] = None,
                  total_steps: int = 0, progress: bool = True, run_name: Optional[str] = None,
-                 peak_source: Optional[str] = None, console: Any = None):
+                 peak_source: Optional[str] = None, console: Any = None, log_every: int = 1):
         self.enabled = bool(is_logging_rank)
+        self.log_every = max(1, int(log_every))
         self.run_dir = run_dir
         self.total_steps = int(total_steps or 0)
         self.records: List[Dict[str, Any]] = []
@@ -36,19 +39,22 @@ class MetricsLogger:
             return
         self._jsonl = JsonlWriter(run_dir)
         self.path = self._jsonl.path
-        self._console = ConsoleProgress(self.total_steps, progress, console)
+        self._console = ConsoleProgress(self.total_steps, progress, console, every=self.log_every)
         self.console = self._console.console
         self._wandb_run = wandb_log.start_run(run_dir, wandb_mode, wandb_project, wandb_group,
                                               {"recipe": cfg_dict, "plan": plan_dict}, name=run_name)
 
     def log(self, step: int, record: Dict[str, Any]) -> None:
-        """Write one record (``step`` is set into it) to metrics.jsonl, the console and W&B."""
+        """Write one record (``step`` is set into it) to metrics.jsonl; to the console and W&B
+        when the step is a multiple of ``log_every`` or the last one."""
         if not self.enabled or self._closed:
             return
         rec = strict_json_record({**record, "step": int(step)})
         rec = {"step": rec.pop("step"), **rec}
         self._jsonl.write(rec)
         self.records.append(rec)
+        if step % self.log_every and step != self.total_steps:
+            return
         if self._wandb_run is not None:
             wandb_log.log_step(self._wandb_run, step, rec)
         self._console.step(step, rec)
