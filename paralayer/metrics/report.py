@@ -59,6 +59,7 @@ class Row:
     measured: Dict[str, Optional[float]] = field(default_factory=dict)
     final_loss: Optional[float] = None
     predicted_by: str = ""
+    device: str = ""
 
     def ratio(self, key: str) -> Optional[float]:
         """measured / predicted, or None when either is missing or the prediction is 0."""
@@ -198,7 +199,8 @@ def read_run(run_dir: str, index: int = 0) -> Row:
     pred, source = _predicted(run_dir, plan)
     row = Row(index=int(meta.get("index", index)), name=str(meta.get("name", "")), run_dir=run_dir,
               overrides=list(meta.get("overrides", [])), state="", steps_logged=len(records),
-              steps_planned=planned, predicted=pred, final_loss=s["last_loss"], predicted_by=source)
+              steps_planned=planned, predicted=pred, final_loss=s["last_loss"], predicted_by=source,
+              device=str(plan.get("device") or ""))
     row.measured = {"step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
                     "memory_bytes": s["peak_memory_bytes"], "bubble": s["bubble_measured"]}
     last_step = max((r["step"] for r in records), default=0)
@@ -248,17 +250,22 @@ def _slurm_state(job_id: str) -> Optional[str]:
     return None
 
 
+#: SLURM states of a job that has not ended (its logs are no verdict yet)
+_LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+         "RESIZING", "SUSPENDED"}
+
+
 def run_state(run_dir: str, meta: Dict[str, Any], last_step: int, planned: int) -> tuple:
     """(state, last line of its error). completed: every planned step logged and no error;
     failed: the dispatcher left error.txt, or SLURM says the job failed (its stderr logs give the
     line); incomplete: some steps logged, not all; not started: none logged. On SLURM the job's
-    state (sacct) names the unfinished ones (pending, running, timeout, ...)."""
+    state (squeue, sacct) names the unfinished ones (pending, running, timeout, cancelled, ...)."""
     err = last_error_line(_read_text(os.path.join(run_dir, ERROR_FILE)))
     slurm = meta.get("slurm") or {}
     sstate = slurm.get("state")
-    if slurm.get("job_id") and (not sstate or sstate in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN")):
+    if slurm.get("job_id") and (not sstate or sstate in _LIVE | {"UNKNOWN"}):
         sstate = _slurm_state(str(slurm["job_id"])) or sstate
-    if not err and (sstate or "COMPLETED") != "COMPLETED":
+    if not err and sstate and sstate not in _LIVE | {"COMPLETED"}:
         logs = [last_error_line(_read_text(p)) for p in slurm.get("stderr", [])]
         err = next((ln for ln in logs if re.search(r"(Error|Exception|Loss)\b:", ln)),
                    next((ln for ln in logs if ln), ""))

@@ -33,8 +33,9 @@ def _axis(ax: Any, pts: List[tuple], title: str, xlabel: str, ylabel: str, scale
         lo, hi = max(0.0, lo - pad), hi + pad
     ax.plot([lo, hi], [lo, hi], color="0.6", linestyle="--", linewidth=1, label="y = x (as predicted)")
     ax.scatter(xs, ys, s=36, zorder=3)
-    for x, y, (_, _, label) in zip(xs, ys, pts):
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    # labels alternate above and below their point, so neighbours at one height stay readable
+    for i, (x, y, (_, _, label)) in enumerate(zip(xs, ys, pts)):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 5 if i % 2 == 0 else -12), fontsize=8)
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_aspect("equal", adjustable="box")
@@ -64,7 +65,9 @@ def plot(rows: Sequence[Any], path: str, title: Optional[str] = None) -> str:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5.4))
     _axis(a1, _points(rows, "step_time_s"), "step time: measured vs predicted",
           "predicted step time (s)", "measured step time (s, median)")
-    _axis(a2, _points(rows, "memory_bytes"), "memory per device: measured vs predicted",
+    cpu = any(getattr(r, "device", "") == "cpu" for r in rows)
+    _axis(a2, _points(rows, "memory_bytes"), "memory per device: measured vs predicted" +
+          ("\n(CPU: measured is the whole process's peak RSS)" if cpu else ""),
           "predicted (MiB, most loaded device)", "measured (MiB, rank 0 peak)", scale=2.0 ** 20)
     missing = [f"{r.label} ({r.state})" for r in rows
                if r.measured.get("step_time_s") is None or r.state != "completed"]
