@@ -23,15 +23,11 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from paralayer.compat import private
+from paralayer.parallel.local_shard import local_tensor as _local
 
 funcol = private("torch.distributed._functional_collectives")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _compute_dtype(x: torch.Tensor) -> Optional[torch.dtype]:

@@ -216,12 +216,12 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
             # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
             # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
             # backward) and reduce-scatters its grads (torchtitan's default). Under pp our stages
-            # reduce-scatter every microbatch too (1/dp of the grads at the peak), except under
-            # the V schedules (torch's stage: once at the step's end); ZeRO-2 keeps the weights
-            # gathered through the step (one gather per step), ZeRO-3 gathers twice per microbatch.
+            # reduce-scatter every microbatch too (1/dp of the grads at the peak; the V schedules
+            # after each weight pass); ZeRO-2 keeps the weights gathered through the step (one
+            # gather per step), ZeRO-3 gathers twice per microbatch.
             units = n_layers + lay.chunks // lay.pp
             gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
-            reduces = 1 if (lay.pp > 1 and lay.schedule in ("zbv", "dualpipev")) else mm
+            reduces = mm
             e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
             e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
             e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])

@@ -137,13 +137,18 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     layers = [i for c in chunks for i in lay.stage_layers[c]]
     dense = 0.0
     expert = 0.0
+    # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
+    attn = attn_params(cfg) / t + 2 * h
+    moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+    moe_expert = (m.moe.num_experts / lay.ep) * expert_params(cfg) if m.moe.num_experts else 0.0
+    mlp = 3 * h * m.ffn_hidden / t
     for i in layers:
-        dense += attn_params(cfg) / t + 2 * h
+        dense += attn
         if is_moe_layer(cfg, i):
-            dense += h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
-            expert += (m.moe.num_experts / lay.ep) * expert_params(cfg)
+            dense += moe_dense
+            expert += moe_expert
         else:
-            dense += 3 * h * m.ffn_hidden / t
+            dense += mlp
     first, last = 0 in chunks, (lay.chunks - 1) in chunks
     vocab = lay.padded_vocab * h / t
     if first:
@@ -266,9 +271,6 @@ def _shard(n: float, d: int, zero: int, stage: int) -> float:
     return n / d if zero >= stage else n
 
 
-V_SCHEDULES = ("zbv", "dualpipev")
-
-
 def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int, pp: int,
                 bytes_per_param: tuple | str, schedule: str = "1f1b") -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes of a rank holding ``dense`` + ``expert`` parameters.
@@ -281,14 +283,13 @@ def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int
     counted, like the fp32 gather buffers); grads reduce to fp32 shards.
 
     Under pp our stages reduce-scatter every microbatch's gradients into the 1/dp shard (ZeRO 2/3,
-    parallel/pipeline.py ``reduce_each_microbatch``; ZeRO-3 also reshards the weights), so the
-    peak holds sharded grads as without pp. The V schedules split input and weight backward and
-    keep torch's behaviour (FSDP syncs at the step's end): whole weights and grads at the peak.
+    parallel/pipeline.py ``reduce_each_microbatch``, the V schedules after each weight pass;
+    ZeRO-3 also reshards the weights), so the peak holds sharded grads as without pp.
     ZeRO-1 keeps each rank's expert optimizer states whole (ZeroOneOptimizer local_params: the
     experts are dealt out over dp·cp, not over expert-dp); ZeRO 2/3 (FSDP) shard them over expert-dp."""
     mode = precision_mode(bytes_per_param, zero, d_dense) if isinstance(bytes_per_param, str) else None
     wb, gb, ob = HELD_BYTES[mode] if mode else bytes_per_param
-    pz = min(zero, 1) if (pp > 1 and schedule in V_SCHEDULES) else zero
+    pz = zero  # ``schedule``: kept for callers; every schedule shards under pp (see above)
     params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
     if mode == "bf16-fsdp":
         params = wb * (dense / d_dense + expert / d_exp) + (2 * (dense + expert) if pz < 3 else 0)
