@@ -100,7 +100,9 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
     d["train"]["global_batch"] = m_run * int(cfg.train.micro_batch) * dp
     d["parallel"]["dp"] = dp
     if str(d["model"].get("init", "")).startswith("hf:"):
-        d["model"]["init"] = "normal"
+        d["model"]["init"] = "random"
+    # the precision the plan resolved for its device (auto: bf16 on GPUs), not this CPU's
+    d["train"]["precision"] = plan.get("precision") or d["train"]["precision"]
     return config_mod.from_dict(d), m_run
 
 

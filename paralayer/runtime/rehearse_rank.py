@@ -4,9 +4,10 @@ Why it can run a 1,024-rank layout on a laptop: the process joins torch's fake p
 (``FakeStore``, backend ``"fake"``: every collective completes at once, moving nothing) as the
 chosen rank of the full world, and everything after the model's meta build runs under
 ``FakeTensorMode`` (``to_empty`` inside the mode gives weights with shapes and no storage). The
-build is the training runtime's own (``train.build_model``, ``build_optimizer``,
-``make_loss_fn``, the ZeRO-0/1 reducer, ``PipelineRunner``, ``clip_grad_norm``); what differs is
-only what cannot run on fake data:
+build and the step are the training runtime's own named steps (``train.build_model``,
+``build_optimizer``, ``build_reducer``, ``build_runner``, ``forward_backward``,
+``reduce_and_clip_tensors``, the optimizer's step); what differs is only what cannot run on fake
+data:
 
 - tokens are synthetic (no dataset is read; data loading is not a layout question);
 - the pipeline's P2P warm-up vote (an all-reduce and ``.item()``) is replaced by the static
@@ -56,137 +57,99 @@ def _module_of(exc: BaseException) -> str:
     return where
 
 
-def _tokens(cfg: Config, plan: dict, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens(run: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the step's batch (synthetic ids), sharded over cp as training does."""
-    cp = int(plan["degrees"]["cp"])
-    m = int(plan["microbatches"])
-    s = cfg.model.seq_len
-    tokens = torch.zeros((cfg.train.micro_batch * m, s), dtype=torch.long)
-    labels = torch.zeros((cfg.train.micro_batch * m, s), dtype=torch.long)
-    if cp > 1:
+    cfg, d = run.cfg, run.degree
+    m = int(run.plan.microbatches)
+    shape = (cfg.train.micro_batch * m, cfg.model.seq_len)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    labels = torch.zeros(shape, dtype=torch.long)
+    if d["cp"] > 1:
         from paralayer.parallel.context import zigzag_shard
 
-        tokens = zigzag_shard(tokens, 1, cp, cp_rank)
-        labels = zigzag_shard(labels, 1, cp, cp_rank)
+        cp_rank = run.meshes.local_rank("cp")
+        tokens = zigzag_shard(tokens, 1, d["cp"], cp_rank)
+        labels = zigzag_shard(labels, 1, d["cp"], cp_rank)
     return tokens, labels
 
 
-def _step(cfg: Config, plan: dict, built: Any, opt: Any, reducer: Any, runner: Any, loss_fn: Any,
-          tokens: torch.Tensor, labels: torch.Tensor, meshes: Any, autocast_dtype: Any) -> None:
-    """The body of train()'s step loop, minus what reads data back to Python."""
-    from paralayer.parallel import data as dpar
-    from paralayer.parallel import tied_embeddings as tied
-    from paralayer.parallel.tensor import local_tensor, loss_parallel_ctx
+def build_run(cfg: Config, plan: Any, meshes: Any) -> Any:
+    """train.setup() without what needs real data or real values: the dataset (synthetic tokens
+    instead) and the peak-FLOP/s agreement (a broadcast read back with ``.item()``). The mesh is
+    built before the fake mode (its rank tables are real tensors)."""
+    from paralayer.runtime import precision
     from paralayer.runtime import train as T
 
-    d = plan["degrees"]
-    tp, pp = int(d["tp"]), int(d["pp"])
-    m = int(plan["microbatches"])
-    zero = int(cfg.parallel.zero)
-    opt.zero_grad(set_to_none=True)
-    if runner is not None:
-        loss_sum = runner.step(tokens, labels, autocast_dtype=autocast_dtype)
-    else:
-        loss_sum = torch.zeros(())
-        for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
-            with loss_parallel_ctx(tp > 1):
-                with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    logits = built.chunks[0](mb_tokens)
-                loss = loss_fn(logits, mb_labels)
-                aux = built.chunks[0].aux_loss()
-                total = loss if aux is None else loss + cfg.model.moe.aux_loss_coef * aux
-                (total / m).backward()
-            loss_sum = loss_sum + loss.detach() / m
-    if reducer is not None:
-        reducer.reduce()
-    elif zero >= 2 and meshes.expert is not None:
-        for p in built.expert_params:
-            if p.grad is not None:
-                local_tensor(p.grad).div_(meshes.size("ep"))
-    tie = bool(cfg.model.tie_embeddings)
-    if tie:
-        tied.sum_tied_grads(built.chunks, built.tied_group)
-    T._global_loss(loss_sum, meshes)
-    dpar.clip_grad_norm(
-        built.params, cfg.train.grad_clip, meshes["pp"].get_group() if pp > 1 else None,
-        built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
-        skip_norm=tied.head_copy(built.chunks) if tie else (), as_tensor=True)
-    opt.step()
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.train.seed)
+    built = T.build_model(cfg, plan, meshes, device)
+    opt, sched = T.build_optimizer(cfg, built, meshes)
+    scaling = T.grad_scaling(plan, meshes)
+    run = T.RankRun(cfg=cfg, plan=plan, device=device, meshes=meshes, built=built, opt=opt, sched=sched,
+                    scaling=scaling, reducer=T.build_reducer(scaling, built, meshes), runner=None, dataset=None,
+                    loss_fn=T.make_loss_fn(cfg, plan, cfg.model.seq_len - 1),
+                    tied_group=T.build_tied_group(cfg, plan, meshes),
+                    autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
+                    ckpt_dir=None, rehearsing=True)
+    run.runner = T.build_runner(run)
+    return run
 
 
-def rehearse_rank(cfg: Config, plan: dict, rank: int) -> dict:
-    """Build and step ``rank`` of ``plan``'s world on fake tensors; measure what it holds, sends
+def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    """train.train_step() on fake tensors: the same forward, backward, reduction, clipping and
+    update, with the loss and the grad norm left as tensors (nothing to read back)."""
+    from paralayer.runtime import moe_step
+    from paralayer.runtime import train as T
+
+    run.opt.zero_grad(set_to_none=True)
+    moe_step.reset(run.built.chunks)
+    local_loss = T.forward_backward(run, tokens, labels)
+    T.reduce_and_clip_tensors(run, local_loss)
+    run.opt.step()
+    moe_step.update_bias(run.built.chunks, run.cfg, run.meshes)
+    run.sched.step()
+
+
+def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
+    """Build and step ``rank`` of the plan's world on fake tensors; measure what it holds, sends
     and computes. Raises :class:`RehearsalError` naming the rank and the module on failure."""
-    from paralayer.compat import private
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
-
-    from paralayer.parallel import data as dpar
-    from paralayer.parallel import tied_embeddings as tied
-    from paralayer.parallel.mesh import build_mesh
     from paralayer.runtime import rehearse_memory as rmem
     from paralayer.runtime import train as T
     from paralayer.runtime.rehearse_comm import CollectiveCounter, group_axes, group_sizes
     from paralayer.runtime.rehearse_flops import LocalFlopCounter
 
     t0 = time.perf_counter()
-    world = int(plan["world_size"])
-    d = plan["degrees"]
-    tp, pp, cp = int(d["tp"]), int(d["pp"]), int(d["cp"])
-    m = int(plan["microbatches"])
-    _init_fake(rank, world)
+    plan = T.as_plan(plan_d)
+    _init_fake(rank, int(plan.world_size))
     phase = "build"
     try:
-        meshes = build_mesh(plan, "cpu")
-        coords = {ax: meshes.local_rank(ax) for ax in ("pp", "dp", "cp", "tp")}
-        if meshes.expert is not None:
-            coords["ep"] = meshes.local_rank("ep")
-        autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-            torch.manual_seed(cfg.train.seed)
-            built = T.build_model(cfg, plan, meshes, torch.device("cpu"))
-            opt, _sched = T.build_optimizer(cfg, built, meshes)
-            reducer = None
-            dp_cp = meshes["dp_cp"]
-            if int(cfg.parallel.zero) <= 1 and dp_cp.size() > 1:
-                edp = meshes["edp"].get_group() if meshes.expert is not None else None
-                reducer = dpar.GradReducer(built.params, dp_cp.get_group(), dp_cp.size(), built.expert_params,
-                                           edp, microbatches=m, divide=dp_cp.size() * (m if pp > 1 else 1))
-            built.tied_group = None
-            extra_axes, extra_groups = {}, {}
-            if cfg.model.tie_embeddings and pp > 1 and plan.get("schedule") not in ("zbv", "dualpipev"):
-                w = meshes.world.mesh
-                built.tied_group = tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), rank)
-                if built.tied_group is not None:
-                    extra_axes[built.tied_group.group_name] = "pp"
-                    extra_groups["pp"] = built.tied_group
-            loss_fn = T.make_loss_fn(cfg, plan, cfg.model.seq_len - 1)
-            runner = None
-            if pp > 1:
-                from paralayer.parallel.pipeline import PipelineRunner
+        from paralayer.parallel.mesh import build_mesh
 
-                runner = PipelineRunner(built.chunks, meshes["pp"], plan, loss_fn, torch.device("cpu"),
-                                        microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // cp),
-                                        loss_parallel=tp > 1,
-                                        aux_loss_coef=cfg.model.moe.aux_loss_coef if cfg.model.moe.num_experts else 0.0,
-                                        scale_grads=reducer is None, rehearse=True,
-                                        autocast_dtype=autocast_dtype)
-            tokens, labels = _tokens(cfg, plan, meshes.local_rank("cp"))
+        meshes = build_mesh(plan, "cpu")
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+            run = build_run(cfg, plan, meshes)
+            coords = {ax: meshes.local_rank(ax) for ax in ("pp", "dp", "cp", "tp")}
+            if meshes.expert is not None:
+                coords["ep"] = meshes.local_rank("ep")
+            extra = {"pp": run.tied_group} if run.tied_group is not None else {}
+            tokens, labels = _tokens(run)
             phase = "step"
-            counter = CollectiveCounter(group_axes(meshes, extra_axes), group_sizes(meshes, extra_groups))
-            saved = rmem.SavedPeak([*built.params, tokens, labels])
+            counter = CollectiveCounter(group_axes(meshes, {g.group_name: a for a, g in extra.items()}),
+                                        group_sizes(meshes, extra))
+            saved = rmem.SavedPeak([*run.built.params, tokens, labels])
             flops = LocalFlopCounter(fake_mode)
             with flops, saved, counter:
-                _step(cfg, plan, built, opt, reducer, runner, loss_fn, tokens, labels, meshes, autocast_dtype)
+                step(run, tokens, labels)
+            params = run.built.params
             out = {
                 "rank": rank, "coords": coords,
-                "memory_bytes": {"params": rmem.param_bytes(built.params), "grads": rmem.grad_bytes(built.params),
-                                 "optimizer": rmem.optimizer_bytes(opt), "activations": int(saved.peak_bytes)},
+                "memory_bytes": {"params": rmem.param_bytes(params), "grads": rmem.grad_bytes(params),
+                                 "optimizer": rmem.optimizer_bytes(run.opt), "activations": int(saved.peak_bytes)},
                 "collectives": counter.table(),
                 "flops": float(flops.get_total_flops()),
                 "flops_by_op": {str(k): float(v) for k, v in flops.get_flop_counts().get("Global", {}).items()},
-                "flops_by_module": {mod: float(sum(v.values())) for mod, v in flops.get_flop_counts().items()
-                                    if os.environ.get("PARALAYER_REHEARSE_FLOPS_BY_MODULE")},
             }
     except Exception as exc:  # noqa: BLE001 - reported as the rank's failure, exit 2
         raise RehearsalError(f"rank {rank}: the runtime could not {phase} at this layout in {_module_of(exc)}: "
