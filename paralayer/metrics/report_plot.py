@@ -17,7 +17,7 @@ def _axis(ax: Any, pts: List[tuple], title: str, xlabel: str, ylabel: str, scale
     xs = [p[0] / scale for p in pts]
     ys = [p[1] / scale for p in pts]
     lo, hi = min(xs + ys), max(xs + ys)
-    log = lo > 0 and hi / lo > 20
+    log = lo > 0 and hi / lo > 5
     if log:
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -33,9 +33,7 @@ def _axis(ax: Any, pts: List[tuple], title: str, xlabel: str, ylabel: str, scale
         lo, hi = max(0.0, lo - pad), hi + pad
     ax.plot([lo, hi], [lo, hi], color="0.6", linestyle="--", linewidth=1, label="y = x (as predicted)")
     ax.scatter(xs, ys, s=36, zorder=3)
-    # labels alternate above and below their point, so neighbours at one height stay readable
-    for i, (x, y, (_, _, label)) in enumerate(zip(xs, ys, pts)):
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 5 if i % 2 == 0 else -12), fontsize=8)
+    _labels(ax, xs, ys, [p[2] for p in pts])
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_aspect("equal", adjustable="box")
@@ -43,7 +41,32 @@ def _axis(ax: Any, pts: List[tuple], title: str, xlabel: str, ylabel: str, scale
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+#: where a label may sit beside its point (offset in points, horizontal alignment), in order of preference
+_PLACES = [((6, 5), "left"), ((6, -12), "left"), ((-6, 5), "right"), ((-6, -12), "right"), ((0, 10), "center"),
+           ((0, -18), "center"), ((10, 16), "left"), ((-10, -24), "right")]
+
+
+def _labels(ax: Any, xs: List[float], ys: List[float], labels: List[str]) -> None:
+    """Label each point at the first place where its text overlaps no point and no label placed
+    before it (points close together otherwise print their labels over each other)."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    dots = [ax.transData.transform((x, y)) for x, y in zip(xs, ys)]
+    taken: List[Any] = []
+    for x, y, label in zip(xs, ys, labels):
+        text = None
+        for offset, ha in _PLACES:
+            if text is not None:
+                text.remove()
+            text = ax.annotate(label, (x, y), textcoords="offset points", xytext=offset, ha=ha, fontsize=8)
+            box = text.get_window_extent(renderer).expanded(1.05, 1.2)
+            if not any(box.overlaps(b) for b in taken) and not any(box.contains(*d) for d in dots):
+                break
+        taken.append(text.get_window_extent(renderer))
 
 
 def _points(rows: Sequence[Any], key: str) -> List[tuple]:
