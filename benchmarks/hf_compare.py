@@ -45,7 +45,7 @@ def step_fn(model, opt, tokens, is_hf: bool, dtype: torch.dtype | None = None):
                 out = model(input_ids=tokens, labels=tokens)
                 loss = out.loss
             else:
-                # what train.py runs: labels shifted inside the sequence, the last position ignored
+                # what runtime/train.py runs: labels shifted inside the sequence, the last position ignored
                 labels = torch.full_like(tokens, -100)
                 labels[:, :-1] = tokens[:, 1:]
                 logits = model(tokens)

@@ -6,8 +6,6 @@ with the matching rows of the reference.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,9 +74,8 @@ def test_gqa_head_mismatch_is_rejected():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "math"])
-def test_single_rank_matches_sdpa(backend, monkeypatch):
-    monkeypatch.setenv("PARALAYER_RING_BACKEND", backend)
-    errs = _compare(0, 1, None, (2, 4, 2, 16, 8, True, 7))
+def test_single_rank_matches_sdpa(backend):
+    errs = _compare(0, 1, None, (2, 4, 2, 16, 8, True, 7), backend=backend)
     assert max(errs.values()) < TOL, errs
 
 
@@ -97,7 +94,7 @@ def test_strided_inputs_from_bshd_layout():
 # multi-rank
 # ---------------------------------------------------------------------------------------------
 
-def _compare(rank, cp, group, case, attn=None):
+def _compare(rank, cp, group, case, attn=None, backend=None):
     b, h, hkv, seq, d, causal, seed = case
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, seq, d, generator=g)
@@ -114,7 +111,7 @@ def _compare(rank, cp, group, case, attn=None):
     # ring: this rank's zigzag shard
     ql, kl, vl = (zigzag_shard(t, 2, cp, rank).requires_grad_() for t in (q, k, v))
     if attn is None:
-        out = ring_attention(ql, kl, vl, group, causal=causal)
+        out = ring_attention(ql, kl, vl, group, causal=causal, backend=backend)
     else:
         out = attn(ql, kl, vl, is_causal=causal)
     (out * zigzag_shard(w, 2, cp, rank)).sum().backward()
@@ -127,9 +124,7 @@ def _compare(rank, cp, group, case, attn=None):
 
 
 def _ranks_compare(rank, world, cases, backend):
-    if backend:
-        os.environ["PARALAYER_RING_BACKEND"] = backend
-    return [_compare(rank, world, None, case) for case in cases]
+    return [_compare(rank, world, None, case, backend=backend) for case in cases]
 
 
 @pytest.mark.parametrize("cp", [2, 4])

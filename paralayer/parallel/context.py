@@ -25,7 +25,7 @@ Backward
     with the GLOBAL merged out and lse; dQ accumulates locally; partial dK/dV (fp32) ride a second
     ring, following the K/V block they belong to, and arrive home after cp hops.
 
-Backends (per device, override with ``PARALAYER_RING_BACKEND=cpu|cuda|math``)
+Backends (per device; ``ring_attention(..., backend=...)`` forces one, as the tests do)
     cpu   aten._scaled_dot_product_flash_attention_for_cpu (+ its _backward)
     cuda  aten._scaled_dot_product_efficient_attention (+ its _backward); fp32/fp16/bf16
     math  explicit matmul/softmax in fp32; any device, used as a fallback and as a cross-check
@@ -33,7 +33,6 @@ Backends (per device, override with ``PARALAYER_RING_BACKEND=cpu|cuda|math``)
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,11 +103,10 @@ def zigzag_unshard(parts: list[Tensor], dim: int, cp: int) -> Tensor:
 # Per-block attention kernels: (out, lse) forward and (dq, dk, dv) backward
 # ----------------------------------------------------------------------------------------------
 
-def _backend_for(device: torch.device) -> str:
-    forced = os.environ.get("PARALAYER_RING_BACKEND")
+def _backend_for(device: torch.device, forced: str | None = None) -> str:
     if forced:
         if forced not in ("cpu", "cuda", "math"):
-            raise ValueError(f"PARALAYER_RING_BACKEND={forced!r}; valid: cpu, cuda, math")
+            raise ValueError(f"ring attention backend {forced!r}; valid: cpu, cuda, math")
         return forced
     if device.type == "cpu":
         return "cpu"
@@ -265,12 +263,12 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, rows: slice, o: Tensor, lse: Tensor
 
 class _RingAttnFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, stats):
+    def forward(ctx, q, k, v, ring, causal, scale, stats, backend=None):
         b, h, s, _ = q.shape
         hkv = k.size(1)
         groups = h // hkv
         c = s // 2
-        backend = _backend_for(q.device)
+        backend = _backend_for(q.device, backend)
         cp, rank = ring.size, ring.rank
 
         # (b, s, h, d) storage seen as (b, h, s, d), like SDPA's own output: the caller's
@@ -365,7 +363,7 @@ class _RingAttnFn(torch.autograd.Function):
             dkv_acc = dkv_next
         assert dkv_acc is not None
         return (dq.to(q.dtype), dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,14 +372,15 @@ class _RingAttnFn(torch.autograd.Function):
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = True, scale: float | None = None,
-                   stats: RingStats | None = None) -> Tensor:
+                   stats: RingStats | None = None, backend: str | None = None) -> Tensor:
     """Attention over a context-parallel sequence held in zigzag order.
 
     q: (b, n_heads, s_local, d); k, v: (b, n_kv_heads, s_local, d) with n_heads % n_kv_heads == 0.
     ``s_local`` is the rank's two zigzag chunks (see ``zigzag_shard``); ``group`` is the cp group
     (None: the default group, or no communication when torch.distributed is not initialised).
     Returns (b, n_heads, s_local, d), equal to the matching rows of causal SDPA on the full
-    sequence. ``scale`` defaults to 1/sqrt(d).
+    sequence. ``scale`` defaults to 1/sqrt(d). ``backend`` (cpu | cuda | math) forces the block
+    kernels; None picks the device's.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("ring_attention expects (b, heads, s, d) tensors")
@@ -396,7 +395,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
     ring = _Ring(group)
-    return _RingAttnFn.apply(q, k, v, ring, causal, float(scale), stats)
+    return _RingAttnFn.apply(q, k, v, ring, causal, float(scale), stats, backend)
 
 
 class RingAttention(nn.Module):
