@@ -360,7 +360,7 @@ def resume_latest(ckpt_root: str, model_parts: Sequence[nn.Module], optimizers: 
         except CheckpointError as exc:
             failed.append((path, str(exc)))
             if grp.rank(group) == 0:
-                warn(f"skipping checkpoint {path}: {exc}")
+                warn(f"skipping {exc}")
             continue
         if grp.rank(group) == 0:
             for bad, why in failed:

@@ -25,7 +25,8 @@ class CheckpointWarning(UserWarning):
 
 
 def warn(msg: str) -> None:
-    warnings.warn(msg, CheckpointWarning, stacklevel=3)
+    """One line on stderr in a run (no source line under it); a catchable warning in tests."""
+    warnings.warn_explicit(msg, CheckpointWarning, "paralayer", 0, module="paralayer.checkpoint")
 
 
 def step_dir(ckpt_root: str, step: int) -> str:

@@ -56,7 +56,7 @@ def run_local(run_dir: str, plan: dict) -> int:
     )
     import logging
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we name the failed rank below
     print(f"paralayer: {world} rank(s) on this machine; run dir {run_dir}", flush=True)
     error_file = os.path.join(run_dir, "error.txt")  # the failure's line, for the sweep report
     if os.path.exists(error_file):
@@ -70,6 +70,11 @@ def run_local(run_dir: str, plan: dict) -> int:
             msg = failure.message.get("message", msg)
         last = str(msg).strip().splitlines()[-1] if msg else f"exit code {failure.exitcode}"
         ranks = ", ".join(str(r) for r in sorted(exc.failures))
+        if failure.exitcode == 2:  # bad input (data, checkpoints) the ranks reported as one line
+            print(f"error: {last}", file=sys.stderr, flush=True)
+            with open(error_file, "w", encoding="utf-8") as f:
+                f.write(f"rank {rank} failed (exit code 2): {last}\n")
+            return 2
         print(f"paralayer: rank {rank} failed (exit code {failure.exitcode}): {last}", file=sys.stderr, flush=True)
         with open(error_file, "w", encoding="utf-8") as f:
             f.write(f"rank {rank} failed (exit code {failure.exitcode}): {last}\n")

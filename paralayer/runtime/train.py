@@ -620,6 +620,18 @@ def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]
     return cfg, plan
 
 
+def _report_input_error(exc: Exception, rank: int) -> None:
+    """Bad data or checkpoints that do not load: one line. Under the local launcher each rank
+    leaves it in torch elastic's error file (the launcher prints it once, exit 2); elsewhere
+    (SLURM) rank 0 prints it and the other ranks stay quiet."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": str(exc), "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    elif rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
 def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> int:
     """Entry point of every rank: read the run directory, train, leave metrics behind.
 
@@ -640,10 +652,9 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     except NonFiniteLoss as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
-    except (CheckpointError, DataError) as exc:  # one line from rank 0, no traceback; every rank exits
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, DataError) else 1
+    except (CheckpointError, DataError) as exc:  # bad input: one line, no traceback, every rank exits 2
+        _report_input_error(exc, rank)
+        return 2
     except Preempted:
         # SLURM ends this task (SIGTERM, then SIGKILL): wait for it, rather than end the job step
         # as if training were done
