@@ -81,3 +81,39 @@ def test_a_layout_that_does_not_fit_exits_2():
     r = subprocess.run([sys.executable, "launch.py", *BASE, "model.n_layers=1", "cluster.device_memory_gib=1",
                         "--rehearse"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "needs" in r.stderr
+
+
+def _clip_worker(rank: int, world: int) -> list[float]:
+    """tp 2 × dp 2 grads as DTensors (Shard on tp, Shard on dp, Replicate): our bounded-collective
+    clip against torch's clip_grad_norm_ (full_tensor per parameter) on copies of the same grads."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from paralayer.parallel.data import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(8, 6, generator=g) * 3 for _ in range(3)]
+    specs = [[Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(0), Replicate()]]
+
+    def params():
+        out = []
+        for f, pl in zip(fulls, specs):
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(f), mesh, pl))
+            p.grad = distribute_tensor(f.clone(), mesh, pl)
+            out.append(p)
+        return out
+
+    ours, ref = params(), params()
+    n = clip_grad_norm(ours, 1.0, None)
+    n_ref = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    err = max(float((a.grad.full_tensor() - b.grad.full_tensor()).abs().max()) for a, b in zip(ours, ref))
+    return [n, n_ref, err]
+
+
+def test_clip_grad_norm_bounded_collectives_matches_torch():
+    from tests.dist import run_ranks
+
+    for n, n_ref, err in run_ranks(_clip_worker, 4):
+        assert n > 1.0 and abs(n - n_ref) < 1e-4 * n_ref and err < 1e-6
