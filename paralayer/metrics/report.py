@@ -162,9 +162,7 @@ def _read_yaml(path: str) -> Dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError, ImportError):
-        return {}
-    except Exception:  # noqa: BLE001 - a broken resolved.yaml is reported as a missing one
+    except Exception:  # noqa: BLE001 - unreadable or broken YAML: reported as a missing resolved.yaml
         return {}
 
 
