@@ -87,10 +87,18 @@ def _report_errors(plan: Any, label: str = "") -> None:
         _err(f"{pre}{e['field']}: {e['message']}")
     if plan.valid and not plan.fits:
         mem = plan.memory_per_device_bytes
-        _err(f"{pre}memory: needs {mem['total'] / 2**30:.2f} GiB per device but the device has "
-             f"{mem['capacity'] / 2**30:.2f} GiB minus a {plan.memory_reserve_bytes / 2**30:.2f} GiB reserve "
-             "(cluster.memory_reserve_gib); try more pp/tp, parallel.zero=3, parallel.recompute=full or a smaller "
-             "train.micro_batch")
+        states = mem["params"] + mem["grads"] + mem["optimizer"]
+        if mem["activations"] >= states:
+            part = (f"activations {mem['activations'] / 2**30:.2f} GiB (model.seq_len × train.micro_batch tokens × "
+                    "model.d_model/model.ffn_hidden per layer; cut by parallel.recompute, parallel.cp, parallel.tp)")
+        else:
+            part = (f"weights, grads and optimizer {states / 2**30:.2f} GiB (model.d_model, model.n_layers, "
+                    "model.ffn_hidden, model.vocab_size, model.moe.num_experts; split by parallel.tp, parallel.pp, "
+                    "parallel.ep, parallel.zero)")
+        _err(f"{pre}memory: needs {mem['total'] / 2**30:.2f} GiB per device, most of it {part}, but the device has "
+             f"{mem['capacity'] / 2**30:.2f} GiB (cluster.device_memory_gib) minus a "
+             f"{plan.memory_reserve_bytes / 2**30:.2f} GiB reserve (cluster.memory_reserve_gib); try more pp/tp, "
+             "parallel.zero=3, parallel.recompute=full or a smaller train.micro_batch")
 
 
 # ------------------------------------------------------------------ sweeps
@@ -220,7 +228,18 @@ def _resolve(overrides: list[str]):
     from paralayer.resolve import resolve
 
     cfg = config_mod.load_config(overrides)
-    return cfg, resolve(cfg)
+    plan = resolve(cfg)
+    _check_data(cfg, plan)
+    return cfg, plan
+
+
+def _check_data(cfg: Any, plan: Any) -> None:
+    """Data problems that are known before launch (missing, unreadable or empty files) are plan errors."""
+    from paralayer.data.preflight import check_data
+
+    for fld, msg in check_data(cfg.data):
+        plan.errors.append({"field": fld, "message": msg})
+        plan.valid = False
 
 
 def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:

@@ -206,3 +206,89 @@ def test_resolving_imports_no_torch():
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+# ------------------------------------------------------------------ issue 16: the front door
+def _strict_json(text: str):
+    def refuse(c):
+        raise ValueError(f"bare {c} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_even_for_invalid_plans(capsys):
+    assert main(["parallel.tp=3", "--dry-run", "--json"]) == 2
+    d = _strict_json(capsys.readouterr().out)
+    assert d["errors"] and not d["valid"]
+    from paralayer.resolve.strict_json import dumps
+    assert dumps({"a": float("nan"), "b": [float("inf"), 1.5]}) == '{"a": null, "b": [null, 1.5]}'
+
+
+def test_plan_with_nothing_that_fits_names_the_closest_layouts(capsys):
+    """70B on one node of 8 A100s at tp=2 fits nowhere: stderr says so, names the closest layouts
+    (their overrides) and why each fails, exit 2; --json still prints the (empty) list."""
+    assert main(["recipe=llama3-70b", "cluster=a100-80gb-8x", "parallel.tp=2", "--plan", "--json"]) == 2
+    cap = capsys.readouterr()
+    assert _strict_json(cap.out) == []
+    lines = cap.err.strip().splitlines()
+    assert lines[0].startswith("error: no layout of llama3-70b fits a100-80gb-8x (8 devices; fixed: tp=2)")
+    closest = [ln for ln in lines if ln.startswith("error: closest: ")]
+    assert 1 <= len(closest) <= 3
+    for ln in closest:
+        assert "parallel.tp=2" in ln and "GiB per device" in ln and "cluster.device_memory_gib=80" in ln
+
+
+def test_cuda_plan_without_a_cuda_device_stops_before_any_rank(tmp_path, capsys):
+    """No silent CPU fallback: exit 2, one line, nothing written, no rank started."""
+    run = tmp_path / "run"
+    assert main(["cluster.device=cuda", "parallel.tp=1", f"run.dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cluster.device: the plan runs 2 rank(s) on cuda but 0 CUDA")
+    assert not run.exists()
+    # planning for a GPU cluster from this CPU machine stays allowed
+    assert main(["recipe=llama3-70b", "--dry-run"]) == 0
+
+
+def test_device_auto_is_one_rule_everywhere():
+    from paralayer.config import load_config
+    from paralayer.dispatch import _slurm_settings
+    from paralayer.dispatch.slurm import executor_parameters
+    from paralayer.resolve import resolve
+    from paralayer.resolve.rules import auto_device
+
+    assert auto_device("auto", None) == "cpu" and auto_device("auto", 989.0) == "cuda"
+    assert auto_device("cpu", 989.0) == "cpu" and auto_device("cuda", None) == "cuda"
+    # the SLURM submitter asks the same rule (it used to look at gpus_per_node)
+    assert "gpus_per_node" not in executor_parameters({"device": "auto", "gpus_per_node": 0})
+    assert executor_parameters({"device": "auto", "peak_tflops": 989, "devices_per_node": 8})["gpus_per_node"] == 8
+    assert "gpus_per_node" not in executor_parameters({"device": "auto", "peak_tflops": None, "devices_per_node": 2})
+    # dispatch passes the plan's device (resolved by that rule), not its own reading of the profile
+    cfg = load_config(["cluster=local-slurm", "cluster.device=auto", "cluster.peak_tflops=100", "parallel.tp=1"])
+    plan = resolve(cfg)
+    assert plan.device == "cuda" and _slurm_settings(cfg, [plan])["device"] == "cuda"
+
+
+def _files_holding(root: Path, needle: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+def test_planted_secret_reaches_no_file_and_no_console(tmp_path):
+    """A real tiny training run (1 rank, 2 steps, W&B offline) with WANDB_API_KEY planted: no file
+    of the run (resolved.yaml, plan.json, metrics.jsonl, W&B config and files) and nothing printed
+    holds it; a recipe that tries to read it is refused without echoing it."""
+    secret = "sk_PLANTED_c0ffee1234"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_API_KEY=secret)
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "launch.py", "parallel.tp=1", "parallel.dp=1", "train.steps=2",
+                        "train.warmup_steps=1", "logging.wandb.mode=offline", f"run.dir={run}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert list(run.glob("wandb/offline-run-*/run-*.wandb")), "W&B offline files were written"
+    assert secret not in r.stdout + r.stderr
+    assert _files_holding(tmp_path, secret) == []
+    for ov in ("run.name=${oc.env:WANDB_API_KEY}", "logging.wandb.project=${oc.env:WANDB_API_KEY}"):
+        bad = subprocess.run([sys.executable, "launch.py", ov, "--dry-run"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert bad.returncode == 2 and secret not in bad.stdout + bad.stderr
+        assert bad.stderr.startswith(f"error: {ov.split('=')[0]}: ") and "reads the environment" in bad.stderr

@@ -78,3 +78,84 @@ def test_long_context_recipe_needs_cp():
     plan = resolve(load_config(["recipe=llama3-8b-512k", "parallel.cp=1", "cluster.nodes=1"]))
     assert plan.valid and not plan.fits
     assert resolve(load_config(["recipe=llama3-8b-512k"])).fits
+
+
+# ---------------------------------------------------------------- issue 16: the front door
+@pytest.mark.parametrize("ov,field,says", [
+    ("model.n_layers=" + "1" + "0" * 30, "model.n_layers", "bound"),
+    ("cluster.device_memory_gib=nan", "cluster.device_memory_gib", "finite"),
+    ("cluster.device_memory_gib=inf", "cluster.device_memory_gib", "finite"),
+    ("cluster.memory_reserve_gib=nan", "cluster.memory_reserve_gib", "finite"),
+    ("parallel.vpp=" + str(2 ** 63), "parallel.vpp", "bound"),
+    ("parallel.dp=" + str(10 ** 9), "parallel.dp", "bound"),
+    ("parallel.tp=" + str(2 ** 63), "parallel.tp", "bound"),
+    ("parallel.pp=1000000", "parallel.pp", "bound"),
+    ("train.lr=nan", "train.lr", "finite"),
+    ("train.beta1=-0.1", "train.beta1", "[0, 1)"),
+    ("train.beta2=1", "train.beta2", "[0, 1)"),
+    ("train.weight_decay=nan", "train.weight_decay", "finite"),
+    ("train.seed=" + str(10 ** 30), "train.seed", "bound"),
+    ("train.seed=-1", "train.seed", "bound"),
+    ("cluster.inter_node_gbps=0", "cluster.inter_node_gbps", "(0"),
+    ("cluster.intra_node_gbps=-5", "cluster.intra_node_gbps", "(0"),
+    ("cluster.peak_tflops=nan", "cluster.peak_tflops", "finite"),
+    ("recipe=" + "a" * 300, "recipe", "too long"),
+    ("run.name=" + "a" * 300, "run.name", "at most 128"),
+    ("run.name=${oc.env:WANDB_API_KEY}", "run.name", "reads the environment"),
+    ("run.name=${oc.env:UNSET}", "run.name", "reads the environment"),
+    ("data.path=x-${oc.decode:'1'}", "data.path", "not a plain reference"),
+    ("model.d_model=${model.nope}", "model.d_model", "not found"),
+    ("parallel.pp_layout=${model}", "parallel.pp_layout", ""),
+])
+def test_bad_values_rejected_naming_the_field(ov, field, says):
+    with pytest.raises(ConfigError) as exc:
+        load_config([ov])
+    assert exc.value.field == field, exc.value
+    assert says in exc.value.message
+
+
+def test_plain_references_stay_allowed():
+    cfg = load_config(["run.name=run-${model.d_model}", "train.micro_batch=${train.global_batch}",
+                       "train.global_batch=8", "parallel.tp=1"])
+    assert cfg.run.name == "run-128" and cfg.train.micro_batch == 8
+
+
+def _recipe(tmp_path, text: str) -> str:
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return f"recipe={p}"
+
+
+@pytest.mark.parametrize("text,field,says", [
+    ("base: tiny\ncluster: {slurm: {sbatch_extra: [1]}}\n", "cluster.slurm.sbatch_extra", "mapping"),
+    ("base: tiny\nmodel: 5\n", "model", "mapping"),
+    ("base: tiny\ntrain: {lr: [1]}\n", "train.lr", "single value"),
+    ("base: ${model.d_model}\n", "base", "not a file name"),
+    ("base: tiny\nrun: {name: '${oc.env:HOME}'}\n", "run.name", "reads the environment"),
+    ("base: tiny\nsweep: {run.name: '${oc.env:HOME}'}\n", "sweep.run.name", "reads the environment"),
+    ("- 1\n", "recipe", "mapping"),
+    ("base: tiny\nmodel:\n  d_model: [1, 2\n  n_layers: 3\n", "recipe", "line 4"),
+    ("base: tiny\ncheckpoint:\n  every: \x1f\n", "recipe", "line 3"),
+])
+def test_recipe_file_errors_name_the_field_or_line(tmp_path, text, field, says):
+    with pytest.raises(ConfigError) as exc:
+        load_config([_recipe(tmp_path, text)])
+    assert exc.value.field == field, exc.value
+    assert says in exc.value.message, exc.value.message
+
+
+@pytest.mark.parametrize("content,says", [
+    ("[1, 2]", "JSON object"),
+    ('{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128, '
+     '"vocab_size": 100, "rope_scaling": "yarn"}', "'rope_scaling' must be an object"),
+    ('{"hidden_size": null, "num_attention_heads": 4}', "'hidden_size' must be a whole number"),
+    ('{"hidden_size": 64, "num_attention_heads": 0}', "'num_attention_heads' must be >= 1"),
+    ('{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 5000, "intermediate_size": 128, '
+     '"vocab_size": 100}', "model.n_layers"),
+    ("garbage{", "not valid JSON"),
+])
+def test_malformed_hf_config_names_model_init(tmp_path, content, says):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ConfigError) as exc:
+        load_config([f"model.init=hf:{tmp_path}", "parallel.tp=1"])
+    assert exc.value.field == "model.init" and says in exc.value.message, exc.value.message

@@ -136,6 +136,13 @@ def _yaml_error(path: Path, exc: Exception) -> str:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     where = f"{path} line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    if mark is None and isinstance(getattr(exc, "position", None), int):  # yaml.reader.ReaderError
+        try:
+            head = path.read_text(encoding="utf-8", errors="replace")[:exc.position]  # type: ignore[attr-defined]
+            where = f"{path} line {head.count(chr(10)) + 1}, column {exc.position - head.rfind(chr(10))}"  # type: ignore
+        except OSError:
+            pass
+        problem = f"unacceptable character {chr(exc.character) if isinstance(getattr(exc, 'character', None), int) else getattr(exc, 'character', '?')!r}: {getattr(exc, 'reason', 'control characters are not allowed')}"
     context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and cmark is not None and mark is not None and cmark.line != mark.line:
         context += f" that starts at line {cmark.line + 1}"
