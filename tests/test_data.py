@@ -1,4 +1,4 @@
-"""paralayer.data.loading: real `datasets` loads of local text/jsonl/parquet files, the tokens format's order
+"""paralayer.data: real `datasets` loads of local text/jsonl/parquet files, the tokens format's order
 contract, packing, dp shares, determinism, caching, no network."""
 from __future__ import annotations
 
@@ -14,15 +14,11 @@ import pytest
 import torch
 
 from paralayer.config import DataConfig
-from paralayer.data.loading import (
-    ByteTokenizer,
-    build_dataset,
-    global_batch_indices,
-    labels_for,
-    load_tokenizer,
-    make_corpus,
-    rank_share,
-)
+from paralayer.data.corpus import make_corpus
+from paralayer.data.dataset import build_dataset
+from paralayer.data.errors import DataError
+from paralayer.data.sampler import global_batch_indices, labels_for, rank_share
+from paralayer.data.tokenizers import ByteTokenizer, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"Document number {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1)
@@ -200,7 +196,7 @@ def test_hf_tokenizer_file(tmp_path):
     assert ds.n_sequences < len(_expected_packed(DOCS, SEQ))  # BPE compresses vs bytes
     with pytest.raises(ValueError, match="model.vocab_size=256"):
         build_dataset(cfg, SEQ, 0, str(tmp_path / "cache"), vocab_size=256)
-    with pytest.raises(FileNotFoundError, match="data.tokenizer"):
+    with pytest.raises(DataError, match="data.tokenizer"):
         load_tokenizer(str(tmp_path / "nope.json"))
 
 
@@ -240,7 +236,7 @@ _NO_NET = textwrap.dedent("""
     socket.create_connection = _refuse
     socket.getaddrinfo = _refuse
     from paralayer.config import DataConfig
-    from paralayer.data.loading import build_dataset
+    from paralayer.data.dataset import build_dataset
     d = sys.argv[1]
     out = {}
     for fmt, name, field in [("text", "c.txt", "text"), ("jsonl", "c.jsonl", "body"),

@@ -1,1 +1,3 @@
-"""Training data: tokenizers, the offline corpus, packing and sampling, `datasets` loading."""
+"""Training data: tokenizers.py, corpus.py (offline corpus), readers.py (formats, `datasets`),
+dataset.py (packed + cached dataset), sampler.py (labels, global batches), cache.py (atomic
+writes, lock files), preflight.py and errors.py (torch-free checks before launch)."""

@@ -6,6 +6,7 @@ directly on forked gloo ranks); :func:`main` is the entry point the dispatchers 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -77,8 +78,12 @@ class Built:
     pipeline: Any = None
 
 
-def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: torch.device) -> Built:
-    """Apply parallelism in the order the design gives, then materialise the weights."""
+def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: torch.device,
+                materialize: Optional[Any] = None) -> Built:
+    """Apply parallelism in the order the design gives, then materialise the weights.
+
+    ``materialize``: a context the weights are materialised in (the rehearsal's FakeTensorMode:
+    the model is split and sharded on the meta device outside it, and gets shapes without storage)."""
     plan = as_plan(plan)
     d = plan.degrees
     tp, pp, cp, ep = (int(d[k]) for k in ("tp", "pp", "cp", "ep"))
@@ -121,6 +126,15 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
             dpar.apply_fsdp(chunk, meshes["dp_cp"], zero,
                             param_dtype=precision.fsdp_param_dtype(precision.mode(cfg, device, dp_cp)),
                             expert_mesh=meshes["edp"] if ep > 1 else None)
+    with materialize if materialize is not None else contextlib.nullcontext():
+        _materialize(cfg, chunks, device)
+    params = [p for c in chunks for p in c.parameters()]
+    expert_params = [p for c in chunks for n, p in c.named_parameters() if n in expert_names]
+    return Built(chunks=chunks, meshes=meshes, device=device, params=params, expert_params=expert_params)
+
+
+def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
+    """Weights for the meta model: a Hugging Face checkpoint or the layout-independent init."""
     for chunk in chunks:
         chunk.to_empty(device=device)
         if cfg.model.init.startswith("hf:"):
@@ -135,9 +149,6 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         for buf_name, buf in chunk.named_buffers():
             if buf.is_meta:  # pragma: no cover - every buffer of ours is re-creatable
                 raise RuntimeError(f"buffer {buf_name} left on meta")
-    params = [p for c in chunks for p in c.parameters()]
-    expert_params = [p for c in chunks for n, p in c.named_parameters() if n in expert_names]
-    return Built(chunks=chunks, meshes=meshes, device=device, params=params, expert_params=expert_params)
 
 
 def lr_lambda(cfg: Config):
@@ -306,11 +317,11 @@ def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
 
 def build_data(cfg: Config):
     """The packed token dataset the recipe names (cached in data.cache_dir, default ~/.cache/paralayer)."""
-    from paralayer.data import loading as data_mod
+    from paralayer.data.dataset import build_dataset
 
     cache_dir = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
-    return data_mod.build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
-                                  global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
+    return build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
+                         global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
 
 
 def build_runner(run: RankRun):
@@ -389,12 +400,12 @@ def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progr
 # ------------------------------------------------------------------ one step
 def step_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's tokens and labels of the step's global batch (its dp share, its cp zigzag shard)."""
-    from paralayer.data import loading as data_mod
+    from paralayer.data.sampler import labels_for
 
     d = run.degree
     tokens = run.dataset.get_batch(step, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
     tokens = tokens.to(run.device)
-    labels = data_mod.labels_for(tokens)
+    labels = labels_for(tokens)
     if d["cp"] > 1:
         from paralayer.parallel.context import zigzag_shard
 

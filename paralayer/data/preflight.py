@@ -1,0 +1,64 @@
+"""What can be known about the data before any rank starts, without torch: the files exist, can
+be read, are not empty, and the format is one we read. ``--dry-run`` (cli.py) reports these as plan
+errors (exit 2); the runtime's readers (readers.py) find the rest and name the line or row."""
+from __future__ import annotations
+
+import os
+from typing import Any, List
+
+from paralayer.data.errors import DataError
+
+FORMATS = ("text", "jsonl", "parquet", "tokens")
+
+
+def data_files(path: str) -> List[str]:
+    """The files ``data.path`` names: the file itself, or a directory's visible files (sorted)."""
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError as exc:
+            raise DataError(f"cannot list the directory ({exc.strerror})", file=path) from None
+        files = sorted(os.path.join(path, f) for f in names
+                       if not f.startswith(".") and os.path.isfile(os.path.join(path, f)))
+        if not files:
+            raise DataError("the directory holds no files", file=path)
+        return files
+    if not os.path.exists(path):
+        raise DataError("no such file or directory", file=path)
+    if not os.path.isfile(path):
+        raise DataError("not a regular file or directory", file=path)
+    return [path]
+
+
+def check_file(path: str) -> None:
+    """Readable and not empty, else DataError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            first = f.read(1)
+    except OSError as exc:
+        raise DataError(f"cannot be read ({exc.strerror})", file=path) from None
+    if not first:
+        raise DataError("the file is empty", file=path)
+
+
+def check_data(data_cfg: Any) -> list[tuple[str, str]]:
+    """(field, message) for every problem found in ``data_cfg`` (DataConfig) before launch."""
+    errors: list[tuple[str, str]] = []
+    if data_cfg.format not in FORMATS:
+        errors.append(("data.format", f"{data_cfg.format!r} is not one of {', '.join(FORMATS)}"))
+    tok = getattr(data_cfg, "tokenizer", None)
+    if tok and data_cfg.format != "tokens":
+        try:
+            if not os.path.isfile(tok):
+                raise DataError("no such file", file=tok)
+            check_file(tok)
+        except DataError as exc:
+            errors.append(("data.tokenizer", f"{exc.file}: {exc.reason}"))
+    if data_cfg.path is None:
+        return errors
+    try:
+        for f in data_files(data_cfg.path):
+            check_file(f)
+    except DataError as exc:
+        errors.append(("data.path", f"{exc.file}: {exc.reason}"))
+    return errors
