@@ -49,7 +49,11 @@ def test_70b_top_pick_keeps_tp_in_a_node_and_uses_no_pp():
     assert g["tp"] == 8 and top["spans"]["tp"] == "intra-node" and top["tp_overlap"] is True
     assert g["dp"] * g["cp"] == 64  # the rest goes to data parallel
     assert top["memory"]["total"] <= 80 * 2**30 - 4 * 2**30
-    assert top["comm_time_s"]["tp"] < 0.01 * top["step_time_s"]  # the GEMMs hide all but a chunk per ring
+    # the GEMMs hide most of the tp traffic: what shows is a chunk per ring plus the hops' latency
+    plain_same = next(d for d in plans if d["degrees"] == g and not d["tp_overlap"] and d["zero"] == top["zero"]
+                      and d["micro_batch"] == top["micro_batch"] and d["recompute"] == top["recompute"])
+    assert top["comm_time_s"]["tp"] < 0.1 * top["step_time_s"]
+    assert top["comm_time_s"]["tp"] < 0.5 * plain_same["comm_time_s"]["tp"]
     # the best layout with pp pays the terms pp brings (bubble, imbalance, pipeline sends and the
     # grad reduce-scatter after its last backward), over 5% of the step here
     with_pp = next(d for d in plans if d["degrees"]["pp"] > 1)
@@ -73,9 +77,10 @@ def test_70b_top_pick_keeps_tp_in_a_node_and_uses_no_pp():
 
 def test_tp_overlap_exposes_one_chunk_per_ring_step_only_when_the_wire_is_slower():
     """tp_overlap's exposed time is (tp − 1)·max(0, hop − GEMM/tp) per ring: for 70B on NVLink
-    under a tenth of the plain collectives' time (hop latencies, and wo's forward ring whose GEMM is
-    a little shorter than its transfer); on a link 100× slower the same layout shows the transfers
-    the GEMMs cannot cover, exactly as a hand count of one layer's 10 rings gives."""
+    under half the plain collectives' time (the hops' latency — the calibrated 28 µs per collective
+    in a node — and the rings whose chunk GEMM is shorter than its transfer at the calibrated 80% of
+    peak); on a link 100× slower the same layout shows the transfers the GEMMs cannot cover, exactly
+    as a hand count of one layer's 10 rings gives."""
     from paralayer.resolve import cost
     from paralayer.resolve.machine import tp_overlap_seconds
 
@@ -85,7 +90,7 @@ def test_tp_overlap_exposes_one_chunk_per_ring_step_only_when_the_wire_is_slower
     fast = planner.predict(cfg)
     plain = planner.predict(load_config(ov[:-3] + ["parallel.tp_overlap=false", "parallel.recompute=none",
                                                    "train.micro_batch=1"]))
-    assert fast["comm_time_s"]["tp"] < 0.1 * plain["comm_time_s"]["tp"]
+    assert fast["comm_time_s"]["tp"] < 0.5 * plain["comm_time_s"]["tp"]
     slow_cfg = load_config(ov + ["cluster.intra_node_gbps=4.5"])
     mach = planner.machine_for(slow_cfg)
     m = cfg.model
@@ -191,12 +196,12 @@ def test_dropped_layouts_are_counted_by_reason():
 
 @pytest.mark.parametrize("ov", [H100_70B, H100_405B], ids=["70b-512", "405b-4096"])
 def test_plans_in_under_two_seconds(ov):
-    """CPU time (robust to other processes on the machine), best of 3."""
+    """CPU time (robust to other processes on the machine), best of 3, for the table's top 15."""
     cfg = load_config(list(ov))
     best = float("inf")
     for _ in range(3):
         t0 = time.process_time()
-        plans = planner.plan_layouts(cfg)
+        plans = planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS)  # what `--plan` computes for its table
         best = min(best, time.process_time() - t0)
         if best < 2.0:
             break

@@ -16,18 +16,53 @@ from paralayer.resolve.memory import GIB
 from paralayer.resolve.rules import resolve_device
 
 # ------------------------------------------------------------------ named constants
-#: Fraction of the device peak that the model's matmuls reach (compute only; communication,
-#: bubble and recompute are charged separately). GPUs: Megatron-Core reaches 41–49% MFU end to end
-#: on H100 (REFERENCE.md); with comm and bubble removed that is about 0.5 of peak for the GEMMs.
-GPU_EFFICIENCY = 0.5
-#: Per-collective launch latency on GPU profiles (NCCL: a few µs in a node, ~10–20 µs across).
-GPU_LATENCY_S = {"intra": 10e-6, "inter": 20e-6}
-#: How much of a window of compute can hide dp traffic on GPUs (async NCCL on its own stream).
-GPU_DP_OVERLAP = 1.0
-#: parallel.tp_overlap on GPUs: the share of a chunk's GEMM time that hides the next chunk's
-#: transfer (NCCL send/recv on its own stream beside the GEMM). The SMs NCCL's kernels take from
-#: the GEMM are not modelled (Megatron's userbuffers move the bytes with copy engines instead).
-GPU_TP_OVERLAP = 1.0
+#: The GPU calibration: fitted by benchmarks/calibrate_gpu.py on 27 published training runs
+#: (benchmarks/published_runs.csv: Narayanan et al. 2021 Table 1, the Megatron-Core README's H100
+#: weak-scaling table, torchtitan's Llama 3/3.1 runs, Llama 3 paper Table 4), the same way
+#: LOCAL_CALIBRATION was fitted on this machine. docs/planner.md has the fit: median and worst
+#: error, Spearman, leave-one-out. The terms (every one charged per step, per device):
+#:
+#: - ``efficiency``: the share of the dense bf16 peak that the model's matmuls reach, per GPU kind
+#:   (H200 has H100's tensor cores: it uses H100's);
+#: - ``attention_efficiency``: the same for the attention core's 12·L·h·s FLOPs per token (counted
+#:   without the causal halving, as torchtitan and PaLM count them: a causal flash kernel skips half,
+#:   so this share can exceed the matmuls');
+#: - ``elementwise_bytes``: bytes per token, per hidden unit and per layer that the kernels around
+#:   the matmuls (norms, activations, rotary, residuals, softmax bookkeeping; forward + backward)
+#:   move through HBM. Their time, at ``HBM_TBPS``, is why small hidden sizes reach a lower MFU
+#:   (matmul FLOPs grow as h², these bytes as h);
+#: - ``latency_s``: per collective, inside a node / across nodes;
+#: - ``bandwidth_eff``: the share of the profile's link bandwidth a ring collective reaches;
+#: - ``dp_overlap`` / ``tp_overlap``: the share of the compute window that hides dp traffic / of a
+#:   chunk GEMM that hides the next chunk's transfer (parallel.tp_overlap).
+GPU_CALIBRATION: dict = {
+    "efficiency": {"a100": 0.639, "h100": 0.803},
+    "attention_efficiency": {"a100": 0.842, "h100": 0.728},
+    "elementwise_bytes": 773.0,
+    # the published runs hide their communication well: the fit leaves the inter-node latency at its
+    # floor (10 µs, NCCL's launch latency) and the link shares and overlaps at their bound (1)
+    "latency_s": {"intra": 2.76e-05, "inter": 1e-05},
+    "bandwidth_eff": {"intra": 1.0, "inter": 1.0},
+    "dp_overlap": 1.0,
+    "tp_overlap": 1.0,
+}
+#: HBM bandwidth per GPU kind, TB/s (datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8).
+HBM_TBPS = {"a100": 2.039, "h100": 3.35, "h200": 4.8}
+#: Kept for callers of the first GPU model (same meaning, now from GPU_CALIBRATION).
+GPU_EFFICIENCY = GPU_CALIBRATION["efficiency"]["h100"]
+GPU_LATENCY_S = GPU_CALIBRATION["latency_s"]
+GPU_DP_OVERLAP = GPU_CALIBRATION["dp_overlap"]
+GPU_TP_OVERLAP = GPU_CALIBRATION["tp_overlap"]
+
+
+def gpu_kind(name: str, peak_tflops: Optional[float]) -> str:
+    """'a100' | 'h100' | 'h200' from the profile's name, else from its peak (312 → A100)."""
+    low = (name or "").lower()
+    for kind in ("h200", "h100", "a100"):
+        if kind in low:
+            return kind
+    return "a100" if peak_tflops is not None and peak_tflops < 500 else "h100"
+
 
 #: The ``local`` calibration (CPU ranks, gloo over loopback), fitted by benchmarks/calibrate.py on
 #: this machine — see docs/planner.md for the run and the fit. ``peak_tflops`` is the measured
@@ -75,6 +110,18 @@ class Machine:
     overhead_s: dict = dataclasses.field(default_factory=dict)
     #: share of a chunk GEMM that hides a chunk transfer under parallel.tp_overlap (0: none)
     tp_overlap: float = 0.0
+    #: the attention core's efficiency (None: ``efficiency``)
+    attention_efficiency: Optional[float] = None
+    #: non-matmul kernels: bytes per token·layer·hidden unit and the HBM speed (0: not charged)
+    elementwise_bytes: float = 0.0
+    hbm_bytes_per_s: float = 0.0
+    gpu: str = ""  # a100 | h100 | h200 on GPU profiles
+
+    def elementwise_seconds(self, tokens: float, n_layers: int, hidden: int) -> float:
+        """Seconds per device for the non-matmul kernels of ``tokens`` tokens spread over the world."""
+        if not self.elementwise_bytes or not self.hbm_bytes_per_s:
+            return 0.0
+        return self.elementwise_bytes * tokens * n_layers * hidden / (self.world * self.hbm_bytes_per_s)
 
     def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
         """Dispatch seconds per microbatch of a rank holding these layers."""
@@ -114,11 +161,30 @@ def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
         return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
                        bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
                        cap, reserve, "local", ovh, cal.get("tp_overlap", 0.0))
-    cal = calibration or {}
-    return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), cal.get("efficiency", GPU_EFFICIENCY),
-                   float(c.intra_node_gbps), float(c.inter_node_gbps), dict(cal.get("latency_s", GPU_LATENCY_S)),
-                   cal.get("dp_overlap", GPU_DP_OVERLAP), cap, reserve, "gpu",
-                   tp_overlap=cal.get("tp_overlap", GPU_TP_OVERLAP))
+    return _gpu_machine(cfg, dpn, cap, reserve, calibration or {})
+
+
+def _gpu_machine(cfg: Config, dpn: int, cap: Optional[int], reserve: int, cal: dict) -> Machine:
+    """A GPU profile's machine: its peak and links with GPU_CALIBRATION (``cal`` overrides any
+    key; ``efficiency`` may be one number or {kind: number})."""
+    c = cfg.cluster
+    kind = gpu_kind(c.name, c.peak_tflops)
+    g = dict(GPU_CALIBRATION, **cal)
+    eff, att = (_per_kind(g.get(k), kind) for k in ("efficiency", "attention_efficiency"))
+    bw = dict(GPU_CALIBRATION["bandwidth_eff"], **(g.get("bandwidth_eff") or {}))
+    return Machine(c.nodes * dpn, dpn, c.nodes, float(c.peak_tflops or 989.0), eff,
+                   float(c.intra_node_gbps) * bw["intra"], float(c.inter_node_gbps) * bw["inter"],
+                   dict(g["latency_s"]), float(g["dp_overlap"]), cap, reserve, "gpu",
+                   tp_overlap=float(g["tp_overlap"]), elementwise_bytes=float(g["elementwise_bytes"]),
+                   hbm_bytes_per_s=1e12 * HBM_TBPS.get(kind, HBM_TBPS["h100"]), gpu=kind,
+                   attention_efficiency=att if "efficiency" not in cal or "attention_efficiency" in cal else eff)
+
+
+def _per_kind(value, kind: str) -> float:
+    """A calibration entry: one number, or {kind: number} (H200 falls back to H100)."""
+    if isinstance(value, dict):
+        return float(value.get(kind, value.get("h100")))
+    return float(value)
 
 
 def wire_factor(collective: str, n: int) -> float:

@@ -162,10 +162,45 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
 
 # ------------------------------------------------------------------ activations
 def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None) -> float:
-    """Saved elements per token for one layer on one device (see the module docstring)."""
+    """Saved elements per token for one layer on one device (see the module docstring), in units
+    of ``ACT_BYTES[precision]``: under bf16 what is kept in fp32 counts twice (:func:`bf16_extra_elems`)."""
+    mode = recompute or lay.recompute
+    elems = _act_elems(cfg, lay, moe, mode)
+    if lay.precision == "bf16":
+        elems += bf16_extra_elems(cfg, lay, mode)
+    return elems
+
+
+def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
+    """What a bf16 run keeps in fp32, as extra 2-byte elements per token per layer (measured on
+    our block at tp 1 and 2, with bf16 weights as FSDP's MixedPrecisionPolicy runs it and under
+    autocast, tests/test_tensor_memory.py):
+
+    - RMSNorm computes in fp32: each of the two norms keeps its input and normalised input in
+      fp32, and its rstd: 4h + 2 more (split over tp under SP);
+    - SDPA's logsumexp is fp32: a more (heads split over tp; recomputed under core_attn/selective);
+    - autocast only (ZeRO 0/1: fp32 weights, ``precision_mode``): the residual stream is fp32. The
+      column GEMMs' saved shard (SP) is then fp32: 2·h/t more; without SP every linear saves its
+      own bf16 cast of the input: q, k, v three and w1, w3 two where one was counted: 3h more.
+      Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
+    """
+    m = cfg.model
+    h, a, t = m.d_model, m.n_heads, lay.tp
+    sp = lay.sequence_parallel
+    autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
+    if mode == "full":
+        return (h / t if sp else h) if autocast else 0.0
+    extra = (4 * h + 2) / (t if sp else 1)
+    if mode not in ("core_attn", "selective"):
+        extra += a / t
+    if autocast:
+        extra += 2 * h / t if sp else 3 * h
+    return extra
+
+
+def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
     m = cfg.model
     h, a, g, f, t = m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, lay.tp
-    mode = recompute or lay.recompute
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 5 * h + 2

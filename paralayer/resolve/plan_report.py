@@ -97,7 +97,7 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
         no_fit.report(cfg, stats, fixed)
     if as_json:
         print(strict_json.dumps(plans))
-        if stats["unexplored"] and not top:
+        if stats["work_bound_hit"]:
             print(f"warning: {stats['unexplored']:,} layout structures not explored (more than "
                   f"{stats['considered']:,}); narrow with overrides or use --top", file=sys.stderr)
         return 0 if plans else 2
@@ -115,8 +115,9 @@ def _header(cfg: Config, stats: dict, con: Any) -> None:
     if fixed:
         con.print("fixed on the command line: " + ", ".join(f"{k}={v}" for k, v in fixed.items())
                   + " (only layouts with these are listed)")
-    more = (f"; {stats['unexplored']:,} structures not explored (their lower bound on step time cannot reach "
-            "the listed ones)" if stats.get("unexplored") else "")
+    why = ("the planner's work bound was reached: narrow with overrides, e.g. parallel.tp=8" if stats.get("work_bound_hit")
+           else "their lower bound on step time cannot reach the listed ones")
+    more = f"; {stats['unexplored']:,} structures not explored ({why})" if stats.get("unexplored") else ""
     con.print(f"{stats['considered']:,} layout structures evaluated, {stats['listed']:,} layouts fit{more}; "
               f"planned in {stats['seconds']:.2f} s CPU")
 

@@ -107,7 +107,9 @@ def axis_spans(tp: int, pp: int, cp: int, dp: int, ep: int, dpn: int) -> dict:
 #: The most layout structures (tp, cp, pp, ep, schedule/vpp) one plan evaluates: beyond it the
 #: structures with the highest lower bound on step time are left out and counted in
 #: ``stats["unexplored"]`` (the answer stays under a few seconds for any recipe the bounds allow).
-MAX_STRUCTURES = 3000
+MAX_STRUCTURES = 2000
+#: ... and the most layouts whose memory it weighs before it stops taking more structures.
+MAX_CANDIDATES = 150_000
 
 
 class Totals(NamedTuple):
@@ -121,6 +123,7 @@ class Totals(NamedTuple):
     seq: int
     h: int
     compute: float  # seconds of the step's FLOPs (+ non-matmul kernels) per device
+    flops_step: float  # model FLOPs of a step
     rc_frac: dict  # recompute mode -> extra FLOPs / step FLOPs
     avail: Optional[float]  # bytes a device may fill (capacity - reserve), None = unknown
 
@@ -159,6 +162,7 @@ class Structure:
     prefix: list  # the overrides that select it
     bound: float  # a lower bound on any of its layouts' step time
     per_ax: dict = dataclasses.field(default_factory=dict)  # (overlap, recompute) -> {axis: (fixed, per m)}
+    first_pts: Optional[list] = None  # comm at recompute=none, zero 0 (computed for the refined bound)
 
     @property
     def pp_layout(self) -> Optional[list]:
@@ -215,13 +219,21 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
     unexplored = max(0, len(structs) - MAX_STRUCTURES)
     structs = structs[:MAX_STRUCTURES]
     recs: list[Candidate] = []
-    ctx = _Context(cfg, mach, tot, fixed, drop, {})
+    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0])
     considered = 0
+    capped = unexplored > 0
     best: list[float] = []  # max-heap (negated) of the best ``top`` step times so far
     for key, st in enumerate(structs):
         if top and len(best) >= top and st.bound > -best[0]:
             unexplored += len(structs) - key  # sorted by bound: none of the rest can reach the top
             break
+        if ctx.weighed[0] > MAX_CANDIDATES:
+            unexplored += len(structs) - key
+            capped = True
+            break
+        if top and len(best) >= top and _refined_bound(ctx, st) > -best[0]:
+            unexplored += 1
+            continue
         considered += 1
         n0 = len(recs)
         _plan_structure(ctx, key, st, recs)
@@ -233,11 +245,11 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
                     heapq.heapreplace(best, -t.step)
     recs.sort(key=lambda t: (t.step, t.mem.total))
     shown = recs[:top] if top else recs
-    out = [_materialise(cfg, t, structs, mach, i + 1) for i, t in enumerate(shown)]
+    out = [_materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
     if stats is not None:
         stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
                      seconds=time.process_time() - t0, listed=len(recs), unexplored=unexplored,
-                     fixed=fixed)
+                     work_bound_hit=capped, fixed=fixed)
     return out
 
 
@@ -251,7 +263,7 @@ def _totals(cfg: Config, mach: Machine) -> Totals:
     compute = compute_seconds(fpt * gb * seq, gb * seq, cfg, mach)
     rc_frac = {mode: cost_mod.recompute_fraction(cfg, mode, 1, fpt) for mode in RECOMPUTES}
     avail = None if mach.capacity is None else mach.capacity - mach.reserve
-    return Totals(wb, gbb, ob, ACT_BYTES[precision], gb, seq, h, compute, rc_frac, avail)
+    return Totals(wb, gbb, ob, ACT_BYTES[precision], gb, seq, h, compute, fpt * gb * seq, rc_frac, avail)
 
 
 def _allowed(fixed: dict, name: str, values: list) -> list:
@@ -322,6 +334,7 @@ class _Context(NamedTuple):
     fixed: dict
     drop: Any
     act_cache: dict  # (tp, sp, cp > 1, overlap) -> act_elems_per_token table
+    weighed: list  # [layouts whose memory was weighed so far] (the work bound)
 
 
 def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
@@ -349,28 +362,49 @@ def _comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tu
     of tp/pp/cp/ep are fixed by the step's tokens, counts scale with m, ZeRO-3 gathers per
     microbatch). Fills ``st.per_ax``; returns {zero: (dp line, grad reduce-scatter line)}.
     tp_overlap's exposed tp time is not affine in m: it is computed per micro-batch size later."""
-    lay, spans = st.lay, st.spans
-    dp = lay.dp
-    m1 = gb // dp  # micro_batch 1
-    mb2 = next((q for q in divisors(gb // dp) if q > 1), 1)
-    m2 = gb // (dp * mb2)
     dp_line = {}
     for recompute, zero_ in (("none", 0), ("swiglu", 0), ("core_attn", 1), ("selective", 1), ("full", 2),
                              ("full", 3)):
-        pts = []
-        for mb_, mm_ in ((1, m1), (mb2, m2)):
-            lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero_
-            c = cost_mod.comm(cfg, lay)
-            t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
-            t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
-            pts.append((mm_, t))
+        if (recompute, zero_) == ("none", 0) and st.first_pts is not None:
+            pts = st.first_pts
+        else:
+            pts = _comm_points(cfg, st, mach, gb, recompute, zero_)
         if (False, recompute) not in st.per_ax:
             st.per_ax[(False, recompute)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
             if True in overlaps:  # pp, cp, ep as without; tp per micro-batch size
                 st.per_ax[(True, recompute)] = {ax: st.per_ax[(False, recompute)][ax] for ax in ("pp", "cp", "ep")}
         dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
-    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
     return dp_line
+
+
+def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int) -> list:
+    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
+    lay, spans = st.lay, st.spans
+    m1 = gb // lay.dp
+    mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
+    pts = []
+    for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2))):
+        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero
+        c = cost_mod.comm(cfg, lay)
+        t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
+        t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
+        pts.append((mm_, t))
+    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
+    return pts
+
+
+def _refined_bound(ctx: _Context, st: Structure) -> float:
+    """A tighter lower bound on the structure's step time: its compute and least bubble, plus the
+    pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
+    setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
+    st.first_pts = _comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", 0)
+    hideable_tp = True in _overlaps(st.lay, ctx.mach)
+    comm = 0.0
+    for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
+        fixed, per_m = _line(st.first_pts, ax)
+        comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
+    least_bubble = st.bound / (ctx.tot.compute * st.imbalance) - 1.0 if ctx.tot.compute > 0 else 0.0
+    return st.bound + comm * (1.0 + least_bubble)
 
 
 def _act_tables(ctx: _Context, lay: Layout, overlaps: tuple) -> dict:
@@ -466,18 +500,20 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
             continue
-        for mb in mbs:
+        for i_mb, mb in enumerate(mbs):
             mm = tot.gb // (mb * lay.dp)
             why = _microbatch_refusal(lay.pp, mm, lay.schedule)
             if why:
                 drop(why, n_var)
                 continue
+            n_before = len(recs)
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
             flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h)
             for overlap in overlaps:
+                ctx.weighed[0] += len(recomputes)
                 for recompute in recomputes:
                     mem = _peak_memory(ranks, states, flight, acts[overlap], recompute, tokens * tot.ab)
                     if tot.avail is not None and mem.total > tot.avail:
@@ -492,6 +528,10 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                         t_tp = tp_cache[(mb, recompute)]
                     recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute)], t_tp,
                                        (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
+            if len(recs) == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
+                # nothing fits at this micro-batch: a larger one holds at least as many activations
+                drop("memory: does not fit (a smaller micro-batch did not)", (len(mbs) - i_mb - 1) * n_var)
+                break
 
 
 def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
@@ -517,11 +557,12 @@ def _line(pts: list, ax: str) -> tuple[float, float]:
     return (ta[ax] - slope * ma, slope)
 
 
-def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, rank: int) -> dict:
+def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: Totals, rank: int) -> dict:
+    """The output dict of one listed layout (the keys plan_layouts documents)."""
     st = structs[t.key]
     lay = st.lay
-    flops_step = cost_mod.flops_per_token(cfg) * cfg.train.global_batch * cfg.model.seq_len
-    tokens = cfg.train.global_batch * cfg.model.seq_len
+    flops_step = tot.flops_step
+    tokens = tot.gb * tot.seq
     ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
     for name, (f_, p_) in st.per_ax[(t.overlap, t.recompute)].items():
         ct[name] = f_ + p_ * t.mm
@@ -542,7 +583,7 @@ def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, rank: 
         "tokens_per_s": tokens / t.step,
         "mfu": flops_step / (t.step * mach.world * mach.peak_tflops * 1e12),
         "bubble": t.bubble,
-        "compute_s": compute_seconds(flops_step, tokens, cfg, mach),
+        "compute_s": tot.compute,
         "imbalance": st.imbalance,
         "imbalance_s": t.imb_s,
         "recompute_s": t.recomp,

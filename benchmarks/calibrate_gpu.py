@@ -1,0 +1,424 @@
+"""Fit the planner's GPU constants to published training runs and check them, leave-one-out.
+
+    python benchmarks/calibrate_gpu.py [--table benchmarks/published_runs.csv] [--out docs/planner.md]
+                                       [--loo] [--json FILE]
+
+Why published runs: no GPU has been lent to this project, but many runs at scale have been
+published with their layout, hardware and measured throughput (benchmarks/published_runs.csv, the
+source of every row in its ``source`` column). The planner's GPU time model
+(``paralayer.resolve.step_time`` / ``planner``) has a handful of physical constants
+(``machine.GPU_CALIBRATION``): matmul efficiency per GPU kind, the HBM bytes of the non-matmul
+kernels, per-collective latency inside/across nodes, the share of the link bandwidth a ring
+reaches inside/across nodes, and the dp / tp overlap factors. They are fitted here by least squares
+on the log of predicted vs published tokens/s per GPU (a relative error, so a 1T row and a 1.7B row
+count alike), by a plain Nelder-Mead over bounded transforms of the constants.
+
+What a row gives and how it is read:
+
+- The published figure is turned into tokens/s per GPU with the FLOP count its source used
+  (``flops_counted``): ``megatron2021`` = 96·l·h²·(1 + s/6h + V/16lh) per sequence-token (Narayanan
+  et al. 2021, eq. 3: full recompute counted), ``megatron`` = 72·l·h² + 12·l·h·s + 6·h·V (Megatron-Core's
+  num_floating_point_operations for a GPT block: no recompute), ``model`` = ours
+  (``cost.flops_per_token``: 6·N + 12·L·h·s), ``tokens`` = the figure is tokens/s per GPU. Errors are
+  reported as TFLOP/s per GPU in OUR convention (the same ratio as tokens/s).
+- A GPT block (``mlp = gelu4h``: a 4h GELU MLP) is represented by our SwiGLU block of width 8h/3
+  (rounded to a multiple of 64): the same matmul parameters and FLOPs.
+- An empty cell is a setting the source does not state (micro-batch, schedule and vpp, recompute,
+  ZeRO stage): the row is predicted with the fastest layout our planner finds with every stated
+  setting fixed (``plan_layouts(fixed=...)``), what a user of the planner would run. The layout is
+  chosen with the constants being fitted (re-chosen after each round of the fit, and, for a held-out
+  row, with the constants fitted without it).
+- ``fit = no`` rows are never fitted on (none at present).
+
+Outputs: the fitted constants (paste into ``machine.GPU_CALIBRATION``), the per-row table, median
+and worst error, Spearman's rank correlation, and with ``--loo`` the leave-one-out errors (each row
+predicted from a fit without it). ``--out`` rewrites the "GPU calibration" section of docs/planner.md.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from paralayer.config import load_config  # noqa: E402
+from paralayer.resolve import cost as cost_mod  # noqa: E402
+from paralayer.resolve.machine import GPU_CALIBRATION, machine_for  # noqa: E402
+from paralayer.resolve.plan import resolve  # noqa: E402
+from paralayer.resolve.planner import config_for, plan_layouts  # noqa: E402
+from paralayer.resolve.step_time import step_shape, time_plan  # noqa: E402
+
+TABLE = os.path.join(REPO, "benchmarks", "published_runs.csv")
+PROFILE = {"a100": "a100-80gb-8x", "h100": "h100-80gb-8x", "h200": "h200-141gb-8x"}
+#: what the planner may choose for a row when its source leaves the setting unstated
+CHOOSABLE = ("micro_batch", "schedule", "vpp", "zero", "recompute")
+
+
+# ------------------------------------------------------------------ the table
+def load_rows(path: str = TABLE) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = [dict(r) for r in csv.DictReader(f)]
+    for r in rows:
+        if not r.get("source", "").strip():
+            raise ValueError(f"{path}: row {r.get('id')} has no source")
+    return rows
+
+
+def _ffn(row: dict) -> int:
+    if row["mlp"] == "gelu4h":  # a 4h GELU MLP = a SwiGLU of width 8h/3 (same matmul parameters)
+        return int(round(8 * int(row["d_model"]) / 3 / 64)) * 64
+    return int(row["ffn_hidden"])
+
+
+def row_overrides(row: dict) -> list[str]:
+    """The recipe overrides that describe a row (stated settings only)."""
+    gpus, gpn = int(row["gpus"]), int(row["gpus_per_node"])
+    tp, pp, cp = int(row["tp"]), int(row["pp"]), int(row["cp"] or 1)
+    ov = [f"recipe=base", f"cluster={PROFILE[row['gpu']]}", f"cluster.nodes={gpus // gpn}",
+          f"cluster.devices_per_node={gpn}", f"cluster.intra_node_gbps={row['intra_gbps']}",
+          f"cluster.inter_node_gbps={row['inter_gbps']}",
+          f"model.d_model={row['d_model']}", f"model.n_layers={row['n_layers']}", f"model.n_heads={row['n_heads']}",
+          f"model.n_kv_heads={row['n_kv_heads']}", f"model.ffn_hidden={_ffn(row)}",
+          f"model.vocab_size={row['vocab_size']}", f"model.seq_len={row['seq_len']}",
+          f"train.global_batch={row['global_batch']}", "train.precision=bf16",
+          f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.dp={gpus // (tp * pp * cp)}",
+          f"parallel.sequence_parallel={row['sequence_parallel'] or 'null'}",
+          f"parallel.tp_overlap={row['tp_overlap'] or 'false'}"]
+    for key in CHOOSABLE:
+        if row.get(key, "") and "|" not in row[key]:
+            ov.append(f"{'train' if key == 'micro_batch' else 'parallel'}.{key}={row[key]}")
+    return ov
+
+
+def published_tokens_per_gpu(row: dict) -> float:
+    """The row's figure as tokens/s per GPU, with its source's FLOP count."""
+    v, conv = float(row["value"]), row["flops_counted"]
+    if row["metric"] == "tokens_per_s_per_gpu":
+        return v
+    if row["metric"] == "mfu":
+        v = v * (312.0 if row["gpu"] == "a100" else 989.0)
+    l, h, s, V = (int(row[k]) for k in ("n_layers", "d_model", "seq_len", "vocab_size"))
+    if conv == "megatron2021":
+        fpt = 96.0 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    elif conv == "megatron":
+        fpt = 72.0 * l * h * h + 12.0 * l * h * s + 6.0 * h * V
+    elif conv == "model":
+        fpt = float(cost_mod.flops_per_token(load_config(row_overrides(row))))
+    else:
+        raise ValueError(f"row {row['id']}: unknown flops_counted {conv!r}")
+    return v * 1e12 / fpt
+
+
+class Row:
+    """One published run: its config, the measured figure, and (once chosen) its layout."""
+
+    def __init__(self, row: dict):
+        self.row = row
+        self.id = row["id"]
+        self.gpu = row["gpu"]
+        self.cfg0 = load_config(row_overrides(row))
+        self.fpt = cost_mod.flops_per_token(self.cfg0)
+        self.measured_tok = published_tokens_per_gpu(row)
+        self.measured = self.measured_tok * self.fpt / 1e12  # TFLOP/s per GPU, our convention
+        # unstated (empty) or a choice among the software's options ("1f1b|interleaved")
+        self.free = [k for k in CHOOSABLE if not row.get(k, "") or "|" in row[k]]
+        self.options = {k: row[k].split("|") for k in CHOOSABLE if "|" in row.get(k, "")}
+        self.cfg = self.cfg0
+        self.plan = None
+        self.shape = None
+
+    def choose(self, cal: dict) -> None:
+        """Fill the unstated settings with the planner's fastest layout (stated ones fixed)."""
+        if self.free or self.plan is None:
+            cfg = self.cfg0
+            if self.free:
+                p = cfg.parallel
+                fixed = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp, "tp_overlap": p.tp_overlap}
+                fixed.update({k: (cfg.train.micro_batch if k == "micro_batch" else getattr(p, k))
+                              for k in CHOOSABLE if k not in self.free})
+                fixed.update({k: [int(v) if v.isdigit() else v for v in opts] for k, opts in self.options.items()})
+                best = plan_layouts(cfg, calibration=cal, top=1, fixed=fixed)
+                if not best:  # nothing fits our memory model: choose ignoring memory
+                    free_mem = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device_memory_gib=None))
+                    best = plan_layouts(free_mem, calibration=cal, top=1, fixed=fixed)
+                cfg = config_for(cfg, best[0])
+            plan = resolve(cfg)
+            if plan.errors:
+                raise ValueError(f"row {self.id}: {plan.errors}")
+            self.cfg, self.plan, self.shape = cfg, plan, step_shape(cfg, plan)
+
+    def predict(self, cal: dict) -> float:
+        """Predicted TFLOP/s per GPU (our convention) with calibration ``cal``."""
+        cfg = self.cfg
+        if self.row.get("power_w") == "500":  # power-capped H100s: a fitted share of the 700 W peak
+            cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(
+                cfg.cluster, peak_tflops=cfg.cluster.peak_tflops * cal.get("peak_500w", 0.85)))
+        mach = machine_for(cfg, cal)
+        if self.row.get("hbm_tbps"):  # a GPU variant with other HBM (torchtitan's 96 GB HBM2e H100s)
+            mach.hbm_bytes_per_s = float(self.row["hbm_tbps"]) * 1e12
+        t = time_plan(cfg, self.plan, mach, self.shape)
+        return t["tokens_per_s"] / self.plan.world_size * self.fpt / 1e12
+
+    def layout(self) -> str:
+        p, t = self.cfg.parallel, self.cfg.train
+        sch = p.schedule + (f" v{p.vpp}" if p.vpp > 1 else "") if p.pp > 1 else "-"
+        return (f"tp{p.tp} pp{p.pp} cp{p.cp} dp{p.dp} {sch} z{p.zero} rc={p.recompute} mb{t.micro_batch}"
+                + (" ovl" if p.tp_overlap else ""))
+
+
+# ------------------------------------------------------------------ the constants <-> a vector
+def _sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-6), 1 - 1e-6)
+    return math.log(p / (1 - p))
+
+
+LAT_FLOOR = {"intra": 5e-6, "inter": 10e-6}
+#: name, (to the constant from the unbounded x, back)
+PARAMS: list[tuple[str, Callable[[float], float], Callable[[float], float]]] = [
+    ("eff_a100", _sig, _logit),
+    ("eff_h100", _sig, _logit),
+    ("att_a100", _sig, _logit),
+    ("att_h100", _sig, _logit),
+    ("peak_500w", _sig, _logit),
+    ("elementwise_bytes", math.exp, math.log),
+    # latencies bounded below by NCCL's launch latency (a few µs in a node, ~10 µs across)
+    ("lat_intra", lambda x: LAT_FLOOR["intra"] + math.exp(x), lambda v: math.log(max(v - LAT_FLOOR["intra"], 1e-9))),
+    ("lat_inter", lambda x: LAT_FLOOR["inter"] + math.exp(x), lambda v: math.log(max(v - LAT_FLOOR["inter"], 1e-9))),
+    ("bw_intra", _sig, _logit),
+    ("bw_inter", _sig, _logit),
+    ("dp_overlap", _sig, _logit),
+    ("tp_overlap", _sig, _logit),
+]
+
+
+def to_cal(c: dict) -> dict:
+    return {"efficiency": {"a100": c["eff_a100"], "h100": c["eff_h100"]},
+            "attention_efficiency": {"a100": c["att_a100"], "h100": c["att_h100"]},
+            "peak_500w": c["peak_500w"],
+            "elementwise_bytes": c["elementwise_bytes"],
+            "latency_s": {"intra": c["lat_intra"], "inter": c["lat_inter"]},
+            "bandwidth_eff": {"intra": c["bw_intra"], "inter": c["bw_inter"]},
+            "dp_overlap": c["dp_overlap"], "tp_overlap": c["tp_overlap"]}
+
+
+def from_cal(cal: dict) -> dict:
+    return {"eff_a100": cal["efficiency"]["a100"], "eff_h100": cal["efficiency"]["h100"],
+            "att_a100": cal["attention_efficiency"]["a100"], "att_h100": cal["attention_efficiency"]["h100"],
+            "peak_500w": cal.get("peak_500w", 0.85),
+            "elementwise_bytes": cal["elementwise_bytes"], "lat_intra": cal["latency_s"]["intra"],
+            "lat_inter": cal["latency_s"]["inter"], "bw_intra": cal["bandwidth_eff"]["intra"],
+            "bw_inter": cal["bandwidth_eff"]["inter"], "dp_overlap": cal["dp_overlap"],
+            "tp_overlap": cal["tp_overlap"]}
+
+
+def _vec_to_cal(x: list[float]) -> dict:
+    return to_cal({name: fwd(v) for (name, fwd, _), v in zip(PARAMS, x)})
+
+
+def _cal_to_vec(cal: dict) -> list[float]:
+    c = from_cal(cal)
+    return [back(c[name]) for name, _, back in PARAMS]
+
+
+# ------------------------------------------------------------------ the fit
+def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.5, iters: int = 1500,
+                tol: float = 1e-10) -> list[float]:
+    """Plain Nelder-Mead (reflection 1, expansion 2, contraction ½, shrink ½)."""
+    n = len(x0)
+    pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=lambda i: vals[i])
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        cen = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+        refl = [c + (c - w) for c, w in zip(cen, pts[-1])]
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = [c + 2 * (c - w) for c, w in zip(cen, pts[-1])]
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = [c + 0.5 * (w - c) for c, w in zip(cen, pts[-1])]
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0]] + [[b + 0.5 * (p - b) for b, p in zip(pts[0], q)] for q in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[min(range(n + 1), key=lambda i: vals[i])]
+
+
+def rounded(cal: dict, digits: int = 3) -> dict:
+    """The constants as they ship in machine.GPU_CALIBRATION (3 significant digits)."""
+    if isinstance(cal, dict):
+        return {k: rounded(v, digits) for k, v in cal.items()}
+    return float(f"{cal:.{digits}g}")
+
+
+def loss(rows: list[Row], cal: dict) -> float:
+    """Mean squared log error of predicted vs published TFLOP/s per GPU."""
+    err = [math.log(r.predict(cal) / r.measured) ** 2 for r in rows]
+    return sum(err) / len(err)
+
+
+def fit(rows: list[Row], start: Optional[dict] = None, rounds: int = 2) -> dict:
+    """Fit the constants; rows with unstated settings get their layout re-chosen each round."""
+    cal = start or dict(json.loads(json.dumps(GPU_CALIBRATION)), peak_500w=0.85)
+    for _ in range(rounds):
+        for r in rows:
+            r.choose(cal)
+        x = nelder_mead(lambda v: loss(rows, _vec_to_cal(v)), _cal_to_vec(cal))
+        x = nelder_mead(lambda v: loss(rows, _vec_to_cal(v)), x, step=0.2)  # restart: NM stalls in 9-D
+        cal = _vec_to_cal(x)
+    for r in rows:
+        r.choose(cal)
+    return cal
+
+
+# ------------------------------------------------------------------ reporting
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return num / den if den else 0.0
+
+
+def leave_one_out(rows: list[Row], cal: dict) -> dict[str, float]:
+    """Each row predicted from a fit on the others (its layout chosen with those constants)."""
+    out = {}
+    for i, r in enumerate(rows):
+        rest = rows[:i] + rows[i + 1:]
+        c = fit(rest, start=json.loads(json.dumps(cal)), rounds=1)
+        r.choose(c)
+        out[r.id] = r.predict(c)
+    for r in rows:  # back to the full fit's layouts
+        r.choose(cal)
+    return out
+
+
+def summary(rows: list[Row], pred: dict[str, float]) -> dict:
+    errs = [abs(pred[r.id] / r.measured - 1) for r in rows]
+    worst = max(range(len(rows)), key=lambda i: errs[i])
+    return {"median_abs_error": statistics.median(errs), "worst_abs_error": errs[worst], "worst_row": rows[worst].id,
+            "spearman": spearman([r.measured for r in rows], [pred[r.id] for r in rows]),
+            "within_25pct": sum(e <= 0.25 for e in errs), "rows": len(rows)}
+
+
+def report_md(rows: list[Row], cal: dict, pred: dict, loo: Optional[dict], cmd: str, secs: float) -> str:
+    s_fit = summary(rows, pred)
+    lines = ["## GPU calibration (published runs)", "",
+             f"Generated by `{cmd}` on {datetime.date.today().isoformat()} ({secs:.0f} s); the table is "
+             "`benchmarks/published_runs.csv` (every row cites its source), the model "
+             "`paralayer/resolve/step_time.py`, the constants `machine.GPU_CALIBRATION`.", "",
+             f"- rows: {len(rows)} ({sum(r.gpu == 'h100' for r in rows)} on H100, "
+             f"{sum(r.gpu == 'a100' for r in rows)} on A100)",
+             f"- fit on all rows: median error {100 * s_fit['median_abs_error']:.1f}%, worst "
+             f"{100 * s_fit['worst_abs_error']:.1f}% ({s_fit['worst_row']}), Spearman {s_fit['spearman']:.3f}"]
+    if loo:
+        s_loo = summary(rows, loo)
+        lines.append(f"- leave-one-out (each row predicted by a fit without it): median error "
+                     f"{100 * s_loo['median_abs_error']:.1f}%, worst {100 * s_loo['worst_abs_error']:.1f}% "
+                     f"({s_loo['worst_row']}), Spearman {s_loo['spearman']:.3f}, "
+                     f"{s_loo['within_25pct']}/{len(rows)} within 25%")
+    c = from_cal(cal)
+    lines += ["", "Fitted constants:", "",
+              f"- matmul efficiency: A100 {c['eff_a100']:.3f}, H100/H200 {c['eff_h100']:.3f} of the dense bf16 peak",
+              f"- attention core (12·L·h·s FLOPs per token, causal half skipped by the kernels): A100 "
+              f"{c['att_a100']:.3f}, H100/H200 {c['att_h100']:.3f} of the peak",
+              f"- H100 capped at 500 W (torchtitan's Grand Teton rows only; not a planner constant): "
+              f"{c['peak_500w']:.3f} of the 700 W peak",
+              f"- non-matmul kernels: {c['elementwise_bytes']:.1f} bytes per token·layer·hidden unit through HBM",
+              f"- latency per collective: {1e6 * c['lat_intra']:.1f} µs in a node, {1e6 * c['lat_inter']:.1f} µs across",
+              f"- share of the link bandwidth reached: {c['bw_intra']:.2f} in a node (NVLink), "
+              f"{c['bw_inter']:.2f} across (IB/RoCE)",
+              f"- overlap: dp {c['dp_overlap']:.2f} of the compute window, tp_overlap {c['tp_overlap']:.2f} "
+              "of a chunk GEMM", "",
+              "| row | GPU | GPUs | layout (planner-chosen where the source is silent) | published TFLOP/s/GPU | "
+              "fit | err | leave-one-out | err |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lo = f"{loo[r.id]:.0f} | {100 * (loo[r.id] / r.measured - 1):+.1f}%" if loo else "- | -"
+        lines.append(f"| {r.id} | {r.gpu} | {r.row['gpus']} | {r.layout()} | {r.measured:.0f} | {pred[r.id]:.0f} | "
+                     f"{100 * (pred[r.id] / r.measured - 1):+.1f}% | {lo} |")
+    lines += ["", "TFLOP/s per GPU are in our FLOP convention (6·N + 12·L·h·s, no recompute counted); a row "
+              "published in another (Narayanan et al. count full recompute) is converted through its "
+              "tokens/s, so its figure here is lower than the paper's."]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: str, text: str) -> None:
+    head = "## GPU calibration (published runs)"
+    old = open(path).read() if os.path.exists(path) else ""
+    if head in old:
+        i = old.index(head)
+        j = old.find("\n## ", i + len(head))
+        new = old[:i] + text + (old[j + 1:] if j >= 0 else "")
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", default=TABLE)
+    ap.add_argument("--loo", action="store_true", help="also the leave-one-out errors (a fit per row)")
+    ap.add_argument("--out", default=None, help="rewrite the GPU calibration section of this markdown file")
+    ap.add_argument("--json", default=None, help="write the fitted constants and predictions as JSON")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    rows = [Row(r) for r in load_rows(args.table) if r.get("fit", "yes") != "no"]
+    cal = rounded(fit(rows))
+    for r in rows:
+        r.choose(cal)
+    pred = {r.id: r.predict(cal) for r in rows}
+    loo = leave_one_out(rows, cal) if args.loo else None
+    secs = time.time() - t0
+    cmd = "python benchmarks/calibrate_gpu.py" + (" --loo" if args.loo else "") + (f" --out {args.out}" if args.out else "")
+    md = report_md(rows, cal, pred, loo, cmd, secs)
+    print(md)
+    print("GPU_CALIBRATION =", json.dumps({k: v for k, v in cal.items() if k != "peak_500w"}))
+    if args.out:
+        write_section(args.out, md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"calibration": cal, "fit": pred, "loo": loo, "measured": {r.id: r.measured for r in rows},
+                       "layouts": {r.id: r.layout() for r in rows}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

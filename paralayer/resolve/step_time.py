@@ -1,0 +1,133 @@
+"""The cost model's step time for ONE resolved layout, and the time and cost to train with it.
+
+Why its own file: the dry run (``resolve``), the planner's ``predict`` (the calibrations) and the
+sweep report all time a single plan; the planner's ranking loop evaluates the same terms in closed
+form for thousands of layouts (``paralayer.resolve.planner``). The terms are listed in the
+planner's docstring; the machine side (peak, efficiency, links, overlaps) is
+``paralayer.resolve.machine``. Torch-free.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from paralayer.config import Config
+from paralayer.resolve import cost as cost_mod
+from paralayer.resolve import memory as mem_mod
+from paralayer.resolve.machine import (
+    Machine,
+    comm_seconds,
+    dp_exposed_seconds,
+    dp_reduce_seconds,
+    machine_for,
+    tp_overlap_seconds,
+)
+from paralayer.resolve.memory import ACT_BYTES
+from paralayer.resolve.rules import chunk_rank
+from paralayer.resolve.split import layer_work, rank_work
+
+AXES = ("tp", "pp", "cp", "ep", "dp")
+SECONDS_PER_DAY = 86400.0
+
+
+class StepShape(NamedTuple):
+    """What of a plan the step time needs that no calibration changes (computed once per plan)."""
+
+    imbalance: float  # FLOPs of the busiest pipeline rank / the mean
+    recompute_frac: float  # recompute FLOPs / forward+backward FLOPs
+    layer_kinds: list  # (dense, MoE) layers per pipeline rank
+    ring_flops: tuple  # cost.tp_ring_flops under tp_overlap, else ()
+
+
+def step_shape(cfg: Config, plan) -> StepShape:
+    g = plan.degrees
+    work, head = layer_work(cfg)
+    split = [len(s) for s in plan.stage_layers]
+    rw = rank_work(work, head, split, g["pp"], plan.schedule)
+    imbalance = g["pp"] * max(rw) / (sum(work) + head)
+    L, h, seq = cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len
+    rc = cost_mod.recompute_fraction(cfg, plan.recompute, cfg.parallel.recompute_every, plan.flops_per_token)
+    kinds = []
+    for r in range(g["pp"]):
+        layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
+                  for i in plan.stage_layers[c]]
+        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        kinds.append((len(layers) - n_moe, n_moe))
+    ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute) if plan.tp_overlap else ()
+    return StepShape(imbalance, rc, kinds, ring)
+
+
+def compute_seconds(flops_step: float, tokens_step: float, cfg: Config, mach: Machine) -> float:
+    """Seconds per device of the step's model FLOPs: the matmuls at ``efficiency``, the attention
+    core (12·L·h·s per token) at ``attention_efficiency``, plus the non-matmul kernels' HBM time."""
+    m = cfg.model
+    peak = mach.world * mach.peak_tflops * 1e12
+    attn = 12.0 * m.n_layers * m.d_model * m.seq_len * tokens_step
+    att_eff = mach.attention_efficiency or mach.efficiency
+    return ((flops_step - attn) / (peak * mach.efficiency) + attn / (peak * att_eff)
+            + mach.elementwise_seconds(tokens_step, m.n_layers, m.d_model))
+
+
+def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = None) -> dict:
+    """Predicted step time of a resolved, valid plan on ``mach``, with every term."""
+    shape = shape or step_shape(cfg, plan)
+    g = plan.degrees
+    compute = compute_seconds(plan.flops_per_step, plan.tokens_per_step, cfg, mach)
+    t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
+    work_s = compute * shape.imbalance
+    recomp = work_s * shape.recompute_frac
+    mm = plan.microbatches
+    ovh = max(mach.layer_overhead(d, e, g["tp"]) for d, e in shape.layer_kinds) * mm
+    if plan.tp_overlap:
+        t_ax["tp"] = tp_overlap_seconds(shape.ring_flops, *shape.layer_kinds[0],
+                                        plan.micro_batch * cfg.model.seq_len / g["cp"], mm, g["tp"],
+                                        cfg.model.d_model, ACT_BYTES[plan.precision],
+                                        plan.recompute == "full", mach, plan.spans["tp"])
+    inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
+    dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
+                                    plan.zero, g["pp"], work_s + recomp, mm, mach)
+    step = inner * (1 + plan.bubble_fraction) + dp_exposed
+    return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
+            "tp_overlap": plan.tp_overlap,
+            "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
+            "compute_s": compute, "imbalance": shape.imbalance, "recompute_s": recomp, "overhead_s": ovh,
+            "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
+            "dp_exposed_s": dp_exposed, "memory": dict(plan.memory_per_device_bytes),
+            "tokens_per_s": plan.tokens_per_step / step,
+            "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
+
+
+def train_budget(cfg: Config, tokens_per_step: int) -> tuple[float, str]:
+    """Tokens to train on: ``train.tokens`` when given, else ``train.steps`` × tokens per step."""
+    tokens = getattr(cfg.train, "tokens", None)
+    if tokens:
+        return float(tokens), "train.tokens"
+    return float(cfg.train.steps) * tokens_per_step, "train.steps"
+
+
+def time_to_train(cfg: Config, step_time_s: float, tokens_per_step: int, world: int) -> dict:
+    """Wall-clock days and device-hours for the token budget at ``step_time_s`` per step: ideal
+    steps only (no failures, restarts, checkpoint stalls, evaluation or queueing)."""
+    tokens, basis = train_budget(cfg, tokens_per_step)
+    seconds = tokens / tokens_per_step * step_time_s
+    out = {"train_tokens": tokens, "train_tokens_from": basis, "train_steps": tokens / tokens_per_step,
+           "train_days": seconds / SECONDS_PER_DAY, "device_hours": seconds * world / 3600.0}
+    price = getattr(cfg.cluster, "price_per_device_hour", None)
+    if price is not None:
+        out["train_cost"] = out["device_hours"] * float(price)
+    return out
+
+
+def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
+    """The dry run's time fields for a valid plan on a GPU profile: step_time_s, tokens_per_s,
+    mfu (when the peak is known), and train_days, device_hours (+ train_cost with a price)."""
+    mach = machine_for(cfg, calibration)
+    t = time_plan(cfg, plan, mach)
+    out = {"step_time_s": t["step_time_s"], "tokens_per_s": t["tokens_per_s"],
+           "mfu": t["mfu"] if plan.peak_tflops_given else None, "gpu": mach.gpu,
+           "calibration": "GPU_CALIBRATION (benchmarks/calibrate_gpu.py)"}
+    out.update(time_to_train(cfg, t["step_time_s"], plan.tokens_per_step, plan.world_size))
+    return out
+
+
+__all__ = ["StepShape", "step_shape", "compute_seconds", "time_plan", "time_to_train", "plan_timing",
+           "train_budget"]
