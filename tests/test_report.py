@@ -137,7 +137,7 @@ def test_failed_element_is_a_row(tmp_path):
     sweep = tmp_path / "sweep"
     r = _run([LAUNCH, *TINY, "parallel.tp=1", f"data.path={data}", "data.format=tokens", "-m",
               "model.seq_len=32,16", f"run.dir={sweep}", "logging.wandb.mode=disabled"], tmp_path)
-    assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 2, (r.stdout[-3000:], r.stderr[-3000:])  # bad data: exit 2 (issue #15)
     rows = {x["name"]: x for x in _csv(sweep / "report.csv")}
     assert set(rows) == {"seq_len32", "seq_len16"}
     ok, bad = rows["seq_len32"], rows["seq_len16"]
