@@ -144,7 +144,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Option
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
                 p.grad = g
             for dim, pl in enumerate(g.placements):
-                if pl.is_shard():
+                if not (pl.is_replicate() or pl.is_partial()):  # Shard, and FSDP+TP's _StridedShard
                     pg = g.device_mesh.get_group(dim)
                     groups[pg.group_name] = pg
                     names += (pg.group_name,)

@@ -31,9 +31,23 @@ def _bytes(ts: Iterable[torch.Tensor]) -> int:
     return n
 
 
-def param_bytes(params: list) -> int:
-    """This rank's weights: the local shard of each parameter."""
-    return _bytes(params)
+def param_bytes(params: list, gathered_through_step: bool = False) -> int:
+    """This rank's weights: the local shard of each parameter. ``gathered_through_step`` (ZeRO-2:
+    FSDP keeps each unit's gathered weights from its forward to its backward) counts the data-
+    parallel shards whole, as the step's peak holds them."""
+    if not gathered_through_step:
+        return _bytes(params)
+    n = 0
+    for p in params:
+        t = _local(p)
+        k = 1
+        mesh = getattr(p, "device_mesh", None)
+        for dim, pl in enumerate(getattr(p, "placements", ())):
+            names = mesh.mesh_dim_names or ()
+            if not (pl.is_replicate() or pl.is_partial()) and dim < len(names) and names[dim] in ("dp_cp", "edp"):
+                k *= mesh.size(dim)
+        n += int(t.numel()) * k * t.element_size()
+    return n
 
 
 def grad_bytes(params: list) -> int:
@@ -69,6 +83,10 @@ class SavedPeak:
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            # a weight (FSDP2's gathered weights are Parameters too, freed by resharding, not by
+            # autograd): not an activation
+            return t
         try:
             base = _local(t)
             st = base.untyped_storage()

@@ -73,7 +73,7 @@ def _tokens(run: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def build_run(cfg: Config, plan: Any, meshes: Any) -> Any:
+def build_run(cfg: Config, plan: Any, meshes: Any, fake_mode: Any) -> Any:
     """train.setup() without what needs real data or real values: the dataset (synthetic tokens
     instead) and the peak-FLOP/s agreement (a broadcast read back with ``.item()``). The mesh is
     built before the fake mode (its rank tables are real tensors)."""
@@ -82,7 +82,15 @@ def build_run(cfg: Config, plan: Any, meshes: Any) -> Any:
 
     device = torch.device("cpu")
     torch.manual_seed(cfg.train.seed)
-    built = T.build_model(cfg, plan, meshes, device)
+    built = T.build_model(cfg, plan, meshes, device, materialize=fake_mode)  # split/shard on meta
+    with fake_mode:
+        return _finish_run(cfg, plan, meshes, built, device)
+
+
+def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.device) -> Any:
+    from paralayer.runtime import precision
+    from paralayer.runtime import train as T
+
     opt, sched = T.build_optimizer(cfg, built, meshes)
     scaling = T.grad_scaling(plan, meshes)
     run = T.RankRun(cfg=cfg, plan=plan, device=device, meshes=meshes, built=built, opt=opt, sched=sched,
@@ -93,6 +101,11 @@ def build_run(cfg: Config, plan: Any, meshes: Any) -> Any:
                     ckpt_dir=None, rehearsing=True)
     run.runner = T.build_runner(run)
     return run
+
+
+def _gathered_through_step(run: Any) -> bool:
+    """ZeRO-2 under FSDP without a pipeline: weights stay gathered from forward to backward."""
+    return int(run.cfg.parallel.zero) == 2 and run.meshes.size("dp_cp") > 1 and run.degree["pp"] == 1
 
 
 def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
@@ -128,8 +141,9 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
         from paralayer.parallel.mesh import build_mesh
 
         meshes = build_mesh(plan, "cpu")
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-            run = build_run(cfg, plan, meshes)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        run = build_run(cfg, plan, meshes, fake_mode)
+        with fake_mode:
             coords = {ax: meshes.local_rank(ax) for ax in ("pp", "dp", "cp", "tp")}
             if meshes.expert is not None:
                 coords["ep"] = meshes.local_rank("ep")
@@ -145,7 +159,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             params = run.built.params
             out = {
                 "rank": rank, "coords": coords,
-                "memory_bytes": {"params": rmem.param_bytes(params), "grads": rmem.grad_bytes(params),
+                "memory_bytes": {"params": rmem.param_bytes(params, _gathered_through_step(run)), "grads": rmem.grad_bytes(params),
                                  "optimizer": rmem.optimizer_bytes(run.opt), "activations": int(saved.peak_bytes)},
                 "collectives": counter.table(),
                 "flops": float(flops.get_total_flops()),
