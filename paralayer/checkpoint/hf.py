@@ -3,9 +3,11 @@
 Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`load_hf_config`,
 :func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json``, read with ``safetensors.safe_open`` (never pickle). Each rank
-reads the FULL tensor of every parameter it holds and keeps its slice, exactly like
-``paralayer.model.transformer.init_weights`` (DTensor: ``distribute_tensor(..., src_data_rank=None)``;
-experts under expert parallel: ``local_slices``; padded vocab rows are zero).
+reads only the slice it holds (``safe_open(...).get_slice(key)[region]``): the region of a DTensor
+parameter is its local shard (``compute_local_shape_and_global_offset`` over its mesh and
+placements, any mix of tp / fsdp sharding), a replicated parameter is read whole, experts under
+expert parallel are read for this rank's experts only; padded vocab rows are zero. So 512 ranks
+read the model about once between them, plus what each holds replicated, not 512 times.
 
 Names (ours ← Hugging Face)::
 
@@ -111,6 +113,7 @@ class _Reader:
             raise HFFormatError(f"{path}: neither {SINGLE} nor {INDEX} found (only safetensors are read)")
         self._open = safe_open
         self._handles: dict[str, Any] = {}
+        self.bytes_read = 0  # bytes of the tensors and slices this reader returned
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
@@ -133,16 +136,35 @@ class _Reader:
             raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
         fname = self.weight_map[key]
         try:
-            return self._handle(fname).get_tensor(key)
+            t = self._handle(fname).get_tensor(key)
         except HFFormatError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise HFFormatError(f"{os.path.join(self.path, fname)}: cannot read '{key}': {exc}") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def shape(self, key: str) -> list[int]:
+        """The stored shape of ``key`` (from the header: nothing is read)."""
+        if key not in self.weight_map:
+            raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
+        return list(self._handle(self.weight_map[key]).get_slice(key).get_shape())
+
+    def region(self, key: str, index: Sequence[slice]) -> torch.Tensor:
+        """``key[index]`` (one slice per dim) without reading the rest of the tensor."""
+        if key not in self.weight_map:
+            raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
+        fname = self.weight_map[key]
+        try:
+            t = self._handle(fname).get_slice(key)[tuple(index)]
+        except Exception as exc:  # noqa: BLE001
+            raise HFFormatError(f"{os.path.join(self.path, fname)}: cannot read '{key}': {exc}") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def get_rows(self, key: str, start: int, length: int) -> torch.Tensor:
         """Rows [start, start+length) of dim 0 without reading the rest."""
-        fname = self.weight_map[key]
-        return self._handle(fname).get_slice(key)[start:start + length]
+        return self.region(key, [slice(start, start + length)])
 
 
 def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optional[tuple[int, int]]) -> torch.Tensor:
@@ -180,14 +202,16 @@ def _clean(name: str) -> str:
 
 @torch.no_grad()
 def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional[tuple]], torch.Tensor],
-                      vocab_size: int) -> None:
+                      vocab_size: int, only: Optional[set] = None) -> None:
     """Fill every parameter of ``model`` (any layout) from its FULL tensor ``full_for(name, global
     shape, experts)``: the slicing of ``init_weights``. ``experts``: (offset, count) of the experts
-    this rank holds for a stacked expert weight, else None."""
+    this rank holds for a stacked expert weight, else None. ``only``: these parameter names."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     owners = expert_owners(model)
     for name, param in model.named_parameters():
+        if only is not None and name not in only:
+            continue
         clean = _clean(name)
         global_shape = tuple(param.shape)
         if clean in owners:
@@ -224,13 +248,68 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
             param.copy_(full)
 
 
-def load_hf_weights(model: nn.Module, path: str, cfg) -> None:
+def _hf_key(reader: _Reader, name: str) -> str:
+    if name == "output.weight" and "lm_head.weight" not in reader:
+        return "model.embed_tokens.weight"  # tied embeddings
+    return ours_to_hf(name)
+
+
+def _local_region(param) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(local shape, global offset) of this rank's shard of a DTensor parameter; None if plain."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):  # e.g. padded shards: read whole, slice as init does
+        return None
+    return tuple(shape), tuple(offset)
+
+
+@torch.no_grad()
+def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> None:
+    """Fill every parameter of ``model`` from ``reader``, reading only this rank's region of each
+    (experts and anything unusual go through :func:`copy_full_tensors`'s slicing)."""
+    owners = expert_owners(model)
+    rest: list[str] = []
+    for name, param in model.named_parameters():
+        clean = _clean(name)
+        region = None if clean in owners else _local_region(param)
+        if clean in owners or (region is None and hasattr(param, "device_mesh")):
+            rest.append(name)
+            continue
+        shape, offset = region if region is not None else (tuple(param.shape), (0,) * param.dim())
+        key = _hf_key(reader, clean)
+        logical = list(param.shape)
+        if clean.startswith(("tok_embeddings.", "output.")):
+            logical[0] = vocab_size
+        if reader.shape(key) != logical:
+            raise HFFormatError(f"{clean}: checkpoint shape {reader.shape(key)} != model {logical} "
+                                f"(is config.json the one of these weights?)")
+        index = [slice(o, o + n) for o, n in zip(offset, shape)]
+        hi = min(offset[0] + shape[0], logical[0]) if shape else 0
+        local = (param.to_local() if region is not None else param)
+        if shape and hi < offset[0] + shape[0]:  # padded vocab rows: zero
+            local.zero_()
+            if hi > offset[0]:
+                local[: hi - offset[0]].copy_(reader.region(key, [slice(offset[0], hi)] + index[1:]))
+        else:
+            local.copy_(reader.region(key, index))
+    if rest:
+        keep = set(rest)
+        copy_full_tensors(model, lambda n, s, e: _full_for(reader, n, s, e), vocab_size, only=keep)
+
+
+def load_hf_weights(model: nn.Module, path: str, cfg) -> int:
     """Copy the Hugging Face weights at ``path`` into ``model`` (one pipeline chunk or the whole
-    model, under any tp / fsdp / ep layout). ``cfg``: the ModelConfig (its shape must match
-    config.json: use :func:`apply_hf_config` first)."""
+    model, under any tp / fsdp / ep layout), reading only what this rank holds. ``cfg``: the
+    ModelConfig (its shape must match config.json: use :func:`apply_hf_config` first).
+    Returns the bytes this rank read."""
     reader = _Reader(path)
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
-    copy_full_tensors(model, lambda n, s, e: _full_for(reader, n, s, e), vocab)
+    copy_sliced_tensors(model, reader, vocab)
+    return reader.bytes_read
 
 
 # ------------------------------------------------------------------ export
