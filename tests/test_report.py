@@ -174,6 +174,8 @@ def test_last_error_line():
     assert R.last_error_line("just words\nlast words\n") == "last words"
     assert R.last_error_line("[rank1]:   raise X\n[rank1]: KeyError: 'k'\nsrun: error: Terminating\n") == \
         "[rank1]: KeyError: 'k'"
+    assert R.last_error_line("step 1\nerror: data.path: no such file\nsrun: error: task 0: Exited\n") == \
+        "error: data.path: no such file"
     assert R.last_error_line("") == ""
 
 

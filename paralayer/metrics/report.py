@@ -207,17 +207,22 @@ def read_run(run_dir: str, index: int = 0) -> Row:
 
 
 # ------------------------------------------------------------------ state and error
+def _is_error_line(line: str) -> bool:
+    """``SomeError: ...`` (a traceback's last line, torch's ``[rank0]: `` prefix allowed) or
+    ``error: ...`` (the one line a rank prints for bad input)."""
+    bare = re.sub(r"^\[[^\]]*\]:?\s*", "", line)
+    head = bare.split(":", 1)[0].split(".")[-1]
+    if bare.startswith("error: "):
+        return True
+    return ":" in bare and head.isidentifier() and head.endswith(("Error", "Exception", "Interrupt", "Exit",
+                                                                  "Loss", "Failure"))
+
+
 def last_error_line(text: str) -> str:
-    """The line that says what went wrong: the last ``SomeError: ...`` line of a traceback or log,
-    else the last non-empty line."""
+    """The line that says what went wrong: the last error line of a traceback or log (see
+    :func:`_is_error_line`), else the last non-empty line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        bare = re.sub(r"^\[[^\]]*\]:?\s*", "", ln)  # torch's "[rank0]: " prefix
-        head = bare.split(":", 1)[0].split(".")[-1]
-        if ":" in bare and head.isidentifier() and head.endswith(("Error", "Exception", "Interrupt", "Exit",
-                                                                    "Loss", "Failure")):
-            return ln
-    return lines[-1] if lines else ""
+    return next((ln for ln in reversed(lines) if _is_error_line(ln)), lines[-1] if lines else "")
 
 
 def _read_text(path: str, tail_bytes: int = 65536) -> str:
@@ -265,8 +270,7 @@ def run_state(run_dir: str, meta: Dict[str, Any], last_step: int, planned: int) 
         sstate = _slurm_state(str(slurm["job_id"])) or sstate
     if not err and sstate and sstate not in _LIVE | {"COMPLETED"}:
         logs = [last_error_line(_read_text(p)) for p in slurm.get("stderr", [])]
-        err = next((ln for ln in logs if re.search(r"(Error|Exception|Loss)\b:", ln)),
-                   next((ln for ln in logs if ln), ""))
+        err = next((ln for ln in logs if _is_error_line(ln)), next((ln for ln in logs if ln), ""))
     done = planned > 0 and last_step >= planned
     if err:
         return ("failed" if sstate in (None, "COMPLETED", "FAILED") else sstate.lower()), err
