@@ -8,7 +8,8 @@ the ranks started, and a NaN link speed or peak makes ``--json`` print bare ``Na
 Every check here raises a :class:`ConfigError` naming the field and the bound.
 
 The bounds are far beyond any published run (Llama 3 405B: 126 layers, 16,384 GPUs, 128K
-context; DeepSeek-V3: 256 experts) yet small enough that resolving stays well under a second.
+context; DeepSeek-V3: 256 experts; Switch-C: 2,048 experts) yet small enough that a dry run stays
+well under a second and the planner's search stays bounded.
 Imports no torch.
 """
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import Any, Optional
 
 from paralayer.config.schema import Config, ConfigError
 
-#: Largest world (devices) a plan may describe: 2**20 = 1,048,576.
-MAX_WORLD = 2 ** 20
+#: Largest world (devices) a plan may describe: 2**17 = 131,072 (the largest published training
+#: clusters hold ~100k GPUs); the planner's search grows with the divisors of the world.
+MAX_WORLD = 2 ** 17
 
 #: field -> (min, max) for integers, both inclusive.
 INT_BOUNDS: dict[str, tuple[int, int]] = {
     "model.d_model": (1, 2 ** 17),
-    "model.n_layers": (1, 1024),
+    "model.n_layers": (1, 512),  # deepest published LLMs: ~120 layers; pipeline work grows with it
     "model.n_heads": (1, 2 ** 12),
     "model.n_kv_heads": (1, 2 ** 12),
     "model.ffn_hidden": (1, 2 ** 20),
@@ -33,11 +35,11 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "model.moe.num_experts": (0, 2 ** 12),
     "model.moe.top_k": (1, 2 ** 12),
     "model.moe.ffn_hidden": (0, 2 ** 20),
-    "model.moe.every": (1, 1024),
+    "model.moe.every": (1, 512),
     "model.moe.shared_ffn_hidden": (0, 2 ** 20),
     "parallel.tp": (1, 2 ** 12),
-    "parallel.pp": (1, 1024),
-    "parallel.vpp": (1, 1024),
+    "parallel.pp": (1, 512),
+    "parallel.vpp": (1, 512),
     "parallel.cp": (1, 2 ** 12),
     "parallel.ep": (1, 2 ** 12),
     "parallel.dp": (1, MAX_WORLD),
