@@ -203,17 +203,22 @@ def test_states_and_ratios_from_files(tmp_path):
     log.write_text("Traceback ...\nRuntimeError: CUDA out of memory\nsrun: error: task 0: Exited with exit code 1\n")
     slurm = _fake_run(tmp_path / "d", 4, 1, {"index": 3, "name": "d", "overrides": ["x=1"],
                                             "slurm": {"stderr": [str(log)], "state": "FAILED"}}, tp=8)
-    rows = R.build([str(done), str(part), str(none), str(slurm)])
+    log2 = tmp_path / "task2.err"
+    log2.write_text("error: data.path: 32 ids, model.seq_len is 16\n")  # a rank that returned 2: COMPLETED
+    short = _fake_run(tmp_path / "e", 4, 0, {"index": 4, "name": "e", "overrides": ["x=2"],
+                                            "slurm": {"stderr": [str(log2)], "state": "COMPLETED"}}, tp=8)
+    rows = R.build([str(done), str(part), str(none), str(slurm), str(short)])
     assert [(r.state, r.error) for r in rows] == [("completed", ""), ("incomplete", ""), ("not started", ""),
-                                                   ("failed", "RuntimeError: CUDA out of memory")]
+                                                   ("failed", "RuntimeError: CUDA out of memory"),
+                                                   ("failed", "error: data.path: 32 ids, model.seq_len is 16")]
     a = rows[0]
     # medians of steps 2..4 (the first left out), max memory, the last loss
     assert a.measured == {"step_time_s": 3.0, "tokens_per_s": pytest.approx(100 / 3), "mfu": pytest.approx(0.3),
                           "memory_bytes": 4000, "bubble": pytest.approx(0.3)}
     assert a.ratio("step_time_s") == 1.5 and a.ratio("memory_bytes") == 4.0 and a.ratio("bubble") == pytest.approx(1.2)
     assert a.final_loss == 1.0 and a.predicted_by == "plan.json"
-    assert [r.overrides for r in rows] == [["parallel.tp=1"], ["parallel.tp=2"], ["parallel.tp=4"], ["x=1"]]
+    assert [r.overrides for r in rows] == [["parallel.tp=1"], ["parallel.tp=2"], ["parallel.tp=4"], ["x=1"], ["x=2"]]
     rep = R.write([str(tmp_path)], str(tmp_path / "out"), show=False)
-    assert len(rep.rows) == 4 and len(rep.failed) == 3
+    assert len(rep.rows) == 5 and len(rep.failed) == 4
     assert _png_size(tmp_path / "out" / "report.png")[0] == 1320
     assert R.main([str(tmp_path / "nothing-here")]) == 2

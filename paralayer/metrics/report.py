@@ -268,10 +268,13 @@ def run_state(run_dir: str, meta: Dict[str, Any], last_step: int, planned: int) 
     sstate = slurm.get("state")
     if slurm.get("job_id") and (not sstate or sstate in _LIVE | {"UNKNOWN"}):
         sstate = _slurm_state(str(slurm["job_id"])) or sstate
-    if not err and sstate and sstate not in _LIVE | {"COMPLETED"}:
-        logs = [last_error_line(_read_text(p)) for p in slurm.get("stderr", [])]
-        err = next((ln for ln in logs if _is_error_line(ln)), next((ln for ln in logs if ln), ""))
     done = planned > 0 and last_step >= planned
+    if not err and sstate and sstate not in _LIVE and not (sstate == "COMPLETED" and done):
+        # ended short of its steps: its logs say why (a job SLURM calls COMPLETED included: a
+        # rank that returned an exit status instead of raising)
+        logs = [last_error_line(_read_text(p)) for p in slurm.get("stderr", [])]
+        err = next((ln for ln in logs if _is_error_line(ln)),
+                   "" if sstate == "COMPLETED" else next((ln for ln in logs if ln), ""))
     if err:
         return ("failed" if sstate in (None, "COMPLETED", "FAILED") else sstate.lower()), err
     if sstate and sstate not in ("COMPLETED",):
