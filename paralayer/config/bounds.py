@@ -14,7 +14,9 @@ Imports no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import Any, Optional
 
 from paralayer.config.schema import Config, ConfigError
@@ -164,8 +166,50 @@ def _texts(cfg: Config) -> list[tuple[str, Any]]:
     return out
 
 
+#: Any other number (fields added later included): finite, and an integer within a signed 64-bit
+#: word (what torch and numpy take without OverflowError).
+GENERIC_INT = 2 ** 63 - 1
+#: Files the recipe may not read: the environment and devices (``/proc/self/environ`` as training
+#: data would copy the user's secrets into token caches).
+FORBIDDEN_READS = ("/proc", "/sys", "/dev")
+
+
+def _walk(obj: Any, prefix: str = ""):
+    """(dotted name, value) of every leaf of a config dataclass tree (lists and maps included)."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name), f"{prefix}{f.name}.")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk(v, prefix)
+    else:
+        yield prefix.rstrip("."), obj
+
+
+def check_generic(cfg: Config) -> None:
+    """Every number finite and within 64 bits, every text free of NUL, whatever the field."""
+    for name, value in _walk(cfg):
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(name, f"must be a finite number, got {value}")
+        if isinstance(value, int) and abs(value) > GENERIC_INT:
+            raise ConfigError(name, f"must be within ±{GENERIC_INT:,} (the bound), got {_short(value)}")
+        if isinstance(value, str) and "\x00" in value:
+            raise ConfigError(name, "must not contain NUL characters")
+    for name in ("data.path", "data.tokenizer"):
+        value = get(cfg, name)
+        if value and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
+            raise ConfigError(name, f"'{value[:80]}' lies under {', '.join(FORBIDDEN_READS)}: a recipe may not read "
+                              "the environment or devices")
+
+
 def check_bounds(cfg: Config) -> None:
     """Raise a ConfigError (naming the field and the bound) for the first value out of range."""
+    check_generic(cfg)
     for name in INT_BOUNDS:
         value = get(cfg, name)
         if name == "parallel.dp" and value == "auto":
