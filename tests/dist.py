@@ -118,9 +118,23 @@ def cfg_and_plan(overrides: list[str]):
     return cfg, plan
 
 
-#: the tiny recipe cut down for parity runs: plain data parallel (tp=1), 2 layers, seq 64, 5 steps
+#: the tiny recipe cut down for parity runs: plain data parallel (tp=1), 2 layers, seq 64, 5 steps, at a
+#: wide init (std 0.2: at 0.02 every model's loss is ~ln(vocab), and a wrong layout can match it)
 TINY_SMALL = ["recipe=tiny", "parallel.tp=1", "train.steps=5", "train.global_batch=8", "train.micro_batch=2",
-              "model.n_layers=2", "model.seq_len=64", "logging.wandb.mode=disabled"]
+              "model.n_layers=2", "model.seq_len=64", "model.init_std=0.2", "logging.wandb.mode=disabled"]
+
+
+def paired(got, want) -> zip:
+    """``zip`` for parity checks, which fails on empty or mismatched records (a bare zip of an
+    empty result passes without checking anything)."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want) > 0, f"records: got {len(got)}, reference {len(want)}"
+    return zip(got, want)
+
+
+def max_rel_err(got, want) -> float:
+    """The largest |got − want| / |want| over paired records (fails on empty or mismatched ones)."""
+    return max(abs(a - b) / abs(b) for a, b in paired(got, want))
 
 
 def train_records(overrides: list[str]) -> list[dict]:

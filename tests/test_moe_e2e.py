@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks, train_records
+from tests.dist import TINY_SMALL, cfg_and_plan, max_rel_err, paired, run_ranks, train_records
 
 # Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective.
 MOE = TINY_SMALL + ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96",
@@ -29,8 +29,7 @@ def reference():
     return run_ranks(_train, 1, ["parallel.dp=1"])[0]
 
 
-def _rel_err(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+_rel_err = max_rel_err  # fails on empty or mismatched records
 
 
 LAYOUTS = {
@@ -59,12 +58,14 @@ def test_expert_parallel_parity(reference, name):
     # every rank logs the same record; the routing statistics are global, so they match ep=1
     for r in recs[1:]:
         assert [x["loss"] for x in r] == losses
-    for a, b in zip(recs[0], ref):
+    for a, b in paired(recs[0], ref):
         assert a["tokens_per_expert_mean"] == b["tokens_per_expert_mean"]
         assert a["dropped_tokens"] == b["dropped_tokens"] == 0
     # grad norms agree too (expert grads reduced over expert-dp, norms summed over ep)
     gerr = _rel_err([r["grad_norm"] for r in recs[0]], [r["grad_norm"] for r in ref])
-    assert gerr <= 1e-4, (name, gerr)
+    # 3e-5, not 1e-5: at init std 0.2 the routing's summation order shows in the norm by step 5
+    # (measured 1.6e-5 under ep2_tp2, 1.1e-5 under ep2_cp2, the rest below 1e-5)
+    assert gerr <= 3e-5, (name, gerr)
 
 
 # ------------------------------------------------------------------ resolver vs what runs

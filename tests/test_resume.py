@@ -8,13 +8,9 @@ import os
 import pytest
 import torch
 
-train_mod = pytest.importorskip("paralayer.runtime.train")
-if not hasattr(train_mod, "train"):
-    pytest.skip("paralayer.runtime.train.train is not there yet", allow_module_level=True)
-
-from paralayer.config import load_config  # noqa: E402
-from paralayer.resolve.plan import resolve  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
+from paralayer.config import load_config
+from paralayer.resolve.plan import resolve
+from tests.dist import paired, run_ranks
 
 SEQ = 16
 BASE = ["model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
@@ -68,6 +64,6 @@ def test_resume_tp2_pp2_as_dp4(tmp_path):
     assert first == straight[:2]
     second = _run(tmp, "mixed-2", ["parallel.dp=4", "parallel.tp=1", "parallel.pp=1"], ["train.resume=auto"])
     assert [r["step"] for r in second] == [3, 4]
-    for got, want in zip(second, straight[2:]):
+    for got, want in paired(second, straight[2:]):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (second, straight)
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks, train_records
+from tests.dist import TINY_SMALL, cfg_and_plan, max_rel_err, run_ranks, train_records
 from tests.fault_hook import fault_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,18 +32,14 @@ def reference():
     return run_ranks(_train, 1, ["parallel.dp=1"])[0]
 
 
-def _close(a, b, rel=1e-5):
-    return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_data_parallel_parity(reference, dp, zero):
     losses, norms = run_ranks(_train, dp, [f"parallel.dp={dp}", f"parallel.zero={zero}"])[0]
     ref_losses, ref_norms = reference
     assert len(losses) == 5
-    assert _close(losses, ref_losses), (losses, ref_losses)
-    assert all(abs(a - b) <= 1e-5 for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+    assert max_rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
+    assert max_rel_err(norms, ref_norms) <= 1e-5, (norms, ref_norms)
 
 
 def _full_state(rank, world, overrides):
