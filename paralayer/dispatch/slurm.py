@@ -132,7 +132,12 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
               f"run_dir={self.run_dir} resume={resume or '-'}", flush=True)
         _require_planned_device(self.run_dir, dist_env.rank)
         fn = resolve_entry(self.entry)
-        return fn(self.run_dir, f"train.resume={resume}") if resume else fn(self.run_dir)
+        out = fn(self.run_dir, f"train.resume={resume}") if resume else fn(self.run_dir)
+        if isinstance(out, int) and not isinstance(out, bool) and out != 0:
+            # a rank's exit status (2: bad input, reported as one line): the task and the job fail,
+            # rather than submitit recording it as a successful result
+            sys.exit(out)
+        return out
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """Called by submitit on rank 0 at USR2 (timeout) or preemption: requeue with resume=auto."""
