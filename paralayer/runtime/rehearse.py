@@ -49,7 +49,7 @@ def default_ranks(plan: dict) -> list[int]:
     stage (a different expert shard and a different all-to-all peer set)."""
     d = plan["degrees"]
     out = [0, rank_of(plan, pp=int(d["pp"]) - 1)]
-    ep = int(d.get("ep", 1))
+    ep = int(d["ep"])
     if ep > 1:
         j = ep - 1  # flattened (dp, cp) index of the last ep rank of the first expert group
         out.append(rank_of(plan, dp=j // int(d["cp"]), cp=j % int(d["cp"])))
@@ -102,7 +102,7 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
     if str(d["model"].get("init", "")).startswith("hf:"):
         d["model"]["init"] = "random"
     # the precision the plan resolved for its device (auto: bf16 on GPUs), not this CPU's
-    d["train"]["precision"] = plan.get("precision") or d["train"]["precision"]
+    d["train"]["precision"] = plan["precision"]
     return config_mod.from_dict(d), m_run
 
 
@@ -201,9 +201,9 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
     if plan_run["degrees"] != plan["degrees"] or int(plan_run["microbatches"]) != m_run:
         raise RuntimeError(f"rehearsal batch changed the layout: {plan_run['degrees']} m={plan_run['microbatches']}")
     results, errors = run_ranks(cfg_run, plan_run, ranks, parallel)
-    mem = plan.get("memory_per_device_bytes") or {}
+    mem = plan["memory_per_device_bytes"]
     cap = mem.get("capacity")
-    usable = None if cap is None else int(cap) - int(plan.get("memory_reserve_bytes") or 0)
+    usable = None if cap is None else int(cap) - int(plan["memory_reserve_bytes"])
     out_ranks = []
     for res in results:
         res.update(plan_figures(cfg_run, int(res["coords"]["pp"])))
