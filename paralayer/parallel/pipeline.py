@@ -54,6 +54,7 @@ from torch import nn
 
 from paralayer.clock import StepClock
 from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
+from paralayer.parallel.early_recv import EarlyRecv
 from paralayer.resolve.plan import plan_field
 
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -390,6 +391,10 @@ class PipelineRunner:
                 _stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
             self._instrument(st, c)
             self.stages.append(st)
+        # gpipe/1f1b: post each next receive before the current action computes (early_recv.py)
+        self.early_recv = None
+        if self.schedule_name in ("gpipe", "1f1b") and len(self.stages) == 1 and not rehearse:
+            self.early_recv = EarlyRecv(self.stages[0], self.m)
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
 
         def timed_loss(logits, labels):
@@ -454,6 +459,8 @@ class PipelineRunner:
             raise ValueError(f"microbatch shape {(tokens.shape[0] // self.m,) + tuple(tokens.shape[1:])} "
                              f"!= declared {self.microbatch_shape}")
         self.events = []
+        if self.early_recv is not None:
+            self.early_recv.reset()
         if self.measure:
             dist.barrier(group=self.group)
             if self.clock.cuda:
@@ -473,6 +480,8 @@ class PipelineRunner:
         with ctx:
             self.schedule.step(*args, target=labels if holds_last else None,
                                losses=losses if holds_last else None, return_outputs=False)
+        if self.early_recv is not None:
+            self.early_recv.finish()
         if holds_last:
             loss = torch.stack([x.detach().float().reshape(()) for x in losses]).mean()
         else:
