@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from paralayer.config import ModelConfig
 from paralayer.checkpoint.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf
+from paralayer.config import ModelConfig
 from paralayer.model.transformer import Transformer, padded_vocab
 from tests.dist import run_ranks
 
