@@ -36,13 +36,13 @@ from paralayer.resolve.rules import resolve_device
 #: - ``dp_overlap`` / ``tp_overlap``: the share of the compute window that hides dp traffic / of a
 #:   chunk GEMM that hides the next chunk's transfer (parallel.tp_overlap).
 GPU_CALIBRATION: dict = {
-    "efficiency": {"a100": 0.639, "h100": 0.803},
-    "attention_efficiency": {"a100": 0.842, "h100": 0.728},
-    "elementwise_bytes": 773.0,
-    # the published runs hide their communication well: the fit leaves the inter-node latency at its
-    # floor (10 µs, NCCL's launch latency) and the link shares and overlaps at their bound (1)
-    "latency_s": {"intra": 2.76e-05, "inter": 1e-05},
-    "bandwidth_eff": {"intra": 1.0, "inter": 1.0},
+    "efficiency": {"a100": 0.673, "h100": 0.674},
+    "attention_efficiency": {"a100": 0.521, "h100": 0.491},
+    "elementwise_bytes": 603.0,
+    # the published runs hide their communication well: the fit leaves the latencies at their floor
+    # (NCCL's launch latency: 5 µs in a node, 10 µs across) and the overlaps at their bound (1)
+    "latency_s": {"intra": 5e-06, "inter": 1e-05},
+    "bandwidth_eff": {"intra": 0.575, "inter": 1.0},
     "dp_overlap": 1.0,
     "tp_overlap": 1.0,
 }
@@ -246,12 +246,14 @@ def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window:
     during the last microbatch's backward (about 2/3 of a microbatch's compute hides it,
     parallel/grad_sync.py); ZeRO-1's broadcasts follow the optimizer step and show whole. ZeRO 2–3
     (FSDP2) without pp: gathers and reduce-scatters per unit and microbatch, hidden by up to
-    ``overlap × window``. Under pp: torch's REDUCE_GRAD action waits for the stage's grad
-    reduce-scatter after its last backward (``t_reduce`` shows whole); only the gathers can hide."""
+    ``overlap × window``. Under pp each stage reduce-scatters every microbatch's grads too
+    (parallel/pipeline.py ``reduce_each_microbatch``): torch's REDUCE_GRAD waits only for the last
+    microbatch's (``t_reduce / mm`` shows whole), the rest hides like the gathers."""
     if zero <= 1:
         return max(0.0, t_reduce - mach.dp_overlap * window * 2.0 / 3.0 / max(mm, 1)) + (t_dp - t_reduce)
     if pp > 1:
-        return t_reduce + max(0.0, t_dp - t_reduce - mach.dp_overlap * window)
+        last = t_reduce / max(mm, 1)
+        return last + max(0.0, t_dp - last - mach.dp_overlap * window)
     return max(0.0, t_dp - mach.dp_overlap * window)
 
 
