@@ -333,7 +333,7 @@ class _Context(NamedTuple):
     tot: Totals
     fixed: dict
     drop: Any
-    act_cache: dict  # (tp, sp, cp > 1, overlap) -> act_elems_per_token table
+    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards) -> act_elems_per_token table
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
 
 
@@ -408,18 +408,21 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
 
 
 def _act_tables(ctx: _Context, lay: Layout, overlaps: tuple) -> dict:
-    """overlap -> {recompute: saved elements per token (dense layer, MoE layer)}; shared by the
-    structures with the same keys act_elems_per_token depends on."""
+    """(overlap, FSDP shards) -> {recompute: saved elements per token (dense layer, MoE layer)};
+    shared by the structures with the same keys act_elems_per_token depends on (bf16 keeps more
+    in fp32 under autocast, ZeRO 0/1, than under FSDP's mixed precision: memory.bf16_extra_elems)."""
     acts = {}
+    zero0 = lay.zero
     for overlap in overlaps:
-        lay.tp_overlap = overlap
-        akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap)
-        if akey not in ctx.act_cache:
-            ctx.act_cache[akey] = {mode: (mem_mod.act_elems_per_token(ctx.cfg, lay, False, mode),
-                                          mem_mod.act_elems_per_token(ctx.cfg, lay, True, mode))
-                                   for mode in RECOMPUTES}
-        acts[overlap] = ctx.act_cache[akey]
-    lay.tp_overlap = False
+        for fsdp in (False, True):
+            lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
+            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1)
+            if akey not in ctx.act_cache:
+                ctx.act_cache[akey] = {mode: (mem_mod.act_elems_per_token(ctx.cfg, lay, False, mode),
+                                              mem_mod.act_elems_per_token(ctx.cfg, lay, True, mode))
+                                       for mode in RECOMPUTES}
+            acts[(overlap, fsdp)] = ctx.act_cache[akey]
+    lay.tp_overlap, lay.zero = False, zero0
     return acts
 
 
@@ -515,7 +518,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 for recompute in recomputes:
-                    mem = _peak_memory(ranks, states, flight, acts[overlap], recompute, tokens * tot.ab)
+                    mem = _peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
+                                       tokens * tot.ab)
                     if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
