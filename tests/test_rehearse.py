@@ -117,3 +117,17 @@ def test_clip_grad_norm_bounded_collectives_matches_torch():
 
     for n, n_ref, err in run_ranks(_clip_worker, 4):
         assert n > 1.0 and abs(n - n_ref) < 1e-4 * n_ref and err < 1e-6
+
+
+def test_moe_expert_parallel_rank_with_even_router():
+    """mixtral-8x7b's layout (tp 2, pp 4, ep 8, 64 ranks) at 4 layers: the all-to-alls, the
+    experts' memory and FLOPs as the plan says."""
+    out = _rehearse("recipe=mixtral-8x7b", "model.n_layers=4", "train.precision=fp32", ranks=[0])
+    assert out["ok"], out["errors"]
+    (r,) = out["ranks"]
+    assert r["coords"]["ep"] == 0
+    assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"]
+    assert abs(r["ratios"]["activations"] - 1) < 0.05 and abs(r["ratios"]["flops"] - 1) < 0.02
+    for ax in ("ep", "pp", "dp", "tp"):
+        assert abs(r["ratios"]["comm"][ax] - 1) < 0.05, (ax, r["ratios"]["comm"])
+    assert any("evenly" in n for n in out["notes"])

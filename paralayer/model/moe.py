@@ -88,6 +88,9 @@ class MoEFeedForward(nn.Module):
         # ep_dispatch(module, xs, counts) -> ys, the all-to-all path: the model never imports parallel/)
         self.ep_dispatch = None
         self.ep_group = None
+        # The rehearsal (paralayer/runtime/rehearse_rank.py) runs on fake tensors: routing decisions
+        # are data it cannot see, so it routes every expert an equal share of the token-slots.
+        self.even_routing = False
         self.ep_size = 1
         self.ep_rank = 0
         self.num_local_experts = num_experts
@@ -173,6 +176,8 @@ class MoEFeedForward(nn.Module):
         slot_expert = experts.reshape(-1)
         slot_weight = weights.reshape(-1)
         slot_token = torch.arange(T, device=x.device).repeat_interleave(k)
+        if self.even_routing:
+            return self._forward_even(x, shape, weights, probs, slot_token)
         routed = torch.bincount(slot_expert, minlength=E)              # (E,) before drops
 
         # aux loss (this rank's tokens): E · Σ_i f_i · P_i; f has no gradient, P does
@@ -202,6 +207,27 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(x)
 
         self._record_stats(routed, dropped)
+        return out.reshape(shape)
+
+    def _forward_even(self, x: Tensor, shape, weights: Tensor, probs: Tensor, slot_token: Tensor) -> Tensor:
+        """The forward with the token-slots spread evenly over the experts (sizes known without
+        data; the rehearsal's router): expert e gets slots e, e+E, e+2E, ... up to its capacity."""
+        T, k, E = x.shape[0], self.top_k, self.num_experts
+        counts = [(T * k) // E + (1 if e < (T * k) % E else 0) for e in range(E)]
+        cap = self.capacity(T)
+        if cap is not None:
+            counts = [min(c, cap) for c in counts]
+        routed = torch.tensor(counts, dtype=torch.long, device=x.device)
+        self.aux_loss = E * ((routed.float() / (T * k)) * probs.mean(dim=0)).sum()
+        order = torch.cat([torch.arange(e, e + E * c, E, device=x.device) for e, c in enumerate(counts) if c]) \
+            if any(counts) else torch.zeros(0, dtype=torch.long, device=x.device)
+        tokens = slot_token[order]
+        xs = x.index_select(0, tokens)
+        ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
+        slot_weight = weights.reshape(-1)
+        out = torch.zeros_like(x).index_add(0, tokens, ys * slot_weight[order].to(ys.dtype).unsqueeze(1))
+        if self.shared is not None:
+            out = out + self.shared(x)
         return out.reshape(shape)
 
     # ---------------------------------------------------------------- stats, balancing

@@ -133,6 +133,8 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     """``xs`` (N, d): this rank's token-slots sorted by GLOBAL expert id; ``counts`` (E,) rows per
     expert. Returns the expert outputs (N, d) in the same order."""
     group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts
+    if isinstance(counts, list):  # the rehearsal's even routing: every rank sends alike
+        return _even_forward(m, xs, counts, group, ep, n_local)
 
     # 1. counts exchange: recv_counts[s, e] = rows rank s sends to my local expert e
     send_counts = counts.to(torch.long).contiguous()
@@ -153,4 +155,24 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     ys = ys[torch.argsort(perm)]
 
     # 4. combine: send results back to the ranks that own the tokens
+    return all_to_all(ys, in_splits, out_splits, group)
+
+
+def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: int, n_local: int) -> Tensor:
+    """:func:`expert_parallel_forward` when every rank routes the same ``counts`` (a Python list,
+    the rehearsal's even router): split sizes are known without the counts exchange's values, so
+    the same collectives run with sizes the fake tensors never have to provide."""
+    send_counts = torch.tensor(counts, dtype=torch.long, device=xs.device)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)  # the exchange training runs
+    mine = counts[m.expert_offset: m.expert_offset + n_local]        # what each source sends me
+    in_splits = [sum(counts[j * n_local:(j + 1) * n_local]) for j in range(ep)]
+    out_splits = [sum(mine)] * ep
+    received = all_to_all(xs, out_splits, in_splits, group)
+    # rows arrive (source rank, local expert); regroup by local expert, compute, ungroup
+    idx = torch.arange(sum(out_splits), device=xs.device).view(ep, -1)
+    starts = [sum(mine[:e]) for e in range(n_local)]
+    perm = torch.cat([idx[:, s:s + c].reshape(-1) for s, c in zip(starts, mine)])
+    ys = m.experts_forward(received[perm], [c * ep for c in mine])
+    ys = ys[torch.argsort(perm)]
     return all_to_all(ys, in_splits, out_splits, group)

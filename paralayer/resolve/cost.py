@@ -198,8 +198,11 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
 
     d = lay.dp * lay.cp
     if d > 1:
-        # expert grads are reduced over dp·cp/ep ranks only; count them with the rest (upper bound)
-        n = dense + expert
+        # expert grads are reduced over the dp·cp/ep expert-data ranks only: nothing when that is
+        # one rank; ZeRO-1 never broadcasts them (each rank steps its own experts)
+        d_exp = d // max(lay.ep, 1)
+        n = dense + (expert if d_exp > 1 else 0)
+        n_bcast = dense
         ring = (d - 1) / d
         if lay.zero == 0:
             e = _entry("all-reduce", n * gb, 1, d)
@@ -209,8 +212,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
             # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
             # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
             e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
-            e["bytes_per_step"] = int(n * (gb + wb))
-            e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n * wb)
+            e["bytes_per_step"] = int(n * gb + n_bcast * wb)
+            e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
             e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
         else:
             # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers

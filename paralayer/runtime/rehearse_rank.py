@@ -99,6 +99,11 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
                     tied_group=T.build_tied_group(cfg, plan, meshes),
                     autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                     ckpt_dir=None, rehearsing=True)
+    for c in built.chunks:  # MoE: even routing, no statistics read back (module docstring)
+        for mod in c.modules():
+            if hasattr(mod, "even_routing"):
+                mod.even_routing = True
+                mod.count_stats = False
     run.runner = T.build_runner(run)
     return run
 
