@@ -16,6 +16,14 @@ from paralayer.dispatch.errors import LaunchError
 from paralayer.resolve.rules import auto_device
 
 
+def check_inputs(cfg: Config) -> None:
+    """Files a run here reads must exist before ranks start (a dry run plans for other machines and
+    does not ask)."""
+    for name, path in (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer)):
+        if path and not Path(path).exists():
+            raise LaunchError(f"{name}: {path} does not exist on this machine; nothing was started")
+
+
 def check_devices(plans: list[Any]) -> None:
     """A cuda plan launched here needs the CUDA devices to be visible: never a silent CPU run.
     (Planning for a GPU cluster from a CPU machine, --dry-run/--plan/--rehearse, never gets here.)"""
@@ -42,10 +50,13 @@ def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         cfg.run.dir = str(Path("runs") / f"{cfg.recipe}-{stamp}{suffix}")
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved.yaml").write_text(config_mod.to_yaml(cfg))
     plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
-    (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "resolved.yaml").write_text(config_mod.to_yaml(cfg))
+        (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    except OSError as exc:
+        raise LaunchError(f"run.dir: cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
     return str(run_dir.resolve())
 
 
@@ -54,6 +65,7 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
     if getattr(args, "timeline", False):  # --timeline is logging.timeline=true
         cfg.logging.timeline = True
     if cfg.cluster.backend != "slurm":
+        check_inputs(cfg)
         check_devices([plan])
     run_dir = prepare_run_dir(cfg, plan)
     if cfg.cluster.backend == "slurm":
@@ -72,6 +84,8 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     from paralayer.dispatch import sweep
 
     if cfgs[0].cluster.backend != "slurm":
+        for cfg in cfgs:
+            check_inputs(cfg)
         check_devices(plans)
     group = cfgs[0].logging.wandb.group or f"{cfgs[0].recipe}-sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     sweep_dir = cfgs[0].run.dir or str(Path("runs") / group)
