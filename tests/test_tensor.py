@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from paralayer.config import ModelConfig, MoEConfig
 from paralayer.model.transformer import Transformer, init_weights, lm_loss, padded_vocab
-from tests.dist import run_ranks
+from tests.dist import max_rel_err, paired, run_ranks
 
 torch.set_num_threads(1)
 
@@ -35,7 +35,8 @@ with torch.device("meta"):
 
 
 def tiny(**kw) -> ModelConfig:
-    c = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=96, vocab_size=61, seq_len=S)
+    # a wide init (std 0.2): at 0.02 every model's loss is ~ln(vocab), and a wrong split can match it
+    c = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=96, vocab_size=61, seq_len=S, init_std=0.2)
     c.update(kw)
     return ModelConfig(**c)
 
@@ -149,12 +150,13 @@ def test_model_parity(case):
         err = (g - g_ref).abs().max().item()
         worst = max(worst, err / g_ref.abs().max().item())
         assert err <= 1e-5 * g_ref.abs().max().item(), f"{name}: max |Δgrad| {err:.3g}"
-    step_errs = [abs(a - b) / abs(b) for a, b in zip(r0["losses"], ref_losses)]
+    step_errs = [abs(a - b) / abs(b) for a, b in paired(r0["losses"], ref_losses)]
     print(f"[{case}] loss rel err step 1 {step_errs[0]:.1e}, max over {STEPS} AdamW steps "
           f"{max(step_errs):.1e}; max grad err / grad scale {worst:.1e}")
-    # five AdamW steps
-    for a, b in zip(r0["losses"], ref_losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (r0["losses"], ref_losses)
+    # five AdamW steps: 1e-4, not 1e-5 — at init std 0.2 AdamW's normalised updates carry the first
+    # step's last-bit differences on (measured up to 3e-5 by step 5, tp2_moe; step 1 above is 1e-5)
+    for a, b in paired(r0["losses"], ref_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (r0["losses"], ref_losses)
     # parameter bytes per rank: sharded matrices hold exactly full/tp, norms are whole
     full = {n: math.prod(s) for n, s in _full_shapes(cfg, vpad).items()}
     for name, n_local in r0["local_numel"].items():
@@ -257,8 +259,8 @@ def test_collectives_per_layer_match_plan(sp):
         assert bwd == {"all_reduce": 2}, bwd
         measured_pairs = fwd["all_reduce"] + bwd["all_reduce"]
     # the resolver's count for the same shapes: collectives per layer per microbatch
-    resolve = pytest.importorskip("paralayer.resolve.plan")
     from paralayer.config import load_config
+    from paralayer.resolve import plan as resolve
 
     cfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
                        "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
@@ -288,7 +290,7 @@ def _e2e_cfg(tp: int, dp: int, *extra: str, n_kv_heads: int = 4):
                        f"model.seq_len={S}", f"parallel.tp={tp}", f"parallel.dp={dp}",
                        "train.global_batch=4", "train.micro_batch=2", f"train.steps={STEPS}",
                        "train.precision=fp32", "train.lr=1e-2", "train.warmup_steps=1",
-                       "cluster.peak_tflops=1.0", *extra])
+                       "cluster.device=cpu", "cluster.peak_tflops=1.0", "model.init_std=0.2", *extra])
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
     return cfg, plan
@@ -316,7 +318,6 @@ E2E = {
 
 @pytest.mark.parametrize("case", list(E2E))
 def test_train_parity(case):
-    pytest.importorskip("paralayer.runtime.train")
     tp, dp, extra, kv = E2E[case]
     ref = _e2e_reference(kv)
     cfg, plan = _e2e_cfg(tp, dp, *extra, n_kv_heads=kv)
@@ -325,8 +326,8 @@ def test_train_parity(case):
     out = run_ranks(_train_worker, tp * dp, cfg, plan)
     assert all(o == out[0] for o in out), "ranks disagree on the metrics"
     assert len(out[0]) == STEPS
-    loss_err = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(out[0], ref))
-    gn_err = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(out[0], ref))
+    loss_err = max_rel_err([a[0] for a in out[0]], [b[0] for b in ref])
+    gn_err = max_rel_err([a[1] for a in out[0]], [b[1] for b in ref])
     print(f"[{case}] max rel loss err {loss_err:.2e}, max rel grad_norm err {gn_err:.2e}")
     assert loss_err <= 1e-5, (out[0], ref)
     assert gn_err <= 1e-5, (out[0], ref)
