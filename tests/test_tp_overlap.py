@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paralayer.config import MoEConfig
-from tests.dist import run_ranks
+from tests.dist import max_rel_err, run_ranks
 from tests.test_tensor import B, S, _tp_worker, batches, reference, tiny, tp_model
 
 torch.set_num_threads(1)
@@ -30,7 +30,7 @@ def test_overlap_matches_one_process(case):
     out = run_ranks(_tp_worker, tp, cfg, True, data, True)  # sequence parallel, overlap
     losses, grads = out[0]["losses"], out[0]["grads"]
     assert all(o["losses"] == losses for o in out), "tp ranks disagree on the loss"
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    loss_err = max_rel_err(losses, ref_losses)
     grad_err = 0.0
     for name, g_ref in ref_grads.items():
         g = torch.from_numpy(grads[name])[: g_ref.shape[0]]  # padded vocab rows/cols of the embeddings
@@ -38,7 +38,10 @@ def test_overlap_matches_one_process(case):
             g = torch.from_numpy(grads[name])[:, : g_ref.shape[1]]
         grad_err = max(grad_err, ((g - g_ref).abs().max() / g_ref.abs().max()).item())
     print(f"[{case}] max rel loss err {loss_err:.2e}, max rel grad err {grad_err:.2e}")
-    assert loss_err <= 1e-5 and grad_err <= 1e-5
+    # the first step (loss, every gradient) to 1e-5; the later AdamW steps to 1e-4, as in
+    # test_tensor.test_model_parity (init std 0.2: measured up to 3e-5 by step 5, tp2_moe)
+    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]) and grad_err <= 1e-5
+    assert loss_err <= 1e-4
 
 
 # ------------------------------------------------------------------ traffic against the plan
@@ -105,11 +108,12 @@ def test_ring_traffic_per_layer_matches_plan(moe):
 def _train_rank(rank, world, cfg, plan):
     from paralayer.runtime.train import train
 
-    return [r["loss"] for r in train(cfg, plan)]
+    return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
 
 
 _REF: dict = {}
 BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.n_kv_heads=2", "train.steps=3",
+        "model.init_std=0.2",
         "train.global_batch=4", "train.micro_batch=1", "train.precision=fp32", "logging.wandb.mode=disabled"]
 
 
@@ -131,9 +135,11 @@ def test_train_with_overlap_matches_one_rank(tmp_path, layout):
     ref = _REF["ref"][0]
     out, plan = _run(tmp_path / "ov", layout + ["parallel.tp_overlap=true"])
     assert plan["tp_overlap"] is True
-    for losses in out:
-        err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
-        assert len(losses) == len(ref) and err <= 1e-5, (layout, losses, ref)
+    for recs in out:
+        # loss 1e-5; grad norm 3e-5 (init std 0.2: measured 1.8e-5 by step 3 in all three layouts)
+        for i, what, tol in ((0, "loss", 1e-5), (1, "grad_norm", 3e-5)):
+            err = max_rel_err([r[i] for r in recs], [r[i] for r in ref])
+            assert err <= tol, (layout, what, recs, ref)
 
 
 # ------------------------------------------------------------------ the launcher's front door
