@@ -45,7 +45,7 @@ def run_local(run_dir: str, plan: dict) -> int:
     world = int(plan["world_size"])
     env_cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, env_cores // world)))
-    if plan.get("device", "cpu") == "cpu":
+    if plan["device"] == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
