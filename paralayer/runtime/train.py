@@ -1,8 +1,16 @@
 """One rank's life: mesh from the plan → model on meta → parallelism → weights → train loop.
 
-Everything a rank needs comes from the run directory (``resolved.yaml`` and ``plan.json``);
-nothing is re-derived. :func:`train` runs on an already-initialised process group (tests call it
-directly on forked gloo ranks); :func:`main` is the entry point the dispatchers start.
+Everything a rank needs comes from the run directory (``resolved.yaml`` and ``plan.json``, read
+into a :class:`~paralayer.resolve.plan.Plan`); nothing is re-derived, and no environment variable
+changes what a rank does. :func:`train` runs on an already-initialised process group (tests call
+it directly on forked gloo ranks); :func:`main` is the entry point the dispatchers start.
+
+The steps, in order: :func:`setup` (device, mesh, model, optimizer, gradient reduction, data,
+pipeline, peak FLOP/s, all held by one :class:`RankRun`) → :func:`resume` → :func:`open_logger` →
+per step :func:`train_step` (:func:`step_batch` → :func:`forward_backward` →
+:func:`reduce_and_clip` → optimizer → :func:`step_record`) → :func:`save_if_due` →
+:func:`stop_if_signalled`. Who divides each gradient by what is stated once, in
+paralayer/parallel/grad_scaling.py. Tests reach into a step only through :class:`StepHooks`.
 """
 from __future__ import annotations
 
