@@ -33,6 +33,11 @@ CLI ``paralayer.resolve.plan_report``):
                 backward; ZeRO 2–3 what the step's compute does not hide, and under pp the grad
                 reduce-scatter whole — torch's REDUCE_GRAD waits for it)
 
+Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
+MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
+their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
+ranking's first ``top``). Degrees given in ``fixed`` narrow the walk itself.
+
 "tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
 whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
 hides behind the GEMMs pp only adds bubble, imbalance and an exposed reduce-scatter (without
