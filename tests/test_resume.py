@@ -67,3 +67,17 @@ def test_resume_tp2_pp2_as_dp4(tmp_path):
     for got, want in paired(second, straight[2:]):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (second, straight)
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
+
+
+def test_exact_resume_async_save(tmp_path):
+    """checkpoint.async_save=true: saves at every step are written while the next steps run; the run
+    stopped at 3 and resumed equals the straight run bit for bit."""
+    tmp = str(tmp_path)
+    layout = ["parallel.dp=2", "parallel.zero=0"]
+    straight = _run(tmp, "straight-c", layout, ["checkpoint.every=0"])
+    first = _run(tmp, "async-1", layout, ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"])
+    names = sorted(os.listdir(os.path.join(tmp, "ckpt-async")))
+    assert names == ["step-00000002", "step-00000003"], names  # keep=2, all complete after the run
+    second = _run(tmp, "async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])
+    assert [r["step"] for r in second] == [4]
+    assert first + second == straight
