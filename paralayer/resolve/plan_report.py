@@ -126,7 +126,7 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
     from rich.console import Console
     from rich.table import Table
 
-    con = console or Console(file=sys.stdout, width=max(170, Console().width))
+    con = console or Console(file=sys.stdout, width=max(210, Console().width))
     _header(cfg, stats, con)
     priced = cfg.cluster.price_per_device_hour is not None
     basis = plans[0]["train_tokens_from"] if plans else "train.tokens"
@@ -135,7 +135,9 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
     cols = ["#", "tp", "ovl", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
             "tok/s", "MFU", "bubble", "mem GiB", "days", "device-h"] + (["cost"] if priced else []) + ["why it loses to #1"]
     for c in cols:
-        t.add_column(c, justify="left" if c in ("schedule", "recompute", "why it loses to #1") else "right")
+        why = c == "why it loses to #1"
+        t.add_column(c, justify="left" if c in ("schedule", "recompute") or why else "right",
+                     no_wrap=not why, min_width=24 if why else None)
     for d in plans[:top]:
         g = d["degrees"]
         t.add_row(str(d["rank"]), str(g["tp"]), "yes" if d.get("tp_overlap") else "-",
