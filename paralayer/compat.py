@@ -114,6 +114,7 @@ PRIVATE_NAMES = (
     ("torch.utils._pytree", "tree_flatten"),                       # runtime/rehearse_comm.py
     ("torch", "_foreach_norm"),                                    # parallel/data.py (clip)
     ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
+    ("torch._dynamo.utils", "counters"),                           # tests/test_compile.py
 )
 
 

@@ -27,8 +27,14 @@ def _compare(eager: list[dict], compiled: list[dict]) -> None:
 
 
 def _worker(rank, world, overrides, backend):
-    return [train_records(overrides), train_records(overrides + ["train.compile=true",
-                                                                 f"train.compile_backend={backend}"])]
+    from paralayer.compat import private
+
+    counters = private("torch._dynamo.utils", "counters")
+    eager = train_records(overrides)
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = train_records(overrides + ["train.compile=true", f"train.compile_backend={backend}"])
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    return [eager, compiled]
 
 
 @pytest.mark.timeout(600)
