@@ -144,97 +144,111 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     """
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
-    wb, gb, _ = BYTES_PER_PARAM[lay.precision]
-    mm = lay.microbatches
-    s_local = m.seq_len / lay.cp
-    tokens = lay.micro_batch * s_local
+    tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
     dense, expert, n_layers = rank_params(cfg, lay, r)
-    n_moe = sum(1 for c in rank_chunks(lay, r) for i in lay.stage_layers[c] if is_moe_layer(cfg, i))
-    fwd_extra = 1 if lay.recompute == "full" else 0
-    layers0 = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
-    n_full = sum(1 for i in layers0 if layer_recompute(lay, i) == "full")  # full: every k-th layer
-    out: dict = {}
+    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
+    n_moe = sum(1 for i in layers if is_moe_layer(cfg, i))
+    n_full = sum(1 for i in layers if layer_recompute(lay, i) == "full")  # full: every k-th layer
+    return {"tp": _tp_comm(lay, act_msg, n_layers, n_moe, n_full),
+            "pp": _pp_comm(lay, act_msg),
+            "cp": _cp_comm(cfg, lay, tokens, ab, n_layers, n_full),
+            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
+            "dp": _dp_comm(lay, dense, expert, n_layers)}
 
+
+def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
+    """tp of :func:`comm`: activations per layer per microbatch (docstring there)."""
+    mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
-        out["tp"] = tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, fwd_extra)
-    elif lay.tp > 1 and lay.sequence_parallel:
+        return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
+    if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
         # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only)
         pairs = 4 * n_layers + 2 * n_full + (2 * (n_layers - n_moe) + n_moe) / 2
-        out["tp"] = _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
-    elif lay.tp > 1:
-        out["tp"] = _entry("all-reduce", act_msg, (4 * n_layers + 2 * n_full) * mm, lay.tp)
-    else:
-        out["tp"] = _entry("none", 0, 0, 1)
+        return _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+    if lay.tp > 1:
+        return _entry("all-reduce", act_msg, (4 * n_layers + 2 * n_full) * mm, lay.tp)
+    return _entry("none", 0, 0, 1)
 
-    if lay.pp > 1:
-        chunks_here = lay.chunks // lay.pp
-        out["pp"] = _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
-                           2 * chunks_here * mm, lay.pp)
-    else:
-        out["pp"] = _entry("none", 0, 0, 1)
 
-    if lay.cp > 1:
-        kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
-        kv = kv_elems * ab
-        # core_attn / selective recompute rerun the attention core (the ring) as full recompute
-        # does on its layers
-        reruns = n_layers if lay.recompute in ("core_attn", "selective") else n_full
-        kv_sends = 2 * (lay.cp - 1) * n_layers + (lay.cp - 1) * reruns  # forward (+ rerun), backward
-        dkv_sends = lay.cp * n_layers                                   # partial dK/dV in fp32: cp hops home
-        e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * mm, lay.cp)
-        e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * mm)
-        out["cp"] = e
-    else:
-        out["cp"] = _entry("none", 0, 0, 1)
+def _pp_comm(lay: Layout, act_msg: float) -> dict:
+    """pp of :func:`comm`: one forward send and one backward send per chunk per microbatch."""
+    if lay.pp == 1:
+        return _entry("none", 0, 0, 1)
+    chunks_here = lay.chunks // lay.pp
+    return _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
+                  2 * chunks_here * lay.microbatches, lay.pp)
 
-    if lay.ep > 1 and m.moe.num_experts > 0:
-        rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
-        n_moe_full = sum(1 for i in layers0 if is_moe_layer(cfg, i) and layer_recompute(lay, i) == "full")
-        out["ep"] = _entry("all-to-all", rows * m.d_model * ab, (4 * n_moe + 2 * n_moe_full) * mm, lay.ep)
-    else:
-        out["ep"] = _entry("none", 0, 0, 1)
 
+def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, n_layers: int, n_full: int) -> dict:
+    """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV."""
+    if lay.cp == 1:
+        return _entry("none", 0, 0, 1)
+    m = cfg.model
+    kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
+    kv = kv_elems * ab
+    # core_attn / selective recompute rerun the attention core (the ring) as full recompute
+    # does on its layers
+    reruns = n_layers if lay.recompute in ("core_attn", "selective") else n_full
+    kv_sends = 2 * (lay.cp - 1) * n_layers + (lay.cp - 1) * reruns  # forward (+ rerun), backward
+    dkv_sends = lay.cp * n_layers                                   # partial dK/dV in fp32: cp hops home
+    e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
+    e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
+    return e
+
+
+def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
+    """ep of :func:`comm`: the routed rows' all-to-alls (dispatch, combine; forward, backward)."""
+    m = cfg.model
+    if lay.ep == 1 or m.moe.num_experts == 0:
+        return _entry("none", 0, 0, 1)
+    rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
+    n_moe_full = sum(1 for i in layers if is_moe_layer(cfg, i) and layer_recompute(lay, i) == "full")
+    return _entry("all-to-all", rows * m.d_model * ab, (4 * n_moe + 2 * n_moe_full) * lay.microbatches, lay.ep)
+
+
+def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
+    """dp of :func:`comm`: the gradient sync over dp·cp as the runtime does it, per ZeRO stage."""
+    wb, gb, _ = BYTES_PER_PARAM[lay.precision]
+    mm = lay.microbatches
     d = lay.dp * lay.cp
-    if d > 1:
-        # expert grads are reduced over the dp·cp/ep expert-data ranks only: nothing when that is
-        # one rank; ZeRO-1 never broadcasts them (each rank steps its own experts)
-        d_exp = d // max(lay.ep, 1)
-        n = dense + (expert if d_exp > 1 else 0)
-        n_bcast = dense
-        ring = (d - 1) / d
-        if lay.zero == 0:
-            e = _entry("all-reduce", n * gb, 1, d)
-            e["wire_bytes_per_step"] = int(2 * ring * n * gb)
-            e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
-        elif lay.zero == 1:
-            # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
-            # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
-            e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
-            e["bytes_per_step"] = int(n * gb + n_bcast * wb)
-            e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
-            e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
-        else:
-            # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
-            # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
-            # backward) and reduce-scatters its grads (torchtitan's default). Under pp our stages
-            # reduce-scatter every microbatch too (1/dp of the grads at the peak; the V schedules
-            # after each weight pass); ZeRO-2 keeps the weights gathered through the step (one
-            # gather per step), ZeRO-3 gathers twice per microbatch.
-            units = n_layers + lay.chunks // lay.pp
-            gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
-            reduces = mm
-            e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
-            e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
-            e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
-            # the grads' share (under pp torch's REDUCE_GRAD waits for it: it cannot hide)
-            e["reduce_wire_bytes_per_step"] = int(ring * n * reduces * gb)
-            e["reduce_count_per_step"] = reduces * units
-        out["dp"] = e
+    if d == 1:
+        return _entry("none", 0, 0, 1)
+    # expert grads are reduced over the dp·cp/ep expert-data ranks only: nothing when that is
+    # one rank; ZeRO-1 never broadcasts them (each rank steps its own experts)
+    d_exp = d // max(lay.ep, 1)
+    n = dense + (expert if d_exp > 1 else 0)
+    n_bcast = dense
+    ring = (d - 1) / d
+    if lay.zero == 0:
+        e = _entry("all-reduce", n * gb, 1, d)
+        e["wire_bytes_per_step"] = int(2 * ring * n * gb)
+        e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
+    elif lay.zero == 1:
+        # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
+        # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
+        e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
+        e["bytes_per_step"] = int(n * gb + n_bcast * wb)
+        e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
+        e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
     else:
-        out["dp"] = _entry("none", 0, 0, 1)
-    return out
+        # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
+        # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
+        # backward) and reduce-scatters its grads (torchtitan's default). Under pp our stages
+        # reduce-scatter every microbatch too (1/dp of the grads at the peak; the V schedules
+        # after each weight pass); ZeRO-2 keeps the weights gathered through the step (one
+        # gather per step), ZeRO-3 gathers twice per microbatch.
+        units = n_layers + lay.chunks // lay.pp
+        gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
+        reduces = mm
+        e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
+        e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
+        e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
+        # the grads' share (under pp torch's REDUCE_GRAD waits for it: it cannot hide)
+        e["reduce_wire_bytes_per_step"] = int(ring * n * reduces * gb)
+        e["reduce_count_per_step"] = reduces * units
+    return e
 
 
 def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
