@@ -5,15 +5,15 @@ needs the number for thousands of layouts, so this is plain arithmetic on the co
 
 Sources: Megatron theoretical_memory_usage.py; Korthikanti et al. 2022 (activations); the
 Ultra-Scale Playbook (bytes per parameter by ZeRO stage). The activation constants are OURS:
-measured on ``paralayer/model/transformer.py`` (TransformerBlock, fp32, CPU) with
+measured on ``paralayer/model/transformer.py`` (TransformerBlock with its lean RMSNorm, fp32, CPU) with
 ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and RoPE tables excluded)
 and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per layer, elements:
 
-    recompute=none       10h + 4f + a + 2     (replicated under TP: 5h + 2; sharded: 5h + a + 4f)
-    recompute=swiglu     10h + 3f + a + 2     (silu(gate) not kept: sharded 5h + a + 3f)
-    recompute=core_attn   8h + 2h·g/a + 4f + 2 (RoPE'd q/k/v, output, lse not kept: sharded
+    recompute=none        8h + 4f + a + 2     (replicated under TP: 3h + 2; sharded: 5h + a + 4f)
+    recompute=swiglu      8h + 3f + a + 2     (silu(gate) not kept: sharded 5h + a + 3f)
+    recompute=core_attn   6h + 2h·g/a + 4f + 2 (RoPE'd q/k/v, output, lse not kept: sharded
                                                3h + 2h·g/a + 4f)
-    recompute=selective   8h + 2h·g/a + 3f + 2 (both: replicated 5h + 2; sharded 3h + 2h·g/a + 3f)
+    recompute=selective   6h + 2h·g/a + 3f + 2 (both: replicated 3h + 2; sharded 3h + 2h·g/a + 3f)
     recompute=full        h                    (the layer input; one layer's "none" set is live
                                                again while it is recomputed); with
                                                recompute_every=k only layers i % k == 0, the
@@ -176,12 +176,12 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
     our block at tp 1 and 2, with bf16 weights as FSDP's MixedPrecisionPolicy runs it and under
     autocast, tests/test_tensor_memory.py):
 
-    - RMSNorm computes in fp32: each of the two norms keeps its input and normalised input in
-      fp32, and its rstd: 4h + 2 more (split over tp under SP);
+    - RMSNorm keeps its 1/rms in fp32: 2 more (split over tp under SP);
     - SDPA's logsumexp is fp32: a more (heads split over tp; recomputed under core_attn/selective);
-    - autocast only (ZeRO 0/1: fp32 weights, ``precision_mode``): the residual stream is fp32. The
-      column GEMMs' saved shard (SP) is then fp32: 2·h/t more; without SP every linear saves its
-      own bf16 cast of the input: q, k, v three and w1, w3 two where one was counted: 3h more.
+    - autocast only (ZeRO 0/1: fp32 weights, ``precision_mode``): the residual stream is fp32, so
+      are the norms' saved inputs: 2h more (/t under SP). The column GEMMs' saved shard (SP) is
+      fp32 too: 2·h/t more; without SP every linear saves its own bf16 cast of the input: q, k, v
+      three and w1, w3 two where one was counted: 3h more.
       Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
     """
     m = cfg.model
@@ -190,7 +190,7 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
     autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
     if mode == "full":
         return (h / t if sp else h) if autocast else 0.0
-    extra = (4 * h + 2) / (t if sp else 1)
+    extra = (2 + (2 * h if autocast else 0)) / (t if sp else 1)
     if mode not in ("core_attn", "selective"):
         extra += a / t
     if autocast:
@@ -203,7 +203,7 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
     h, a, g, f, t = m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, lay.tp
     if mode == "full":
         return h / t if lay.sequence_parallel else h
-    rep = 5 * h + 2
+    rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
         shard = 3 * h + 2 * h * g / a
     else:
@@ -365,10 +365,11 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
 
 
 def head_saved_elems(lay: Layout, h: int) -> float:
-    """Per token, what the final norm and the head save: the norm's input and normalised input
-    (for its weight grad), and the head's input. Under SP the norm sees s/tp tokens and the head
-    the gathered sequence: (1 + 2/tp)·h; else 3·h (measured at tp = 1, 2, 4 with and without SP)."""
-    return h * (1 + 2 / lay.tp) if lay.sequence_parallel else 3.0 * h
+    """Per token, what the final norm and the head save: the norm's input and 1/rms
+    (model.transformer.RMSNorm), and the head's input. Under SP the norm sees s/tp tokens and the
+    head the gathered sequence: h + (h + 1)/tp; else 2h + 1 (measured at tp = 1, 2, 4 with and
+    without SP)."""
+    return h + (h + 1) / lay.tp if lay.sequence_parallel else 2.0 * h + 1
 
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
