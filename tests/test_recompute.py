@@ -164,3 +164,51 @@ def test_recompute_every_picks_the_same_layers_under_any_split():
             for k, rcfg_k in ((k, load_config(["recipe=llama3-70b", "parallel.recompute=full",
                                                f"parallel.recompute_every={k}"])) for k in (1, 2, 4))}
     assert acts[1] < acts[2] < acts[4]
+
+
+# ------------------------------------------------------------------ bf16: what stays fp32
+def _bf16_worker(rank, world, cfg, tokens, labels, cases):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.tensor import apply_tensor_parallel, loss_parallel_ctx, tp_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for kind, mode in cases:
+        with torch.device("meta"):
+            model = Transformer(cfg, padded_vocab(cfg.vocab_size, world))
+        apply_tensor_parallel(model, mesh["tp"], True)
+        apply_recompute(model, mode)
+        model.to_empty(device="cpu")
+        init_weights(model, cfg, seed=0)
+        if kind == "bf16-fsdp":  # bf16 weights, no autocast: what FSDP's MixedPrecisionPolicy computes with
+            model.to(torch.bfloat16)
+        with loss_parallel_ctx(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16-autocast"):
+            out[(kind, mode)] = _saved_bytes(model, tokens, labels,
+                                             lambda lg, lb: tp_loss(lg, lb, cfg.vocab_size))["block"]
+    return out
+
+
+def test_bf16_saved_bytes_match_the_resolver():
+    """tp 2 with SP, bf16 weights (ZeRO 2/3) and autocast (ZeRO 0/1): what is kept in fp32
+    (1/rms, logsumexp; under autocast the stream the norms save and the column GEMMs' shards) is
+    in the resolver's figure (memory.bf16_extra_elems), within 5%."""
+    from paralayer.config import load_config
+    from paralayer.resolve import memory, rules
+
+    cfg = _cfg()
+    tokens, labels = batches(cfg, 1)[0]
+    cases = [(k, m) for k in ("bf16-fsdp", "bf16-autocast") for m in ("none", "selective", "full")]
+    got = run_ranks(_bf16_worker, 2, cfg, tokens, labels, cases)
+    for kind, mode in cases:
+        measured = max(r[(kind, mode)] for r in got)
+        rcfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
+                            "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
+                            "parallel.tp=2", "parallel.dp=2", f"parallel.zero={2 if kind == 'bf16-fsdp' else 1}",
+                            f"parallel.recompute={mode}", f"train.global_batch={2 * B}",
+                            f"train.micro_batch={B}", "train.precision=bf16", "cluster.device=cpu"])
+        lay = rules.check(rcfg)
+        assert memory.precision_mode("bf16", lay.zero, lay.dp * lay.cp) == kind
+        pred = memory.act_elems_per_token(rcfg, lay, False) * B * S * memory.ACT_BYTES["bf16"]
+        print(f"[{kind} {mode}] layer saves {measured} B, plan {pred:.0f} B ({pred / measured - 1:+.1%})")
+        assert abs(pred - measured) <= 0.05 * measured, (kind, mode, measured, pred)
