@@ -196,6 +196,20 @@ def follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float =
         return 130
 
 
+@dataclasses.dataclass
+class _Watch:
+    """What :func:`_follow` knows about the jobs between polls."""
+
+    ids: list
+    states: dict = dataclasses.field(default_factory=dict)    # job id -> SLURM state
+    starts: dict = dataclasses.field(default_factory=dict)    # job id -> start of its last attempt
+    shown: dict = dataclasses.field(default_factory=dict)     # job id -> state last printed
+    done: dict = dataclasses.field(default_factory=dict)      # job id -> finished (or given up)
+    outcomes: dict = dataclasses.field(default_factory=dict)  # job id -> per-task (status, payload)
+    never: dict = dataclasses.field(default_factory=dict)     # job id -> why it can never start
+    last_sacct: float = 0.0
+
+
 def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
             verbose: bool = True, stream=None, echo_logs: bool | None = None) -> int:
     """Follow the jobs to the end. Returns 0 when every run completed, 1 when one failed
@@ -206,96 +220,110 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
     through its requeue to the end of its last attempt."""
     stream = stream or sys.stderr
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    ids = result.job_ids
-    last_sacct = 0.0
-    states: dict[str, str] = {}
-    starts: dict[str, float] = {}
-    shown: dict[str, str] = {}
-    done: dict[str, bool] = {}
-    outcomes: dict[str, list] = {}
-    never: dict[str, str] = {}
+    w = _Watch(result.job_ids)
     echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
     while True:
-        now = time.monotonic()
-        live = _squeue_states(ids)
-        states.update(live)
-        if now - last_sacct >= max(2.0, poll_s):
-            states.update(_sacct_states(ids, starts))
-            states.update(live)  # slurmctld knows first; sacct fills in what has left the queue
-            last_sacct = now
-            for jid, reason in _pending_reasons([j for j in ids if not done.get(j)]).items():
-                if jid in ids and not done.get(jid):
-                    never[jid] = reason
-                    done[jid] = True
-                    subprocess.run(["scancel", jid], capture_output=True, timeout=30)
-                    if verbose:
-                        print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
-                              f"{reason}): cancelled it", file=stream, flush=True)
-        if verbose:
-            for jid in ids:
-                st = states.get(jid)
-                if st and st != shown.get(jid) and st not in _TERMINAL_STATES:
-                    shown[jid] = st
-                    print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
+        _poll_states(w, poll_s, verbose, stream)
         if echo is not None:
             echo.poll()
-        for jid, job in zip(ids, result.jobs):
-            if done.get(jid):
-                continue
-            st = states.get(jid, "UNKNOWN")
-            oc = _task_outcomes(job, since=starts.get(jid))
-            if st in _NOT_RUNNING_STATES:
-                oc = [None] * len(oc)
-            outcomes[jid] = oc
-            # every task returned: done (sacct lags a moment behind). A task that raised is not
-            # the end by itself: a requeue (scontrol requeue, preemption) can make ranks fail on
-            # the way down and the job runs again, so wait for SLURM to call the job finished
-            if all(o is not None and o[0] == "success" for o in oc) or st in _TERMINAL_STATES:
-                done[jid] = True
-        if all(done.get(j) for j in ids):
+        _mark_finished(w, result)
+        if all(w.done.get(j) for j in w.ids):
             break
         if deadline is not None and time.monotonic() >= deadline:
-            result.states = {j: states.get(j, "UNKNOWN") for j in ids}
+            result.states = {j: w.states.get(j, "UNKNOWN") for j in w.ids}
             result.status = 124
             if verbose:
                 print(f"[paralayer.slurm] gave up waiting after {timeout_s:.0f}s; still running: "
-                      f"{[j for j in ids if not done.get(j)]} (scancel {ids[0].split('_')[0]} to stop)",
+                      f"{[j for j in w.ids if not w.done.get(j)]} (scancel {w.ids[0].split('_')[0]} to stop)",
                       file=stream, flush=True)
             return 124
         time.sleep(poll_s)
-
     if echo is not None:
         echo.poll()
-    final = _sacct_states(ids)
+    failed = _final_states(w, result)
+    result.status = 1 if failed else 0
+    if verbose:
+        _report_end(w, result, failed, stream)
+    return result.status
+
+
+def _poll_states(w: _Watch, poll_s: float, verbose: bool, stream) -> None:
+    """squeue every poll, sacct (and the never-starting check) every few seconds; print changes."""
+    now = time.monotonic()
+    live = _squeue_states(w.ids)
+    w.states.update(live)
+    if now - w.last_sacct >= max(2.0, poll_s):
+        w.states.update(_sacct_states(w.ids, w.starts))
+        w.states.update(live)  # slurmctld knows first; sacct fills in what has left the queue
+        w.last_sacct = now
+        for jid, reason in _pending_reasons([j for j in w.ids if not w.done.get(j)]).items():
+            if jid in w.ids and not w.done.get(jid):
+                w.never[jid] = reason
+                w.done[jid] = True
+                subprocess.run(["scancel", jid], capture_output=True, timeout=30)
+                if verbose:
+                    print(f"[paralayer.slurm] job {jid} can never start as submitted (PENDING, reason "
+                          f"{reason}): cancelled it", file=stream, flush=True)
+    if verbose:
+        for jid in w.ids:
+            st = w.states.get(jid)
+            if st and st != w.shown.get(jid) and st not in _TERMINAL_STATES:
+                w.shown[jid] = st
+                print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
+
+
+def _mark_finished(w: _Watch, result: SubmitResult) -> None:
+    """A job is done when every task returned success, or SLURM calls it finished."""
+    for jid, job in zip(w.ids, result.jobs):
+        if w.done.get(jid):
+            continue
+        st = w.states.get(jid, "UNKNOWN")
+        oc = _task_outcomes(job, since=w.starts.get(jid))
+        if st in _NOT_RUNNING_STATES:
+            oc = [None] * len(oc)
+        w.outcomes[jid] = oc
+        # every task returned: done (sacct lags a moment behind). A task that raised is not
+        # the end by itself: a requeue (scontrol requeue, preemption) can make ranks fail on
+        # the way down and the job runs again, so wait for SLURM to call the job finished
+        if all(o is not None and o[0] == "success" for o in oc) or st in _TERMINAL_STATES:
+            w.done[jid] = True
+
+
+def _final_states(w: _Watch, result: SubmitResult) -> list:
+    """Each job's final state into ``result.states``; the ids of the jobs that failed."""
+    final = _sacct_states(w.ids)
     failed = []
-    for jid in ids:
-        if jid in never:
-            result.states[jid] = f"PENDING({never[jid]})"
+    for jid in w.ids:
+        if jid in w.never:
+            result.states[jid] = f"PENDING({w.never[jid]})"
             failed.append(jid)
             continue
-        oc = outcomes[jid]
+        oc = w.outcomes[jid]
         ok = all(o is not None and o[0] == "success" for o in oc)
-        st = final.get(jid, states.get(jid, "UNKNOWN"))
+        st = final.get(jid, w.states.get(jid, "UNKNOWN"))
         if ok and st in _TERMINAL_STATES - {"COMPLETED"}:
             ok = False
         result.states[jid] = st if not (ok and st not in _TERMINAL_STATES) else "COMPLETED"
         if not ok:
             failed.append(jid)
-    result.status = 1 if failed else 0
-    if verbose:
-        for jid in ids:
-            print(f"[paralayer.slurm] job {jid}: {result.states[jid]}", file=stream, flush=True)
-        for jid in [j for j in failed if j not in never][:3]:
-            i = ids.index(jid)
-            oc = outcomes[jid]
-            bad = [t for t, o in enumerate(oc) if o is None or o[0] != "success"] or [0]
-            t = next((t for t in bad if oc[t] is not None), bad[0])
-            print(f"[paralayer.slurm] job {jid} failed ({result.states[jid]}); run {result.run_dirs[i]}",
-                  file=stream, flush=True)
-            if oc[t] is not None and oc[t][0] == "error":
-                print(f"--- task {t} traceback ---\n{oc[t][1]}", file=stream, flush=True)
-            print(f"--- tail of {result.stderr[i][t]} ---\n{_tail(result.stderr[i][t])}",
-                  file=stream, flush=True)
-    return result.status
+    return failed
+
+
+def _report_end(w: _Watch, result: SubmitResult, failed: list, stream) -> None:
+    """Every job's final state; for up to three failed ones, the traceback and stderr tail."""
+    ids = w.ids
+    for jid in ids:
+        print(f"[paralayer.slurm] job {jid}: {result.states[jid]}", file=stream, flush=True)
+    for jid in [j for j in failed if j not in w.never][:3]:
+        i = ids.index(jid)
+        oc = w.outcomes[jid]
+        bad = [t for t, o in enumerate(oc) if o is None or o[0] != "success"] or [0]
+        t = next((t for t in bad if oc[t] is not None), bad[0])
+        print(f"[paralayer.slurm] job {jid} failed ({result.states[jid]}); run {result.run_dirs[i]}",
+              file=stream, flush=True)
+        if oc[t] is not None and oc[t][0] == "error":
+            print(f"--- task {t} traceback ---\n{oc[t][1]}", file=stream, flush=True)
+        print(f"--- tail of {result.stderr[i][t]} ---\n{_tail(result.stderr[i][t])}",
+              file=stream, flush=True)
 
 
