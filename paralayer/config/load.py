@@ -259,7 +259,8 @@ def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
             raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
         elif isinstance(default, list) and value is not None and not isinstance(value, list):
             raise ConfigError(full, f"must be a list, got {_kind(value)}")
-        elif not isinstance(default, (dict, list)) and isinstance(value, (dict, list)) and full != "parallel.pp_layout":
+        elif not isinstance(default, (dict, list)) and isinstance(value, (dict, list)) \
+                and not any(t in str(f.type).lower() for t in ("list", "dict", "any")):
             raise ConfigError(full, f"must be a single value, got {_kind(value)}")
 
 
