@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -243,3 +244,19 @@ def test_preempted_job_requeues_with_resume_auto(slurm, tmp_path):
     assert rc == 0, res.states
     for r in (0, 1):
         assert Path(rd, f"resumed{r}").read_text() == "auto"
+
+
+def test_cuda_plan_on_a_node_without_gpus_names_the_rank(slurm, tmp_path):
+    """Issue 16: a task whose plan says cuda but that sees no CUDA device fails at once naming its
+    rank and node; it never trains on the CPU instead (the entry would write a file if it ran)."""
+    from paralayer.dispatch.slurm import submit
+
+    rd = _run_dir(tmp_path, "run")
+    Path(rd, "plan.json").write_text(json.dumps({"device": "cuda", "world_size": 2}) + "\n")
+    res = submit([rd], slurm, folder=str(tmp_path / "sub"), entry="tests.test_slurm:allreduce_entry", verbose=False)
+    log = io.StringIO()
+    rc = res.wait(timeout_s=90, stream=log)
+    assert rc == 1, (rc, res.states, log.getvalue())
+    assert "the plan runs on cuda but this task sees no CUDA device" in log.getvalue()
+    assert re.search(r"rank [01] on \S+: the plan runs on cuda", log.getvalue())
+    assert not list(Path(rd).glob("rank*.json")), "the entry ran on CPU"
