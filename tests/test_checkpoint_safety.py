@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from paralayer.checkpoint.dcp import (
-    CheckpointDamaged,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     load_checkpoint,
     resume_latest,
     save_checkpoint,
@@ -260,3 +259,37 @@ def test_async_save_then_resume_is_bitwise(tmp_path):
     for r in res:
         assert r["resumed"] == r["straight"][2:]
     assert sorted(os.listdir(root)) == ["step-00000002"]
+
+
+def test_launch_with_only_damaged_checkpoints_exits_2_with_one_line(tmp_path):
+    """Through launch.py: a run leaves 2 checkpoints, both get truncated; resume=auto ends with exit
+    2, no traceback, and one error line naming the directory and each checkpoint's reason."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = ["recipe=tiny", "parallel.tp=1", "parallel.dp=1", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+           "model.n_kv_heads=2", "model.ffn_hidden=64", "model.seq_len=32", "train.steps=2", "train.global_batch=2",
+           "train.micro_batch=1", "checkpoint.every=1", f"run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled",
+           "logging.progress=false", f"data.cache_dir={tmp_path / 'cache'}", "cluster.device=cpu",
+           "cluster.peak_tflops=1.0"]
+
+    def launch(*extra):
+        return subprocess.run([sys.executable, os.path.join(repo, "launch.py"), *run, *extra], capture_output=True,
+                              text=True, timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+
+    assert launch().returncode == 0
+    root = str(tmp_path / "run" / "checkpoints")
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]
+    for step in (1, 2):
+        victim = _shard(os.path.join(root, f"step-{step:08d}"))
+        with open(victim, "r+b") as f:
+            f.truncate(10)
+    r = launch("train.resume=auto")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"checkpoint.dir {root} holds checkpoints but none loads" in errors[0], r.stderr
+    assert "step-00000002: " in errors[0] and "step-00000001: " in errors[0] and "truncated" in errors[0]
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl") or \
+        [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]  # nothing retrained
