@@ -101,6 +101,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     # Layout of the residual stream between blocks (and of what a pipeline stage sends on).
     stream = Shard(1) if sp else Replicate()
 
+    _parallelize_root(model, tp_mesh, sp, stream)
+    # Under SP the column GEMMs save this rank's sequence shard and re-gather it in backward
+    # (Megatron's activation saving): bulk collectives (sequence_parallel.py) or, with overlap,
+    # rings fused into the GEMMs (tp_overlap.py). Their linears' own DTensor hooks never run.
+    fused = None
+    if overlap:
+        from paralayer.parallel.tp_overlap import TpOverlap
+
+        fused = TpOverlap(tp_mesh.get_group())
+    elif sp:
+        fused = SpGemms(tp_mesh.get_group())
+    for block in model.layers.values():
+        _parallelize_block(block, tp_mesh, sp, stream, fused)
+
+    model.tp_mesh = tp_mesh
+    model.tp_sequence_parallel = sp
+    # Registered at forward time: to_empty() (after this function) makes new parameter objects.
+    model.register_forward_pre_hook(_hook_grads)
+    if sp:
+        model.register_forward_pre_hook(_full_positions_hook(tp))
+
+
+def _parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream) -> None:
+    """The embedding (vocab rows), the final norm and the head (vocab columns) this stage holds."""
     root_plan = {}
     if getattr(model, "tok_embeddings", None) is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
@@ -117,61 +141,48 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
 
-    # Under SP the column GEMMs save this rank's sequence shard and re-gather it in backward
-    # (Megatron's activation saving): bulk collectives (sequence_parallel.py) or, with overlap,
-    # rings fused into the GEMMs (tp_overlap.py). Their linears' own DTensor hooks never run.
-    fused = None
-    if overlap:
-        from paralayer.parallel.tp_overlap import TpOverlap
 
-        fused = TpOverlap(tp_mesh.get_group())
-    elif sp:
-        fused = SpGemms(tp_mesh.get_group())
-    for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-        }
-        if fused is None:
-            plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
-                                                   desired_input_layouts=(Replicate(), None, None))
-        else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
-            block.attention.tp_overlap = fused
-        if sp:
-            # plain local chunks out under overlap (the fused GEMMs take them as they are)
-            plan["attention_norm"] = SequenceParallel(use_local_output=fused is not None)
-            plan["ffn_norm"] = SequenceParallel(use_local_output=fused is not None)
-        else:
-            _replicate(block.attention_norm, tp_mesh)
-            _replicate(block.ffn_norm, tp_mesh)
-        if getattr(block, "is_moe", False):
-            # The expert block runs replicated on the full sequence (plain tensors in and out).
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
-                                                      desired_input_layouts=(Replicate(),),
-                                                      use_local_output=True)
-            if sp:
-                block.feed_forward.register_forward_hook(_replicate_to_seq_shard(tp_mesh))
-        else:
-            plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-            })
-            if fused is None:
-                plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
-                                                          desired_input_layouts=(Replicate(),))
-            else:
-                block.feed_forward.tp_overlap = fused
-        parallelize_module(block, tp_mesh, plan)
-
-    model.tp_mesh = tp_mesh
-    model.tp_sequence_parallel = sp
-    # Registered at forward time: to_empty() (after this function) makes new parameter objects.
-    model.register_forward_pre_hook(_hook_grads)
+def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, fused) -> None:
+    """One transformer block: attention and SwiGLU split Megatron-style, the norms sequence-
+    parallel (or replicated), an MoE block run whole on the full sequence. ``fused``: the SP or
+    overlap GEMMs the block calls instead of its linears' DTensor hooks (None without SP)."""
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+    }
+    if fused is None:
+        plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
+                                               desired_input_layouts=(Replicate(), None, None))
+    else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
+        block.attention.tp_overlap = fused
     if sp:
-        model.register_forward_pre_hook(_full_positions_hook(tp))
+        # plain local chunks out under overlap (the fused GEMMs take them as they are)
+        plan["attention_norm"] = SequenceParallel(use_local_output=fused is not None)
+        plan["ffn_norm"] = SequenceParallel(use_local_output=fused is not None)
+    else:
+        _replicate(block.attention_norm, tp_mesh)
+        _replicate(block.ffn_norm, tp_mesh)
+    if getattr(block, "is_moe", False):
+        # The expert block runs replicated on the full sequence (plain tensors in and out).
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
+                                                  desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True)
+        if sp:
+            block.feed_forward.register_forward_hook(_replicate_to_seq_shard(tp_mesh))
+    else:
+        plan.update({
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        })
+        if fused is None:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
+                                                      desired_input_layouts=(Replicate(),))
+        else:
+            block.feed_forward.tp_overlap = fused
+    parallelize_module(block, tp_mesh, plan)
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
