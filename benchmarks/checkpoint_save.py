@@ -64,7 +64,8 @@ def _rank(rank: int, world: int, store_path: str, args, root: str, q) -> None:
             else:
                 final = save_checkpoint(path, i + 1, [model], [opt], {"step": i + 1})
                 if kind == "ours+verify":
-                    mine = [n for n in os.listdir(final) if n.startswith(f"__{rank}_") or n == f"extra-rank{rank:05d}.pt"]
+                    mine = [n for n in os.listdir(final)
+                            if n.startswith(f"__{rank}_") or n == f"extra-rank{rank:05d}.pt"]
                     verify_checkpoint(final, full=True, names=mine + ([".metadata"] if rank == 0 else []))
             dist.barrier()
             times[kind].append(time.perf_counter() - t0)
