@@ -52,7 +52,9 @@ def _start_scatter(full: torch.Tensor, group: dist.ProcessGroup, tp: int) -> tor
     """Start the reduce-scatter (sum) of (b, s, k) along the sequence: (b, s/tp, k) on first use."""
     b, s, k = full.shape
     chunks = full.reshape(b, tp, s // tp, k).permute(1, 0, 2, 3).reshape(tp * b, s // tp, k)
-    return funcol.reduce_scatter_tensor(chunks.contiguous(), "sum", 0, group)
+    # reduce_scatter_single in torch >= 2.13 (reduce_scatter_tensor is deprecated there), same op
+    rs = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return rs(chunks.contiguous(), "sum", 0, group)
 
 
 def _done(t: torch.Tensor) -> torch.Tensor:
