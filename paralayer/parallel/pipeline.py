@@ -349,7 +349,6 @@ class PipelineRunner:
                  scale_grads: bool = True, reduce_each_microbatch: Optional[str] = None,
                  rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None):
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining import schedules as S
 
         if hasattr(pp_group, "get_group"):  # DeviceMesh
             pp_group = pp_group.get_group()
@@ -396,6 +395,18 @@ class PipelineRunner:
         if self.schedule_name in ("gpipe", "1f1b") and len(self.stages) == 1 and not rehearse:
             self.early_recv = EarlyRecv(self.stages[0], self.m)
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
+        self.schedule = self._make_schedule(loss_fn, split_backward, scale_grads)
+        if rehearse:
+            self.schedule._warmup_p2p = _static_warmup
+        self.last_timeline: list[dict] = []
+        self.bubble_measured: Optional[float] = None
+        self.busy_by_rank: list[float] = []
+        self.window: Optional[float] = None
+
+    def _make_schedule(self, loss_fn: Callable, split_backward: bool, scale_grads: bool):
+        """torch's schedule for the plan's name over this rank's stages; its loss closes the F
+        action's timing (the last chunk's loss is part of its forward)."""
+        from torch.distributed.pipelining import schedules as S
 
         def timed_loss(logits, labels):
             loss = loss_fn(logits, labels)
@@ -410,18 +421,10 @@ class PipelineRunner:
         if self.schedule_name in ("gpipe", "1f1b"):
             if len(self.stages) != 1:
                 raise ValueError(f"{self.schedule_name} runs one chunk per rank; use schedule=interleaved for vpp>1")
-            self.schedule = cls(self.stages[0], n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
-        else:
-            if self.schedule_name == "dualpipev" and self.m < 2 * self.pp:
-                raise ValueError(f"dualpipev needs microbatches ≥ 2·pp = {2 * self.pp}, got {self.m}")
-            self.schedule = cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
-
-        if rehearse:
-            self.schedule._warmup_p2p = _static_warmup
-        self.last_timeline: list[dict] = []
-        self.bubble_measured: Optional[float] = None
-        self.busy_by_rank: list[float] = []
-        self.window: Optional[float] = None
+            return cls(self.stages[0], n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
+        if self.schedule_name == "dualpipev" and self.m < 2 * self.pp:
+            raise ValueError(f"dualpipev needs microbatches ≥ 2·pp = {2 * self.pp}, got {self.m}")
+        return cls(self.stages, n_microbatches=self.m, loss_fn=timed_loss, scale_grads=scale_grads)
 
     # ---- instrumentation
     def _instrument(self, stage, chunk: int) -> None:
