@@ -28,6 +28,7 @@ def test_dense_tp8_dp8_at_64_ranks_agrees_with_the_plan():
     assert r["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
     assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"]
     assert r["memory_bytes"]["grads"] == r["plan_memory_bytes"]["grads"]
+    assert r["memory_bytes"]["optimizer"] == r["plan_memory_bytes"]["optimizer"]  # ZeRO-1's deal, replayed
     assert abs(r["ratios"]["activations"] - 1) < 0.05
     assert abs(r["ratios"]["flops"] - 1) < 0.02
     assert abs(r["ratios"]["comm"]["dp"] - 1) < 0.05
@@ -126,7 +127,8 @@ def test_moe_expert_parallel_rank_with_even_router():
     assert out["ok"], out["errors"]
     (r,) = out["ranks"]
     assert r["coords"]["ep"] == 0
-    assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"]
+    for k in ("params", "grads", "optimizer"):
+        assert r["memory_bytes"][k] == r["plan_memory_bytes"][k], k
     assert abs(r["ratios"]["activations"] - 1) < 0.05 and abs(r["ratios"]["flops"] - 1) < 0.02
     for ax in ("ep", "pp", "dp", "tp"):
         assert abs(r["ratios"]["comm"][ax] - 1) < 0.05, (ax, r["ratios"]["comm"])

@@ -107,12 +107,20 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
 
 
 # ------------------------------------------------------------------ the plan's figures per rank
-def plan_figures(cfg: Config, pp_rank: int) -> dict:
-    """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free)."""
-    from paralayer.resolve import cost, memory, rules
+def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0) -> dict:
+    """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free);
+    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/zero1.py)."""
+    from paralayer.resolve import cost, memory, rules, zero1
 
     lay = rules.check(cfg)
     p, g, o, a = memory.rank_memory(cfg, lay, pp_rank)
+    d = lay.dp * lay.cp
+    if lay.zero == 1 and d > 1:
+        dense, expert, _ = memory.rank_params(cfg, lay, pp_rank)
+        mine = zero1.share(zero1.dense_sizes(cfg, lay, pp_rank), d, dp_index)
+        kept = expert if lay.ep > 1 else 0.0  # under ep each rank steps its own experts
+        o = int(memory.state_bytes(mine * d, kept, d, max(d // max(lay.ep, 1), 1), 1, lay.pp,
+                                   lay.precision, lay.schedule)[2])
     comm = cost.comm(cfg, lay, pp_rank)
     return {
         "plan_memory_bytes": {"params": p, "grads": g, "optimizer": o, "activations": a, "total": p + g + o + a},
@@ -206,7 +214,8 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
     usable = None if cap is None else int(cap) - int(plan["memory_reserve_bytes"])
     out_ranks = []
     for res in results:
-        res.update(plan_figures(cfg_run, int(res["coords"]["pp"])))
+        c = res["coords"]
+        res.update(plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"])))
         res.update(compare(res))
         res["fits"] = usable is None or res["memory_bytes"]["total"] <= usable
         out_ranks.append(res)
