@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-runs/gpu-bench}"
 STEPS="${GPU_BENCH_STEPS:-12}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PARALAYER_CACHE="$OUT/cache"
+export PYTHONUNBUFFERED=1
 START=$(date +%s)
 declare -A STATUS
 
@@ -47,7 +47,7 @@ run_part() {  # name timeout command...: record ok/failed, keep the log
 for c in false true; do
     run_part "llama1b-compile-$c" 240 python launch.py recipe=llama-1b cluster=local cluster.device=cuda \
         cluster.devices_per_node=1 train.steps="$STEPS" train.compile=$c logging.wandb.mode=disabled \
-        logging.progress=false run.dir="$OUT/llama1b-compile-$c"
+        logging.progress=false run.dir="$OUT/llama1b-compile-$c" data.cache_dir="$OUT/cache"
 done
 # 2. ours vs transformers, same shapes (bf16 autocast, fp32 master weights, AdamW)
 run_part hf-compare 150 python benchmarks/hf_compare.py --device cuda --dtype bf16 --d-model 2048 --layers 16 \
