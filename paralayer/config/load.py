@@ -193,11 +193,11 @@ def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:
     return chain + [node]
 
 
-def _profile(name: str) -> dict:
-    p = _safe_path("cluster", name)
+def _profile(name: str, field_name: str = "cluster") -> dict:
+    p = _safe_path(field_name, name)
     path = p if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
     if not _exists(path):
-        raise ConfigError("cluster", f"no cluster profile '{name[:80]}'; valid profiles: {', '.join(profile_names())}")
+        raise ConfigError(field_name, f"no cluster profile '{name[:80]}'; valid profiles: {', '.join(profile_names())}")
     node = _load_yaml(path, "cluster")
     node.setdefault("name", Path(name).stem)
     return node
@@ -272,21 +272,22 @@ def _kind(value: Any) -> str:
     return f"{value!r}"[:60]
 
 
-def _pick_profile(chain: list[dict], ov_cluster: Optional[str]) -> Optional[str]:
+def _pick_profile(chain: list[dict], ov_cluster: Optional[str]) -> tuple[Optional[str], str]:
     """The most derived recipe names the profile; ``cluster: {name: P, nodes: 64}`` is a profile
     plus the recipe's own sizing, dropped when the command line picks another profile."""
-    cluster_name = ov_cluster
+    cluster_name, field_name = ov_cluster, "cluster"
     for node in reversed(chain):
         c = node.get("cluster", None)
         if isinstance(c, str):
             node.pop("cluster")
-            cluster_name = cluster_name or c
+            if not cluster_name:
+                cluster_name = c
         elif isinstance(c, dict) and isinstance(c.get("name"), str):
             if ov_cluster and ov_cluster != c.get("name"):
                 node.pop("cluster")
-            else:
-                cluster_name = cluster_name or c.get("name")
-    return cluster_name
+            elif not cluster_name:
+                cluster_name, field_name = c.get("name"), "cluster.name"
+    return cluster_name, field_name
 
 
 def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
@@ -312,10 +313,10 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
     ov_recipe, ov_cluster, dotted = _parse_overrides(overrides)
     recipe = ov_recipe or recipe or "tiny"
     chain = _recipe_chain(recipe)
-    cluster_name = _pick_profile(chain, ov_cluster)
+    cluster_name, cluster_field = _pick_profile(chain, ov_cluster)
     for node in chain:
         _check_keys(node, Config)
-    profile = _profile(cluster_name or "local")
+    profile = _profile(cluster_name or "local", cluster_field)
     _check_keys(profile, ClusterConfig, "cluster.")
     layers: list[Any] = [{"cluster": profile}, *chain]
     merged = OmegaConf.structured(Config)
