@@ -145,8 +145,7 @@ def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
 #: everything above that must exist on a supported torch; tests assert all are present
 #: (``DTensor._local_tensor`` is an instance attribute: checked where a DTensor exists)
 REQUIRED = {
-    "DeviceMesh._flatten": lambda: getattr(importlib.import_module("torch.distributed.device_mesh").DeviceMesh,
-                                           "_flatten"),
+    "DeviceMesh._flatten": lambda: importlib.import_module("torch.distributed.device_mesh").DeviceMesh._flatten,
     "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
     "Tensor._is_view": lambda: torch.Tensor._is_view,
     "PipelineStage actions": lambda: [getattr(importlib.import_module(

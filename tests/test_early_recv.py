@@ -36,14 +36,14 @@ def _step(rank, world, schedule, m):
             def _post_next(self):
                 before = len(self.early)
                 super()._post_next()
-                posted["early"] += len(self.early) - before
+                posted["early"] += len(self.early) - before  # noqa: B023 - used within this iteration
 
             def _getter(self, kind):
                 get = super()._getter(kind)
 
                 def counted(mb):
                     ops = get(mb)
-                    posted["schedule"] += bool(ops)
+                    posted["schedule"] += bool(ops)  # noqa: B023
                     return ops
                 return counted
 

@@ -45,10 +45,9 @@ def test_bf16_matches_fp32(world, extra):
 def _runtime_dtypes(rank, world, overrides):
     """What the runtime holds and computes with: the master weights' dtype and numel, the dtype a
     block's weights have inside its forward, and whether autocast is on."""
-    from paralayer.runtime.train import setup
-
     from paralayer.parallel.tensor import local_tensor
     from paralayer.resolve.plan import Plan
+    from paralayer.runtime.train import setup
 
     cfg, plan = cfg_and_plan(overrides)
     run = setup(cfg, Plan.from_dict(plan), None)
