@@ -208,8 +208,8 @@ def check_generic(cfg: Config) -> None:
 
 
 def check_bounds(cfg: Config) -> None:
-    """Raise a ConfigError (naming the field and the bound) for the first value out of range."""
-    check_generic(cfg)
+    """Raise a ConfigError (naming the field and the bound) for the first value out of range: the
+    fields' own ranges first, then the generic rule every other number follows."""
     for name in INT_BOUNDS:
         value = get(cfg, name)
         if name == "parallel.dp" and value == "auto":
@@ -220,6 +220,7 @@ def check_bounds(cfg: Config) -> None:
     for name, value in _texts(cfg):
         _check_text(name, value)
     _check_world(cfg)
+    check_generic(cfg)
 
 
 def _check_world(cfg: Config) -> None:
