@@ -257,9 +257,12 @@ def _hf_key(reader: _Reader, name: str) -> str:
 def _local_region(param) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(local shape, global offset) of this rank's shard of a DTensor parameter; None if plain."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
+        return None
+    try:  # a private torch helper (torch 2.4+): without it, read whole and slice as init does
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - depends on the torch version
         return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if tuple(shape) != tuple(param.to_local().shape):  # e.g. padded shards: read whole, slice as init does

@@ -190,6 +190,9 @@ def verifying_reader(path: str, manifest: dict):
 
     files = manifest["files"]
     whole_checked: set[str] = set()
+    if not callable(getattr(FileSystemReader, "_slice_file", None)):  # the private hook every read goes through
+        raise CheckpointError(f"checkpoint {path}: this torch's FileSystemReader has no _slice_file; cannot verify "
+                              f"what is read (paralayer is tested on torch 2.11 and 2.13)")
 
     class _Reader(FileSystemReader):
         def _slice_file(self, file: IO[bytes], sinfo) -> IO[bytes]:
