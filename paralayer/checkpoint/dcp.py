@@ -35,7 +35,6 @@ from torch import nn
 
 from paralayer.checkpoint import group as grp
 from paralayer.checkpoint.manifest import (
-    COMPLETE,
     CheckpointDamaged,
     CheckpointError,
     check_file,

@@ -18,8 +18,8 @@ def export_run(run_dir: str, out_dir: str, checkpoint: str | None = None) -> str
     import torch
     import torch.distributed as dist
 
-    from paralayer.checkpoint import dcp as ckpt
     from paralayer import config as config_mod
+    from paralayer.checkpoint import dcp as ckpt
     from paralayer.checkpoint.hf import export_hf
     from paralayer.model.transformer import Transformer
 

@@ -109,8 +109,11 @@ class LoadRequest:
             self.request["optim"] = expert_templates(self.optim_raw, self.owners)
 
     def apply(self) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         model_sd = merge_expert_keys(self.request["model"], self.model_raw, self.owners)
         for part in self.parts:
