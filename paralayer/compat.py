@@ -115,6 +115,7 @@ PRIVATE_NAMES = (
     ("torch", "_foreach_norm"),                                    # parallel/data.py (clip)
     ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
     ("torch._dynamo.utils", "counters"),                           # tests/test_compile.py
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),  # checkpoint/hf.py
 )
 
 

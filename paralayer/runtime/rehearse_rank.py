@@ -131,13 +131,13 @@ def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
 def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
     """Build and step ``rank`` of the plan's world on fake tensors; measure what it holds, sends
     and computes. Raises :class:`RehearsalError` naming the rank and the module on failure."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from paralayer.compat import private
     from paralayer.runtime import rehearse_memory as rmem
     from paralayer.runtime import train as T
     from paralayer.runtime.rehearse_comm import CollectiveCounter, group_axes, group_sizes
     from paralayer.runtime.rehearse_flops import LocalFlopCounter
 
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
     t0 = time.perf_counter()
     plan = T.as_plan(plan_d)
     _init_fake(rank, int(plan.world_size))
