@@ -22,7 +22,7 @@ from paralayer.resolve.memory import (
     rank_params,
     routed_rows_per_token,
 )
-from paralayer.resolve.rules import Layout
+from paralayer.resolve.rules import Layout, chunk_rank
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -129,7 +129,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
         under SP the backward also re-gathers the column GEMMs' saved shards (+1 pair per layer).
-    pp: send/recv of s·b·h activations: per chunk per microbatch one forward send and one backward.
+    pp: send/recv of s·b·h activations: per microbatch, the activation and its grad across each
+        boundary of rank r's chunks with a chunk on another rank (:func:`_pp_comm`).
     cp: per attention layer per microbatch, K/V blocks of 2·(s/cp)·b·(h·g/a)/tp elements: cp−1 sends
         in forward, cp−1 more when recompute (selective or full) reruns the ring, cp−1 in backward,
         plus cp sends of the partial dK/dV (same shape, fp32) in backward. ``message_bytes`` is the
@@ -151,7 +152,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     n_moe = sum(1 for i in layers if is_moe_layer(cfg, i))
     n_full = sum(1 for i in layers if layer_recompute(lay, i) == "full")  # full: every k-th layer
     return {"tp": _tp_comm(lay, act_msg, n_layers, n_moe, n_full),
-            "pp": _pp_comm(lay, act_msg),
+            "pp": _pp_comm(lay, act_msg, r),
             "cp": _cp_comm(cfg, lay, tokens, ab, n_layers, n_full),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
             "dp": _dp_comm(lay, dense, expert, n_layers)}
@@ -172,13 +173,20 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     return _entry("none", 0, 0, 1)
 
 
-def _pp_comm(lay: Layout, act_msg: float) -> dict:
-    """pp of :func:`comm`: one forward send and one backward send per chunk per microbatch."""
+def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
+    """pp of :func:`comm`: per microbatch, across each boundary between one of rank r's chunks
+    and a neighbour chunk on ANOTHER rank, the activation one way and its grad the other (a
+    first or last stage has one such boundary per chunk, an interleaved middle chunk two; the V
+    schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
     if lay.pp == 1:
         return _entry("none", 0, 0, 1)
-    chunks_here = lay.chunks // lay.pp
+    transfers = 0
+    for c in rank_chunks(lay, r):
+        for nb in (c - 1, c + 1):
+            if 0 <= nb < lay.chunks and chunk_rank(nb, lay.pp, lay.schedule) != r:
+                transfers += 2
     return _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
-                  2 * chunks_here * lay.microbatches, lay.pp)
+                  transfers * lay.microbatches, lay.pp)
 
 
 def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, n_layers: int, n_full: int) -> dict:

@@ -130,6 +130,8 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0) -> dict:
         # payload per pair (resolve/cost.py; machine.comm_seconds); ZeRO-2/3's pairs count each
         "plan_comm_pairs": [ax for ax, e in comm.items()
                             if ax == "tp" and e["collective"] == "all-gather+reduce-scatter"],
+        # rings (cp's K/V, tp_overlap's fused chunks) are counted by their sends
+        "plan_comm_sends_only": [ax for ax, e in comm.items() if "ring" in e["collective"]],
     }
 
 
@@ -145,7 +147,8 @@ def compare(rank: dict) -> dict:
     ratios: dict[str, Any] = {k: _ratio(mem[k], pmem[k]) for k in MEM_KEYS}
     from paralayer.runtime.rehearse_comm import bytes_per_axis
 
-    got = bytes_per_axis(rank["collectives"], pairs=rank.get("plan_comm_pairs", ()))
+    got = bytes_per_axis(rank["collectives"], pairs=rank.get("plan_comm_pairs", ()),
+                         sends_only=rank.get("plan_comm_sends_only", ("cp",)))
     axes = sorted(set(got) | set(rank["plan_comm"]))
     ratios["comm"] = {ax: _ratio(got.get(ax, 0), rank["plan_comm"].get(ax, 0)) for ax in axes}
     ratios["flops"] = _ratio(rank["flops"], rank["plan_flops"])
@@ -266,7 +269,8 @@ def print_report(out: dict, file: Any = None) -> None:
                       _fmt_ratio(r["ratios"][k]))
         from paralayer.runtime.rehearse_comm import bytes_per_axis
 
-        got = bytes_per_axis(r["collectives"], pairs=r.get("plan_comm_pairs", ()))
+        got = bytes_per_axis(r["collectives"], pairs=r.get("plan_comm_pairs", ()),
+                             sends_only=r.get("plan_comm_sends_only", ("cp",)))
         for ax, ratio in r["ratios"]["comm"].items():
             t.add_row(f"comm {ax} GB/step", f"{got.get(ax, 0) / 1e9:.3f}",
                       f"{r['plan_comm'].get(ax, 0) / 1e9:.3f}", _fmt_ratio(ratio))

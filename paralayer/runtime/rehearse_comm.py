@@ -124,18 +124,18 @@ class CollectiveCounter(TorchDispatchMode):
         return sorted(rows, key=lambda r: (-r["message_bytes"] * r["count"], r["axis"], r["kind"]))
 
 
-#: Axes whose plan figure counts a ring's sends only (cp: each K/V block once, by its sender);
-#: the pipeline's counts both directions of a stage boundary (resolve/cost.py).
+#: Axes whose plan figure counts a ring's sends only (cp: each K/V block once, by its sender; tp
+#: under tp_overlap); the pipeline's counts both directions of a stage boundary (resolve/cost.py).
 SENDS_ONLY = ("cp",)
 
 
-def bytes_per_axis(rows: list[dict], pairs: Any = ()) -> dict[str, int]:
+def bytes_per_axis(rows: list[dict], pairs: Any = (), sends_only: Any = SENDS_ONLY) -> dict[str, int]:
     """Payload bytes per step on each axis (the plan's ``bytes_per_step``). On the axes in
     ``pairs`` an all-gather or reduce-scatter counts half: the plan counts the pair that replaces
     an all-reduce as that all-reduce's payload, once."""
     out: dict[str, float] = {}
     for r in rows:
-        if r["axis"] in SENDS_ONLY and r["kind"] == "recv":
+        if r["axis"] in sends_only and r["kind"] == "recv":
             continue
         half = r["axis"] in pairs and r["kind"] in ("all-gather", "reduce-scatter")
         out[r["axis"]] = out.get(r["axis"], 0) + r["message_bytes"] * r["count"] * (0.5 if half else 1)
