@@ -96,16 +96,19 @@ class LocalFlopCounter(fc.FlopCounterMode):
 
     def __exit__(self, *args):
         try:
-            return super().__exit__(*args)
+            b = self.mode.__exit__(*args)
+            self.mode = None
+            return b
         finally:
             if self._restore is not None:
                 self._restore()
                 self._restore = None
 
     def __enter__(self):
+        # No per-module breakdown: torch's ModuleTracker hooks module inputs for the backward,
+        # which the zero-bubble schedules' input-grad pass (autograd.grad on leaves) refuses.
         self._watch_propagation()
         self.flop_counts.clear()
-        self.mod_tracker.__enter__()
         self.mode = _LocalFlopMode(self)
         self.mode.__enter__()
         return self
