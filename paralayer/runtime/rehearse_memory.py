@@ -6,7 +6,12 @@ optimizer's states are counted from the tensors themselves after the step (the l
 DTensor); the activation peak is the peak of the bytes autograd keeps for backward
 (``saved_tensors_hooks``, one count per storage), the same quantity the plan's activation model
 was fitted to (``paralayer/runtime/activation_memory.py``), keyed by storage identity because
-fake storages have no address. ``MemTracker`` gives torch's own view of the whole step on top.
+fake storages have no address.
+
+Not used: torch's ``MemTracker`` refuses a root module called again within one step (each
+microbatch calls it), so the live-bytes peak, which would also see full recompute's transient
+(non-reentrant checkpoint keeps the recomputed tensors behind its own saved-tensor hooks), is not
+measured yet.
 """
 from __future__ import annotations
 
