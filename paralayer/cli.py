@@ -90,7 +90,8 @@ def _report_errors(plan: Any, label: str = "") -> None:
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         if mem["activations"] >= states:
             part = (f"activations {mem['activations'] / 2**30:.2f} GiB (model.seq_len × train.micro_batch tokens × "
-                    "model.d_model/model.ffn_hidden per layer; cut by parallel.recompute, parallel.cp, parallel.tp)")
+                    "model.d_model/model.ffn_hidden per layer; cut by parallel.recompute, parallel.cp, parallel.tp with "
+                    "parallel.sequence_parallel)")
         else:
             part = (f"weights, grads and optimizer {states / 2**30:.2f} GiB (model.d_model, model.n_layers, "
                     "model.ffn_hidden, model.vocab_size, model.moe.num_experts; split by parallel.tp, parallel.pp, "
