@@ -82,6 +82,7 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.axes = dict(axes)
         self.sizes = dict(sizes or {})
+        self.dp_names: set = set()
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -106,6 +107,9 @@ class CollectiveCounter(TorchDispatchMode):
         name = _group_name(flat, self.axes)
         if self.sizes.get(name) == 1:  # a one-rank group moves nothing
             return
+        axis = self.axes.get(name, name or "?")
+        if axis == "ep" and kind != "all-to-all" and name in self.dp_names:
+            axis = "dp"  # ep spans all of dp·cp: the same group carries the gradient reduction
         if kind == "all-gather" and len(tensors) == 1:  # functional: the output is not an argument
             msg = sizes[0] * self.sizes.get(name, 1)
         elif kind in _WIDE:
@@ -114,7 +118,6 @@ class CollectiveCounter(TorchDispatchMode):
             msg = sizes[1] if len(sizes) > 1 else sizes[0]  # (output, input)
         else:
             msg = sum(sizes)
-        axis = self.axes.get(name, name or "?")
         self.counts[(axis, kind, msg)] += 1
 
     def table(self) -> list[dict[str, Any]]:
@@ -166,7 +169,7 @@ def group_axes(meshes: Any, extra: Optional[dict] = None) -> dict[str, str]:
     A group that serves several axes (size-1 axes share nothing, but dp_cp equals dp when cp = 1)
     keeps the plan's name: dp for dp_cp and edp, the axis itself otherwise."""
     out: dict[str, str] = {}
-    order = ["dp_cp", "edp", "ep", "pp", "cp", "dp", "tp"]  # later names win a shared group
+    order = ["dp_cp", "edp", "pp", "cp", "dp", "ep", "tp"]  # later names win a shared group
     for axis in order:
         try:
             if axis in ("ep", "edp") and meshes.expert is None:

@@ -157,6 +157,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             phase = "step"
             counter = CollectiveCounter(group_axes(meshes, {g.group_name: a for a, g in extra.items()}),
                                         group_sizes(meshes, extra))
+            counter.dp_names = {meshes[a].get_group().group_name for a in ("dp_cp", "dp")}
             saved = rmem.SavedPeak([*run.built.params, tokens, labels])
             flops = LocalFlopCounter(fake_mode)
             with flops, saved, counter:
