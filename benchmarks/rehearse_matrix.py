@@ -1,4 +1,4 @@
-"""The rehearsal matrix: many layouts of the shipped models rehearsed at their full world size,
+"""The rehearsal matrix: 32 layouts of the shipped models rehearsed at their full world size,
 each figure against the plan (docs/BENCHMARKS.md, "Rehearsal matrix").
 
     python benchmarks/rehearse_matrix.py [--layers N] [--only SUBSTR] > table.md
