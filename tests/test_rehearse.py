@@ -133,3 +133,12 @@ def test_moe_expert_parallel_rank_with_even_router():
     for ax in ("ep", "pp", "dp", "tp"):
         assert abs(r["ratios"]["comm"][ax] - 1) < 0.05, (ax, r["ratios"]["comm"])
     assert any("evenly" in n for n in out["notes"])
+
+
+def test_preflight_rehearses_first_and_last_stage(capsys):
+    """What launch.py runs before a SLURM submission (tiny-pp: pp 2 → ranks 0 and 4)."""
+    cfg = config_mod.load_config(["recipe=tiny-pp"])
+    plan = resolve(cfg).to_dict()
+    assert R.preflight(cfg, plan) == 0
+    err = capsys.readouterr().err
+    assert "pre-flight rehearsal of ranks [0, 4] passed" in err
