@@ -292,7 +292,11 @@ def run_cli(cfg: Config, plan: dict, ranks_spec: Optional[str], as_json: bool) -
     except RanksError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = rehearse(cfg, plan, ranks)
+    try:
+        out = rehearse(cfg, plan, ranks)
+    except (RuntimeError, ValueError) as exc:  # the cut batch changed the layout: say so, no traceback
+        print(f"error: rehearse: {exc}", file=sys.stderr)
+        return 2
     if as_json:
         print(json.dumps(out))
     else:
@@ -312,7 +316,11 @@ def preflight(cfg: Config, plan: dict) -> int:
     would fail at step 1 (``--no-rehearse`` skips it). Prints one line; returns 0 or 2."""
     d = plan["degrees"]
     ranks = sorted({0, rank_of(plan, pp=int(d["pp"]) - 1)})
-    out = rehearse(cfg, plan, ranks)
+    try:
+        out = rehearse(cfg, plan, ranks)
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: pre-flight rehearsal: {exc}; --no-rehearse submits anyway", file=sys.stderr)
+        return 2
     if out["ok"]:
         secs = max((r["seconds"] for r in out["ranks"]), default=0.0)
         print(f"paralayer: pre-flight rehearsal of ranks {ranks} passed ({secs:.0f} s; --no-rehearse skips it)",
