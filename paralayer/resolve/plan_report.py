@@ -61,6 +61,9 @@ NARROWING = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.vpp": "vpp", "p
              "parallel.ep": "ep", "parallel.dp": "dp", "parallel.schedule": "schedule", "parallel.zero": "zero",
              "parallel.recompute": "recompute", "parallel.tp_overlap": "tp_overlap", "train.micro_batch": "micro_batch"}
 #: rows of the table when --top is not given
+# --plan --json without --top: the best JSON_ROWS layouts, so the answer stays within seconds on
+# clusters with a hundred thousand valid layouts (--top N asks for more).
+JSON_ROWS = 1000
 TABLE_ROWS = 15
 
 
@@ -89,7 +92,8 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
         return 2
     as_json = getattr(args, "json", False)
     stats: dict = {}
-    plans = plan_layouts(cfg, stats=stats, top=top if (top or as_json) else TABLE_ROWS, fixed=fixed)
+    limit = top or (JSON_ROWS if as_json else TABLE_ROWS)
+    plans = plan_layouts(cfg, stats=stats, top=limit, fixed=fixed)
     finish(plans, cfg)
     if not plans:  # say so on stderr, with the closest layouts and why each fails (exit 2 below)
         from paralayer.resolve import no_fit
@@ -97,6 +101,8 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
         no_fit.report(cfg, stats, fixed)
     if as_json:
         print(strict_json.dumps(plans))
+        if top is None and len(plans) == JSON_ROWS:
+            print(f"note: the best {JSON_ROWS:,} layouts; --top N lists more (or fewer)", file=sys.stderr)
         if stats["work_bound_hit"]:
             print(f"warning: {stats['unexplored']:,} layout structures not explored (more than "
                   f"{stats['considered']:,}); narrow with overrides or use --top", file=sys.stderr)
