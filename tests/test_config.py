@@ -159,3 +159,13 @@ def test_malformed_hf_config_names_model_init(tmp_path, content, says):
     with pytest.raises(ConfigError) as exc:
         load_config([f"model.init=hf:{tmp_path}", "parallel.tp=1"])
     assert exc.value.field == "model.init" and says in exc.value.message, exc.value.message
+
+
+def test_checkpoint_async_is_an_alias_of_async_save(tmp_path):
+    from paralayer.config import load_config
+
+    assert load_config(["checkpoint.async=true"]).checkpoint.async_save is True
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base: tiny\ncheckpoint: {async: true}\n")
+    assert load_config([f"recipe={recipe}"]).checkpoint.async_save is True
+    assert load_config([]).checkpoint.async_save is False

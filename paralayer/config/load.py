@@ -203,6 +203,22 @@ def _profile(name: str, field_name: str = "cluster") -> dict:
     return node
 
 
+# Spellings a user may type that cannot be dataclass fields (``async`` is a Python keyword).
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def _unalias(node: dict) -> dict:
+    """A recipe node with aliased keys under their field names (``checkpoint: {async: true}``)."""
+    for alias, name in ALIASES.items():
+        section, _, key = alias.partition(".")
+        sub = node.get(section) if isinstance(node, dict) else None
+        if isinstance(sub, dict) and key in sub:
+            if name.partition(".")[2] in sub:
+                raise ConfigError(alias, f"given together with {name}; use one")
+            sub[name.partition(".")[2]] = sub.pop(key)
+    return node
+
+
 def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str], list[str]]:
     recipe, cluster, rest = None, None, []
     for ov in overrides:
@@ -210,6 +226,7 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
             raise ConfigError(ov[:80], "overrides take the form key=value (e.g. parallel.tp=2)")
         key, _, value = ov.partition("=")
         key = key.strip().lstrip("+")
+        key = ALIASES.get(key, key)
         if not key or not all(part and (part.replace("_", "a").replace("-", "a").isalnum()) for part in key.split(".")):
             raise ConfigError(key[:80] or "(empty key)", "is not a dotted key (e.g. parallel.tp=2)")
         if key == "recipe":
@@ -315,7 +332,7 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
     chain = _recipe_chain(recipe)
     cluster_name, cluster_field = _pick_profile(chain, ov_cluster)
     for node in chain:
-        _check_keys(node, Config)
+        _check_keys(_unalias(node), Config)
     profile = _profile(cluster_name or "local", cluster_field)
     _check_keys(profile, ClusterConfig, "cluster.")
     layers: list[Any] = [{"cluster": profile}, *chain]
