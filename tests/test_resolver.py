@@ -46,7 +46,8 @@ def test_tp_all_reduce_message_seed_figure():
     tp = p.comm["tp"]
     assert tp["collective"] == "all-reduce"
     assert tp["message_bytes"] == 67_108_864
-    assert tp["count_per_step"] == 4 * 20 * p.microbatches   # 80 layers / pp=4 on this rank
+    # 80 layers / pp=4 on this rank, + the vocab-parallel embedding's all-reduce (rank 0 holds it)
+    assert tp["count_per_step"] == (4 * 20 + 1) * p.microbatches
     assert tp["bytes_per_step"] == 67_108_864 * tp["count_per_step"]
     # sequence parallel: all-gather + reduce-scatter, same volume
     sp = plan("recipe=llama3-70b", "model.seq_len=4096").comm["tp"]

@@ -151,7 +151,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
     n_moe = sum(1 for i in layers if is_moe_layer(cfg, i))
     n_full = sum(1 for i in layers if layer_recompute(lay, i) == "full")  # full: every k-th layer
-    return {"tp": _tp_comm(lay, act_msg, n_layers, n_moe, n_full),
+    ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
+    return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
             "pp": _pp_comm(lay, act_msg, r),
             "cp": _cp_comm(cfg, lay, tokens, ab, n_layers, n_full),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
@@ -171,6 +172,42 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     if lay.tp > 1:
         return _entry("all-reduce", act_msg, (4 * n_layers + 2 * n_full) * mm, lay.tp)
     return _entry("none", 0, 0, 1)
+
+
+def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) -> tuple[float, float, int]:
+    """tp traffic outside the layers, per step: (pair-equivalents of s·b·h activations, small
+    all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input
+    grad: an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters
+    (its grad all-gathered back) and the head all-gathers its input (its grad reduce-scattered),
+    under tp_overlap these four are plain collectives counted at their whole message each.
+    Small ones: the vocab-parallel loss's 3 all-reduces of the tokens' fp32 statistics per
+    microbatch (last chunk), and under SP each norm weight's fp32 grad (2 per layer, the final
+    norm on the last chunk) all-reduced per microbatch. All counted by the rehearsal."""
+    if lay.tp == 1:
+        return 0.0, 0.0, 0
+    m = cfg.model
+    mm = lay.microbatches
+    first, last = 0 in rank_chunks(lay, r), lay.chunks - 1 in rank_chunks(lay, r)
+    ends = (int(first) + int(last)) * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
+    if lay.sequence_parallel:
+        norms = 2 * n_layers + int(last)
+        small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
+    return ends * act_msg, small, ends + n_small
+
+
+def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
+    """The tp entry of :func:`comm` plus :func:`_tp_ends` (bytes and count; the wire bytes too)."""
+    act, small, count = ends
+    if not count:
+        return e
+    e = dict(e, collective=e["collective"] if e["group_size"] > 1 else "all-reduce")
+    e["count_per_step"] += count
+    e["bytes_per_step"] += int(act + small)
+    if "wire_bytes_per_step" in e:
+        e["wire_bytes_per_step"] += int(act + small)
+    return e
 
 
 def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
@@ -259,6 +296,15 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
     return e
 
 
+def cp_core_fraction(cp: int) -> float:
+    """Share of the S×S attention core a cp rank's ring computes (parallel/context.py's zigzag
+    ``_step_blocks``): its 2 chunks of c = S/(2·cp) rows meet 3 c×c blocks of its own K/V and one
+    2c×c block from each of the cp−1 others: (2·cp+1)·c² of the 4·cp·c² a full row-slice would be.
+    A causal block counts whole (as ``FlopCounterMode`` and the attention kernels' launch do).
+    1 without cp (one SDPA call over the whole S×S)."""
+    return 1.0 if cp <= 1 else (2 * cp + 1) / (4 * cp)
+
+
 def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
@@ -268,11 +314,13 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     attention core 4·s·h/tp (not halved for the mask). Backward: twice the matmuls, 2.5 times the
     core (the flash-attention backward recomputes the scores: 5 matmuls to the forward's 2).
     Recompute adds the core's forward (selective) or the layer's forward (full). The last chunk
-    adds the head, 2·h·V_padded/tp per token, times 3."""
+    adds the head, 2·h·V_padded/tp per token, times 3. Under cp the ring computes only the blocks
+    the causal mask leaves (:func:`cp_core_fraction`); model FLOPs (:func:`flops_per_token`, MFU)
+    keep the whole S×S core."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     tokens = lay.microbatches * lay.micro_batch * m.seq_len / lay.cp
-    core = 4.0 * m.seq_len * h / t
+    core = 4.0 * m.seq_len * h / t * cp_core_fraction(lay.cp)
     total = 0.0
     for c in rank_chunks(lay, r):
         for i in lay.stage_layers[c]:
