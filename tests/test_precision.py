@@ -37,7 +37,8 @@ def _check(fp32: list[dict], bf16: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world,extra", [(1, ["parallel.dp=1"]),                       # autocast
-                                         (2, ["parallel.dp=2", "parallel.zero=2"])])  # FSDP2 mixed precision
+                                         (2, ["parallel.dp=2", "parallel.zero=2"]),   # FSDP2 mixed precision
+                                         (2, ["parallel.dp=1", "parallel.pp=2"])])    # autocast, bf16 between stages
 def test_bf16_matches_fp32(world, extra):
     out = run_ranks(_pair, world, BASE + extra, timeout_s=400)
     for fp32, bf16 in out:

@@ -223,6 +223,18 @@ def _unview_hook(module, inputs, output):
     return _unview(output)
 
 
+def _boundary_hooks(mod: nn.Module, first: bool, last: bool, dtype: torch.dtype) -> None:
+    """Under autocast the residual stream is fp32 inside a chunk; between chunks it travels in
+    ``dtype`` (bf16), as Megatron sends it: half the pp bytes. A chunk that is not the last casts
+    its output down, one that is not the first casts its input back up (the cast's backward
+    returns the received activation's grad in ``dtype`` too)."""
+    if not last:
+        mod.register_forward_hook(lambda m, args, out: out.to(dtype))
+    if not first:
+        mod.register_forward_pre_hook(lambda m, args: tuple(a.float() if torch.is_floating_point(a) else a
+                                                            for a in args))
+
+
 # ------------------------------------------------------------------ ZeRO-2/3 under pp
 def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
     """Make an FSDP stage reduce-scatter its gradients after EVERY microbatch's backward.
@@ -284,7 +296,8 @@ def _static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
 def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> dict:
     """Example input and output of each of this rank's chunks, for ``PipelineStage``'s static mode.
 
-    A chunk's input is the token ids (chunk 0) or the residual stream in fp32 (b, s/cp, h), split
+    A chunk's input is the token ids (chunk 0) or the residual stream, in the autocast dtype if
+    any else fp32 (:func:`_boundary_hooks`), (b, s/cp, h), split
     over tp under sequence parallel; its output comes from running the chunk once without grad."""
     d = plan_field(plan, "degrees")
     b, s = runner.microbatch_shape
@@ -295,7 +308,7 @@ def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> 
             x = torch.zeros((b, s), dtype=torch.long, device=runner.device)
         else:
             s_stream = s // tp if (tp > 1 and plan_field(plan, "sequence_parallel")) else s
-            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=torch.float32, device=runner.device,
+            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=autocast_dtype or torch.float32, device=runner.device,
                             requires_grad=True)  # received activations carry the backward
         ctx = contextlib.ExitStack()
         if runner.loss_parallel:
@@ -379,6 +392,9 @@ class PipelineRunner:
                 mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
             if split_backward:
                 mod.register_forward_hook(_unview_hook)
+        if autocast_dtype is not None:
+            for c, mod in zip(ids, self.chunks):
+                _boundary_hooks(mod, c == 0, c == self.n_chunks - 1, autocast_dtype)
 
         self.events: list[dict] = []  # start/end are clock marks until _finish_measure reads them
         self.clock = StepClock(self.device)

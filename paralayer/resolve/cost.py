@@ -17,6 +17,7 @@ from paralayer.resolve.memory import (
     BYTES_PER_PARAM,
     is_moe_layer,
     layer_recompute,
+    precision_mode,
     matmul_params,
     rank_chunks,
     rank_params,
@@ -182,9 +183,13 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
     under tp_overlap these four are plain collectives counted at their whole message each.
     Small ones: the vocab-parallel loss's 3 all-reduces of the tokens' fp32 statistics per
     microbatch (last chunk), and under SP each norm weight's fp32 grad (2 per layer, the final
-    norm on the last chunk) all-reduced per microbatch. All counted by the rehearsal."""
+    norm on the last chunk) all-reduced per microbatch. All counted by the rehearsal. Under
+    autocast (ZeRO 0/1 bf16) the embedding's output and the head's input are the fp32 residual
+    stream, so these four move fp32."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
+    if _autocast(lay):
+        act_msg *= 4 / ACT_BYTES[lay.precision]
     m = cfg.model
     mm = lay.microbatches
     first, last = 0 in rank_chunks(lay, r), lay.chunks - 1 in rank_chunks(lay, r)
@@ -195,6 +200,11 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
         norms = 2 * n_layers + int(last)
         small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
     return ends * act_msg, small, ends + n_small
+
+
+def _autocast(lay: Layout) -> bool:
+    """bf16 as autocast runs it: fp32 weights and residual stream, bf16 GEMMs (memory.precision_mode)."""
+    return precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
 
 
 def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
@@ -272,7 +282,11 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
         e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
     elif lay.zero == 1:
         # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
-        # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes)
+        # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes). Under
+        # bf16 autocast the weights are the only copy and fp32: the broadcast moves fp32 (a bf16
+        # broadcast would leave the other ranks' weights rounded, apart from the owner's)
+        if _autocast(lay):
+            wb = 4
         e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
         e["bytes_per_step"] = int(n * gb + n_bcast * wb)
         e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
