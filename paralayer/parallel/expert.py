@@ -129,6 +129,16 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def _wire_dtype(xs: Tensor) -> Tensor:
+    """Under autocast the token rows are the fp32 residual stream; the experts' GEMMs would cast
+    them to the autocast dtype on arrival anyway, so they travel in it: half the dispatch bytes,
+    the same numbers (Megatron dispatches bf16 too). The combine sends the GEMMs' bf16 output."""
+    kind = xs.device.type
+    if xs.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return xs.to(torch.get_autocast_dtype(kind))
+    return xs
+
+
 def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Tensor:
     """``xs`` (N, d): this rank's token-slots sorted by GLOBAL expert id; ``counts`` (E,) rows per
     expert. Returns the expert outputs (N, d) in the same order."""
@@ -146,7 +156,7 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     out_splits = recv_counts.sum(1).tolist()
 
     # 2. dispatch: received rows are ordered (source rank, local expert)
-    received = all_to_all(xs, out_splits, in_splits, group)
+    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group)
 
     # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
     row_expert = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
@@ -168,7 +178,7 @@ def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: i
     mine = counts[m.expert_offset: m.expert_offset + n_local]        # what each source sends me
     in_splits = [sum(counts[j * n_local:(j + 1) * n_local]) for j in range(ep)]
     out_splits = [sum(mine)] * ep
-    received = all_to_all(xs, out_splits, in_splits, group)
+    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group)
     # rows arrive (source rank, local expert); regroup by local expert, compute, ungroup
     idx = torch.arange(sum(out_splits), device=xs.device).view(ep, -1)
     starts = [sum(mine[:e]) for e in range(n_local)]
