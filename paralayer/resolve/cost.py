@@ -165,13 +165,17 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
+    n_dense = n_layers - n_moe
     if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
-        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only)
-        pairs = 4 * n_layers + 2 * n_full + (2 * (n_layers - n_moe) + n_moe) / 2
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only).
+        # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
+        # grad (its input grad is a local slice): one pair's volume, not two
+        pairs = 4 * n_dense + 3 * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
         return _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
     if lay.tp > 1:
-        return _entry("all-reduce", act_msg, (4 * n_layers + 2 * n_full) * mm, lay.tp)
+        # an MoE block without SP sees the replicated stream: only its attention all-reduces
+        return _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm, lay.tp)
     return _entry("none", 0, 0, 1)
 
 

@@ -6,7 +6,9 @@ optimizer's states are counted from the tensors themselves after the step (the l
 DTensor); the activation peak is the peak of the bytes autograd keeps for backward
 (``saved_tensors_hooks``, one count per storage), the same quantity the plan's activation model
 was fitted to (``paralayer/runtime/activation_memory.py``), keyed by storage identity because
-fake storages have no address.
+fake storages have no address. Under autocast a saved tensor that is a cast copy of a weight
+(``weight_copy_of``: the bf16 copy a GEMM keeps for its backward) is counted apart, and its live
+peak reported with the weights, as the plan counts autocast's copies (``memory.HELD_BYTES``).
 
 Not used: torch's ``MemTracker`` refuses a root module called again within one step (each
 microbatch calls it), so the live-bytes peak, which would also see full recompute's transient
@@ -70,6 +72,34 @@ def optimizer_bytes(opt: Any) -> int:
     return _bytes(out)
 
 
+#: Single-input autograd nodes a weight passes through on its way to a GEMM: autocast's cast,
+#: views, transposes, DTensor's local-tensor unwrap.
+_WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",
+                "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "AliasBackward", "ToLocalBackward",
+                "FromLocalBackward", "CloneBackward")
+
+
+def weight_copy_of(t: torch.Tensor):
+    """The Parameter ``t`` is a cast copy of (autocast's bf16 copy of an fp32 weight, possibly
+    viewed or transposed for the GEMM), else None: walks ``t``'s grad_fn through single-input
+    casts and views to an AccumulateGrad. A cast, not the weight itself (that is excluded before)."""
+    fn, cast = t.grad_fn, False
+    for _ in range(8):
+        if fn is None:
+            return None
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return fn.variable if cast else None
+        if not name.startswith(_WEIGHT_PATH):
+            return None
+        cast = cast or name.startswith("ToCopyBackward")
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return None
+        fn = nxt[0]
+    return None
+
+
 def _key(t: torch.Tensor) -> int:
     return _local(t).untyped_storage()._cdata
 
@@ -86,6 +116,12 @@ class SavedPeak:
         self.peak_bytes = 0
         self.refs: dict[int, int] = {}
         self._ctx = None
+        #: autocast's cast copies of the weights saved for backward: their live bytes and peak,
+        #: apart from the activations' (the plan counts them with the weights, memory.HELD_BYTES)
+        self.copies_live = 0
+        self.weight_copy_bytes = 0
+        self.copies_per_weight: dict[int, int] = {}
+        self.copy_keys: set[int] = set()
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
@@ -100,10 +136,20 @@ class SavedPeak:
             return t
         if key in self.skip or nbytes == 0:
             return t
+        w = weight_copy_of(t) if t.grad_fn is not None else None
         n = self.refs.get(key, 0)
-        if n == 0:
+        if n == 0 and w is not None:
+            self.copies_live += nbytes
+            self.weight_copy_bytes = max(self.weight_copy_bytes, self.copies_live)
+            self.copies_per_weight[id(w)] = self.copies_per_weight.get(id(w), 0) + 1
+            nbytes = -nbytes  # negative: a weight copy's bytes (see release)
+        elif n == 0:
             self.live += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live)
+        elif key in self.copy_keys:
+            nbytes = -nbytes
+        if nbytes < 0:
+            self.copy_keys.add(key)
         self.refs[key] = n + 1
         return _Held(t.detach(), key, nbytes, self)
 
@@ -115,7 +161,11 @@ class SavedPeak:
         n = self.refs.get(key, 0) - 1
         if n <= 0:
             self.refs.pop(key, None)
-            self.live -= nbytes
+            if nbytes < 0:
+                self.copies_live += nbytes
+                self.copy_keys.discard(key)
+            else:
+                self.live -= nbytes
         else:
             self.refs[key] = n
 

@@ -165,11 +165,15 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             params = run.built.params
             out = {
                 "rank": rank, "coords": coords,
-                "memory_bytes": {"params": rmem.param_bytes(params, _gathered_through_step(run)), "grads": rmem.grad_bytes(params),
+                # autocast's bf16 copies of the weights count with the weights, as the plan counts them
+                "memory_bytes": {"params": rmem.param_bytes(params, _gathered_through_step(run)) + saved.weight_copy_bytes,
+                                 "grads": rmem.grad_bytes(params),
                                  "optimizer": rmem.optimizer_bytes(run.opt), "activations": int(saved.peak_bytes)},
                 "collectives": counter.table(),
                 "flops": float(flops.get_total_flops()),
                 "flops_by_op": {str(k): float(v) for k, v in flops.get_flop_counts().get("Global", {}).items()},
+                "weight_copy_bytes": saved.weight_copy_bytes,
+                "weight_copies_per_weight": max(saved.copies_per_weight.values(), default=0),
             }
     except Exception as exc:  # noqa: BLE001 - reported as the rank's failure, exit 2
         raise RehearsalError(f"rank {rank}: the runtime could not {phase} at this layout in {_module_of(exc)}: "
