@@ -2,6 +2,7 @@
 model, every listed layout passes the resolver with the same numbers, and it is fast."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -266,3 +267,49 @@ def test_soundness_sample_runs():
     results = soundness.sweep(4, seed=7, worlds=(2,), timeout_s=50)
     failed = [(r["overrides"], r["error"]) for r in results if not r["ok"]]
     assert not failed, failed
+
+
+def _70b_16k(cap_gib: int):
+    """70B at tp 8 · pp 4 · dp 16, ZeRO-1, 16k tokens: selective needs 74.1 GiB, full with
+    recompute_every=2 58.0, full 28.0; ``cap_gib`` less the 4 GiB reserve decides which fit."""
+    cfg = load_config(["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "model.seq_len=16384",
+                       "train.global_batch=256", f"cluster.device_memory_gib={cap_gib}"])
+    fixed = dict(tp=8, pp=4, dp=16, cp=1, schedule="1f1b", zero=1, micro_batch=1, tp_overlap=False)
+    return cfg, planner.plan_layouts(cfg, fixed=fixed)
+
+
+def test_partial_full_recompute_is_picked_when_only_it_fits():
+    """With 66 GiB usable no per-layer mode fits, and full on every layer repeats a third of the
+    step: the planner offers full with recompute_every=k and picks the largest k that fits (fewest
+    layers recomputed). The pick is what resolve() and predict() say for the same overrides."""
+    cfg, plans = _70b_16k(70)
+    avail = 66 * 2**30
+    assert plans and all(d["recompute"] == "full" for d in plans)
+    top = plans[0]
+    k = top["recompute_every"]
+    assert k > 1, top
+    assert plans[-1]["recompute_every"] == 1 and plans[-1]["step_time_s"] > top["step_time_s"]
+    c = planner.config_for(cfg, top)
+    assert c.parallel.recompute_every == k
+    p = resolve(c)
+    assert p.fits and p.memory_per_device_bytes["total"] == top["memory"]["total"] <= avail
+    assert planner.predict(c)["step_time_s"] == pytest.approx(top["step_time_s"], rel=1e-6)
+    assert f"parallel.recompute_every={k}" in top["overrides"]
+    # every larger k the planner weighs (divisors of the 20 layers a rank holds, and 2, 3, 4) does not fit
+    larger = [k2 for k2 in (2, 3, 4, 5, 10, 20) if k2 > k]
+    assert larger
+    for k2 in larger:
+        c2 = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, recompute_every=k2))
+        assert resolve(c2).memory_per_device_bytes["total"] > avail, k2
+    # fewer layers recomputed -> less recompute time than full on every layer
+    assert top["recompute_s"] < plans[-1]["recompute_s"] / 1.5
+
+
+def test_partial_full_recompute_not_listed_when_a_cheaper_mode_fits():
+    """76 GiB usable: selective fits (74.1 GiB) and repeats fewer FLOPs than any full/k that fits
+    (k = 4 repeats 1/12 of the step), so no full/k is listed; with room for everything, none wins."""
+    _, plans = _70b_16k(80)
+    assert plans[0]["recompute"] == "selective"
+    assert all(d["recompute_every"] == 1 for d in plans)
+    _, plans = _70b_16k(100)
+    assert plans[0]["recompute"] == "none" and all(d["recompute_every"] == 1 for d in plans)

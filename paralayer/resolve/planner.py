@@ -22,7 +22,9 @@ CLI ``paralayer.resolve.plan_report``):
     imbalance = FLOPs of the busiest pipeline rank / the mean (the output head sits on the last
                 chunk's rank; the planner picks the layer split that minimises it)
     recompute = compute · imbalance · (selective: 4·L·h·s / flops_per_token, the attention core's
-                forward; full: 1/3, one more forward)
+                forward; full: 1/3, one more forward; full with recompute_every=k: 1/3 of the
+                layers i % k == 0 — weighed for a few k, the largest that fits, only where no
+                mode at most as dear in FLOPs and traffic fits: ``_partial_full``)
     dispatch  = m · per-layer framework time of the busiest rank's layers (fitted on CPU, 0 on GPUs)
     comm[ax]  = count · latency(span) + wire bytes / bandwidth(span), volumes from ``cost.comm``
                 (dp as the runtime moves it: FSDP per microbatch without pp, deferred under pp)
@@ -142,6 +144,7 @@ class RankInfo(NamedTuple):
     n_dense: int  # layers held
     n_moe: int
     last: bool  # holds the output head
+    layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
 
 
 class MemPick(NamedTuple):
@@ -195,6 +198,7 @@ class Candidate(NamedTuple):
     ovh: float
     overlap: bool
     t_tp: float
+    every: int = 1  # recompute=full: parallel.recompute_every (1: every layer)
 
 
 # ------------------------------------------------------------------ the planner
@@ -351,7 +355,8 @@ def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
         layers = [i for c in chunks for i in lay.stage_layers[c]]
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks))
+        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
+                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers)))
     return ranks
 
 
@@ -382,9 +387,11 @@ def _comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tu
     return dp_line
 
 
-def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int) -> list:
+def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
+                 every: int = 1) -> list:
     """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
     lay, spans = st.lay, st.spans
+    lay.recompute_every = every
     m1 = gb // lay.dp
     mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
     pts = []
@@ -395,7 +402,75 @@ def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: 
         t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
         pts.append((mm_, t))
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
+    lay.recompute_every = 1
     return pts
+
+
+def _rkey(recompute: str, every: int) -> str:
+    """The key of a recompute choice in ``rc_frac`` and ``per_ax``: the mode, or full/k."""
+    return recompute if every == 1 else f"{recompute}/{every}"
+
+
+def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> list[int]:
+    """recompute_every values k > 1 to weigh with recompute=full, largest (fewest layers recomputed)
+    first: the divisors of the most layers a rank holds, and 2, 3, 4 (a handful per structure)."""
+    if "full" not in recomputes:
+        return []
+    n = max(len(rk.layers) for rk in ranks)
+    ks = {k for k in divisors(n) if k > 1} | {k for k in (2, 3, 4) if k < n}
+    return sorted(_allowed(ctx.fixed, "recompute_every", sorted(ks)), reverse=True)
+
+
+def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
+                       every: int, tab: float) -> MemPick:
+    """``_peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
+    "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient)."""
+    best: Optional[MemPick] = None
+    for rk, st, (inf, extra) in zip(ranks, states, flight):
+        per, live = 0.0, 0.0
+        for i, moe in rk.layers:
+            full = i % every == 0
+            per += act["full" if full else "none"][1 if moe else 0]
+            if full:
+                live = max(live, act["none"][1 if moe else 0])
+        a = int(inf * per * tab + extra + int(live * tab))
+        if best is None or st[3] + a > best.total:
+            best = MemPick(st[3] + a, rk.rank, st[0], st[1], st[2], a)
+    assert best is not None
+    return best
+
+
+def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
+                  flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
+                  tp_time: Any) -> Optional[Candidate]:
+    """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
+    it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
+    mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
+    and selective without cp (their ring rerun is cp traffic full/k may save)."""
+    tot = ctx.tot
+    zero, mb, mm, tokens, dp, bubble, work, ovh_per_m, overlap = lay_m
+    cheap = {"none", "swiglu"} | ({"core_attn", "selective"} if st.lay.cp == 1 else set())
+    bar = min((tot.rc_frac[m] for m in fitted & cheap), default=math.inf)
+    for k in ks:
+        rk = _rkey("full", k)
+        if rk not in tot.rc_frac:
+            tot.rc_frac[rk] = cost_mod.recompute_fraction(ctx.cfg, "full", k)
+        if tot.rc_frac[rk] >= bar:
+            return None  # k descends, so the fraction only grows from here
+        ctx.weighed[0] += 1
+        mem = _peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab)
+        if tot.avail is not None and mem.total > tot.avail:
+            ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
+            continue
+        if (False, rk) not in st.per_ax:
+            pts = _comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 0, k)
+            st.per_ax[(False, rk)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+            st.per_ax[(True, rk)] = {ax: st.per_ax[(False, rk)][ax] for ax in ("pp", "cp", "ep")}
+        line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk)].values()) for i in (0, 1))
+        t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
+        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp, bubble, work, ovh_per_m, overlap,
+                      tot, ctx.mach, k)
+    return None
 
 
 def _refined_bound(ctx: _Context, st: Structure) -> float:
@@ -502,7 +577,17 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
+    ks = _every_options(ctx, ranks, recomputes)
     tp_cache: dict = {}
+
+    def tp_time(mb: int, recompute: str) -> float:
+        """tp_overlap's exposed tp seconds: independent of zero, once per (micro-batch, recompute)."""
+        if (mb, recompute) not in tp_cache:
+            tp_cache[(mb, recompute)] = tp_overlap_seconds(
+                ring_flops[recompute], ranks[0].n_dense, ranks[0].n_moe, mb * tot.seq / lay.cp, tot.gb // (mb * lay.dp),
+                lay.tp, tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
+        return tp_cache[(mb, recompute)]
+
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = _state_table(ranks, lay, zero, tot)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
@@ -522,21 +607,23 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
+                fitted = set()
                 for recompute in recomputes:
                     mem = _peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
                                        tokens * tot.ab)
                     if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
-                    t_tp = 0.0
-                    if overlap:  # does not depend on zero: once per (micro-batch, recompute)
-                        if (mb, recompute) not in tp_cache:
-                            tp_cache[(mb, recompute)] = tp_overlap_seconds(
-                                ring_flops[recompute], ranks[0].n_dense, ranks[0].n_moe, tokens, mm, lay.tp,
-                                tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
-                        t_tp = tp_cache[(mb, recompute)]
+                    fitted.add(recompute)
+                    t_tp = tp_time(mb, recompute) if overlap else 0.0
                     recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute)], t_tp,
                                        (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
+                if ks:
+                    c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
+                                      (zero, mb, mm, tokens, (t_dp, t_red), bubble, work, ovh_per_m, overlap),
+                                      tp_time)
+                    if c is not None:
+                        recs.append(c)
             if len(recs) == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
                 # nothing fits at this micro-batch: a larger one holds at least as many activations
                 drop("memory: does not fit (a smaller micro-batch did not)", (len(mbs) - i_mb - 1) * n_var)
@@ -545,16 +632,17 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
 
 def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
            line: tuple, t_tp: float, dp: tuple, bubble: float, work: float, ovh_per_m: float, overlap: bool,
-           tot: Totals, mach: Machine) -> Candidate:
+           tot: Totals, mach: Machine, every: int = 1) -> Candidate:
     """The step time of one layout from its parts (the formula in the module docstring)."""
     fixed, per_m = line
     t_dp, t_red = dp
-    recomp = work * tot.rc_frac[recompute]
+    recomp = work * tot.rc_frac[_rkey(recompute, every)]
     ovh = ovh_per_m * mm
     inner = work + recomp + fixed + per_m * mm + t_tp + ovh
     dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
     return Candidate(inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
-                     dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp)
+                     dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp,
+                     every)
 
 
 def _line(pts: list, ax: str) -> tuple[float, float]:
@@ -573,7 +661,7 @@ def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: T
     flops_step = tot.flops_step
     tokens = tot.gb * tot.seq
     ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
-    for name, (f_, p_) in st.per_ax[(t.overlap, t.recompute)].items():
+    for name, (f_, p_) in st.per_ax[(t.overlap, _rkey(t.recompute, t.every))].items():
         ct[name] = f_ + p_ * t.mm
     m = t.mem
     out = {
@@ -582,6 +670,7 @@ def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: T
         "schedule": lay.schedule,
         "zero": t.zero,
         "recompute": t.recompute,
+        "recompute_every": t.every,
         "micro_batch": t.mb,
         "microbatches": t.mm,
         "sequence_parallel": lay.sequence_parallel,
@@ -606,7 +695,8 @@ def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: T
         "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                    "total": m.total, "capacity": mach.capacity, "stage": m.rank},
         "overrides": st.prefix + [f"parallel.zero={t.zero}", f"parallel.recompute={t.recompute}",
-                                  f"train.micro_batch={t.mb}"] + (["parallel.tp_overlap=true"] if t.overlap else []),
+                                  f"train.micro_batch={t.mb}"] + (["parallel.tp_overlap=true"] if t.overlap else [])
+        + ([f"parallel.recompute_every={t.every}"] if t.every > 1 else []),
     }
     out.update(time_to_train(cfg, t.step, tokens, mach.world))
     return out
@@ -624,6 +714,7 @@ def config_for(cfg: Config, d: dict) -> Config:
     deg = d["degrees"]
     par = dataclasses.replace(cfg.parallel, tp=deg["tp"], pp=deg["pp"], vpp=deg["vpp"], cp=deg["cp"], ep=deg["ep"],
                               dp=deg["dp"], schedule=d["schedule"], zero=d["zero"], recompute=d["recompute"],
+                              recompute_every=int(d.get("recompute_every", 1)),
                               pp_layout=list(d["pp_layout"]) if d.get("pp_layout") else None,
                               tp_overlap=bool(d.get("tp_overlap", False)))
     tr = dataclasses.replace(cfg.train, micro_batch=d["micro_batch"])
