@@ -246,7 +246,8 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, n_layers: int, 
         return _entry("none", 0, 0, 1)
     m = cfg.model
     kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
-    kv = kv_elems * ab
+    # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
+    kv = kv_elems * (4 if _autocast(lay) else ab)
     # core_attn / selective recompute rerun the attention core (the ring) as full recompute
     # does on its layers
     reruns = n_layers if lay.recompute in ("core_attn", "selective") else n_full
