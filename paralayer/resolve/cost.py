@@ -171,7 +171,9 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only).
         # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
         # grad (its input grad is a local slice): one pair's volume, not two
-        pairs = 4 * n_dense + 3 * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
+        # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
+        moe_pair = 2 if _autocast(lay) else 1
+        pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
         return _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
