@@ -76,7 +76,7 @@ def optimizer_bytes(opt: Any) -> int:
 #: views, transposes, DTensor's local-tensor unwrap.
 _WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",
                 "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "AliasBackward", "ToLocalBackward",
-                "FromLocalBackward", "CloneBackward")
+                "FromLocalBackward", "CloneBackward", "SelectBackward", "SliceBackward", "UnbindBackward")
 
 
 def weight_copy_of(t: torch.Tensor):
