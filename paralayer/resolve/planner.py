@@ -82,6 +82,9 @@ from paralayer.resolve.step_time import compute_seconds, time_plan, time_to_trai
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
+# recompute modes with the same traffic in cost.comm: swiglu reruns no collective, selective's reruns
+# are core_attn's (the cp ring), full reruns the whole layer's
+COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}
 AXES = ("tp", "pp", "cp", "ep", "dp")
 MAX_VPP = 8
 
@@ -169,8 +172,9 @@ class Structure:
     degrees: dict
     prefix: list  # the overrides that select it
     bound: float  # a lower bound on any of its layouts' step time
-    per_ax: dict = dataclasses.field(default_factory=dict)  # (overlap, recompute) -> {axis: (fixed, per m)}
-    first_pts: Optional[list] = None  # comm at recompute=none, zero 0 (computed for the refined bound)
+    # (overlap, recompute, FSDP's bf16: _fsdp_key) -> {axis: (fixed, per m)}
+    per_ax: dict = dataclasses.field(default_factory=dict)
+    first_pts: Optional[list] = None  # comm at recompute=none, zero _first_zero (for the refined bound)
 
     @property
     def pp_layout(self) -> Optional[list]:
@@ -373,18 +377,49 @@ def _comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tu
     microbatch). Fills ``st.per_ax``; returns {zero: (dp line, grad reduce-scatter line)}.
     tp_overlap's exposed tp time is not affine in m: it is computed per micro-batch size later."""
     dp_line = {}
-    for recompute, zero_ in (("none", 0), ("swiglu", 0), ("core_attn", 1), ("selective", 1), ("full", 2),
-                             ("full", 3)):
-        if (recompute, zero_) == ("none", 0) and st.first_pts is not None:
-            pts = st.first_pts
-        else:
-            pts = _comm_points(cfg, st, mach, gb, recompute, zero_)
-        if (False, recompute) not in st.per_ax:
-            st.per_ax[(False, recompute)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
-            if True in overlaps:  # pp, cp, ep as without; tp per micro-batch size
-                st.per_ax[(True, recompute)] = {ax: st.per_ax[(False, recompute)][ax] for ax in ("pp", "cp", "ep")}
-        dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
+    fks = (False, True) if _fsdp_able(st.lay) else (False,)
+    for fk in fks:
+        # the zeros with this precision mode, spread over the traffic classes so each zero's dp line comes once
+        zs = ([2, 3] if fk else [0, 1]) if len(fks) == 2 else [0, 1, 2, 3]
+        for i, cls in enumerate(("none", "core_attn", "full")):
+            zero_ = zs[min(i, len(zs) - 1)]
+            if cls == "none" and zero_ == _first_zero(st.lay) and st.first_pts is not None:
+                pts = st.first_pts
+            else:
+                pts = _comm_points(cfg, st, mach, gb, cls, zero_)
+            for recompute in RECOMPUTES:
+                if COMM_CLASS[recompute] == cls:
+                    _set_axes(st, (recompute, fk), pts)
+            dp_line.setdefault(zero_, (_line(pts, "dp"), _line(pts, "dp_reduce")))
+    for zero_ in range(4):
+        if zero_ not in dp_line:
+            pts = _comm_points(cfg, st, mach, gb, "none", zero_)
+            dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
     return dp_line
+
+
+def _fsdp_able(lay: Layout) -> bool:
+    """Whether ZeRO 2/3 runs bf16 as FSDP2's mixed precision here (bf16 stream) where ZeRO 0/1
+    autocasts (fp32 stream): then tp, pp and cp traffic depend on the ZeRO stage."""
+    return mem_mod.precision_mode(lay.precision, 2, lay.dp * lay.cp) == "bf16-fsdp"
+
+
+def _fsdp_key(lay: Layout, zero: int) -> bool:
+    return zero >= 2 and _fsdp_able(lay)
+
+
+def _first_zero(lay: Layout) -> int:
+    """The ZeRO stage whose tp/pp/cp/ep traffic is least (bf16 under FSDP moves half autocast's)."""
+    return 2 if _fsdp_able(lay) else 0
+
+
+def _set_axes(st: Structure, key: tuple, pts: list) -> None:
+    """st.per_ax for (recompute key, FSDP key), without and with tp_overlap (pp, cp, ep the same;
+    tp under tp_overlap is timed per micro-batch size)."""
+    rk, fk = key
+    if (False, rk, fk) not in st.per_ax:
+        st.per_ax[(False, rk, fk)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+        st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
 
 
 def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
@@ -462,11 +497,10 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
-        if (False, rk) not in st.per_ax:
-            pts = _comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 0, k)
-            st.per_ax[(False, rk)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
-            st.per_ax[(True, rk)] = {ax: st.per_ax[(False, rk)][ax] for ax in ("pp", "cp", "ep")}
-        line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk)].values()) for i in (0, 1))
+        fk = _fsdp_key(st.lay, zero)
+        if (False, rk, fk) not in st.per_ax:
+            _set_axes(st, (rk, fk), _comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
+        line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
         return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp, bubble, work, ovh_per_m, overlap,
                       tot, ctx.mach, k)
@@ -477,7 +511,7 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
     """A tighter lower bound on the structure's step time: its compute and least bubble, plus the
     pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
     setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
-    st.first_pts = _comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", 0)
+    st.first_pts = _comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", _first_zero(st.lay))
     hideable_tp = True in _overlaps(st.lay, ctx.mach)
     comm = 0.0
     for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
@@ -590,6 +624,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
 
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = _state_table(ranks, lay, zero, tot)
+        fk = _fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
             continue
@@ -616,7 +651,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                         continue
                     fitted.add(recompute)
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute)], t_tp,
+                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute, fk)], t_tp,
                                        (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
@@ -661,7 +696,8 @@ def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: T
     flops_step = tot.flops_step
     tokens = tot.gb * tot.seq
     ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
-    for name, (f_, p_) in st.per_ax[(t.overlap, _rkey(t.recompute, t.every))].items():
+    axes = st.per_ax[(t.overlap, _rkey(t.recompute, t.every), _fsdp_key(lay, t.zero))]
+    for name, (f_, p_) in axes.items():
         ct[name] = f_ + p_ * t.mm
     m = t.mem
     out = {
