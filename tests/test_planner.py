@@ -313,3 +313,17 @@ def test_partial_full_recompute_not_listed_when_a_cheaper_mode_fits():
     assert all(d["recompute_every"] == 1 for d in plans)
     _, plans = _70b_16k(100)
     assert plans[0]["recompute"] == "none" and all(d["recompute_every"] == 1 for d in plans)
+
+
+def test_recompute_every_on_the_command_line_narrows_full():
+    """parallel.recompute=full parallel.recompute_every=3 given: full is listed at k = 3 only (as
+    resolve() sizes it), though with 96 GiB usable recompute=none would fit too."""
+    cfg = load_config(["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "model.seq_len=16384",
+                       "train.global_batch=256", "cluster.device_memory_gib=100", "parallel.recompute=full",
+                       "parallel.recompute_every=3"])
+    fixed = dict(tp=8, pp=4, dp=16, cp=1, schedule="1f1b", zero=1, micro_batch=1, tp_overlap=False,
+                 **plan_report.fixed_from_overrides(["parallel.recompute=full", "parallel.recompute_every=3"], cfg))
+    plans = planner.plan_layouts(cfg, fixed=fixed)
+    full = [d for d in plans if d["recompute"] == "full"]
+    assert len(plans) == len(full) == 1 and full[0]["recompute_every"] == 3
+    assert resolve(planner.config_for(cfg, full[0])).memory_per_device_bytes["total"] == full[0]["memory"]["total"]

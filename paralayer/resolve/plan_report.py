@@ -59,7 +59,8 @@ def why_slower(d: dict, best: dict, mach: Machine) -> str:
 #: overrides that narrow ``--plan``: dotted key -> the planner's ``fixed`` name
 NARROWING = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.vpp": "vpp", "parallel.cp": "cp",
              "parallel.ep": "ep", "parallel.dp": "dp", "parallel.schedule": "schedule", "parallel.zero": "zero",
-             "parallel.recompute": "recompute", "parallel.tp_overlap": "tp_overlap", "train.micro_batch": "micro_batch"}
+             "parallel.recompute": "recompute", "parallel.recompute_every": "recompute_every",
+             "parallel.tp_overlap": "tp_overlap", "train.micro_batch": "micro_batch"}
 #: rows of the table when --top is not given
 # --plan --json without --top: the best JSON_ROWS layouts, so the answer stays within seconds on
 # clusters with a hundred thousand valid layouts (--top N asks for more).
@@ -148,7 +149,8 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
         g = d["degrees"]
         t.add_row(str(d["rank"]), str(g["tp"]), "yes" if d.get("tp_overlap") else "-",
                   *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
-                  str(d["zero"]), d["recompute"], str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
+                  str(d["zero"]), _recompute_label(d),
+                  str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
                   f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
                   f"{d['memory']['total'] / GIB:.1f}", f"{d['train_days']:.3g}", f"{d['device_hours']:,.0f}",
                   *([f"{d['train_cost']:,.0f}"] if priced else []), d["why"])
@@ -169,3 +171,9 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
 
 
 __all__ = ["finish", "why_slower", "print_plans", "run", "fixed_from_overrides"]
+
+
+def _recompute_label(d: dict) -> str:
+    """The table's recompute column: the mode, and full/k where only every k-th layer is recomputed."""
+    k = d.get("recompute_every", 1)
+    return d["recompute"] + (f"/{k}" if k > 1 else "")

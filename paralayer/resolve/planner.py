@@ -451,9 +451,13 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
     first: the divisors of the most layers a rank holds, and 2, 3, 4 (a handful per structure)."""
     if "full" not in recomputes:
         return []
+    if "recompute_every" in ctx.fixed:  # given on the command line: that k (or those) only
+        want = ctx.fixed["recompute_every"]
+        return sorted({int(k) for k in (want if isinstance(want, (list, tuple, set)) else [want]) if k > 1},
+                      reverse=True)
     n = max(len(rk.layers) for rk in ranks)
     ks = {k for k in divisors(n) if k > 1} | {k for k in (2, 3, 4) if k < n}
-    return sorted(_allowed(ctx.fixed, "recompute_every", sorted(ks)), reverse=True)
+    return sorted(ks, reverse=True)
 
 
 def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -609,9 +613,11 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc) for rc in RECOMPUTES} if True in overlaps else {}
     acts = _act_tables(ctx, lay, overlaps)
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
+    ks = _every_options(ctx, ranks, recomputes)
+    if 1 not in _allowed(ctx.fixed, "recompute_every", [1]):  # full only on every k-th layer
+        recomputes = [r for r in recomputes if r != "full"]
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
-    ks = _every_options(ctx, ranks, recomputes)
     tp_cache: dict = {}
 
     def tp_time(mb: int, recompute: str) -> float:
