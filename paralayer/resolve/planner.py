@@ -215,7 +215,8 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
     ``bubble``, ``memory`` {params, grads, optimizer, activations, total, capacity, stage},
     ``comm_time_s`` per axis, ``spans``, the step's parts, and the time to train). ``top``: only
     the best ``top`` (structures whose lower bound cannot reach them are skipped). ``fixed``:
-    {tp, pp, vpp, cp, ep, dp, schedule, zero, recompute, micro_batch: value} narrows the search.
+    {tp, pp, vpp, cp, ep, dp, schedule, zero, recompute, recompute_every, micro_batch: value} narrows
+    the search (each layout also says its ``recompute_every``: k > 1 for full on every k-th layer).
     ``stats`` (a dict) receives ``considered``, ``dropped`` {reason: count}, ``machine``,
     ``listed`` (layouts that fit), ``unexplored`` (structures left out) and ``seconds`` (CPU)."""
     t0 = time.process_time()
