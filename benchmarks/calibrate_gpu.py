@@ -150,6 +150,8 @@ class Row:
                 fixed.update({k: (cfg.train.micro_batch if k == "micro_batch" else getattr(p, k))
                               for k in CHOOSABLE if k not in self.free})
                 fixed.update({k: [int(v) if v.isdigit() else v for v in opts] for k, opts in self.options.items()})
+                if "recompute" not in self.free:  # a stated mode is the published one: every layer for "full"
+                    fixed["recompute_every"] = p.recompute_every
                 # memory unchecked: it is our runtime's (fp32 master weights, our activation
                 # model), not the published framework's, and would push rows into recompute
                 free_mem = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device_memory_gib=None))
