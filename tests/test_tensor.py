@@ -262,13 +262,21 @@ def test_collectives_per_layer_match_plan(sp):
     from paralayer.config import load_config
     from paralayer.resolve import plan as resolve
 
-    cfg = load_config(["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
-                       "model.ffn_hidden=96", "model.vocab_size=61", f"model.seq_len={S}",
-                       "parallel.tp=2", "parallel.dp=1", f"parallel.sequence_parallel={str(sp).lower()}",
-                       "train.global_batch=2", "train.micro_batch=2"])
-    plan = resolve.resolve(cfg).to_dict()
-    tp_comm = plan["comm"]["tp"]
-    assert tp_comm["count_per_step"] == measured_pairs * 2 * plan["microbatches"], tp_comm
+    def tp_comm_for(layers: int) -> tuple[dict, int]:
+        cfg = load_config(["model.d_model=64", f"model.n_layers={layers}", "model.n_heads=4",
+                           "model.n_kv_heads=4", "model.ffn_hidden=96", "model.vocab_size=61",
+                           f"model.seq_len={S}", "parallel.tp=2", "parallel.dp=1",
+                           f"parallel.sequence_parallel={str(sp).lower()}",
+                           "train.global_batch=2", "train.micro_batch=2"])
+        plan = resolve.resolve(cfg).to_dict()
+        return plan["comm"]["tp"], plan["microbatches"]
+
+    # per layer: the plan's count with 2 layers minus its count with 1 (the embedding, head and loss
+    # collectives, counted once per microbatch, cancel); under SP the two norm-grad all-reduces count
+    # one unit each, as a pair does
+    tp_comm, m = tp_comm_for(2)
+    per_layer = (tp_comm["count_per_step"] - tp_comm_for(1)[0]["count_per_step"]) / m
+    assert per_layer == measured_pairs + (bwd.get("all_reduce", 0) if sp else 0), (per_layer, tp_comm)
     assert ("reduce-scatter" in tp_comm["collective"]) == sp, tp_comm
     assert tp_comm["message_bytes"] == pytest.approx(2 * S * 64 * 4, rel=0.1), tp_comm
 
