@@ -232,3 +232,14 @@ def test_long_context_recipe_needs_cp():
     assert plan["comm"]["cp"]["message_bytes"] == kv_elems * 4
     assert plan["comm"]["cp"]["bytes_per_step"] == per_layer * n_layers * mm
     assert plan["comm"]["cp"]["count_per_step"] == (3 * (cp - 1) + cp) * n_layers * mm
+
+
+def test_cp2_tp4_matches_one_rank():
+    """cp 2 × tp 4 with sequence parallel (8 ranks; MHA so tp 4 divides the KV heads), plain and with
+    the SwiGLU-only recompute: loss and grad norm of 5 steps against one process."""
+    ref = run_ranks(_train, 1, ["model.n_kv_heads=4"])[0]
+    for extra in ([], ["parallel.recompute=swiglu"]):
+        losses, norms = run_ranks(_train, 8, ["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", *extra],
+                                  timeout_s=300)[0]
+        assert _rel(losses, ref[0]) <= REL, (extra, losses, ref[0])
+        assert _rel(norms, ref[1]) <= REL, (extra, norms, ref[1])
