@@ -307,8 +307,11 @@ def check_pipeline_split(cfg: Config, lay: Layout) -> None:
         okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]
         base, rem = divmod(m.n_layers, chunks)
         even = [base + 1] * rem + [base] * (chunks - rem) if chunks <= 64 else []
-        _error(lay, "parallel.pp", f"model.n_layers={m.n_layers} is not divisible into parallel.pp·vpp = "
-               f"{pp}·{lay.vpp} = {chunks} equal chunks; valid pp with vpp={lay.vpp}: {_fmt(nearest(okp, pp))}"
+        # with vpp > 1 and no pp that works for it, the interleaving degree is the field to change
+        field = "parallel.vpp" if lay.vpp > 1 and not okp else "parallel.pp"
+        _error(lay, field, f"model.n_layers={m.n_layers} is not divisible into parallel.pp·parallel.vpp = "
+               f"{pp}·{lay.vpp} = {chunks} equal chunks; valid parallel.pp with parallel.vpp={lay.vpp}: "
+               f"{_fmt(nearest(okp, pp))}"
                + (f"; or give an uneven split, e.g. parallel.pp_layout=[{','.join(map(str, even))}]"
                   if even and base else ""))
     else:
