@@ -3,6 +3,7 @@ and cost to train in the dry run, and --plan narrowed by overrides and --top (re
 resolve/machine.py GPU_CALIBRATION, benchmarks/calibrate_gpu.py)."""
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from paralayer.config import load_config
 from paralayer.resolve import planner
 from paralayer.resolve.machine import GPU_CALIBRATION, machine_for
+from paralayer.resolve.step_time import DP_SYNCS
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -36,6 +38,8 @@ def test_published_table_has_sources_and_the_required_runs():
     for r in rows:
         assert len(r["source"]) > 40, r["id"]  # paper/table or repository/file, with the figure
         assert float(r["value"]) > 0
+        assert r["table"], r["id"]  # the source table its order is checked within
+        assert (r["dp_sync"] or "runtime") in DP_SYNCS, r["id"]
     text = " ".join(r["source"] for r in rows)
     for must in ("Narayanan et al. 2021", "NVIDIA/Megatron-LM README", "pytorch/torchtitan",
                  "Llama 3 Herd of Models"):
@@ -49,22 +53,102 @@ def test_published_table_has_sources_and_the_required_runs():
         163e12 / (96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))))
 
 
-def test_shipped_constants_predict_the_published_runs():
-    """GPU_CALIBRATION as shipped: median error ≤ 15% of published TFLOP/s per GPU, order kept
-    (Spearman), no row off by more than 30% (docs/planner.md has the per-row table and the
-    leave-one-out errors: benchmarks/calibrate_gpu.py --loo)."""
-    cal = dict(json.loads(json.dumps(GPU_CALIBRATION)), peak_500w=0.738)
+@functools.lru_cache(maxsize=1)
+def _shipped_rows() -> tuple[list, dict]:
+    """Every published row with its layout chosen under the shipped constants (read-only: shared)."""
+    cal = calibrate_gpu.shipped()
     rows = [calibrate_gpu.Row(r) for r in calibrate_gpu.load_rows()]
     for r in rows:
         r.choose(cal)
-    pred = {r.id: r.predict(cal) for r in rows}
+    return rows, {r.id: r.predict(cal) for r in rows}
+
+
+def test_shipped_constants_predict_the_published_runs():
+    """GPU_CALIBRATION as shipped against the published runs (docs/planner.md has the per-row table):
+    median error ≤ 3%, none off by more than 10%, Spearman ≥ 0.98 — the measured 2.0%, 8.5%, 0.988
+    with a little room — and within each source table the rows ranked as measured: every pair whose
+    published figures differ by more than 2% but the few listed (the model's known misses)."""
+    rows, pred = _shipped_rows()
     errs = [abs(pred[r.id] / r.measured - 1) for r in rows]
-    assert statistics.median(errs) <= 0.15, sorted(errs)
-    assert max(errs) <= 0.30, max(zip(errs, [r.id for r in rows]))
-    assert calibrate_gpu.spearman([r.measured for r in rows], [pred[r.id] for r in rows]) >= 0.8
+    assert statistics.median(errs) <= 0.03, sorted(errs)
+    assert max(errs) <= 0.10, max(zip(errs, [r.id for r in rows]))
+    assert calibrate_gpu.spearman([r.measured for r in rows], [pred[r.id] for r in rows]) >= 0.98
+    order = calibrate_gpu.table_order(rows, pred)
+    # pairs the model orders the other way today: Megatron-LM 2021's 7.5B ran faster (142 TFLOP/s)
+    # than its 1.7B, 3.6B and 39B (137–138); Megatron-Core's 32B (460) than its 177B (433);
+    # torchtitan's 8B on 8 GPUs (5,762 tokens/s) than on 128 (5,605): predicted equal
+    known = {"n21-1.7b/n21-7.5b", "n21-3.6b/n21-7.5b", "n21-7.5b/n21-39b", "mc-32b/mc-177b",
+             "tt-8b-8/tt-8b-128"}
+    assert {f for o in order.values() for f in o["flipped"]} <= known, order
+    assert order["narayanan2021-t1"]["kept"] >= 33 and order["megatron-core-weak"]["kept"] >= 30
+    assert order["llama3-t4"]["kept"] == order["llama3-t4"]["pairs"] == 3
     # a layout the source leaves open is chosen by the planner among the stated software's options
     n21 = next(r for r in rows if r.id == "n21-1t")
     assert n21.cfg.parallel.schedule in ("1f1b", "interleaved") and n21.cfg.parallel.recompute == "full"
+
+
+def test_leave_one_out_record_is_the_model_as_it_is():
+    """benchmarks/published_runs_fit.json (written by ``calibrate_gpu.py --loo --out``) holds each
+    row predicted by a fit without it: every row within 25%, median ≤ 4% (measured 2.5%, worst 18%),
+    and its fit column is what the shipped constants predict now — a model change that moves any
+    row by more than 0.5% makes the record stale (rerun the command)."""
+    rec = json.loads((REPO / "benchmarks" / "published_runs_fit.json").read_text())
+    rows, pred = _shipped_rows()
+    assert set(rec["rows"]) == {r.id for r in rows}
+    assert rec["calibration"]["efficiency"] == GPU_CALIBRATION["efficiency"]
+    for r in rows:
+        got = rec["rows"][r.id]
+        assert got["measured"] == pytest.approx(r.measured, rel=1e-6), r.id
+        assert got["fit"] == pytest.approx(pred[r.id], rel=0.005), (r.id, got["fit"], pred[r.id])
+    loo = {k: v["loo"] for k, v in rec["rows"].items()}
+    errs = [abs(loo[r.id] / r.measured - 1) for r in rows]
+    assert max(errs) <= 0.25, max(zip(errs, [r.id for r in rows]))
+    assert statistics.median(errs) <= 0.04
+    assert calibrate_gpu.spearman([r.measured for r in rows], [loo[r.id] for r in rows]) >= 0.95
+
+
+def test_hardest_row_held_out_stays_within_25_percent():
+    """The 128K-context Llama 3 row is the only one where attention dominates (57% of its FLOPs): held
+    out, the attention efficiency is bounded only by FlashAttention-2's published rate. A short fit
+    without it (the shipped constants as the start, layouts kept) still predicts it within 25%."""
+    rows = [calibrate_gpu.Row(r) for r in calibrate_gpu.load_rows()]
+    cal = calibrate_gpu.shipped()
+    for r in rows:
+        r.choose(cal)
+        r.free = []  # keep the layouts: only the constants are refitted (seconds, not minutes)
+    held = next(r for r in rows if r.id == "l3-405b-128k")
+    rest = [r for r in rows if r is not held]
+    x = calibrate_gpu.nelder_mead(lambda v: calibrate_gpu.loss(rest, calibrate_gpu._vec_to_cal(v)),
+                                  calibrate_gpu._cal_to_vec(cal), iters=400)
+    c = calibrate_gpu._vec_to_cal(x)
+    assert c["attention_efficiency"]["h100"] <= 2 * 335 / 989 + 1e-9
+    assert abs(held.predict(c) / held.measured - 1) <= 0.25
+
+
+def test_framework_terms_can_fail():
+    """The published rows' frameworks are timed as they move their traffic: Megatron-Core's distributed
+    optimizer hides most of the dp traffic our ZeRO-1 shows (its 16B row: runtime dp exposed ≥ 25% of
+    the step, distopt ≤ 5%); Megatron-LM 2021's all-reduce after the backward shows whole."""
+    from paralayer.resolve.step_time import RUNTIME, Framework, time_plan
+
+    cal = calibrate_gpu.shipped()
+    rows = {x["id"]: calibrate_gpu.Row(x) for x in calibrate_gpu.load_rows() if x["id"] in ("mc-16b", "n21-1.7b")}
+    for r in rows.values():
+        r.choose(cal)
+    mc = rows["mc-16b"]
+    mach = machine_for(mc.cfg, cal)
+    ours = time_plan(mc.cfg, mc.plan, mach, mc.shape, RUNTIME)
+    theirs = time_plan(mc.cfg, mc.plan, mach, mc.shape, mc.framework)
+    assert ours["dp_exposed_s"] >= 0.25 * ours["step_time_s"]
+    assert theirs["dp_exposed_s"] <= 0.05 * theirs["step_time_s"]
+    n21 = rows["n21-1.7b"]
+    mach = machine_for(n21.cfg, cal)
+    after = time_plan(n21.cfg, n21.plan, mach, n21.shape, Framework(dp_sync="allreduce-after-fp16"))
+    params = n21.plan.comm["dp"]["message_bytes"] / 4
+    wire = 2 * 31 / 32 * 2 * params / mach.bandwidth(n21.plan.spans["dp"])
+    assert after["dp_exposed_s"] == pytest.approx(wire + mach.latency(n21.plan.spans["dp"]))
+    with pytest.raises(ValueError):
+        time_plan(n21.cfg, n21.plan, mach, n21.shape, Framework(dp_sync="nope"))
 
 
 def test_fit_recovers_constants_from_its_own_predictions():
@@ -72,13 +156,14 @@ def test_fit_recovers_constants_from_its_own_predictions():
     shipped ones) are recovered to within 2% by fitting them back on a few rows."""
     rows = [calibrate_gpu.Row(r) for r in calibrate_gpu.load_rows() if r["id"] in
             ("n21-7.5b", "n21-145b", "mc-7.1b", "mc-177b", "tt-8b-a100", "l3-405b-8k")]
-    truth = dict(json.loads(json.dumps(GPU_CALIBRATION)), peak_500w=0.7)
+    truth = dict(calibrate_gpu.shipped(), peak_500w=0.7)
     truth["efficiency"] = {"a100": 0.6, "h100": 0.7}
     for r in rows:
         r.choose(truth)
         r.measured = r.predict(truth)
         r.free = []  # keep the layouts: only the constants are fitted
-    x0 = calibrate_gpu._cal_to_vec(dict(truth, efficiency={"a100": 0.45, "h100": 0.45}))
+    x0 = calibrate_gpu._cal_to_vec(truth)
+    x0[0] = x0[1] = calibrate_gpu._logit(0.45)  # the efficiencies start off: 0.45
     only_eff = [0, 1]  # fit the two efficiencies, the rest held at the truth
 
     def f(v):

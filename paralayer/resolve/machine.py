@@ -12,7 +12,7 @@ from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve.cost import tp_plain_collectives
-from paralayer.resolve.memory import GIB
+from paralayer.resolve.memory import GIB, attn_params, expert_params
 from paralayer.resolve.rules import resolve_device
 
 # ------------------------------------------------------------------ named constants
@@ -20,32 +20,41 @@ from paralayer.resolve.rules import resolve_device
 #: (benchmarks/published_runs.csv: Narayanan et al. 2021 Table 1, the Megatron-Core README's H100
 #: weak-scaling table, torchtitan's Llama 3/3.1 runs, Llama 3 paper Table 4), the same way
 #: LOCAL_CALIBRATION was fitted on this machine. docs/planner.md has the fit: median and worst
-#: error, Spearman, leave-one-out. The terms (every one charged per step, per device):
+#: error, Spearman, leave-one-out, the order within each source table. The rows are timed as their
+#: framework moved its traffic (step_time.Framework: Megatron's distributed optimizer, Megatron-LM
+#: 2021's all-reduce after the backward and pipeline scatter/gather), so these constants are the
+#: machine's, not a framework's. The terms (every one charged per step, per device):
 #:
 #: - ``efficiency``: the share of the dense bf16 peak that the model's matmuls reach, per GPU kind
-#:   (H200 has H100's tensor cores: it uses H100's);
+#:   (H200 has H100's tensor cores: it uses H100's); the weights each microbatch streams through
+#:   HBM are charged on top (Machine.layer_overhead, GPU_WEIGHT_PASSES, not fitted);
 #: - ``attention_efficiency``: the same for the attention core's 12·L·h·s FLOPs per token (counted
 #:   without the causal halving, as torchtitan and PaLM count them: a causal flash kernel skips half,
-#:   so this share can exceed the matmuls');
+#:   so this share can exceed the matmuls'); the fit bounds it by FlashAttention-2's published rate
+#:   (335 TFLOP/s on H100: at most 2·335/989 = 0.677), and only the 128K-context row pins it;
 #: - ``elementwise_bytes``: bytes per token, per hidden unit and per layer that the kernels around
 #:   the matmuls (norms, activations, rotary, residuals, softmax bookkeeping; forward + backward)
 #:   move through HBM. Their time, at ``HBM_TBPS``, is why small hidden sizes reach a lower MFU
-#:   (matmul FLOPs grow as h², these bytes as h);
-#: - ``latency_s``: per collective, inside a node / across nodes;
+#:   (matmul FLOPs grow as h², these bytes as h); tp without sequence parallelism runs the norms,
+#:   dropouts and residual adds whole on every tp rank (step_time.replicated_elementwise_seconds);
+#: - ``latency_s``: per collective, inside a node / across nodes: held at NCCL's launch latency,
+#:   not fitted (a free latency was the fit's knob for whatever the model lacked);
 #: - ``bandwidth_eff``: the share of the profile's link bandwidth a ring collective reaches;
 #: - ``dp_overlap`` / ``tp_overlap``: the share of the compute window that hides dp traffic / of a
-#:   chunk GEMM that hides the next chunk's transfer (parallel.tp_overlap).
+#:   chunk GEMM that hides the next chunk's transfer (parallel.tp_overlap; the fit's 0.25 says the
+#:   chunked GEMMs slow down beside the transfers — NCCL's kernels take SMs from them).
 GPU_CALIBRATION: dict = {
-    "efficiency": {"a100": 0.678, "h100": 0.709},
-    "attention_efficiency": {"a100": 0.441, "h100": 0.497},
-    "elementwise_bytes": 509.0,
-    # the published runs hide their communication well: the fit leaves the latencies at their floor
-    # (NCCL's launch latency: 5 µs in a node, 10 µs across) and the overlaps at their bound (1)
+    "efficiency": {"a100": 0.721, "h100": 0.643},
+    "attention_efficiency": {"a100": 0.603, "h100": 0.488},
+    "elementwise_bytes": 596.0,
     "latency_s": {"intra": 5e-06, "inter": 1e-05},
-    "bandwidth_eff": {"intra": 0.612, "inter": 1.0},
+    "bandwidth_eff": {"intra": 1.0, "inter": 0.895},
     "dp_overlap": 1.0,
-    "tp_overlap": 1.0,
+    "tp_overlap": 0.253,
 }
+#: Weight streams per matmul weight per microbatch: the forward GEMM and the input-grad GEMM read
+#: it, the weight-grad GEMM writes its grad (2 bytes each, bf16). Not fitted: the HBM datasheet speed.
+GPU_WEIGHT_PASSES = 3
 #: HBM bandwidth per GPU kind, TB/s (datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8).
 HBM_TBPS = {"a100": 2.039, "h100": 3.35, "h200": 4.8}
 #: Kept for callers of the first GPU model (same meaning, now from GPU_CALIBRATION).
@@ -116,6 +125,9 @@ class Machine:
     elementwise_bytes: float = 0.0
     hbm_bytes_per_s: float = 0.0
     gpu: str = ""  # a100 | h100 | h200 on GPU profiles
+    #: HBM bytes of a layer's matmul weights that every microbatch streams (dense, MoE layer; before
+    #: the tp split): GPU_WEIGHT_PASSES × 2 bytes × its matmul parameters (0: not charged)
+    weight_bytes_layer: tuple = (0.0, 0.0)
 
     def elementwise_seconds(self, tokens: float, n_layers: int, hidden: int) -> float:
         """Seconds per device for the non-matmul kernels of ``tokens`` tokens spread over the world."""
@@ -124,10 +136,17 @@ class Machine:
         return self.elementwise_bytes * tokens * n_layers * hidden / (self.world * self.hbm_bytes_per_s)
 
     def layer_overhead(self, n_dense: int, n_moe: int, tp: int) -> float:
-        """Dispatch seconds per microbatch of a rank holding these layers."""
+        """Seconds per microbatch of a rank holding these layers beyond their FLOPs: eager dispatch
+        (CPU ranks) and, on GPUs, the matmul weights the microbatch streams through HBM (a GEMM's
+        weight bytes are paid once per microbatch, so small microbatches — few tokens per weight —
+        run their GEMMs further below peak)."""
         o = self.overhead_s
         per = o.get("layer", 0.0) + (o.get("tp", 0.0) if tp > 1 else 0.0)
-        return (n_dense + n_moe) * per + n_moe * o.get("moe", 0.0)
+        out = (n_dense + n_moe) * per + n_moe * o.get("moe", 0.0)
+        if self.hbm_bytes_per_s and (self.weight_bytes_layer[0] or self.weight_bytes_layer[1]):
+            wd, wm = self.weight_bytes_layer
+            out += (n_dense * wd + n_moe * wm) / max(tp, 1) / self.hbm_bytes_per_s
+        return out
 
     def bandwidth(self, span: str) -> float:
         return 1e9 * (self.intra_gbps if span == "intra-node" else self.inter_gbps)
@@ -177,7 +196,22 @@ def _gpu_machine(cfg: Config, dpn: int, cap: Optional[int], reserve: int, cal: d
                    dict(g["latency_s"]), float(g["dp_overlap"]), cap, reserve, "gpu",
                    tp_overlap=float(g["tp_overlap"]), elementwise_bytes=float(g["elementwise_bytes"]),
                    hbm_bytes_per_s=1e12 * HBM_TBPS.get(kind, HBM_TBPS["h100"]), gpu=kind,
-                   attention_efficiency=att if "efficiency" not in cal or "attention_efficiency" in cal else eff)
+                   attention_efficiency=att if "efficiency" not in cal or "attention_efficiency" in cal else eff,
+                   weight_bytes_layer=_weight_bytes_layer(cfg))
+
+
+def _weight_bytes_layer(cfg: Config) -> tuple[float, float]:
+    """HBM bytes per microbatch of one dense / one MoE layer's matmul weights (before tp): the
+    attention's q, k, v, o and the MLP (a MoE layer: the router, the shared expert and top_k
+    experts' worth — each token's experts; a rank's other local experts are read too when its
+    tokens reach them, which this lower count leaves out)."""
+    m = cfg.model
+    h = m.d_model
+    attn = attn_params(cfg)
+    dense = attn + 3 * h * m.ffn_hidden
+    moe = attn + m.moe.top_k * expert_params(cfg) + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+    b = 2.0 * GPU_WEIGHT_PASSES
+    return b * dense, b * moe
 
 
 def _per_kind(value, kind: str) -> float:
@@ -255,6 +289,30 @@ def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window:
         last = t_reduce / max(mm, 1)
         return last + max(0.0, t_dp - last - mach.dp_overlap * window)
     return max(0.0, t_dp - mach.dp_overlap * window)
+
+
+def distopt_dp_seconds(params: float, d: int, span: str, mach: Machine, window_s: float, mm: int,
+                       bubble_s: float, chunks: int) -> float:
+    """dp seconds on the critical path under Megatron's distributed optimizer with
+    ``--overlap-grad-reduce --overlap-param-gather`` (a published row's framework, not our runtime:
+    the calibration times such rows with it, benchmarks/calibrate_gpu.py ``dp_sync``).
+
+    Traffic per step: the grads reduce-scattered in fp32 (Megatron accumulates and reduces bf16
+    runs' grads in fp32) and the updated bf16 weights all-gathered, each (d−1)/d of the rank's
+    ``params`` on the wire. Both go chunk by chunk (a layer; under pp a virtual stage: NeMo's
+    "Communication Overlap" guide): the reduce-scatter under the last microbatch's backward and the
+    flush's idle half of the bubble, the gather under the first microbatch's forward and the
+    warm-up's half. At least one chunk of each shows; at most what its window cannot hide."""
+    if d <= 1 or params <= 0:
+        return 0.0
+    ring = (d - 1) / d
+    bw = mach.bandwidth(span)
+    t_rs = mach.latency(span) * chunks + ring * 4.0 * params / bw
+    t_ag = mach.latency(span) * chunks + ring * 2.0 * params / bw
+    per_mb = window_s / max(mm, 1)
+    k = max(chunks, 1)
+    return (max(t_rs / k, t_rs - mach.dp_overlap * (per_mb * 2.0 / 3.0 + bubble_s / 2.0))
+            + max(t_ag / k, t_ag - mach.dp_overlap * (per_mb / 3.0 + bubble_s / 2.0)))
 
 
 def dp_reduce_seconds(entry: dict, span: str, mach: Machine) -> float:

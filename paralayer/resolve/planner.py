@@ -78,7 +78,7 @@ from paralayer.resolve.rules import (
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.step_time import compute_seconds, time_plan, time_to_train
+from paralayer.resolve.step_time import compute_seconds, replicated_elementwise_seconds, time_plan, time_to_train
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
@@ -609,7 +609,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     dp_line = _comm_lines(cfg, st, mach, tot.gb, overlaps)
     lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
-    work = tot.compute * st.imbalance
+    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * st.imbalance
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc) for rc in RECOMPUTES} if True in overlaps else {}
     acts = _act_tables(ctx, lay, overlaps)

@@ -17,11 +17,13 @@ from paralayer.resolve.machine import (
     Machine,
     comm_seconds,
     dp_exposed_seconds,
+    distopt_dp_seconds,
     dp_reduce_seconds,
     machine_for,
     tp_overlap_seconds,
+    wire_factor,
 )
-from paralayer.resolve.memory import ACT_BYTES
+from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.rules import chunk_rank
 from paralayer.resolve.split import layer_work, rank_work
 
@@ -67,13 +69,55 @@ def compute_seconds(flops_step: float, tokens_step: float, cfg: Config, mach: Ma
             + mach.elementwise_seconds(tokens_step, m.n_layers, m.d_model))
 
 
-def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = None) -> dict:
-    """Predicted step time of a resolved, valid plan on ``mach``, with every term."""
+#: how the dp traffic is moved: ``runtime`` = our runtime (cost.comm's dp entry); a published row's
+#: framework: ``distopt`` = Megatron-Core's distributed optimizer with overlapped grad reduce-scatter
+#: and param all-gather (``machine.distopt_dp_seconds``); ``allreduce-after-fp16`` = Megatron-LM
+#: 2021's local DDP: one all-reduce of the fp16 grads after the step's last backward, nothing
+#: hidden (``training.train_step``: ``model.allreduce_gradients()`` after ``forward_backward_func``)
+DP_SYNCS = ("runtime", "distopt", "allreduce-after-fp16")
+
+
+class Framework(NamedTuple):
+    """Whose software moves the traffic: our runtime (the default, what the planner ranks) or a
+    published row's framework, as far as it differs in what the cost model charges.
+
+    ``dp_sync``: one of DP_SYNCS. ``pp_scatter_gather``: Megatron-LM's scatter/gather of pipeline
+    hand-offs without sequence parallelism (Narayanan et al. 2021 §4.1: each of the tp ranks sends
+    1/tp of the activation across nodes, then an all-gather over NVLink rebuilds it)."""
+
+    dp_sync: str = "runtime"
+    pp_scatter_gather: bool = False
+
+
+RUNTIME = Framework()
+
+
+#: Korthikanti et al. 2022 (REFERENCE.md): a layer's activations are s·b·h·(10 + 24/t) bytes per
+#: tp rank without sequence parallelism — the norms, dropouts and residual adds (10) run whole on
+#: every tp rank, the attention and MLP blocks (24) split — and s·b·h·34/t with it.
+SP_REPLICATED, SP_SPLIT = 10.0, 24.0
+
+
+def replicated_elementwise_seconds(cfg: Config, mach: Machine, tp: int, sequence_parallel: bool) -> float:
+    """Seconds per device per step that tp without sequence parallelism adds to the non-matmul
+    kernels: their HBM bytes scale as (10 + 24/t) instead of 34/t (the norms, dropouts and residual
+    adds are replicated over the tp ranks). 0 with SP or tp = 1; the step's tokens are the global batch."""
+    if tp <= 1 or sequence_parallel or not mach.elementwise_bytes:
+        return 0.0
+    m = cfg.model
+    base = mach.elementwise_seconds(cfg.train.global_batch * m.seq_len, m.n_layers, m.d_model)
+    return base * ((SP_REPLICATED * tp + SP_SPLIT) / (SP_REPLICATED + SP_SPLIT) - 1.0)
+
+
+def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = None,
+              framework: Framework = RUNTIME) -> dict:
+    """Predicted step time of a resolved, valid plan on ``mach``, with every term. ``framework``:
+    whose traffic — the planner times our runtime's; the calibration a published row's framework's."""
     shape = shape or step_shape(cfg, plan)
     g = plan.degrees
     compute = compute_seconds(plan.flops_per_step, plan.tokens_per_step, cfg, mach)
     t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
-    work_s = compute * shape.imbalance
+    work_s = (compute + replicated_elementwise_seconds(cfg, mach, g["tp"], plan.sequence_parallel)) * shape.imbalance
     recomp = work_s * shape.recompute_frac
     mm = plan.microbatches
     ovh = max(mach.layer_overhead(d, e, g["tp"]) for d, e in shape.layer_kinds) * mm
@@ -82,9 +126,32 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
                                         plan.micro_batch * cfg.model.seq_len / g["cp"], mm, g["tp"],
                                         cfg.model.d_model, ACT_BYTES[plan.precision],
                                         plan.recompute == "full", mach, plan.spans["tp"])
+    dp_sync = framework.dp_sync
+    if framework.pp_scatter_gather and g["pp"] > 1 and g["tp"] > 1 and not plan.sequence_parallel:
+        e, span = plan.comm["pp"], plan.spans["pp"]
+        hop = e["message_bytes"] / g["tp"]
+        t_ax["pp"] = e["count_per_step"] * (mach.latency(span) + hop / mach.bandwidth(span)
+                                            + mach.latency("intra-node")
+                                            + hop * wire_factor("all-gather", g["tp"]) / mach.bandwidth("intra-node"))
     inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
-    dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
-                                    plan.zero, g["pp"], work_s + recomp, mm, mach)
+    if dp_sync not in DP_SYNCS:
+        raise ValueError(f"dp_sync {dp_sync!r}: one of {DP_SYNCS}")
+    d = g["dp"] * g["cp"]
+    if dp_sync != "runtime" and plan.zero > 1:
+        raise ValueError(f"dp_sync={dp_sync!r} is a Megatron data-parallel scheme: zero 0 or 1")
+    params = (plan.comm["dp"]["message_bytes"] / BYTES_PER_PARAM[plan.precision][1]
+              if d > 1 and dp_sync != "runtime" else 0.0)  # the rank's parameters (ZeRO 0/1: one message)
+    if dp_sync == "allreduce-after-fp16":
+        span = plan.spans["dp"]
+        t_ax["dp"] = dp_exposed = (mach.latency(span) + wire_factor("all-reduce", d) * 2.0 * params
+                                   / mach.bandwidth(span)) if d > 1 else 0.0
+    elif dp_sync == "distopt":
+        chunks = (len(plan.stage_layers) // g["pp"]) if g["pp"] > 1 else max(sum(shape.layer_kinds[0]), 1)
+        t_ax["dp"] = dp_exposed = distopt_dp_seconds(params, d, plan.spans["dp"], mach, work_s + recomp, mm,
+                                                     inner * plan.bubble_fraction, chunks)
+    else:
+        dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
+                                        plan.zero, g["pp"], work_s + recomp, mm, mach)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed
     return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "tp_overlap": plan.tp_overlap,
@@ -129,5 +196,5 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     return out
 
 
-__all__ = ["StepShape", "step_shape", "compute_seconds", "time_plan", "time_to_train", "plan_timing",
+__all__ = ["Framework", "RUNTIME", "DP_SYNCS", "StepShape", "step_shape", "compute_seconds", "time_plan", "time_to_train", "plan_timing",
            "train_budget"]
