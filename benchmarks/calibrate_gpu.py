@@ -60,7 +60,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -453,16 +453,19 @@ def report_md(rows: list[Row], cal: dict, pred: dict, loo: Optional[dict], cmd: 
     lines += ["", f"Order within each source table (same paper, same hardware): Spearman over its rows, and the "
               f"pairs whose published figures differ by more than {100 * ORDER_TIE:.0f}% (closer ones are ties) "
               "that the prediction ranks the same way:", "",
-              "| table | rows | fit: Spearman | fit: pairs kept | leave-one-out: Spearman | leave-one-out: pairs kept |",
+              "| table | rows | fit: Spearman | fit: pairs kept | leave-one-out: Spearman "
+              "| leave-one-out: pairs kept |",
               "|---|---:|---:|---:|---:|---:|"]
     o_fit = table_order(rows, pred)
     o_loo = table_order(rows, loo) if loo else {}
+    def cell(o: Optional[dict]) -> str:
+        if not o:
+            return "- | -"
+        return (f"{o['spearman']:.2f} | {o['kept']}/{o['pairs']}"
+                + (f" ({', '.join(o['flipped'])})" if o["flipped"] else ""))
+
     for t, o in o_fit.items():
-        lo = o_loo.get(t)
-        lo_s = (f"{lo['spearman']:.2f} | {lo['kept']}/{lo['pairs']}" + (f" ({', '.join(lo['flipped'])})" if lo["flipped"] else "")
-                if lo else "- | -")
-        lines.append(f"| {t} | {o['rows']} | {o['spearman']:.2f} | {o['kept']}/{o['pairs']}"
-                     + (f" ({', '.join(o['flipped'])})" if o["flipped"] else "") + f" | {lo_s} |")
+        lines.append(f"| {t} | {o['rows']} | {cell(o)} | {cell(o_loo.get(t))} |")
     c = from_cal(cal)
     lines += ["", "Fitted constants:", "",
               f"- matmul efficiency: A100 {c['eff_a100']:.3f}, H100/H200 {c['eff_h100']:.3f} of the dense bf16 peak",
@@ -472,7 +475,8 @@ def report_md(rows: list[Row], cal: dict, pred: dict, loo: Optional[dict], cmd: 
               f"- H100 capped at 500 W (torchtitan's Grand Teton rows only; not a planner constant): "
               f"{c['peak_500w']:.3f} of the 700 W peak",
               f"- non-matmul kernels: {c['elementwise_bytes']:.1f} bytes per token·layer·hidden unit through HBM",
-              f"- latency per collective: {1e6 * c['lat_intra']:.1f} µs in a node, {1e6 * c['lat_inter']:.1f} µs across (held at NCCL's launch latency, not fitted)",
+              f"- latency per collective: {1e6 * c['lat_intra']:.1f} µs in a node, {1e6 * c['lat_inter']:.1f} µs "
+              "across (held at NCCL's launch latency, not fitted)",
               f"- share of the link bandwidth reached: {c['bw_intra']:.2f} in a node (NVLink), "
               f"{c['bw_inter']:.2f} across (IB/RoCE)",
               f"- overlap: dp {c['dp_overlap']:.2f} of the compute window, tp_overlap {c['tp_overlap']:.2f} "
@@ -588,7 +592,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     pred = {r.id: r.predict(cal) for r in rows}
     loo = leave_one_out(rows, cal) if args.loo else None
     secs = time.time() - t0
-    cmd = "python benchmarks/calibrate_gpu.py" + (" --loo" if args.loo else "") + (f" --out {args.out}" if args.out else "")
+    cmd = ("python benchmarks/calibrate_gpu.py" + (" --loo" if args.loo else "")
+           + (f" --out {args.out}" if args.out else ""))
     md = report_md(rows, cal, pred, loo, cmd, secs)
     print(md)
     print("GPU_CALIBRATION =", json.dumps({k: v for k, v in cal.items() if k != "peak_500w"}))

@@ -16,8 +16,8 @@ from paralayer.resolve import memory as mem_mod
 from paralayer.resolve.machine import (
     Machine,
     comm_seconds,
-    dp_exposed_seconds,
     distopt_dp_seconds,
+    dp_exposed_seconds,
     dp_reduce_seconds,
     machine_for,
     tp_overlap_seconds,
@@ -196,5 +196,5 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     return out
 
 
-__all__ = ["Framework", "RUNTIME", "DP_SYNCS", "StepShape", "step_shape", "compute_seconds", "time_plan", "time_to_train", "plan_timing",
-           "train_budget"]
+__all__ = ["Framework", "RUNTIME", "DP_SYNCS", "StepShape", "step_shape", "compute_seconds",
+           "replicated_elementwise_seconds", "time_plan", "time_to_train", "plan_timing", "train_budget"]
