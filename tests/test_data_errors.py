@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -153,3 +155,30 @@ def test_launch_bad_jsonl_two_ranks_one_line_exit_2(tmp_path):
     assert errors == [f"error: data.path: {f}:31: not valid JSON (Unterminated string starting at: column 9)"] \
         or (len(errors) == 1 and errors[0].startswith(f"error: data.path: {f}:31: not valid JSON")), r.stderr
     assert _leftovers(cache) == []
+
+
+def _hold_lock(path, scratch):
+    from paralayer.data.cache import file_lock
+
+    with file_lock(path):
+        os.makedirs(scratch)
+        try:
+            time.sleep(60)
+        finally:
+            os.rmdir(scratch)
+
+
+def test_sigterm_while_holding_the_cache_lock_leaves_nothing(tmp_path):
+    """The local launcher stops the other ranks with SIGTERM when one fails: a rank stopped while it
+    builds the cache still removes its lock file and its scratch files (it exits 143)."""
+    lock, scratch = tmp_path / "c.npy.lock", tmp_path / ".scratch"
+    p = mp.get_context("fork").Process(target=_hold_lock, args=(str(lock), str(scratch)))
+    p.start()
+    deadline = time.time() + 30
+    while not scratch.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert scratch.exists() and lock.exists()
+    os.kill(p.pid, signal.SIGTERM)
+    p.join(30)
+    assert p.exitcode == 128 + signal.SIGTERM
+    assert not lock.exists() and not scratch.exists()

@@ -3,13 +3,18 @@
 Ranks that build the same cached dataset at once take :func:`file_lock` on it: one builds, the
 others wait and then read. The lock is ``flock`` on ``PATH.lock``; the holder deletes the lock
 file before releasing it, and a waiter that wakes up on a deleted file takes the lock again on the
-new one (the usual unlink-safe pattern), so nothing is left in the cache afterwards.
+new one (the usual unlink-safe pattern), so nothing is left in the cache afterwards. While it holds
+the lock a process turns SIGTERM into ``SystemExit``: the local launcher stops the other ranks with
+SIGTERM when one fails (bad data), and a rank stopped mid-build must still remove its lock file
+and the temporary files of the build.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
+import threading
 from typing import Iterator
 
 
@@ -51,8 +56,26 @@ def file_lock(path: str) -> Iterator[None]:
             raise
         os.close(fd)  # the holder before us removed this file: lock the new one
     try:
-        yield
+        with _sigterm_exits():
+            yield
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit inside the block (so ``finally`` clauses run); the previous handler after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
