@@ -116,6 +116,7 @@ PRIVATE_NAMES = (
     ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
     ("torch._dynamo.utils", "counters"),                           # tests/test_compile.py
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),  # checkpoint/hf.py
+    ("torch._C", "_will_engine_execute_node"),                     # parallel/backward_pass.py
 )
 
 

@@ -15,6 +15,15 @@ instead: parallel/tp_overlap.py; both expose ``gather_matmul`` / ``matmul_scatte
     row     forward   y @ Wᵀ, reduce_scatter over the sequence                       saves y
             backward  g_full = all_gather(g); gy = g_full @ W; gW = g_fullᵀ @ y
 
+Under the zero-bubble schedules' split backward (zbv, dualpipev: an input-grad pass, later a
+weight-grad pass over the same graph) each pass does only its own half (parallel/backward_pass.py):
+
+    column  input pass   gx_full = Σ g_i @ W_i, reduce_scatter       weight pass  all_gather(x); gW_i
+    row     input pass   g_full = all_gather(g); gy = g_full @ W     weight pass  gW from the kept g_full
+
+so the two passes issue the collectives and GEMMs of one plain backward (the row GEMM's gathered
+output grad, (b, s, k), waits for the weight pass instead of the s/tp shard torch keeps).
+
 Works on gloo (CPU) and NCCL alike; the collectives run on the tp group (its timeout applies).
 """
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from paralayer.compat import private
+from paralayer.parallel.backward_pass import keep, kept, later, wanted
 from paralayer.parallel.local_shard import local_tensor as _local
 
 funcol = private("torch.distributed._functional_collectives")
@@ -79,14 +89,16 @@ class _GatherMatmul(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         group, tp, dtype = ctx.group, ctx.tp, ctx.dtype
+        # under a split backward (zbv, dualpipev) the input pass wants gx only, the weight pass gW only
+        need_x = wanted(ctx, 0, 0)
+        need_w = [wanted(ctx, 4 + i, 1 + i) for i in range(len(weights))]
         xs = x if dtype is None else x.to(dtype)
         ws = [w if dtype is None else w.to(dtype) for w in weights]
         gs = [g if dtype is None else g.to(dtype) for g in grads]
-        need_w = ctx.needs_input_grad[4:]
         gather = _start_gather(xs, group) if any(need_w) else None  # overlaps the gx GEMMs
         scatter = None
         with torch.autocast(x.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
+            if need_x:
                 gx_full = None
                 for g, w in zip(gs, ws):
                     t = g @ w
@@ -121,15 +133,21 @@ class _MatmulScatter(torch.autograd.Function):
     def backward(ctx, g):
         y, weight = ctx.saved_tensors
         group, tp, dtype = ctx.group, ctx.tp, ctx.dtype
+        need_y, need_w = wanted(ctx, 0, 0), wanted(ctx, 4, 1)
         ys = y if dtype is None else y.to(dtype)
         w = weight if dtype is None else weight.to(dtype)
-        full = _seq_of(_start_gather(g if dtype is None else g.to(dtype), group), tp)
+        # the gathered output grad: kept by a split backward's input pass for its weight pass
+        full = kept(ctx, g) if not need_y else None
+        if full is None and (need_y or need_w):
+            full = _seq_of(_start_gather(g if dtype is None else g.to(dtype), group), tp)
         gy = gw = None
         with torch.autocast(y.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
+            if need_y:
                 gy = (full @ w).to(y.dtype)
-            if ctx.needs_input_grad[4]:
+            if need_w:
                 gw = (full.reshape(-1, full.shape[-1]).t() @ ys.reshape(-1, ys.shape[-1])).to(weight.dtype)
+        if need_y and later(ctx, 4, 1):
+            keep(ctx, g, full)
         return (gy, None, None, None, gw)
 
 

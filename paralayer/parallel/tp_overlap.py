@@ -13,7 +13,10 @@ holds while the next chunk travels to its neighbour, so only one chunk's transfe
 
 Backward is the same two rings swapped: the column GEMM's input grad reduce-scatters (and its
 weight grad re-gathers the input, chunk by chunk, on the same ring: only the local chunk is saved,
-not the gathered sequence), the row GEMM's output grad is all-gathered chunk by chunk.
+not the gathered sequence), the row GEMM's output grad is all-gathered chunk by chunk. Under a
+split backward (zbv, dualpipev) the input pass walks the column's scatter ring and the row's gather
+ring (keeping the gathered output grad), the weight pass the column's gather ring and the row's
+weight-grad GEMM on what was kept: the rings of one plain backward (parallel/backward_pass.py).
 
 Plain send/recv on the tp group, no symmetric memory: works on gloo (CPU) and NCCL alike. Results
 equal the two-step path up to the order of the reduction's sums (tests/test_tp_overlap.py).
@@ -25,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from paralayer.parallel.backward_pass import keep, kept, later, wanted
 from paralayer.parallel.local_shard import local_tensor
 
 
@@ -115,7 +119,9 @@ class _GatherMatmul(torch.autograd.Function):
         ws = [w if dtype is None else w.to(dtype) for w in weights]
         gs = [g.contiguous() if dtype is None else g.to(dtype).contiguous() for g in grads]
         b, sl, h = xs.shape
-        need_w = ctx.needs_input_grad[3:]
+        # under a split backward (zbv, dualpipev) the input pass wants gx only, the weight pass gW only
+        need_x = wanted(ctx, 0, 0)
+        need_w = [wanted(ctx, 3 + i, 1 + i) for i in range(len(weights))]
         gw = [torch.zeros(w.shape, dtype=torch.float32 if dtype else w.dtype, device=w.device)
               if need else None for w, need in zip(ws, need_w)]
 
@@ -135,7 +141,7 @@ class _GatherMatmul(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             if any(need_w):
                 _gather_ring(ring, xs, visit)
-            gx = _scatter_ring(ring, partial) if ctx.needs_input_grad[0] else None
+            gx = _scatter_ring(ring, partial) if need_x else None
         gx = None if gx is None else gx.to(x.dtype)
         return (gx, None, None, *[None if a is None else a.to(w.dtype) for a, w in zip(gw, weights)])
 
@@ -163,18 +169,29 @@ class _MatmulScatter(torch.autograd.Function):
         w = weight if dtype is None else weight.to(dtype)
         gs = g if dtype is None else g.to(dtype)
         b, sl, o = gs.shape
-        gy = torch.empty_like(ys) if ctx.needs_input_grad[0] else None
+        need_y, need_w = wanted(ctx, 0, 0), wanted(ctx, 3, 1)
+        # a split backward's input pass keeps the gathered output grad for its weight pass
+        full = kept(ctx, g) if not need_y else None
+        buf = gs.new_empty(b, sl * ring.size, o) if need_y and later(ctx, 3, 1) else None
+        gy = torch.empty_like(ys) if need_y else None
         gw = (torch.zeros(w.shape, dtype=torch.float32 if dtype else w.dtype, device=w.device)
-              if ctx.needs_input_grad[3] else None)
+              if need_w else None)
 
         def visit(chunk, j):  # the output grad all-gathered a chunk at a time
             if gy is not None:
                 gy[:, j * sl:(j + 1) * sl] = chunk @ w
             if gw is not None:
                 gw.add_(chunk.reshape(-1, o).t() @ ys[:, j * sl:(j + 1) * sl].reshape(-1, ys.shape[-1]))
+            if buf is not None:
+                buf[:, j * sl:(j + 1) * sl] = chunk
 
         with torch.autocast(y.device.type, enabled=False):
-            _gather_ring(ring, gs, visit)
+            if full is not None and gw is not None:  # the weight pass: the input pass gathered it
+                gw.add_(full.reshape(-1, o).t() @ ys.reshape(-1, ys.shape[-1]))
+            elif gy is not None or gw is not None:
+                _gather_ring(ring, gs, visit)
+        if buf is not None:
+            keep(ctx, g, buf)
         return (None if gy is None else gy.to(y.dtype), None, None,
                 None if gw is None else gw.to(weight.dtype))
 

@@ -107,10 +107,12 @@ def tp_overlap_comm(lay: Layout, act_msg: float, n_dense: int, n_moe: int, fwd_e
     return e
 
 
-def tp_ring_flops(cfg: Config, tp: int, recompute: str) -> tuple[list[float], list[float]]:
+def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = False) -> tuple[list[float], list[float]]:
     """GEMM FLOPs per token (of the gathered sequence, on one device) that each fused ring of a
     dense and of an MoE layer hides behind, in the order of TP_RINGS_*: forward (again under full
-    recompute), then backward (input-grad and weight-grad GEMMs; a row GEMM's gather feeds both)."""
+    recompute), then backward (input-grad and weight-grad GEMMs; a row GEMM's gather feeds both,
+    except under a split backward (zbv, dualpipev): there it feeds the input grad only, the weight
+    grad waits for the weight pass)."""
     m = cfg.model
     h, f = m.d_model, m.ffn_hidden
     qkv = 2.0 * h * (h + 2 * h * m.n_kv_heads / m.n_heads) / tp
@@ -118,8 +120,9 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str) -> tuple[list[float], li
     w13 = 2.0 * h * 2 * f / tp
     w2 = 2.0 * f * h / tp
     again = 2 if recompute == "full" else 1
-    dense = [qkv, wo, w13, w2] * again + [qkv, qkv, 2 * wo, w13, w13, 2 * w2]
-    moe = [qkv, wo] * again + [qkv, qkv, 2 * wo]
+    row = 1 if split_backward else 2
+    dense = [qkv, wo, w13, w2] * again + [qkv, qkv, row * wo, w13, w13, row * w2]
+    moe = [qkv, wo] * again + [qkv, qkv, row * wo]
     return dense, moe
 
 

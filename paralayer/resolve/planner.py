@@ -366,7 +366,10 @@ def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
 
 
 def _overlaps(lay: Layout, mach: Machine) -> tuple:
-    """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V)."""
+    """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V: the
+    runtime runs each ring once under V too, parallel/backward_pass.py, but listing the pair moves
+    picks, e.g. 70B at tp_overlap ≤ 0.5 to zbv tp 4 × pp 4, and waits on the planner's memory
+    agreeing with the resolver's for the layouts it would then list)."""
     ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0
     return (False, True) if ok else (False,)
 
@@ -611,7 +614,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
     work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * st.imbalance
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
-    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc) for rc in RECOMPUTES} if True in overlaps else {}
+    split = lay.schedule in V_SCHEDULES and lay.pp > 1
+    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
     acts = _act_tables(ctx, lay, overlaps)
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
     ks = _every_options(ctx, ranks, recomputes)

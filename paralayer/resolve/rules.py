@@ -282,10 +282,6 @@ def check_sequence_parallel(cfg: Config, lay: Layout) -> None:
         _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
                "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
     lay.tp_overlap = bool(p.tp_overlap) and tp > 1
-    if lay.tp_overlap and p.schedule in V_SCHEDULES and p.pp > 1:
-        _warn(lay, "parallel.tp_overlap", f"under {p.schedule}, torch's split backward (input grads, then weight "
-              "grads) runs some fused GEMMs' backward in both passes: more tp traffic and GEMMs than 1f1b "
-              "(docs/tensor-parallel.md)")
 
 
 def check_pipeline_split(cfg: Config, lay: Layout) -> None:

@@ -24,7 +24,7 @@ from paralayer.resolve.machine import (
     wire_factor,
 )
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
-from paralayer.resolve.rules import chunk_rank
+from paralayer.resolve.rules import V_SCHEDULES, chunk_rank
 from paralayer.resolve.split import layer_work, rank_work
 
 AXES = ("tp", "pp", "cp", "ep", "dp")
@@ -54,7 +54,8 @@ def step_shape(cfg: Config, plan) -> StepShape:
                   for i in plan.stage_layers[c]]
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         kinds.append((len(layers) - n_moe, n_moe))
-    ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute) if plan.tp_overlap else ()
+    split = plan.schedule in V_SCHEDULES and g["pp"] > 1
+    ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute, split) if plan.tp_overlap else ()
     return StepShape(imbalance, rc, kinds, ring)
 
 
