@@ -175,6 +175,7 @@ class Structure:
     # (overlap, recompute, FSDP's bf16: _fsdp_key) -> {axis: (fixed, per m)}
     per_ax: dict = dataclasses.field(default_factory=dict)
     first_pts: Optional[list] = None  # comm at recompute=none, zero _first_zero (for the refined bound)
+    least_bubble: float = 0.0  # the bubble at the most microbatches the global batch allows
 
     @property
     def pp_layout(self) -> Optional[list]:
@@ -300,6 +301,7 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
     work, head = layer_work(cfg)
     E = m_.moe.num_experts
     split_cache: dict = {}
+    n_moe = sum(1 for i in range(L) if mem_mod.is_moe_layer(cfg, i))
     out: list[Structure] = []
     for tp in _allowed(fixed, "tp", [t for t in valid_tp(cfg, world) if world % t == 0]):
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
@@ -337,8 +339,24 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                         out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
                                              {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
                                              _override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
-                                             tot.compute * imbalance * (1 + least_bubble)))
+                                             _structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe),
+                                             least_bubble=least_bubble))
     return out
+
+
+def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float,
+                     least_bubble: float, n_moe: int) -> float:
+    """A lower bound on the step time of any layout of this structure: its compute (with what tp
+    without SP replicates) × imbalance, plus the per-microbatch layer overhead (dispatch, weights
+    streamed through HBM) at the fewest microbatches the schedule runs and an average rank's layers
+    (the busiest holds at least as many), all × (1 + the least bubble). Each term is at its least
+    over the structure's choices, so no layout of it is faster (``_timed``'s formula)."""
+    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
+    pp = lay.pp
+    least_m = 1 if pp == 1 or lay.schedule == "gpipe" else (2 * pp if lay.schedule == "dualpipev" else pp)
+    n_dense = cfg.model.n_layers - n_moe
+    ovh = mach.layer_overhead(n_dense / pp, n_moe / pp, lay.tp) * least_m
+    return (work + ovh) * (1 + least_bubble)
 
 
 class _Context(NamedTuple):
@@ -525,8 +543,7 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
     for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
         fixed, per_m = _line(st.first_pts, ax)
         comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
-    least_bubble = st.bound / (ctx.tot.compute * st.imbalance) - 1.0 if ctx.tot.compute > 0 else 0.0
-    return st.bound + comm * (1.0 + least_bubble)
+    return st.bound + comm * (1.0 + st.least_bubble)
 
 
 def _act_tables(ctx: _Context, lay: Layout, overlaps: tuple) -> dict:
