@@ -82,14 +82,17 @@ _WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackwar
 def weight_copy_of(t: torch.Tensor):
     """The Parameter ``t`` is a cast copy of (autocast's bf16 copy of an fp32 weight, possibly
     viewed or transposed for the GEMM), else None: walks ``t``'s grad_fn through single-input
-    casts and views to an AccumulateGrad. A cast, not the weight itself (that is excluded before)."""
+    casts and views to a Parameter's AccumulateGrad. A cast, not the weight itself (that is
+    excluded before)."""
     fn, cast = t.grad_fn, False
     for _ in range(8):
         if fn is None:
             return None
         name = type(fn).__name__
         if name == "AccumulateGrad":
-            return fn.variable if cast else None
+            # a Parameter only: a pipeline stage's received input is a leaf too, and under
+            # autocast its cast back to fp32 (pipeline._boundary_hooks) is an activation
+            return fn.variable if cast and isinstance(fn.variable, torch.nn.Parameter) else None
         if not name.startswith(_WEIGHT_PATH):
             return None
         cast = cast or name.startswith("ToCopyBackward")
