@@ -232,7 +232,7 @@ class MoEFeedForward(nn.Module):
         else:
             ys = self.ep_dispatch(self, xs, counts)
 
-        out = torch.zeros_like(x).index_add(0, tokens, _combine_rows(ys, slot_weight[order], x.dtype))
+        out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
 
@@ -255,7 +255,7 @@ class MoEFeedForward(nn.Module):
         xs = x.index_select(0, tokens)
         ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
         slot_weight = weights.reshape(-1)
-        out = torch.zeros_like(x).index_add(0, tokens, _combine_rows(ys, slot_weight[order], x.dtype))
+        out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)
@@ -330,12 +330,14 @@ class MoEFeedForward(nn.Module):
                 f"capacity_factor={self.capacity_factor}, router={self.router}")
 
 
-def _combine_rows(ys: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
-    """The expert rows scaled by their router weights, in the token rows' dtype for the combine's
-    index_add. Under autocast the rows are bf16 (the GEMMs') and the stream fp32, and index_add
-    takes one dtype (autocast does not promote it): the product is formed in the rows' dtype, as
-    before, and added in the stream's (the k contributions of a token sum in fp32)."""
-    return (ys * weights.to(ys.dtype).unsqueeze(1)).to(dtype)
+def _combine(x: Tensor, tokens: Tensor, ys: Tensor, weights: Tensor) -> Tensor:
+    """Σ over a token's expert rows of weight · row, in ``x``'s dtype and shape (rows, d). The sum
+    is taken in the rows' dtype: under autocast they are bf16 (the GEMMs') and the stream fp32, and
+    index_add takes one dtype (autocast does not promote it); Megatron's unpermute sums in the
+    rows' dtype too, and the rows saved for backward stay bf16."""
+    out = torch.zeros(x.shape, dtype=ys.dtype, device=x.device)
+    out = out.index_add(0, tokens, ys * weights.to(ys.dtype).unsqueeze(1))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 @contextlib.contextmanager

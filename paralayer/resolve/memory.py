@@ -173,8 +173,10 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     sequence-parallel GEMMs); the attention and SwiGLU GEMMs only without sequence parallel (SP's
     own GEMMs, parallel/sequence_parallel.py and tp_overlap.py, save the fp32 weight and cast again
     in backward). Not held: the embedding (a lookup) and the norms (fp32); a fully recomputed layer
-    saves nothing in its forward, so its copies are the recompute's transient. Measured by the
-    rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py) and tests/test_precision.py."""
+    saves nothing in its forward, so its copies are the recompute's transient (under pp, where the
+    autocast region is the whole step, the caches still hold them: not counted, as the rehearsal
+    cannot see them). Measured by the rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py)
+    and tests/test_precision.py."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     split = 0.0 if lay.sequence_parallel else attn_params(cfg) / t

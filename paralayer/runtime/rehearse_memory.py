@@ -8,12 +8,16 @@ DTensor); the activation peak is the peak of the bytes autograd keeps for backwa
 was fitted to (``paralayer/runtime/activation_memory.py``), keyed by storage identity because
 fake storages have no address. Under autocast a saved tensor that is a cast copy of a weight
 (``weight_copy_of``: the bf16 copy a GEMM keeps for its backward) is counted apart, and its live
-peak reported with the weights, as the plan counts autocast's copies (``memory.HELD_BYTES``).
+peak reported with the weights, as the plan counts autocast's copies
+(``memory.autocast_copy_params``: one per weight that backward keeps in bf16).
 
 Not used: torch's ``MemTracker`` refuses a root module called again within one step (each
 microbatch calls it), so the live-bytes peak, which would also see full recompute's transient
 (non-reentrant checkpoint keeps the recomputed tensors behind its own saved-tensor hooks), is not
-measured yet.
+measured yet. Nor is a weight cast that a cache holds while no saved tensor does: under pp with
+recompute=full, autocast's cache (one region per step) keeps the bf16 copy of a recomputed layer's
+GEMM weights without SP, and the experts' shared copy (model/moe.py), for the whole step; the plan
+does not count them either (resolve/memory.py ``autocast_copy_terms``).
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ class SavedPeak:
         self.refs: dict[int, int] = {}
         self._ctx = None
         #: autocast's cast copies of the weights saved for backward: their live bytes and peak,
-        #: apart from the activations' (the plan counts them with the weights, memory.HELD_BYTES)
+        #: apart from the activations' (the plan counts them with the weights, memory.autocast_copy_params)
         self.copies_live = 0
         self.weight_copy_bytes = 0
         self.copies_per_weight: dict[int, int] = {}
