@@ -74,7 +74,8 @@ def _runtime_dtypes(rank, world, overrides):
 def test_runtime_and_plan_agree_on_bf16_state():
     """ZeRO-2 bf16: fp32 shards (1/dp of the weights) step, bf16 copies compute, no autocast; the
     plan counts 4/dp + 2 B weights, 4/dp grads, 8/dp optimizer per parameter. ZeRO-0 bf16: fp32
-    weights, autocast; the plan counts 6 B (fp32 + the bf16 copy autocast keeps), 4, 8."""
+    weights, autocast; the plan counts 4 B per weight + 2 B per weight whose bf16 copy autocast keeps
+    (tp 1: every GEMM's, the head's; not the embedding's or the norms'), 4, 8."""
     fsdp = run_ranks(_runtime_dtypes, 2, BASE + ["parallel.dp=2", "parallel.zero=2", "train.precision=bf16"])
     auto = run_ranks(_runtime_dtypes, 1, BASE + ["parallel.dp=1", "train.precision=bf16"])[0]
     n = fsdp[0]["params_total"]
@@ -87,7 +88,12 @@ def test_runtime_and_plan_agree_on_bf16_state():
         assert mem["grads"] == int(4 * n / 2) and mem["optimizer"] == int(8 * n / 2), mem
     assert auto["master_dtypes"] == ["torch.float32"] and auto["compute_dtype"] == "torch.float32"
     assert auto["autocast"] == "torch.bfloat16"
-    assert auto["plan_memory"]["params"] == 6 * n and auto["plan_memory"]["grads"] == 4 * n
+    cfg, _ = cfg_and_plan(BASE + ["parallel.dp=1", "train.precision=bf16"])
+    m = cfg.model
+    hd = m.d_model // m.n_heads
+    gemms = m.n_layers * (m.d_model * hd * 2 * (m.n_heads + m.n_kv_heads) + 3 * m.d_model * m.ffn_hidden)
+    gemms += m.vocab_size * m.d_model  # the head (tp 1: the vocab is not padded)
+    assert auto["plan_memory"]["params"] == 4 * n + 2 * gemms and auto["plan_memory"]["grads"] == 4 * n
     assert auto["plan_memory"]["optimizer"] == 8 * n
 
 
@@ -113,3 +119,91 @@ def test_fused_adamw_matches_foreach():
     for x, y, x0 in zip(a, b, init):
         assert (x - x0).abs().max() > 1e-3  # it moved
         assert torch.allclose(x, y, atol=1e-6, rtol=0), (x - y).abs().max()
+
+
+# ------------------------------------------------------------------ autocast's bf16 weight copies
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=48", "model.moe.capacity_factor=null"]
+
+
+def _shared_vs_per_microbatch(rank, world, overrides):
+    """fp32; bf16 as the runtime runs it (the experts' bf16 copy shared by the step's microbatches,
+    model/moe.py shared_weight_casts); bf16 with a copy per microbatch (before: the context a no-op)."""
+    import contextlib
+
+    from paralayer.parallel import pipeline
+    from paralayer.runtime import train as T
+
+    fp32 = train_records(overrides + ["train.precision=fp32"])
+    shared = train_records(overrides + ["train.precision=bf16"])
+    saved = pipeline.shared_weight_casts, T.shared_weight_casts
+    pipeline.shared_weight_casts = T.shared_weight_casts = lambda roots: contextlib.nullcontext()
+    try:
+        per_mb = train_records(overrides + ["train.precision=bf16"])
+    finally:
+        pipeline.shared_weight_casts, T.shared_weight_casts = saved
+    return fp32, shared, per_mb
+
+
+@pytest.mark.parametrize("world,extra", [(2, ["parallel.dp=1", "parallel.pp=2"]),    # 2 microbatches in flight
+                                         (1, ["parallel.dp=1"])])                    # no pp
+def test_experts_share_one_bf16_copy_with_the_same_numbers(world, extra):
+    """MoE under autocast: one bf16 copy of the experts per step instead of one per microbatch.
+    The numbers are those of the copy per microbatch, bit for bit (a slice of the cast is the cast
+    of the slice; the gradients meet in fp32 as before), and bf16 stays within fp32's tolerance."""
+    out = run_ranks(_shared_vs_per_microbatch, world, BASE + MOE + ["train.global_batch=8"] + extra, timeout_s=600)
+    for fp32, shared, per_mb in out:
+        _check(fp32, shared)
+        assert [(r["loss"], r["grad_norm"]) for r in shared] == [(r["loss"], r["grad_norm"]) for r in per_mb]
+
+
+def _copies_expected(cfg, lay, pp_rank: int) -> float:
+    """The weight elements whose bf16 copy pp_rank keeps, counted here from the model's shapes (not
+    with resolve/memory.py's function): the head; the layers' GEMMs without SP unless fully
+    recomputed; an MoE block's router, shared expert and local experts."""
+    from paralayer.resolve.memory import rank_chunks
+
+    m = cfg.model
+    h, t = m.d_model, lay.tp
+    hd = h // m.n_heads
+    attn = h * hd * 2 * (m.n_heads + m.n_kv_heads) / t
+    chunks = rank_chunks(lay, pp_rank)
+    n = lay.padded_vocab * h / t if lay.chunks - 1 in chunks else 0.0
+    for c in chunks:
+        for i in lay.stage_layers[c]:
+            if lay.recompute == "full":
+                continue
+            split = 0.0 if lay.sequence_parallel else attn
+            if m.moe.num_experts:
+                fe = m.moe.ffn_hidden
+                n += (split + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+                      + 3 * h * fe * m.moe.num_experts / lay.ep)
+            else:
+                n += split + (0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t)
+    return n
+
+
+@pytest.mark.parametrize("extra", [
+    ["parallel.tp=2", "parallel.dp=1"],                                            # SP: the head only
+    ["parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=false"],        # + every layer GEMM
+    ["parallel.tp=1", "parallel.pp=2", "parallel.dp=1", "train.global_batch=16"],   # 2 in flight, 1 copy
+    ["parallel.tp=1", "parallel.dp=1", "parallel.recompute=full"],                  # the head only
+    ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "train.global_batch=32", *MOE],  # experts, 2 in flight
+], ids=["tp2-sp", "tp2-nosp", "pp2", "full", "moe-pp2-ep2"])
+def test_rehearsed_weight_copies_equal_the_plan(extra):
+    """Under bf16 autocast the rehearsal measures the bf16 weight copies autograd keeps
+    (``weight_copy_bytes``, the live peak of saved casts of weights); the plan's params are the fp32
+    weights plus those copies: equal to the byte, on every pipeline rank."""
+    from paralayer import config as config_mod
+    from paralayer.resolve import resolve, rules
+    from paralayer.runtime import rehearse as R
+
+    cfg = config_mod.load_config(["recipe=tiny", "train.precision=bf16", "parallel.zero=1", *extra])
+    plan = resolve(cfg).to_dict()
+    out = R.rehearse(cfg, plan, R.parse_ranks("all-stages", plan))
+    assert out["ok"], out["errors"]
+    lay = rules.check(cfg)
+    for r in out["ranks"]:
+        want = 2 * _copies_expected(cfg, lay, r["coords"]["pp"])
+        assert want > 0
+        assert r["weight_copy_bytes"] == want, (r["rank"], r["weight_copy_bytes"], want)
+        assert r["memory_bytes"]["params"] == r["plan_memory_bytes"]["params"], r["rank"]

@@ -106,9 +106,10 @@ def test_memory_llama3_70b_by_hand():
     # rank 0: 20 layers (attention and MLP split over tp, norms replicated) + the vocab-parallel embedding
     dense = layers * (h * hd * (2 * a + 2 * g) / t + 3 * h * f / t + 2 * h) + V * h / t
     mem = p.memory_per_device_bytes
-    # bf16 as the runtime runs it at ZeRO-1 (autocast, paralayer/runtime/precision.py): fp32 weights 4 +
-    # the bf16 copy autocast keeps for backward 2, fp32 grads 4, Adam m, v 8/d (sharded over dp)
-    assert mem["params"] == int(6 * dense)
+    # bf16 as the runtime runs it at ZeRO-1 (autocast, paralayer/runtime/precision.py): fp32 weights 4
+    # (no bf16 copy is kept here: SP's GEMMs cast again in backward, the head is on the last stage),
+    # fp32 grads 4, Adam m, v 8/d (sharded over dp)
+    assert mem["params"] == int(4 * dense)
     assert mem["grads"] == int(4 * dense)
     assert mem["optimizer"] == int(8 * dense / d)
     # activations, selective + SP: 2h/t (the column GEMMs' inputs, saved as the sequence shard and
@@ -120,7 +121,7 @@ def test_memory_llama3_70b_by_hand():
     acts = min(p.microbatches, pp) * layers * per_token * s * b * 2
     assert mem["activations"] == int(acts)
     assert p.memory_stage == 0
-    assert 45 * GIB < mem["total"] < 50 * GIB and p.fits
+    assert 41 * GIB < mem["total"] < 46 * GIB and p.fits
 
 
 def test_memory_follows_zero_recompute_and_schedule():

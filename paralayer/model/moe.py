@@ -37,7 +37,9 @@ its tokens, exactly as with plain data parallelism.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +99,13 @@ class MoEFeedForward(nn.Module):
         self.expert_offset = 0
         self.local_slices = self._make_local_slices()
 
+        # Under autocast: None casts each expert's weights per forward (a microbatch's copy lives
+        # until its backward, so pp holds one per microbatch in flight); a dict (the runtime sets
+        # one for the span of its autocast region, :func:`shared_weight_casts`) shares one bf16
+        # copy of the experts between the microbatches, as autocast's own cache does for
+        # nn.Linear weights (it cannot here: ``w1[e]`` is a view, which autocast never caches).
+        self.weight_cache: dict | None = None
+
         self.aux_loss: Tensor | None = None
         self.stats: dict = {}
         # False while a forward must not count (a pipeline stage's shape inference runs one on
@@ -151,11 +160,12 @@ class MoEFeedForward(nn.Module):
         """Run the LOCAL experts on rows grouped by local expert: rows [sum(counts[:e]),
         sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order."""
         outs = []
+        w1, w2, w3 = self._compute_weights(xs)
         for e, rows in enumerate(xs.split(counts)):
             if rows.shape[0] == 0:
                 continue
-            h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
-            outs.append(h @ self.w2[e].t())
+            h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
+            outs.append(h @ w2[e].t())
         if not outs:
             # No rows. Keep the (empty) output connected to xs and to the weights: under expert
             # parallel, xs comes out of an all-to-all whose backward is a collective, and every rank
@@ -163,6 +173,26 @@ class MoEFeedForward(nn.Module):
             touch = xs.sum() + self.w1.sum() + self.w2.sum() + self.w3.sum()
             return xs.new_zeros(0, self.d_model) + 0 * touch
         return torch.cat(outs)
+
+    def _compute_weights(self, xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(w1, w2, w3) as the GEMMs on ``xs`` take them: the parameters, or, where autocast casts
+        them (the rows on the weights' device) and a ``weight_cache`` is set, their casts, made
+        once and shared (same values: a slice of the cast is the cast of the slice; the gradient
+        still reaches the fp32 weights through the cast). A cast made before an in-place update of
+        a weight is never reused (version check). Shape inference on meta rows is left alone."""
+        ws = (self.w1, self.w2, self.w3)
+        cache, dev = self.weight_cache, self.w1.device.type
+        if cache is None or xs.device.type != dev or not torch.is_autocast_enabled(dev) \
+                or not torch.is_grad_enabled():
+            return ws
+        dtype = torch.get_autocast_dtype(dev)
+        if self.w1.dtype == dtype:
+            return ws
+        versions = tuple(w._version for w in ws)
+        hit = cache.get(dtype)
+        if hit is None or hit[0] != versions:
+            hit = cache[dtype] = (versions, tuple(w.to(dtype) for w in ws))
+        return hit[1]
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor) -> Tensor:
@@ -202,7 +232,7 @@ class MoEFeedForward(nn.Module):
         else:
             ys = self.ep_dispatch(self, xs, counts)
 
-        out = torch.zeros_like(x).index_add(0, tokens, ys * slot_weight[order].to(ys.dtype).unsqueeze(1))
+        out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
 
@@ -225,7 +255,7 @@ class MoEFeedForward(nn.Module):
         xs = x.index_select(0, tokens)
         ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
         slot_weight = weights.reshape(-1)
-        out = torch.zeros_like(x).index_add(0, tokens, ys * slot_weight[order].to(ys.dtype).unsqueeze(1))
+        out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)
@@ -298,3 +328,28 @@ class MoEFeedForward(nn.Module):
         return (f"d_model={self.d_model}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
                 f"(local {self.num_local_experts} from {self.expert_offset}), top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, router={self.router}")
+
+
+def _combine(x: Tensor, tokens: Tensor, ys: Tensor, weights: Tensor) -> Tensor:
+    """Σ over a token's expert rows of weight · row, in ``x``'s dtype and shape (rows, d). The sum
+    is taken in the rows' dtype: under autocast they are bf16 (the GEMMs') and the stream fp32, and
+    index_add takes one dtype (autocast does not promote it); Megatron's unpermute sums in the
+    rows' dtype too, and the rows saved for backward stay bf16."""
+    out = torch.zeros(x.shape, dtype=ys.dtype, device=x.device)
+    out = out.index_add(0, tokens, ys * weights.to(ys.dtype).unsqueeze(1))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+@contextlib.contextmanager
+def shared_weight_casts(roots: Iterable[nn.Module]) -> Iterator[None]:
+    """One autocast copy of each MoE block's experts for the span of this context, shared by every
+    microbatch in it, freed when it closes. The runtime opens it with ``torch.autocast`` (the
+    whole step under pp), so the experts are held as autocast's cache holds the other weights."""
+    moes = [m for root in roots for m in root.modules() if isinstance(m, MoEFeedForward)]
+    for m in moes:
+        m.weight_cache = {}
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.weight_cache = None

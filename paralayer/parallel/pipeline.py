@@ -54,6 +54,7 @@ from torch import nn
 
 from paralayer.clock import StepClock
 from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
+from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel.early_recv import EarlyRecv
 from paralayer.resolve.plan import plan_field
 
@@ -496,6 +497,8 @@ class PipelineRunner:
             ctx.enter_context(loss_parallel())
         if autocast_dtype is not None:
             ctx.enter_context(torch.autocast(self.device.type, dtype=autocast_dtype))
+            # the experts' bf16 copy shared by the microbatches, as autocast's cache shares the others
+            ctx.enter_context(shared_weight_casts(self.chunks))
         with ctx:
             self.schedule.step(*args, target=labels if holds_last else None,
                                losses=losses if holds_last else None, return_outputs=False)

@@ -48,10 +48,10 @@ BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}
 ACT_BYTES = {"fp32": 4, "bf16": 2}
 #: Bytes per parameter HELD (weights, grads, optimizer) before ZeRO sharding, by how the runtime
 #: runs the precision (:func:`precision_mode`; BYTES_PER_PARAM above stays the bytes on the wire).
-#: bf16 under autocast: the fp32 weights 4 + the bf16 copy autocast makes for the GEMMs, which
-#: backward keeps until the microbatch's backward 2; fp32 grads 4; fp32 Adam m, v 8. bf16 under
-#: FSDP2's MixedPrecisionPolicy is counted in :func:`state_bytes` (fp32 shards, bf16 gathered).
-HELD_BYTES = {"fp32": (4, 4, 8), "bf16-autocast": (6, 4, 8), "bf16-fsdp": (4, 4, 8)}
+#: bf16 under autocast: the fp32 weights 4; fp32 grads 4; fp32 Adam m, v 8. The bf16 copies
+#: autocast keeps of SOME weights are counted apart (:func:`autocast_copy_params`, 2 B each); bf16
+#: under FSDP2's MixedPrecisionPolicy is counted in :func:`state_bytes` (fp32 shards, bf16 gathered).
+HELD_BYTES = {"fp32": (4, 4, 8), "bf16-autocast": (4, 4, 8), "bf16-fsdp": (4, 4, 8)}
 
 
 def precision_mode(precision: str, zero: int, d_dense: int) -> str:
@@ -158,6 +158,49 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
         # is the embedding's: paralayer/parallel/tied_embeddings.py)
         dense += h + vocab
     return dense, expert, len(layers)
+
+
+def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
+    """(head, dense layer, MoE layer): weight elements on one device whose bf16 copy autocast keeps
+    for backward (one copy per weight per step, shared by the microbatches in flight).
+
+    Under autocast (ZeRO 0/1) the weights are fp32 and every GEMM casts its weight to bf16; the
+    copy lives as long as something holds it. ``nn.Linear`` GEMMs save their bf16 weight for
+    backward, and autocast's own cache (one per weight while the autocast region is open: the whole
+    step under pp, paralayer/parallel/pipeline.py) makes it one copy for all microbatches; the
+    experts' GEMMs share one copy per step the same way (model/moe.py ``weight_cache``). Held: the
+    output head; the MoE block's router, shared expert and local experts (never split by tp, not
+    sequence-parallel GEMMs); the attention and SwiGLU GEMMs only without sequence parallel (SP's
+    own GEMMs, parallel/sequence_parallel.py and tp_overlap.py, save the fp32 weight and cast again
+    in backward). Not held: the embedding (a lookup) and the norms (fp32); a fully recomputed layer
+    saves nothing in its forward, so its copies are the recompute's transient (under pp, where the
+    autocast region is the whole step, the caches still hold them: not counted, as the rehearsal
+    cannot see them). Measured by the rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py)
+    and tests/test_precision.py."""
+    m = cfg.model
+    h, t = m.d_model, lay.tp
+    split = 0.0 if lay.sequence_parallel else attn_params(cfg) / t
+    dense = split + (0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t)
+    moe = 0.0
+    if m.moe.num_experts:
+        moe = (split + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+               + (m.moe.num_experts / lay.ep) * expert_params(cfg))
+    return lay.padded_vocab * h / t, dense, moe
+
+
+def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
+    """Weight elements of pipeline rank r whose bf16 copy autocast keeps (:func:`autocast_copy_terms`;
+    0 unless bf16 runs under autocast, :func:`precision_mode`)."""
+    if precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) != "bf16-autocast":
+        return 0.0
+    head, dense, moe = autocast_copy_terms(cfg, lay)
+    chunks = rank_chunks(lay, r)
+    n = head if (lay.chunks - 1) in chunks else 0.0
+    for c in chunks:
+        for i in lay.stage_layers[c]:
+            if layer_recompute(lay, i) != "full":
+                n += moe if is_moe_layer(cfg, i) else dense
+    return n
 
 
 # ------------------------------------------------------------------ activations
@@ -339,13 +382,14 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     ZeRO shards over the ranks that hold the same weights: dp·cp for dense weights, the
     expert-data-parallel group dp·cp/ep for experts. Stage 1 shards the optimizer, 2 also the grads,
     3 also the weights. bf16 as the runtime runs it (:func:`precision_mode`): autocast (ZeRO 0/1)
-    Z0 6+4+8, Z1 6+4+8/d; FSDP2 mixed precision Z2 2+4/d + (4+8)/d, Z3 (4+4+8)/d bytes per param."""
+    Z0 4+4+8, Z1 4+4+8/d, plus 2 B per weight whose bf16 copy it keeps (:func:`autocast_copy_params`); FSDP2 mixed precision Z2 2+4/d + (4+8)/d, Z3 (4+4+8)/d bytes per param."""
     dense, expert, _ = rank_params(cfg, lay, r)
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     z = lay.zero
 
     params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, lay.precision, lay.schedule)
+    params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
 
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
@@ -407,4 +451,5 @@ def gib(n: float | None) -> str:
 
 
 __all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "in_flight",
+           "autocast_copy_params", "autocast_copy_terms",
            "act_elems_per_token", "rank_chunks", "is_moe_layer", "layer_recompute"]

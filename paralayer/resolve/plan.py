@@ -138,8 +138,9 @@ def resolve(cfg: Config) -> Plan:
         notes.append(f"fits = total <= capacity - reserve (cluster.memory_reserve_gib="
                      f"{cfg.cluster.memory_reserve_gib:g} GiB kept free)")
     if lay.precision == "bf16":
-        notes.append("bf16 mixed precision as the runtime runs it: ZeRO 0/1 autocast (fp32 weights 4 B + the bf16 "
-                     "copy autocast keeps 2 B, fp32 grads 4 B, m, v 8 B); ZeRO 2/3 FSDP2 MixedPrecisionPolicy "
+        notes.append("bf16 mixed precision as the runtime runs it: ZeRO 0/1 autocast (fp32 weights 4 B, + 2 B for "
+                     "the weights whose bf16 copy backward keeps: the head, MoE blocks, and the layers' GEMMs "
+                     "without sequence parallel unless fully recomputed; fp32 grads 4 B, m, v 8 B); ZeRO 2/3 FSDP2 MixedPrecisionPolicy "
                      "(fp32 shards, bf16 gathered weights under ZeRO-2, fp32 reduce) "
                      "per parameter before ZeRO sharding")
     if cfg.cluster.peak_tflops is None:

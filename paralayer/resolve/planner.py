@@ -489,14 +489,18 @@ def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[
     best: Optional[MemPick] = None
     for rk, st, (inf, extra) in zip(ranks, states, flight):
         per, live = 0.0, 0.0
+        copies = st[4]
         for i, moe in rk.layers:
             full = i % every == 0
             per += act["full" if full else "none"][1 if moe else 0]
             if full:
                 live = max(live, act["none"][1 if moe else 0])
+            else:
+                copies += st[6] if moe else st[5]
         a = int(inf * per * tab + extra + int(live * tab))
-        if best is None or st[3] + a > best.total:
-            best = MemPick(st[3] + a, rk.rank, st[0], st[1], st[2], a)
+        copies = int(copies)
+        if best is None or st[3] + copies + a > best.total:
+            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
     assert best is not None
     return best
 
@@ -601,21 +605,30 @@ def _peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple]
         if recompute == "full" and (rk.n_dense + rk.n_moe):
             a += max(nd_none if rk.n_dense else 0, nm_none if rk.n_moe else 0) * tab
         a = int(a)
-        if best is None or st[3] + a > best.total:
-            best = MemPick(st[3] + a, rk.rank, st[0], st[1], st[2], a)
+        # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
+        copies = int(st[4] if recompute == "full" else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
+        if best is None or st[3] + copies + a > best.total:
+            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
     assert best is not None
     return best
 
 
-def _state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals) -> list[tuple]:
-    """(params, grads, optimizer, total) bytes of each candidate rank under a ZeRO stage."""
+def _state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
+                 copy_terms: Optional[tuple] = None) -> list[tuple]:
+    """(params, grads, optimizer, total, head copy, dense-layer copy, MoE-layer copy) bytes of each
+    candidate rank under a ZeRO stage: the last three are autocast's bf16 weight copies
+    (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
+    ``_peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay)."""
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
+    autocast = copy_terms is not None and \
+        mem_mod.precision_mode(lay.precision, zero, d_dense) == "bf16-autocast"
+    head, dense, moe = (2 * x for x in copy_terms) if autocast else (0.0, 0.0, 0.0)
     out = []
     for rk in ranks:
         pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
                                                           lay.precision, lay.schedule))
-        out.append((pa, gr, op, pa + gr + op))
+        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
     return out
 
 
@@ -650,8 +663,9 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                 lay.tp, tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
         return tp_cache[(mb, recompute)]
 
+    copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
-        states = _state_table(ranks, lay, zero, tot)
+        states = _state_table(ranks, lay, zero, tot, copy_terms)
         fk = _fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)

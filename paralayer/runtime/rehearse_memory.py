@@ -8,12 +8,16 @@ DTensor); the activation peak is the peak of the bytes autograd keeps for backwa
 was fitted to (``paralayer/runtime/activation_memory.py``), keyed by storage identity because
 fake storages have no address. Under autocast a saved tensor that is a cast copy of a weight
 (``weight_copy_of``: the bf16 copy a GEMM keeps for its backward) is counted apart, and its live
-peak reported with the weights, as the plan counts autocast's copies (``memory.HELD_BYTES``).
+peak reported with the weights, as the plan counts autocast's copies
+(``memory.autocast_copy_params``: one per weight that backward keeps in bf16).
 
 Not used: torch's ``MemTracker`` refuses a root module called again within one step (each
 microbatch calls it), so the live-bytes peak, which would also see full recompute's transient
 (non-reentrant checkpoint keeps the recomputed tensors behind its own saved-tensor hooks), is not
-measured yet.
+measured yet. Nor is a weight cast that a cache holds while no saved tensor does: under pp with
+recompute=full, autocast's cache (one region per step) keeps the bf16 copy of a recomputed layer's
+GEMM weights without SP, and the experts' shared copy (model/moe.py), for the whole step; the plan
+does not count them either (resolve/memory.py ``autocast_copy_terms``).
 """
 from __future__ import annotations
 
@@ -82,14 +86,17 @@ _WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackwar
 def weight_copy_of(t: torch.Tensor):
     """The Parameter ``t`` is a cast copy of (autocast's bf16 copy of an fp32 weight, possibly
     viewed or transposed for the GEMM), else None: walks ``t``'s grad_fn through single-input
-    casts and views to an AccumulateGrad. A cast, not the weight itself (that is excluded before)."""
+    casts and views to a Parameter's AccumulateGrad. A cast, not the weight itself (that is
+    excluded before)."""
     fn, cast = t.grad_fn, False
     for _ in range(8):
         if fn is None:
             return None
         name = type(fn).__name__
         if name == "AccumulateGrad":
-            return fn.variable if cast else None
+            # a Parameter only: a pipeline stage's received input is a leaf too, and under
+            # autocast its cast back to fp32 (pipeline._boundary_hooks) is an activation
+            return fn.variable if cast and isinstance(fn.variable, torch.nn.Parameter) else None
         if not name.startswith(_WEIGHT_PATH):
             return None
         cast = cast or name.startswith("ToCopyBackward")
@@ -117,7 +124,7 @@ class SavedPeak:
         self.refs: dict[int, int] = {}
         self._ctx = None
         #: autocast's cast copies of the weights saved for backward: their live bytes and peak,
-        #: apart from the activations' (the plan counts them with the weights, memory.HELD_BYTES)
+        #: apart from the activations' (the plan counts them with the weights, memory.autocast_copy_params)
         self.copies_live = 0
         self.weight_copy_bytes = 0
         self.copies_per_weight: dict[int, int] = {}

@@ -35,6 +35,7 @@ from paralayer.clock import StepClock
 from paralayer.config import Config
 from paralayer.data.errors import DataError
 from paralayer.model.compile import compile_blocks, compile_loss
+from paralayer.model.moe import shared_weight_casts
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
@@ -435,7 +436,8 @@ def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -
     loss_sum = torch.zeros((), device=run.device)
     for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
         with loss_parallel_ctx(run.degree["tp"] > 1):
-            with torch.autocast(run.device.type, dtype=dtype, enabled=dtype is not None):
+            with torch.autocast(run.device.type, dtype=dtype, enabled=dtype is not None), \
+                    shared_weight_casts([model] if dtype is not None else []):
                 logits = model(mb_tokens)
             loss = run.loss_fn(logits, mb_labels)
             aux = model.aux_loss()
