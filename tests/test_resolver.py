@@ -228,3 +228,19 @@ def test_plan_json_contract_keys():
     assert {"params", "grads", "optimizer", "activations", "total", "capacity"} <= set(d["memory_per_device_bytes"])
     for ax in ("tp", "pp", "cp", "ep", "dp"):
         assert {"collective", "message_bytes", "count_per_step", "bytes_per_step"} <= set(d["comm"][ax])
+
+
+def test_rank_chunks_inverts_chunk_rank():
+    """memory.rank_chunks (closed form, the planner's hot path) lists exactly the chunks that
+    rules.chunk_rank puts on each rank, for every schedule, pp 1-16 and vpp 1-4."""
+    from types import SimpleNamespace
+
+    from paralayer.resolve.memory import rank_chunks
+    from paralayer.resolve.rules import chunk_rank
+
+    for sched, vpps in (("1f1b", (1,)), ("gpipe", (1,)), ("interleaved", (2, 3, 4)), ("zbv", (2,)), ("dualpipev", (2,))):
+        for pp in range(1, 17):
+            for v in vpps:
+                lay = SimpleNamespace(pp=pp, schedule=sched, chunks=pp * v)
+                for r in range(-1, pp + 1):
+                    assert rank_chunks(lay, r) == [c for c in range(pp * v) if chunk_rank(c, pp, sched) == r]

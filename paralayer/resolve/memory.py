@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paralayer.config import Config
-from paralayer.resolve.rules import Layout, chunk_rank
+from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 GIB = 1024 ** 3
 
@@ -122,7 +122,13 @@ def matmul_params(cfg: Config) -> int:
 
 # ------------------------------------------------------------------ per-rank split
 def rank_chunks(lay: Layout, r: int) -> list[int]:
-    return [c for c in range(lay.chunks) if chunk_rank(c, lay.pp, lay.schedule) == r]
+    """The chunks pipeline rank r holds, in order (the inverse of ``rules.chunk_rank``, without
+    walking every chunk: the planner asks for it tens of thousands of times)."""
+    if not 0 <= r < lay.pp:
+        return []
+    if lay.schedule in V_SCHEDULES:
+        return [c for c in (r, 2 * lay.pp - 1 - r) if c < lay.chunks]
+    return list(range(r, lay.chunks, lay.pp))
 
 
 def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
