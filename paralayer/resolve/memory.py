@@ -252,7 +252,11 @@ def routed_rows_per_token(cfg: Config) -> float:
 def in_flight(lay: Layout, r: int) -> float:
     """Microbatches whose activations rank r holds at peak (times its own layers).
 
-    GPipe: all m. 1F1B: p − r. Interleaved (Megatron): (p − r)·(1 + (p−1)/(p·v)).
+    GPipe: all m. 1F1B: p − r. Interleaved: torch's ScheduleInterleaved1F1B order (the one we
+    run): rank r runs w = (v−1)·p + 2·(p−1−r) warm-up forwards (at most m·v), then holds w + 1
+    chunk-microbatches, (w + 1)/v of its layers' sets: Megatron's p·(1 + (p−1)/(p·v)) on the first
+    rank, ((v−1)·p + 1)/v on the last (not (p − r)·(1 + (p−1)/(p·v)): the last rank holds a
+    whole round of its earlier chunks; gpt3-175b's last stage rehearsed 3.04× that).
     ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
@@ -268,7 +272,8 @@ def in_flight_count(p: int, mm: int, s: str, vpp: int, r: int) -> float:
     if s == "1f1b":
         return float(min(mm, p - r))
     if s == "interleaved":
-        return min(mm, p - r) * (1 + (p - 1) / (p * vpp))
+        total = mm * vpp
+        return min(min((vpp - 1) * p + 2 * (p - 1 - r), total) + 1, total) / vpp
     if s == "zbv":
         return float(min(mm, p))
     if s == "dualpipev":
