@@ -1,0 +1,66 @@
+"""Full recompute's activation peak, measured by the rehearsal's ``SavedPeak`` on a real model
+(one process, fp32, tiny shapes) against the plan's ``memory.rank_activations``.
+
+Non-reentrant checkpoint keeps the recomputed layer's tensors behind its own saved-tensor hooks:
+``SavedPeak`` counts them when the recomputation ends (``recompute_bytes``), on top of the live
+bytes. The plan's transient is the layer's "none" set less its input (saved already), and it is
+never live beside the same microbatch's logits and head (freed before the first layer's backward)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paralayer.config import load_config
+from paralayer.model.transformer import Transformer, init_weights, lm_loss
+from paralayer.resolve import memory, rules
+from paralayer.runtime.rehearse_memory import SavedPeak
+from paralayer.runtime.train import apply_recompute
+
+torch.set_num_threads(1)
+
+B, S = 2, 32
+
+
+def _cfg(vocab: int, recompute: str):
+    return load_config(["model.d_model=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2",
+                        "model.ffn_hidden=96", f"model.vocab_size={vocab}", f"model.seq_len={S}",
+                        "parallel.tp=1", "parallel.dp=1", f"parallel.recompute={recompute}",
+                        f"train.global_batch={B}", f"train.micro_batch={B}", "train.precision=fp32",
+                        "cluster.device=cpu"])
+
+
+def _measure(cfg) -> SavedPeak:
+    model = Transformer(cfg.model)
+    init_weights(model, cfg.model, seed=0)
+    apply_recompute(model, cfg.parallel.recompute)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, cfg.model.vocab_size, (B, S + 1), generator=g)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    with SavedPeak([*model.parameters(), tokens, labels]) as saved:
+        lm_loss(model(tokens), labels, cfg.model.vocab_size).backward()
+    assert saved.live == 0
+    return saved
+
+
+# vocab 61: the recomputed layer is the peak; vocab 2048: the fp32 logits and the head are
+@pytest.mark.parametrize("vocab", [61, 2048])
+def test_full_recompute_peak_matches_plan(vocab):
+    cfg = _cfg(vocab, "full")
+    lay = rules.check(cfg)
+    saved = _measure(cfg)
+    transient = memory.recompute_transient(cfg, lay, 0)
+    peak, _ = memory.rank_activations(cfg, lay, 0)
+    print(f"[vocab {vocab}] recomputed {saved.recompute_bytes} B vs plan {transient}; "
+          f"peak {saved.peak_bytes} B vs plan {peak}")
+    assert abs(saved.recompute_bytes - transient) <= 0.05 * transient, (saved.recompute_bytes, transient)
+    assert abs(saved.peak_bytes - peak) <= 0.05 * saved.peak_bytes, (saved.peak_bytes, peak)
+    assert memory.rank_memory(cfg, lay, 0)[3] == peak
+
+
+def test_no_recompute_peak_unchanged_by_the_recompute_count():
+    """Without recompute nothing is recomputed; the peak is the forward's saved set (plan within 5%)."""
+    cfg = _cfg(61, "none")
+    saved = _measure(cfg)
+    peak, kept = memory.rank_activations(cfg, rules.check(cfg), 0)
+    assert saved.recompute_bytes == 0 and peak == kept
+    assert abs(saved.peak_bytes - peak) <= 0.05 * saved.peak_bytes, (saved.peak_bytes, peak)
