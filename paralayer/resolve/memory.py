@@ -377,7 +377,8 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
     if (lay.chunks - 1) in chunks:
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
-        head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model) * tokens * ab
+        mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
+        head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
         extra += head * last_in_flight
     saved = inf * per_mb + extra
     return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
@@ -397,12 +398,16 @@ def rope_bytes_for(head_dim: int, positions: float, mode: str) -> float:
     return 2.0 * head_dim * positions * (2 if mode == "bf16-fsdp" else 4)
 
 
-def head_saved_elems(lay: Layout, h: int) -> float:
+def head_saved_elems(lay: Layout, h: int, mode: str = "fp32") -> float:
     """Per token, what the final norm and the head save: the norm's input and 1/rms
     (model.transformer.RMSNorm), and the head's input. Under SP the norm sees s/tp tokens and the
     head the gathered sequence: h + (h + 1)/tp; else 2h + 1 (measured at tp = 1, 2, 4 with and
-    without SP)."""
-    return h + (h + 1) / lay.tp if lay.sequence_parallel else 2.0 * h + 1
+    without SP). In units of ``ACT_BYTES``: under bf16 (``mode``, :func:`precision_mode`) 1/rms
+    is fp32, and so is the norm's input under autocast (the residual stream), so they count twice
+    (8b-512k bf16 rehearsed 1.012 without)."""
+    norm = (h + 1) / lay.tp if lay.sequence_parallel else h + 1.0
+    extra = norm if mode == "bf16-autocast" else (norm / (h + 1) if mode == "bf16-fsdp" else 0.0)
+    return h + norm + extra
 
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:

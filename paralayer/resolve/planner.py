@@ -560,7 +560,7 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
 
 
 def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
-               rope: float) -> list[tuple]:
+               rope: float, mode: str) -> list[tuple]:
     """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
     RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
     stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
@@ -571,7 +571,7 @@ def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: i
         extra, head = inf * rk.n_chunks * rope, 0.0
         if rk.last:
             lif = mm if (schedule == "gpipe" and pp > 1) else 1
-            head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h) * tokens * ab
+            head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
             extra += head * lif
         out.append((inf, extra, head))
     return out
@@ -641,8 +641,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
 
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = _state_table(ranks, lay, zero, tot)
-        rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp,
-                                      mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp))
+        mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
+        rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp, mode)
         fk = _fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
@@ -658,7 +658,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope)
+            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()
