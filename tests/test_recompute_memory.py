@@ -64,3 +64,18 @@ def test_no_recompute_peak_unchanged_by_the_recompute_count():
     peak, kept = memory.rank_activations(cfg, rules.check(cfg), 0)
     assert saved.recompute_bytes == 0 and peak == kept
     assert abs(saved.peak_bytes - peak) <= 0.05 * saved.peak_bytes, (saved.peak_bytes, peak)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_bf16_autocast_peak_matches_plan(recompute):
+    """Under autocast (bf16, ZeRO 0/1) the final norm keeps its fp32 input and 1/rms: the plan
+    counts them twice in bf16 units (memory.head_saved_elems); weight copies count with the weights."""
+    cfg = _cfg(256, recompute)
+    cfg.train.precision = "bf16"
+    lay = rules.check(cfg)
+    assert memory.precision_mode("bf16", lay.zero, 1) == "bf16-autocast"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved = _measure(cfg)
+    peak, _ = memory.rank_activations(cfg, lay, 0)
+    print(f"[bf16 {recompute}] peak {saved.peak_bytes} B vs plan {peak} ({peak / saved.peak_bytes - 1:+.2%})")
+    assert abs(saved.peak_bytes - peak) <= 0.01 * saved.peak_bytes, (saved.peak_bytes, peak)
