@@ -79,3 +79,16 @@ def test_bf16_autocast_peak_matches_plan(recompute):
     peak, _ = memory.rank_activations(cfg, lay, 0)
     print(f"[bf16 {recompute}] peak {saved.peak_bytes} B vs plan {peak} ({peak / saved.peak_bytes - 1:+.2%})")
     assert abs(saved.peak_bytes - peak) <= 0.01 * saved.peak_bytes, (saved.peak_bytes, peak)
+
+
+def test_received_stage_input_cast_is_an_activation_not_a_weight_copy():
+    """A pipeline stage's received input (a bf16 leaf that requires grad) cast back to fp32 and
+    saved counts as an activation; only a cast of a Parameter is a weight copy (405b's last stage
+    under bf16 rehearsed 0.933 of the plan while it counted with the weights)."""
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)  # as received from the previous stage
+    with SavedPeak([w]) as saved:
+        z = x.float() @ w.to(torch.bfloat16).float()  # saves the input's cast and the weight's
+        torch.tanh(z).sum().backward()  # saves its output
+    assert saved.peak_bytes == 2 * 4 * 16 * 4  # the input's fp32 cast and tanh's output
+    assert saved.weight_copy_bytes == 16 * 16 * 4

@@ -96,7 +96,9 @@ def weight_copy_of(t: torch.Tensor):
             return None
         name = type(fn).__name__
         if name == "AccumulateGrad":
-            return fn.variable if cast else None
+            # a weight, not a leaf activation (a pipeline stage's received input, cast back to
+            # fp32 under autocast, walks the same path to its AccumulateGrad)
+            return fn.variable if cast and isinstance(fn.variable, torch.nn.Parameter) else None
         if not name.startswith(_WEIGHT_PATH):
             return None
         cast = cast or name.startswith("ToCopyBackward")
