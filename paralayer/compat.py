@@ -107,6 +107,7 @@ PRIVATE_NAMES = (
     ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
     ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
     ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
+    ("torch.utils.checkpoint", None),                              # runtime/rehearse_memory.py
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # runtime/rehearse_rank.py
     ("torch._subclasses.fake_tensor", "FakeTensor"),               # runtime/rehearse_flops.py
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # runtime/rehearse_flops.py

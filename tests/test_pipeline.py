@@ -187,9 +187,9 @@ def test_plot_timeline(tmp_path):
 
 
 # ------------------------------------------------------------------ activation memory
-def _mem_worker(rank: int, world: int, schedule: str, m: int, steps: int = 1):
-    cfg = _cfg(4)
-    plan = _plan(world, schedule, m, 1, n_layers=4)
+def _mem_worker(rank: int, world: int, schedule: str, m: int, steps: int = 1, vpp: int = 1, n_layers: int = 4):
+    cfg = _cfg(n_layers)
+    plan = _plan(world, schedule, m, vpp, n_layers=n_layers)
     with torch.device("meta"):
         model = Transformer(cfg)
     chunks = pl.split_model(model, plan, rank)
@@ -252,12 +252,12 @@ def test_no_activations_outlive_a_step(schedule):
         assert abs(peak - want) <= 0.10 * peak, (schedule, rank, peak, want)
 
 
-def _predicted_activations(schedule: str, p: int, m: int) -> list[int]:
+def _predicted_activations(schedule: str, p: int, m: int, vpp: int = 1, n_layers: int = 4) -> list[int]:
     from paralayer.config import load_config
     from paralayer.resolve import memory, rules
 
-    cfg = load_config(["parallel.tp=1", f"model.d_model={D}",
-                       "model.n_layers=4", f"model.n_heads={HEADS}", f"model.n_kv_heads={KV}",
+    cfg = load_config(["parallel.tp=1", f"model.d_model={D}", f"parallel.vpp={vpp}",
+                       f"model.n_layers={n_layers}", f"model.n_heads={HEADS}", f"model.n_kv_heads={KV}",
                        f"model.ffn_hidden={FFN}", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
                        f"parallel.pp={p}", "parallel.dp=1", f"parallel.schedule={schedule}",
                        f"train.micro_batch={MB}", f"train.global_batch={MB * m}", "train.precision=fp32",
@@ -271,6 +271,16 @@ def test_activation_memory_matches_plan_pp4():
     measured = [r[0] for r in run_ranks(_mem_worker, p, "1f1b", m)]
     for r, (got, want) in enumerate(paired(measured, _predicted_activations("1f1b", p, m))):
         assert abs(got - want) <= 0.10 * got, (r, got, want)
+
+
+def test_activation_memory_interleaved_every_rank():
+    """torch's interleaved order: rank r holds (v−1)·p + 2·(p−1−r) + 1 chunk-microbatches at its
+    peak, so the last rank holds a whole round of its first chunk (Megatron's (p − r)-scaled
+    count, exact only on the first rank, planned the last one at 1.25 where it holds 1.5 sets)."""
+    p, v, m = 2, 2, 4
+    measured = [r[0] for r in run_ranks(_mem_worker, p, "interleaved", m, 1, v, 8)]
+    for r, (got, want) in enumerate(paired(measured, _predicted_activations("interleaved", p, m, v, 8))):
+        assert abs(got - want) <= 0.05 * got, (r, got, want)
 
 
 # ------------------------------------------------------------------ end to end through train()

@@ -301,7 +301,11 @@ def routed_rows_per_token(cfg: Config) -> float:
 def in_flight(lay: Layout, r: int) -> float:
     """Microbatches whose activations rank r holds at peak (times its own layers).
 
-    GPipe: all m. 1F1B: p − r. Interleaved (Megatron): (p − r)·(1 + (p−1)/(p·v)).
+    GPipe: all m. 1F1B: p − r. Interleaved: torch's ScheduleInterleaved1F1B order (the one we
+    run): rank r runs w = (v−1)·p + 2·(p−1−r) warm-up forwards (at most m·v), then holds w + 1
+    chunk-microbatches, (w + 1)/v of its layers' sets: Megatron's p·(1 + (p−1)/(p·v)) on the first
+    rank, ((v−1)·p + 1)/v on the last (not (p − r)·(1 + (p−1)/(p·v)): the last rank holds a
+    whole round of its earlier chunks; gpt3-175b's last stage rehearsed 3.04× that).
     ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
@@ -317,7 +321,8 @@ def in_flight_count(p: int, mm: int, s: str, vpp: int, r: int) -> float:
     if s == "1f1b":
         return float(min(mm, p - r))
     if s == "interleaved":
-        return min(mm, p - r) * (1 + (p - 1) / (p * vpp))
+        total = mm * vpp
+        return min(min((vpp - 1) * p + 2 * (p - 1 - r), total) + 1, total) / vpp
     if s == "zbv":
         return float(min(mm, p))
     if s == "dualpipev":
@@ -397,6 +402,19 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, lay.precision, lay.schedule)
     params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
 
+    acts, _ = rank_activations(cfg, lay, r)
+    return int(params), int(grads), int(opt), acts
+
+
+def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
+    """(peak, saved) activation bytes on pipeline rank r: what the forward leaves for backward at
+    the schedule's peak in flight, and the peak, which adds full recompute's transient.
+
+    Per microbatch in flight: each layer's saved set, and each chunk's RoPE cos/sin
+    (:func:`rope_bytes`). The last stage also holds, per microbatch whose backward has not begun,
+    the fp32 logits 4·s·b·V/t (vocab-parallel) and what the final norm and head save; a
+    microbatch's backward frees its own before any layer of it is recomputed, so the recomputed
+    layer's set and that microbatch's head are never live together (the larger one counts)."""
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -404,28 +422,54 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     layers = [i for c in chunks for i in lay.stage_layers[c]]
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
                  for i in layers) * tokens * ab
-    acts = in_flight(lay, r) * per_mb
-    acts += recompute_transient(cfg, lay, r)
+    inf = in_flight(lay, r)
+    # summed in the planner's order (planner._in_flight, _peak_memory: the same bytes to the unit)
+    extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
     if (lay.chunks - 1) in chunks:
-        # fp32 logits for the loss, 4·s·b·V/t (vocab-parallel), per microbatch in flight at the end
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
-        acts += 4 * tokens * lay.padded_vocab / lay.tp * last_in_flight
-        acts += head_saved_elems(lay, m.d_model) * tokens * ab
-    return int(params), int(grads), int(opt), int(acts)
+        mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
+        head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
+        extra += head * last_in_flight
+    saved = inf * per_mb + extra
+    return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
 
 
-def head_saved_elems(lay: Layout, h: int) -> float:
+def rope_bytes(cfg: Config, lay: Layout) -> float:
+    """RoPE's cos and sin, (s/cp, head_dim) each: every chunk computes them per microbatch in the
+    residual stream's dtype (fp32 but under FSDP's bf16) and its layers save them (RoPE's product,
+    the checkpoints' inputs)."""
+    m = cfg.model
+    return rope_bytes_for(m.d_model // m.n_heads, m.seq_len / lay.cp,
+                          precision_mode(lay.precision, lay.zero, lay.dp * lay.cp))
+
+
+def rope_bytes_for(head_dim: int, positions: float, mode: str) -> float:
+    """:func:`rope_bytes` from the numbers (the planner calls it per ZeRO stage)."""
+    return 2.0 * head_dim * positions * (2 if mode == "bf16-fsdp" else 4)
+
+
+def head_saved_elems(lay: Layout, h: int, mode: str = "fp32") -> float:
     """Per token, what the final norm and the head save: the norm's input and 1/rms
     (model.transformer.RMSNorm), and the head's input. Under SP the norm sees s/tp tokens and the
     head the gathered sequence: h + (h + 1)/tp; else 2h + 1 (measured at tp = 1, 2, 4 with and
-    without SP)."""
-    return h + (h + 1) / lay.tp if lay.sequence_parallel else 2.0 * h + 1
+    without SP). In units of ``ACT_BYTES``: under bf16 (``mode``, :func:`precision_mode`) 1/rms
+    is fp32, and so is the norm's input under autocast (the residual stream), so they count twice
+    (8b-512k bf16 rehearsed 1.012 without)."""
+    norm = (h + 1) / lay.tp if lay.sequence_parallel else h + 1.0
+    extra = norm if mode == "bf16-autocast" else (norm / (h + 1) if mode == "bf16-fsdp" else 0.0)
+    return h + norm + extra
 
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
-    """Full recompute: the layer being recomputed in backward holds its whole "none" set once.
+    """Full recompute: the layer being recomputed in backward holds its whole "none" set once,
+    less its input, which the forward saved already (the checkpoint's input is the first norm's).
 
-    Not saved by the forward (saved-tensor hooks do not see it), but part of the peak.
+    Not saved by the forward: torch.utils.checkpoint keeps it behind its own saved-tensor hooks
+    (runtime/rehearse_memory.py counts it), but part of the peak. Selective recompute's regions
+    (the attention core, the SwiGLU product) add nothing: the layer's backward first frees the
+    input of the GEMM after the region (wo's, w2's), about what the region recomputes (rehearsed
+    selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble
+    schedules keep those inputs for the weight pass: 8b tp2 pp4 zbv rehearses 1.023.
     """
     if lay.recompute != "full":
         return 0
@@ -434,7 +478,8 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
-    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none") for i in layers) * tokens * ab)
+    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none")
+                   - act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "full") for i in layers) * tokens * ab)
 
 
 def memory(cfg: Config, lay: Layout) -> Memory:
@@ -449,13 +494,13 @@ def memory(cfg: Config, lay: Layout) -> Memory:
     cap = cfg.cluster.device_memory_gib
     capacity = int(cap * GIB) if cap is not None else None
     reserve = int(cfg.cluster.memory_reserve_gib * GIB)
-    return Memory(pa, gr, op, ac, capacity, reserve, r, ac - recompute_transient(cfg, lay, r))
+    return Memory(pa, gr, op, ac, capacity, reserve, r, rank_activations(cfg, lay, r)[1])
 
 
 def gib(n: float | None) -> str:
     return "unknown" if n is None else f"{n / GIB:.2f} GiB"
 
 
-__all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "in_flight",
+__all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "rank_activations", "in_flight",
            "autocast_copy_params", "autocast_copy_terms",
            "act_elems_per_token", "rank_chunks", "is_moe_layer", "layer_recompute"]

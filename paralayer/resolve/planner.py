@@ -148,6 +148,7 @@ class RankInfo(NamedTuple):
     n_moe: int
     last: bool  # holds the output head
     layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
+    n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
 
 
 class MemPick(NamedTuple):
@@ -379,7 +380,8 @@ def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         layers = [i for c in chunks for i in lay.stage_layers[c]]
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
-                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers)))
+                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
+                              sum(1 for c in chunks if lay.stage_layers[c])))
     return ranks
 
 
@@ -487,17 +489,17 @@ def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[
     """``_peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
     "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient)."""
     best: Optional[MemPick] = None
-    for rk, st, (inf, extra) in zip(ranks, states, flight):
+    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
         per, live = 0.0, 0.0
         copies = st[4]
         for i, moe in rk.layers:
             full = i % every == 0
             per += act["full" if full else "none"][1 if moe else 0]
             if full:
-                live = max(live, act["none"][1 if moe else 0])
+                live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
             else:
                 copies += st[6] if moe else st[5]
-        a = int(inf * per * tab + extra + int(live * tab))
+        a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
         copies = int(copies)
         if best is None or st[3] + copies + a > best.total:
             best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
@@ -581,16 +583,21 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
     return None
 
 
-def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int) -> list[tuple]:
-    """Per candidate rank: (microbatches in flight, the logits and final norm bytes if it is last)."""
+def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
+               rope: float, mode: str) -> list[tuple]:
+    """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
+    RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
+    stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
     pp, schedule = lay.pp, lay.schedule
     out = []
     for rk in ranks:
-        extra = 0.0
+        inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
+        extra, head = inf * rk.n_chunks * rope, 0.0
         if rk.last:
             lif = mm if (schedule == "gpipe" and pp > 1) else 1
-            extra = 4 * tokens * lay.padded_vocab / lay.tp * lif + mem_mod.head_saved_elems(lay, h) * tokens * ab
-        out.append((mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank), extra))
+            head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
+            extra += head * lif
+        out.append((inf, extra, head))
     return out
 
 
@@ -600,10 +607,13 @@ def _peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple]
     ed, em = act[recompute]
     nd_none, nm_none = act["none"]
     best: Optional[MemPick] = None
-    for rk, st, (inf, extra) in zip(ranks, states, flight):
+    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
         a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
         if recompute == "full" and (rk.n_dense + rk.n_moe):
-            a += max(nd_none if rk.n_dense else 0, nm_none if rk.n_moe else 0) * tab
+            # the recomputed layer's set less its input (memory.recompute_transient), never live
+            # beside the same microbatch's logits and head (memory.rank_activations)
+            live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
+            a += max(live - head, 0.0)
         a = int(a)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
         copies = int(st[4] if recompute == "full" else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
@@ -666,6 +676,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = _state_table(ranks, lay, zero, tot, copy_terms)
+        mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
+        rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp, mode)
         fk = _fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
@@ -681,7 +693,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h)
+            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()

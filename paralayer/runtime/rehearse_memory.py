@@ -11,10 +11,16 @@ fake storages have no address. Under autocast a saved tensor that is a cast copy
 peak reported with the weights, as the plan counts autocast's copies
 (``memory.autocast_copy_params``: one per weight that backward keeps in bf16).
 
-Not used: torch's ``MemTracker`` refuses a root module called again within one step (each
-microbatch calls it), so the live-bytes peak, which would also see full recompute's transient
-(non-reentrant checkpoint keeps the recomputed tensors behind its own saved-tensor hooks), is not
-measured yet. Nor is a weight cast that a cache holds while no saved tensor does: under pp with
+Recomputation (``torch.utils.checkpoint``, non-reentrant: full recompute, and selective's
+attention core and SwiGLU product) keeps what its forward saves behind its own saved-tensor hooks,
+so the hooks above never see it: the forward leaves only the checkpoint's inputs, and the backward
+recomputes the region's whole saved set at once, just before the region's backward frees it piece
+by piece. ``SavedPeak`` therefore also counts, at the end of each recomputation, the storages the
+recomputation saved that are not live already (the region's input is: the checkpoint saved it) on
+top of the live bytes: the peak as a live-bytes tracker would see it (torch's ``MemTracker`` itself
+refuses a root module called again within one step, as each microbatch calls it). Autocast's
+weight copies made again there count with the weights, as above.
+Not measured: a weight cast that a cache holds while no saved tensor does: under pp with
 recompute=full, autocast's cache (one region per step) keeps the bf16 copy of a recomputed layer's
 GEMM weights without SP, and the experts' shared copy (model/moe.py), for the whole step; the plan
 does not count them either (resolve/memory.py ``autocast_copy_terms``).
@@ -24,6 +30,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+
+from paralayer.compat import private
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +137,8 @@ class SavedPeak:
         self.weight_copy_bytes = 0
         self.copies_per_weight: dict[int, int] = {}
         self.copy_keys: set[int] = set()
+        #: the largest set a recomputation saved beyond what was live (full recompute's layer)
+        self.recompute_bytes = 0
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
@@ -176,14 +186,68 @@ class SavedPeak:
         else:
             self.refs[key] = n
 
+    def recomputed(self, saved: list) -> None:
+        """A recomputation saved ``saved`` (all live now, the region's backward frees them): the
+        peak sees them on top of what is live; weights, weight copies and live storages excluded."""
+        seen: set[int] = set()
+        extra = copies = 0
+        for t in saved:
+            if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+                continue
+            try:
+                st = _local(t).untyped_storage()
+                key, nbytes = st._cdata, st.nbytes()
+            except Exception:  # noqa: BLE001 - a tensor without storage
+                continue
+            if key in seen or key in self.skip or key in self.refs:
+                continue
+            seen.add(key)
+            if t.grad_fn is not None and weight_copy_of(t) is not None:
+                copies += nbytes
+            else:
+                extra += nbytes
+        self.recompute_bytes = max(self.recompute_bytes, extra)
+        self.peak_bytes = max(self.peak_bytes, self.live + extra)
+        self.weight_copy_bytes = max(self.weight_copy_bytes, self.copies_live + copies)
+
     def __enter__(self) -> "SavedPeak":
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
+        ckpt = private("torch.utils.checkpoint", None)
+        self._orig_hook = ckpt._recomputation_hook
+        ckpt._recomputation_hook = _counting_recomputation(self._orig_hook, self)
         return self
 
     def __exit__(self, *exc) -> bool:
+        private("torch.utils.checkpoint", None)._recomputation_hook = self._orig_hook
         self._ctx.__exit__(*exc)
         return False
+
+
+def _counting_recomputation(base: type, owner: SavedPeak) -> type:
+    """torch.utils.checkpoint's recomputation hook, which also hands ``owner`` the tensors the
+    recomputation saved when it ends (early stop included)."""
+
+    class Counting(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+            self._saved: list = []
+
+            def pack_hook(x):
+                self._saved.append(x)
+                return pack(x)
+
+            self.pack_hook = pack_hook
+
+        def __exit__(self, *exc):
+            try:
+                owner.recomputed(self._saved)
+            finally:
+                self._saved = []
+            return super().__exit__(*exc)
+
+    return Counting
 
 
 class _Held:
