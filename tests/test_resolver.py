@@ -87,9 +87,10 @@ def test_memory_tiny_fp32_by_hand():
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * n, 4 * n, 8 * n)
     # activations (measured on our block, see memory.py): 8h + 4f + a + 2 elements per token per layer,
     # fp32 logits 4·s·b·V, plus the final norm's input and 1/rms and the head's input (2h + 1)·s·b;
-    # one microbatch in flight (no pipeline)
+    # one microbatch in flight (no pipeline); RoPE's cos and sin, (s, hd) each in fp32, saved once
     tokens = s * b
-    acts = L * (8 * h + 4 * f + a + 2) * tokens * 4 + 4 * tokens * V + (2 * h + 1) * tokens * 4
+    rope = 2 * s * hd * 4
+    acts = L * (8 * h + 4 * f + a + 2) * tokens * 4 + 4 * tokens * V + (2 * h + 1) * tokens * 4 + rope
     assert mem["activations"] == acts
     assert mem["total"] == 16 * n + acts
     assert mem["capacity"] is None and p.fits  # local CPU: capacity unknown → assumed to fit, with a note
@@ -116,9 +117,11 @@ def test_memory_llama3_70b_by_hand():
     # re-gathered in backward) + (h+2)/t (norm inputs, 1/rms, residual) + (3h + 2h·g/a + 3f)/t per
     # token per layer, in bf16 (2 bytes); bf16 under autocast (ZeRO-1) keeps in fp32 the stream the
     # norms save and their 1/rms, (2h + 2)/t more, and the column GEMMs' shards, 2h/t more;
-    # 1F1B's first stage holds p microbatches (Megatron / Korthikanti et al.)
+    # 1F1B's first stage holds p microbatches (Megatron / Korthikanti et al.), each with its RoPE
+    # cos and sin ((s, hd) each, fp32: the stream's dtype under autocast)
     per_token = 2 * h / t + (h + 2) / t + (3 * h + 2 * h * g / a + 3 * f) / t + (2 * h + 2) / t + 2 * h / t
-    acts = min(p.microbatches, pp) * layers * per_token * s * b * 2
+    rope = 2 * s * hd * 4
+    acts = min(p.microbatches, pp) * (layers * per_token * s * b * 2 + rope)
     assert mem["activations"] == int(acts)
     assert p.memory_stage == 0
     assert 41 * GIB < mem["total"] < 46 * GIB and p.fits
@@ -143,8 +146,12 @@ def test_memory_follows_zero_recompute_and_schedule():
     assert r["none"] > r["selective"] > r["full"]
     gp = plan("recipe=llama3-70b", "parallel.schedule=gpipe").memory_per_device_bytes["activations"]
     assert gp > r["selective"] * 7  # GPipe holds all m=32 microbatches, 1F1B p=4
+    # interleaved (p 4, v 2): rank 0 holds (v-1)p + 2(p-1) + 1 = 11 chunk-microbatches, 11/2 layer
+    # sets against 1F1B's 4 (torch's order; Megatron's 1 + (p-1)/(pv)), each chunk with its RoPE tables
+    rope = 2 * 8192 * 128 * 4
     il = plan("recipe=llama3-70b", "parallel.schedule=interleaved", "parallel.vpp=2")
-    assert il.memory_per_device_bytes["activations"] == pytest.approx(r["selective"] * (1 + 3 / 8), rel=1e-6)
+    assert il.memory_per_device_bytes["activations"] - 11 * rope == pytest.approx(
+        (r["selective"] - 4 * rope) * (1 + 3 / 8), rel=1e-6)
     cp2 = plan("recipe=llama3-70b", "parallel.cp=2", "cluster.nodes=128")
     assert cp2.memory_per_device_bytes["activations"] == pytest.approx(r["selective"] / 2, rel=1e-6)
 

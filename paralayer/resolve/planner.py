@@ -485,31 +485,43 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 
 
 def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                       every: int, tab: float) -> MemPick:
+                       every: int, tab: float, layer_sums: Optional[dict] = None) -> MemPick:
     """``_peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
-    "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient)."""
+    "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
+    ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
+    but not on the micro-batch (the caller keys it so; same sums, same order, same bytes)."""
     best: Optional[MemPick] = None
-    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
-        per, live = 0.0, 0.0
-        copies = st[4]
-        for i, moe in rk.layers:
-            full = i % every == 0
-            per += act["full" if full else "none"][1 if moe else 0]
-            if full:
-                live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
-            else:
-                copies += st[6] if moe else st[5]
+    sums = None if layer_sums is None else layer_sums.get(every)
+    if sums is None:
+        sums = [_layer_sums(rk, st, act, every) for rk, st in zip(ranks, states)]
+        if layer_sums is not None:
+            layer_sums[every] = sums
+    for rk, st, (inf, extra, head), (per, live, copies) in zip(ranks, states, flight, sums):
         a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
-        copies = int(copies)
         if best is None or st[3] + copies + a > best.total:
             best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
     assert best is not None
     return best
 
 
+def _layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
+    """(saved elements per token of the rank's layers, the recomputed layer's transient, autocast
+    copies) under recompute=full on every ``every``-th layer."""
+    per, live = 0.0, 0.0
+    copies = st[4]
+    for i, moe in rk.layers:
+        full = i % every == 0
+        per += act["full" if full else "none"][1 if moe else 0]
+        if full:
+            live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
+        else:
+            copies += st[6] if moe else st[5]
+    return per, live, int(copies)
+
+
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
-                  tp_time: Any) -> Optional[Candidate]:
+                  tp_time: Any, layer_sums: Optional[dict] = None) -> Optional[Candidate]:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
@@ -525,7 +537,7 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.rc_frac[rk] >= bar:
             return None  # k descends, so the fraction only grows from here
         ctx.weighed[0] += 1
-        mem = _peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab)
+        mem = _peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums)
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
@@ -674,6 +686,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
         return tp_cache[(mb, recompute)]
 
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
+    every_sums: dict = {}  # (overlap, zero) -> _peak_memory_every's per-layer sums by k
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = _state_table(ranks, lay, zero, tot, copy_terms)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
@@ -710,7 +723,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, (t_dp, t_red), bubble, work, ovh_per_m, overlap),
-                                      tp_time)
+                                      tp_time, every_sums.setdefault((overlap, zero), {}))
                     if c is not None:
                         recs.append(c)
             if len(recs) == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
