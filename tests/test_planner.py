@@ -205,8 +205,15 @@ def test_dropped_layouts_are_counted_by_reason():
     assert any(k.startswith("microbatches m <") for k in dropped)
 
 
+#: CPU seconds for --plan's table. Measured on this 2-core VM at load < 1 (2026-12-01): 70B/512
+#: ~1.0 s, 405B/4,096 ~2.5 s, after the model gained autocast weight copies, RoPE tables,
+#: full recompute's transient and the GPU model's per-microbatch weight streaming (it was ~1.5 s);
+#: issue #16's bound for any input is 5 s wall.
+PLAN_CPU_S = 3.0
+
+
 @pytest.mark.parametrize("ov", [H100_70B, H100_405B], ids=["70b-512", "405b-4096"])
-def test_plans_in_under_two_seconds(ov):
+def test_plans_within_the_cpu_budget(ov):
     """CPU time (robust to other processes on the machine), best of 3, for the table's top 15."""
     cfg = load_config(list(ov))
     best = float("inf")
@@ -214,11 +221,11 @@ def test_plans_in_under_two_seconds(ov):
         t0 = time.process_time()
         plans = planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS)  # what `--plan` computes for its table
         best = min(best, time.process_time() - t0)
-        if best < 2.0:
+        if best < PLAN_CPU_S:
             break
     world = 512 if ov is H100_70B else 4096
     assert plans and plans[0]["world_size"] == world
-    assert best < 2.0, f"planning took {best:.2f} s CPU"
+    assert best < PLAN_CPU_S, f"planning took {best:.2f} s CPU"
 
 
 def test_balanced_split_keeps_the_remainder_off_the_ends():
