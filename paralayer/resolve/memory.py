@@ -179,9 +179,10 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     sequence-parallel GEMMs); the attention and SwiGLU GEMMs only without sequence parallel (SP's
     own GEMMs, parallel/sequence_parallel.py and tp_overlap.py, save the fp32 weight and cast again
     in backward). Not held: the embedding (a lookup) and the norms (fp32); a fully recomputed layer
-    saves nothing in its forward, so its copies are the recompute's transient (under pp, where the
-    autocast region is the whole step, the caches still hold them: not counted, as the rehearsal
-    cannot see them). Measured by the rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py)
+    saves nothing in its forward: its copies are made again when backward recomputes it and live
+    through that layer's backward, never beside the head's copy of the same microbatch (the larger
+    counts; under pp, where the autocast region is the whole step, the caches also keep them after
+    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py)
     and tests/test_precision.py."""
     m = cfg.model
     h, t = m.d_model, lay.tp
@@ -201,12 +202,16 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
         return 0.0
     head, dense, moe = autocast_copy_terms(cfg, lay)
     chunks = rank_chunks(lay, r)
-    n = head if (lay.chunks - 1) in chunks else 0.0
+    n, transient = 0.0, 0.0
     for c in chunks:
         for i in lay.stage_layers[c]:
             if layer_recompute(lay, i) != "full":
                 n += moe if is_moe_layer(cfg, i) else dense
-    return n
+            else:
+                # a fully recomputed layer casts again in backward: its copies live while its
+                # backward runs, after the same microbatch's head backward freed the head's copy
+                transient = max(transient, moe if is_moe_layer(cfg, i) else dense)
+    return n + max(head if (lay.chunks - 1) in chunks else 0.0, transient)
 
 
 # ------------------------------------------------------------------ activations

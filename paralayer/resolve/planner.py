@@ -508,15 +508,16 @@ def _layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, 
     """(saved elements per token of the rank's layers, the recomputed layer's transient, autocast
     copies) under recompute=full on every ``every``-th layer."""
     per, live = 0.0, 0.0
-    copies = st[4]
+    copies, again = 0.0, 0.0  # autocast's copies held, and a recomputed layer's made again
     for i, moe in rk.layers:
         full = i % every == 0
         per += act["full" if full else "none"][1 if moe else 0]
         if full:
             live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
+            again = max(again, st[6] if moe else st[5])
         else:
             copies += st[6] if moe else st[5]
-    return per, live, int(copies)
+    return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
 
 
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
@@ -628,7 +629,10 @@ def _peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple]
             a += max(live - head, 0.0)
         a = int(a)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
-        copies = int(st[4] if recompute == "full" else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
+        # (under full recompute a layer's copies are made again in its backward, never beside the
+        # same microbatch's head copy: memory.autocast_copy_params)
+        copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
+                     else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
         if best is None or st[3] + copies + a > best.total:
             best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
     assert best is not None
