@@ -3,6 +3,7 @@ model, every listed layout passes the resolver with the same numbers, and it is 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -217,12 +218,17 @@ def test_plans_within_the_cpu_budget(ov):
     """CPU time (robust to other processes on the machine), best of 3, for the table's top 15."""
     cfg = load_config(list(ov))
     best = float("inf")
-    for _ in range(3):
-        t0 = time.process_time()
-        plans = planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS)  # what `--plan` computes for its table
-        best = min(best, time.process_time() - t0)
-        if best < PLAN_CPU_S:
-            break
+    gc.collect()
+    gc.disable()  # the planner's own time, not collections of the test session's heap
+    try:
+        for _ in range(3):
+            t0 = time.process_time()
+            plans = planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS)  # what `--plan` computes for its table
+            best = min(best, time.process_time() - t0)
+            if best < PLAN_CPU_S:
+                break
+    finally:
+        gc.enable()
     world = 512 if ov is H100_70B else 4096
     assert plans and plans[0]["world_size"] == world
     assert best < PLAN_CPU_S, f"planning took {best:.2f} s CPU"
