@@ -176,3 +176,23 @@ def test_resolver_accepts_tp_overlap_under_the_v_schedules():
     plain, split = cost.tp_ring_flops(cfg, 8, "none"), cost.tp_ring_flops(cfg, 8, "none", True)
     rows = (6, 9)  # backward rings: wq/wk/wv gather, scatter; wo gather; w1/w3 gather, scatter; w2 gather
     assert all(s == (p / 2 if i in rows else p) for i, (s, p) in enumerate(zip(split[0], plain[0])))
+
+
+def test_resolver_warns_that_v_schedules_recompute_full_layers_twice():
+    """Under zbv/dualpipev with recompute=full the checkpoint recomputes a layer in both passes
+    (rehearsed at tp2 pp2: FLOPs 1.436, tp bytes 1.750 of the plan): the resolver says so, naming
+    parallel.recompute; not under 1f1b, not with selective."""
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
+
+    base = ["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "parallel.tp=8", "parallel.pp=4"]
+
+    def warned(*ov):
+        plan = resolve(load_config(base + list(ov))).to_dict()
+        return [w for w in plan["warnings"] if w["field"] == "parallel.recompute"]
+
+    for schedule in ("zbv", "dualpipev"):
+        w = warned(f"parallel.schedule={schedule}", "parallel.recompute=full")
+        assert len(w) == 1 and "both its input-grad and its weight-grad pass" in w[0]["message"], w
+        assert not warned(f"parallel.schedule={schedule}", "parallel.recompute=selective")
+    assert not warned("parallel.schedule=1f1b", "parallel.recompute=full")
