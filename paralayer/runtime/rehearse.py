@@ -9,7 +9,8 @@ that rank, and their ratio.
 
 Like for like: a step of m microbatches repeats the same microbatch; the rehearsal runs the
 fewest that reach the schedule's steady state (2 without a pipeline: the first and the last,
-whose backward starts the gradient buckets; 2·pp with one) and resolves the plan again for that
+whose backward starts the gradient buckets; pp under 1F1B and GPipe, 2·pp under interleaved and
+the V schedules) and resolves the plan again for that
 batch, so plan and rehearsal are compared on the same step. ``microbatches`` and
 ``microbatches_full`` say which.
 """
@@ -87,7 +88,12 @@ def rehearsal_microbatches(plan: dict) -> int:
     """Fewest microbatches that show a full step's steady state (see the module docstring)."""
     m = int(plan["microbatches"])
     pp = int(plan["degrees"]["pp"])
-    want = 2 if pp == 1 else 2 * pp
+    if pp == 1:
+        want = 2
+    elif plan["schedule"] in ("1f1b", "gpipe"):
+        want = pp  # rank 0 holds pp in flight from m = pp on (gpipe: every one, as the plan says)
+    else:
+        want = 2 * pp  # interleaved's and the V schedules' warm-up reaches its peak only by 2·pp
     return max(1, min(m, want))
 
 
