@@ -285,7 +285,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not plan.valid:
             _report_errors(plan)
             return EXIT_INVALID
-        from paralayer.runtime import rehearse
+        from paralayer import rehearse
 
         return rehearse.run_cli(cfg, plan.to_dict(), args.ranks, args.json)
     if args.dry_run:
@@ -302,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from paralayer import dispatch
 
     if cfg.cluster.backend == "slurm" and not args.no_rehearse:
-        from paralayer.runtime import rehearse
+        from paralayer import rehearse
 
         if rehearse.preflight(cfg, plan.to_dict()) != 0:
             return EXIT_INVALID

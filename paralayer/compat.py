@@ -107,12 +107,12 @@ PRIVATE_NAMES = (
     ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
     ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
     ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
-    ("torch.utils.checkpoint", None),                              # runtime/rehearse_memory.py
-    ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # runtime/rehearse_rank.py
-    ("torch._subclasses.fake_tensor", "FakeTensor"),               # runtime/rehearse_flops.py
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # runtime/rehearse_flops.py
-    ("torch.utils._python_dispatch", "TorchDispatchMode"),         # runtime/rehearse_comm.py
-    ("torch.utils._pytree", "tree_flatten"),                       # runtime/rehearse_comm.py
+    ("torch.utils.checkpoint", None),                              # rehearse/memory.py
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # rehearse/rank.py
+    ("torch._subclasses.fake_tensor", "FakeTensor"),               # rehearse/flops.py
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # rehearse/flops.py
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),         # rehearse/comm.py
+    ("torch.utils._pytree", "tree_flatten"),                       # rehearse/comm.py
     ("torch", "_foreach_norm"),                                    # parallel/data.py (clip)
     ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
     ("torch._dynamo.utils", "counters"),                           # tests/test_compile.py

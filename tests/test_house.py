@@ -40,7 +40,7 @@ def test_no_function_over_80_lines():
 
 #: Where a training rank's code lives; none of it may read a PARALAYER_* variable (what a rank
 #: does comes from resolved.yaml and plan.json; the launcher's variables are torch's and SLURM's).
-#: The rehearsal (runtime/rehearse*.py) runs in the front door's processes, not in a training rank.
+#: The rehearsal (paralayer/rehearse/) runs in the front door's processes, not in a training rank.
 RANK_PACKAGES = ("model", "parallel", "data", "checkpoint", "metrics", "runtime")
 
 

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
     ("data", "checkpoint", "metrics"),
     ("runtime",),
+    ("rehearse",),
     ("dispatch",),
     ("cli", "report"),
 ]

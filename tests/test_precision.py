@@ -199,7 +199,7 @@ def test_rehearsed_weight_copies_equal_the_plan(extra):
     weights plus those copies: equal to the byte, on every pipeline rank."""
     from paralayer import config as config_mod
     from paralayer.resolve import resolve, rules
-    from paralayer.runtime import rehearse as R
+    from paralayer import rehearse as R
 
     cfg = config_mod.load_config(["recipe=tiny", "train.precision=bf16", "parallel.zero=1", *extra])
     plan = resolve(cfg).to_dict()

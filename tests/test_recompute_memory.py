@@ -13,7 +13,7 @@ import torch
 from paralayer.config import load_config
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.resolve import memory, rules
-from paralayer.runtime.rehearse_memory import SavedPeak
+from paralayer.rehearse.memory import SavedPeak
 from paralayer.runtime.train import apply_recompute
 
 torch.set_num_threads(1)

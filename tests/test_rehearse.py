@@ -10,7 +10,7 @@ import pytest
 
 from paralayer import config as config_mod
 from paralayer.resolve import resolve
-from paralayer.runtime import rehearse as R
+from paralayer import rehearse as R
 
 BASE = ["recipe=llama3-8b", "cluster.nodes=8", "train.precision=fp32", "model.n_layers=2"]
 

@@ -90,7 +90,7 @@ class MoEFeedForward(nn.Module):
         # ep_dispatch(module, xs, counts) -> ys, the all-to-all path: the model never imports parallel/)
         self.ep_dispatch = None
         self.ep_group = None
-        # The rehearsal (paralayer/runtime/rehearse_rank.py) runs on fake tensors: routing decisions
+        # The rehearsal (paralayer/rehearse/rank.py) runs on fake tensors: routing decisions
         # are data it cannot see, so it routes every expert an equal share of the token-slots.
         self.even_routing = False
         self.ep_size = 1

@@ -182,7 +182,7 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     saves nothing in its forward: its copies are made again when backward recomputes it and live
     through that layer's backward, never beside the head's copy of the same microbatch (the larger
     counts; under pp, where the autocast region is the whole step, the caches also keep them after
-    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal (``weight_copy_bytes``, runtime/rehearse_memory.py)
+    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal (``weight_copy_bytes``, rehearse/memory.py)
     and tests/test_precision.py."""
     m = cfg.model
     h, t = m.d_model, lay.tp
@@ -470,7 +470,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     less its input, which the forward saved already (the checkpoint's input is the first norm's).
 
     Not saved by the forward: torch.utils.checkpoint keeps it behind its own saved-tensor hooks
-    (runtime/rehearse_memory.py counts it), but part of the peak. Selective recompute's regions
+    (rehearse/memory.py counts it), but part of the peak. Selective recompute's regions
     (the attention core, the SwiGLU product) add nothing: the layer's backward first frees the
     input of the GEMM after the region (wo's, w2's), about what the region recomputes (rehearsed
     selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble

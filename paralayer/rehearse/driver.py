@@ -1,8 +1,8 @@
-"""``launch.py ... --rehearse``: one real step of the runtime for chosen ranks of the full world.
+"""The rehearsal's driver: one real step of the runtime for chosen ranks of the full world.
 
 Why: the plan is formulas; before a cluster-week queues, the user needs to know that the real
 code builds this model in this layout, that it fits, and that it communicates what the plan says.
-Each chosen rank runs in its own process (``paralayer.runtime.rehearse_rank``) on torch's fake
+Each chosen rank runs in its own process (``paralayer.rehearse.rank``) on torch's fake
 process group and fake tensors: the training runtime's own build and step, at the full world
 size, with no weight allocated. Beside every measured figure stands the plan's prediction for
 that rank, and their ratio.
@@ -151,7 +151,7 @@ def compare(rank: dict) -> dict:
     """Ratios measured / planned, and whether each is within :data:`TOLERANCE`."""
     mem, pmem = rank["memory_bytes"], rank["plan_memory_bytes"]
     ratios: dict[str, Any] = {k: _ratio(mem[k], pmem[k]) for k in MEM_KEYS}
-    from paralayer.runtime.rehearse_comm import bytes_per_axis
+    from paralayer.rehearse.comm import bytes_per_axis
 
     got = bytes_per_axis(rank["collectives"], pairs=rank.get("plan_comm_pairs", ()),
                          sends_only=rank.get("plan_comm_sends_only", ("cp",)))
@@ -169,7 +169,7 @@ def compare(rank: dict) -> dict:
 # ------------------------------------------------------------------ running the ranks
 def _spawn(run_dir: str, rank: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, "-m", "paralayer.runtime.rehearse_rank", run_dir, str(rank)],
+    return subprocess.Popen([sys.executable, "-m", "paralayer.rehearse.rank", run_dir, str(rank)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -247,96 +247,3 @@ def _notes(cfg: Config, plan: dict, m_run: int) -> list[str]:
         notes.append("MoE: the router spreads tokens evenly over the experts (all-to-all split sizes are "
                      "data; the rehearsal uses balanced ones)")
     return notes
-
-
-# ------------------------------------------------------------------ the front door's side
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def _fmt_ratio(r: Optional[float]) -> str:
-    return "-" if r is None else f"{r:.3f}"
-
-
-def print_report(out: dict, file: Any = None) -> None:
-    """The rehearsal as tables: per rank, measured beside planned, and the ratio."""
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console(file=file or sys.stdout, width=120)
-    con.print(f"rehearsal of world {out['world_size']}: {len(out['ranks'])} rank(s); "
-              + ("[green]ok[/green]" if out["ok"] else "[red]FAILED[/red]"))
-    for r in out["ranks"]:
-        t = Table(title=f"rank {r['rank']} {r['coords']} ({r['seconds']:.1f} s)")
-        for c in ("figure", "rehearsed", "plan", "ratio"):
-            t.add_column(c, justify="left" if c == "figure" else "right")
-        for k in MEM_KEYS:
-            t.add_row(f"{k} GiB", _gib(r["memory_bytes"][k]), _gib(r["plan_memory_bytes"][k]),
-                      _fmt_ratio(r["ratios"][k]))
-        from paralayer.runtime.rehearse_comm import bytes_per_axis
-
-        got = bytes_per_axis(r["collectives"], pairs=r.get("plan_comm_pairs", ()),
-                             sends_only=r.get("plan_comm_sends_only", ("cp",)))
-        for ax, ratio in r["ratios"]["comm"].items():
-            t.add_row(f"comm {ax} GB/step", f"{got.get(ax, 0) / 1e9:.3f}",
-                      f"{r['plan_comm'].get(ax, 0) / 1e9:.3f}", _fmt_ratio(ratio))
-        t.add_row("TFLOP/step", f"{r['flops'] / 1e12:.2f}", f"{r['plan_flops'] / 1e12:.2f}",
-                  _fmt_ratio(r["ratios"]["flops"]))
-        con.print(t)
-        n = sum(c["count"] for c in r["collectives"])
-        con.print(f"  {n} collectives in the step; fits: {'yes' if r['fits'] else 'NO'}")
-    for note in out["notes"]:
-        con.print(f"[dim]note:[/dim] {note}")
-    for e in out["errors"]:
-        con.print(f"[red]error:[/red] {e}")
-
-
-def run_cli(cfg: Config, plan: dict, ranks_spec: Optional[str], as_json: bool) -> int:
-    """``--rehearse``: 0 when every rank built, stepped and fits; 2 otherwise (reason on stderr)."""
-    try:
-        ranks = parse_ranks(ranks_spec, plan)
-    except RanksError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        out = rehearse(cfg, plan, ranks)
-    except (RuntimeError, ValueError) as exc:  # the cut batch changed the layout: say so, no traceback
-        print(f"error: rehearse: {exc}", file=sys.stderr)
-        return 2
-    if as_json:
-        print(json.dumps(out))
-    else:
-        print_report(out)
-    for e in out["errors"]:
-        print(f"error: rehearse: {e}", file=sys.stderr)
-    usable = out.get("usable_memory_bytes")
-    for r in out["ranks"]:
-        if not r["fits"]:
-            print(f"error: rehearse: rank {r['rank']} needs {_gib(r['memory_bytes']['total'])} GiB but the device "
-                  f"has {_gib(usable or 0)} GiB usable (capacity less cluster.memory_reserve_gib)", file=sys.stderr)
-    return 0 if out["ok"] else 2
-
-
-def preflight(cfg: Config, plan: dict) -> int:
-    """Before a SLURM submission: rehearse the first and last pipeline rank and refuse a job that
-    would fail at step 1 (``--no-rehearse`` skips it). Prints one line; returns 0 or 2."""
-    d = plan["degrees"]
-    ranks = sorted({0, rank_of(plan, pp=int(d["pp"]) - 1)})
-    try:
-        out = rehearse(cfg, plan, ranks)
-    except (RuntimeError, ValueError) as exc:
-        print(f"error: pre-flight rehearsal: {exc}; --no-rehearse submits anyway", file=sys.stderr)
-        return 2
-    if out["ok"]:
-        secs = max((r["seconds"] for r in out["ranks"]), default=0.0)
-        print(f"paralayer: pre-flight rehearsal of ranks {ranks} passed ({secs:.0f} s; --no-rehearse skips it)",
-              file=sys.stderr)
-        return 0
-    for e in out["errors"]:
-        print(f"error: pre-flight rehearsal: {e}", file=sys.stderr)
-    for r in out["ranks"]:
-        if not r["fits"]:
-            print(f"error: pre-flight rehearsal: rank {r['rank']} needs {_gib(r['memory_bytes']['total'])} GiB, "
-                  f"more than the device's usable {_gib(out['usable_memory_bytes'] or 0)} GiB", file=sys.stderr)
-    print("error: not submitted (the job would fail at step 1); --no-rehearse submits anyway", file=sys.stderr)
-    return 2

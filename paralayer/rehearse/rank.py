@@ -77,7 +77,6 @@ def build_run(cfg: Config, plan: Any, meshes: Any, fake_mode: Any) -> Any:
     """train.setup() without what needs real data or real values: the dataset (synthetic tokens
     instead) and the peak-FLOP/s agreement (a broadcast read back with ``.item()``). The mesh is
     built before the fake mode (its rank tables are real tensors)."""
-    from paralayer.runtime import precision
     from paralayer.runtime import train as T
 
     device = torch.device("cpu")
@@ -132,10 +131,10 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
     """Build and step ``rank`` of the plan's world on fake tensors; measure what it holds, sends
     and computes. Raises :class:`RehearsalError` naming the rank and the module on failure."""
     from paralayer.compat import private
-    from paralayer.runtime import rehearse_memory as rmem
+    from paralayer.rehearse import memory as rmem
+    from paralayer.rehearse.comm import CollectiveCounter, group_axes, group_sizes
+    from paralayer.rehearse.flops import LocalFlopCounter
     from paralayer.runtime import train as T
-    from paralayer.runtime.rehearse_comm import CollectiveCounter, group_axes, group_sizes
-    from paralayer.runtime.rehearse_flops import LocalFlopCounter
 
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
     t0 = time.perf_counter()
@@ -189,7 +188,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m paralayer.runtime.rehearse_rank DIR RANK``: DIR holds resolved.yaml and plan.json
+    """``python -m paralayer.rehearse.rank DIR RANK``: DIR holds resolved.yaml and plan.json
     (what a training rank reads); writes DIR/rank-RANK.json, or the error's one line to stderr."""
     run_dir, rank = argv[0], int(argv[1])
     torch.set_num_threads(1)
