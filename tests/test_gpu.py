@@ -5,7 +5,7 @@
   simulated in a loop in one process (no NCCL needed); the same harness runs the CPU kernels on
   CPU, so the simulation itself is tested everywhere;
 - bf16 against fp32 and compile against eager, through train() on one GPU;
-- one step of llama-1b (recipes/llama-1b.yaml) on one GPU.
+- two steps of llama-1b (recipes/llama-1b.yaml) on one GPU under two layouts that must agree.
 
 On a multi-GPU box the distributed suite runs on NCCL with PARALAYER_TEST_BACKEND=nccl (tests/dist.py).
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from paralayer.parallel import context as ctx
-from tests.dist import TINY_SMALL, run_ranks, train_records
+from tests.dist import TINY_SMALL, paired, run_ranks, train_records
 
 NO_GPU = "no CUDA device visible: the CUDA kernels, bf16/compile on GPU and llama-1b need one (benchmarks/gpu.sh)"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
@@ -86,32 +86,41 @@ def _records(rank, world, variants):
 
 @cuda
 def test_bf16_and_compile_parity_on_gpu():
-    """fp32 eager is the reference: bf16 within 2% (loss) / 6% (grad norm) as on CPU, fp32
-    compiled (inductor) within 1e-4 (TF32 off: fp32 matmuls), bf16 compiled within 1e-2 of bf16 eager."""
+    """fp32 eager is the reference, with the CPU suite's bounds (tests/test_precision.py): bf16
+    within 2e-3 (loss) / 1.5e-2 (grad norm) relative; fp32 compiled (inductor) within 1e-5 loss and
+    3e-5 grad norm (TF32 off: fp32 matmuls); bf16 compiled within 2e-3 / 1.5e-2 of bf16 eager."""
     fp32, bf16, fp32_c, bf16_c = run_ranks(_records, 1, [
         ["train.precision=fp32"], ["train.precision=bf16"],
         ["train.precision=fp32", "train.compile=true"], ["train.precision=bf16", "train.compile=true"]],
         timeout_s=900, backend_name="nccl")[0]
-    for a, b, c, d in zip(fp32, bf16, fp32_c, bf16_c):
-        assert abs(a["loss"] - b["loss"]) <= 2e-2 * a["loss"], (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 6e-2 * a["grad_norm"], (a, b)
-        assert abs(a["loss"] - c["loss"]) <= 1e-4 * a["loss"], (a, c)
-        assert abs(b["loss"] - d["loss"]) <= 1e-2 * b["loss"], (b, d)
+    rel = lambda x, y: abs(x - y) / max(abs(y), 1e-12)  # noqa: E731
+    for (a, b), (c, d) in zip(paired(fp32, bf16), paired(fp32_c, bf16_c)):
+        assert rel(b["loss"], a["loss"]) <= 2e-3 and rel(b["grad_norm"], a["grad_norm"]) <= 1.5e-2, (a, b)
+        assert rel(c["loss"], a["loss"]) <= 1e-5 and rel(c["grad_norm"], a["grad_norm"]) <= 3e-5, (a, c)
+        assert rel(d["loss"], b["loss"]) <= 2e-3 and rel(d["grad_norm"], b["grad_norm"]) <= 1.5e-2, (b, d)
 
 
-def _llama_step(rank, world):
-    recs = train_records(["recipe=llama-1b", "parallel.dp=1", "train.steps=2", "train.global_batch=2",
-                          "train.micro_batch=1", "train.precision=bf16", "cluster.device=cuda",
-                          "logging.wandb.mode=disabled"])
-    return recs
+LLAMA_1B = ["recipe=llama-1b", "parallel.dp=1", "train.steps=2", "train.global_batch=4", "train.precision=fp32",
+            "cluster.device=cuda", "logging.wandb.mode=disabled"]
+
+
+def _llama_steps(rank, world):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return [train_records(LLAMA_1B + v) for v in (
+        ["train.micro_batch=1", "parallel.recompute=none"],
+        ["train.micro_batch=2", "parallel.recompute=full"])]
 
 
 @cuda
-def test_llama_1b_one_rank_step():
-    """Two steps of the 1.2B model on one GPU: the first loss is that of an untrained model
-    (≈ ln(vocab) at init std 0.02, within 10%), both finite, device memory and time recorded."""
-    recs = run_ranks(_llama_step, 1, timeout_s=900, backend_name="nccl")[0]
-    assert len(recs) == 2
-    assert all(math.isfinite(r["loss"]) and r["peak_memory_bytes"] > 0 for r in recs)
-    assert abs(recs[0]["loss"] - math.log(128256)) < 0.1 * math.log(128256), recs[0]
-    assert recs[1]["step_time_s"] > 0 and recs[1]["tokens_per_s"] > 0
+def test_llama_1b_two_layouts_agree():
+    """Two steps of the 1.2B model on one GPU in fp32 (TF32 off) under two layouts that must train
+    the same model: 4 microbatches of 1 without recompute, and 2 of 2 with full recompute. Loss and
+    grad norm agree every step within 1e-5 / 3e-5 relative (an accumulation, recompute or
+    loss-averaging error moves them by far more); memory and time are recorded."""
+    a, b = run_ranks(_llama_steps, 1, timeout_s=900, backend_name="nccl")[0]
+    for x, y in paired(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 3e-5 * x["grad_norm"], (x, y)
+        assert math.isfinite(x["loss"]) and x["peak_memory_bytes"] > 0
+    assert a[-1]["step_time_s"] > 0 and a[-1]["tokens_per_s"] > 0
