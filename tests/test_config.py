@@ -73,13 +73,6 @@ def test_unknown_recipe_and_profile_list_choices():
     assert exc.value.field == "cluster" and "h100-80gb-8x" in exc.value.message
 
 
-def test_long_context_recipe_needs_cp():
-    """At cp=1 one 512k sequence does not fit an 80 GB device even with tp=8, SP and full recompute."""
-    plan = resolve(load_config(["recipe=llama3-8b-512k", "parallel.cp=1", "cluster.nodes=1"]))
-    assert plan.valid and not plan.fits
-    assert resolve(load_config(["recipe=llama3-8b-512k"])).fits
-
-
 # ---------------------------------------------------------------- issue 16: the front door
 @pytest.mark.parametrize("ov,field,says", [
     ("model.n_layers=" + "1" + "0" * 30, "model.n_layers", "bound"),

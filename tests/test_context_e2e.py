@@ -90,8 +90,8 @@ def test_context_parallel_training_parity(reference, name):
 def _saved_bytes(rank, world, overrides):
     """One microbatch's forward on this rank: (saved bytes, plan's activations_saved, ring pairs)."""
     from paralayer.data.sampler import labels_for
-    from paralayer.parallel.mesh import build_mesh
     from paralayer.parallel.context import zigzag_shard
+    from paralayer.parallel.mesh import build_mesh
     from paralayer.runtime.train import build_model
 
     cfg, plan = _cfg_plan(LONG, overrides)
@@ -220,6 +220,8 @@ def _dry_run(*args):
 
 
 def test_long_context_recipe_needs_cp():
+    """The recipe's own layout fits with cp > 1; at cp=1 one 512k sequence does not fit an 80 GB
+    device even with tp=8, SP and full recompute (--dry-run exits 2), and activations fall by ~cp."""
     rc, plan = _dry_run()
     assert rc == 0 and plan["fits"] and plan["degrees"]["cp"] > 1, (rc, plan.get("errors"))
     rc1, plan1 = _dry_run("parallel.cp=1")

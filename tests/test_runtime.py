@@ -91,15 +91,13 @@ def _saved_bytes(rank, world, mode):
     return sum(seen.values()), plan["memory_per_device_bytes"]["activations_saved"]
 
 
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_recompute_saved_bytes_match_plan(mode):
-    measured, predicted = run_ranks(_saved_bytes, 1, mode)[0]
-    assert abs(predicted - measured) <= 0.10 * measured, (mode, measured, predicted)
-
-
-def test_recompute_orders_memory():
-    got = {m: run_ranks(_saved_bytes, 1, m)[0][0] for m in ("none", "selective", "full")}
-    assert got["full"] < got["selective"] < got["none"]
+def test_recompute_saved_bytes_match_plan_and_order():
+    """Saved activation bytes per mode within 10% of the resolver's, and full < selective < none
+    (one rank each; the order check reuses the same three measurements)."""
+    got = {m: run_ranks(_saved_bytes, 1, m)[0] for m in ("none", "selective", "full")}
+    for mode, (measured, predicted) in got.items():
+        assert abs(predicted - measured) <= 0.10 * measured, (mode, measured, predicted)
+    assert got["full"][0] < got["selective"][0] < got["none"][0], got
 
 
 def _launch(args, env=None, timeout=120):
