@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -206,3 +208,9 @@ def test_config_checks(corpus, tmp_path):
     for bad in ("train.eval_every=-1", "train.eval_batches=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             resolve(load_config(base + [bad]))
+    # the front door: --dry-run exits 2 with one line naming the field
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(repo, "launch.py"), "recipe=tiny", "train.eval_every=5",
+                        "--dry-run"], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "train.eval_every" in p.stderr and "data.valid" in p.stderr and "Traceback" not in p.stderr
