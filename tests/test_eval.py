@@ -208,6 +208,15 @@ def test_config_checks(corpus, tmp_path):
     for bad in ("train.eval_every=-1", "train.eval_batches=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             resolve(load_config(base + [bad]))
+    # the runtime's own checks of the held-out corpus name data.valid (an id >= model.vocab_size)
+    from paralayer.data.errors import DataError
+    from paralayer.runtime import evaluate
+
+    bad_ids = tmp_path / "bad.jsonl"
+    bad_ids.write_text(json.dumps({"input_ids": [VOCAB + 1] * SEQ}) + "\n")
+    with pytest.raises(DataError, match="^data.valid: "):
+        evaluate.build_valid_dataset(load_config(base + [f"data.valid={bad_ids}",
+                                                         f"data.cache_dir={tmp_path / 'cache'}"]))
     # the front door: --dry-run exits 2 with one line naming the field
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.join(repo, "launch.py"), "recipe=tiny", "train.eval_every=5",

@@ -389,8 +389,8 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     run = setup(cfg, as_plan(plan), run_dir, hooks)
     start_step = resume(run)
     stop = cfg.train.stop_at_step or cfg.train.steps
-    logger = open_logger(run, run_dir, start_step, log_progress)
     validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
+    logger = open_logger(run, run_dir, start_step, log_progress)
     records: list[dict] = []
     preempt = PreemptSave()
     for step in range(start_step, stop + 1):
