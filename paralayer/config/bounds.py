@@ -52,6 +52,8 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "train.seed": (0, 2 ** 63 - 1),  # torch.manual_seed takes at most 2**64 - 1; init adds to it
     "train.log_every": (1, 10 ** 9),
     "train.threads": (0, 1024),
+    "train.eval_every": (0, 10 ** 9),
+    "train.eval_batches": (1, 10 ** 6),
     "cluster.nodes": (1, MAX_WORLD),
     "cluster.devices_per_node": (1, 1024),
     "cluster.slurm.time_min": (1, 10 ** 7),
@@ -89,7 +91,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
 
 #: Text fields that name a file or folder: each path component at most 255 bytes (the limit of
 #: every common filesystem), the whole at most 4096 (PATH_MAX).
-PATH_FIELDS = ("recipe", "data.path", "data.tokenizer", "data.cache_dir", "checkpoint.dir", "run.dir", "cluster.slurm.folder",
+PATH_FIELDS = ("recipe", "data.path", "data.valid", "data.tokenizer", "data.cache_dir", "checkpoint.dir", "run.dir", "cluster.slurm.folder",
                "model.init", "train.resume")
 MAX_TEXT = 4096
 MAX_COMPONENT = 255
@@ -200,7 +202,7 @@ def check_generic(cfg: Config) -> None:
             raise ConfigError(name, f"must be within ±{GENERIC_INT:,} (the bound), got {_short(value)}")
         if isinstance(value, str) and "\x00" in value:
             raise ConfigError(name, "must not contain NUL characters")
-    for name in ("data.path", "data.tokenizer"):
+    for name in ("data.path", "data.valid", "data.tokenizer"):
         value = get(cfg, name)
         if value and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
             raise ConfigError(name, f"'{value[:80]}' lies under {', '.join(FORBIDDEN_READS)}: a recipe may not read "

@@ -105,6 +105,8 @@ class TrainConfig:
     log_every: int = 1
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     collective_timeout_s: float = 120.0  # process-group timeout: a peer gone this long ends every rank
+    eval_every: int = 0  # validation loss (data.valid) every N steps; 0 = never
+    eval_batches: int = 1  # global batches of data.valid per eval (the same ones every time)
 
 
 @dataclass
@@ -115,6 +117,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # None = byte-level; else a tokenizers JSON file
     text_field: str = "text"
     cache_dir: Optional[str] = None  # tokenised/packed corpora; None = ~/.cache/paralayer
+    valid: Optional[str] = None  # held-out corpus (read with data.format) for train.eval_every
 
 
 @dataclass

@@ -54,6 +54,7 @@ def check_data(data_cfg: Any) -> list[tuple[str, str]]:
             check_file(tok)
         except DataError as exc:
             errors.append(("data.tokenizer", f"{exc.file}: {exc.reason}"))
+    errors += _check_valid(data_cfg)
     if data_cfg.path is None:
         return errors
     try:
@@ -62,3 +63,25 @@ def check_data(data_cfg: Any) -> list[tuple[str, str]]:
     except DataError as exc:
         errors.append(("data.path", f"{exc.file}: {exc.reason}"))
     return errors
+
+
+def _check_valid(data_cfg: Any) -> list[tuple[str, str]]:
+    """``data.valid`` (validation): its files exist and can be read, and none is a training file."""
+    valid = getattr(data_cfg, "valid", None)
+    if not valid:
+        return []
+    try:
+        files = data_files(valid)
+        for f in files:
+            check_file(f)
+    except DataError as exc:
+        return [("data.valid", f"{exc.file}: {exc.reason}")]
+    try:
+        shared = {os.path.realpath(f) for f in files} & \
+            {os.path.realpath(f) for f in (data_files(data_cfg.path) if data_cfg.path else [])}
+    except DataError:
+        return []  # data.path's own error is reported under data.path
+    if shared:
+        return [("data.valid", f"{sorted(shared)[0]}: is also a training file (data.path); validation must be "
+                 "held out")]
+    return []

@@ -19,7 +19,8 @@ from paralayer.resolve.rules import auto_device
 def check_inputs(cfg: Config) -> None:
     """Files a run here reads must exist before ranks start (a dry run plans for other machines and
     does not ask)."""
-    for name, path in (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer)):
+    for name, path in (("data.path", cfg.data.path), ("data.valid", getattr(cfg.data, "valid", None)),
+                       ("data.tokenizer", cfg.data.tokenizer)):
         if path and not Path(path).exists():
             raise LaunchError(f"{name}: {path} does not exist on this machine; nothing was started")
 

@@ -10,6 +10,8 @@ def step_info(rec: Dict[str, Any]) -> str:
     parts = []
     if rec.get("loss") is not None:
         parts.append(f"loss {rec['loss']:.4f}")
+    if rec.get("val_loss") is not None:
+        parts.append(f"val_loss {rec['val_loss']:.4f}")
     if rec.get("tokens_per_s") is not None:
         parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
     if rec.get("mfu") is not None:
@@ -53,7 +55,8 @@ class ConsoleProgress:
         info = step_info(rec)
         if self._progress is not None:
             self._progress.update(self._task, completed=int(step), info=info)
-        elif self.show and (step % self._plain_every == 0 or step == self.total_steps or step == 1):
+        elif self.show and (step % self._plain_every == 0 or step == self.total_steps or step == 1
+                            or "val_loss" in rec):
             tot = f"/{self.total_steps}" if self.total_steps else ""
             self.console.print(f"step {step}{tot}  {info}", highlight=False)
 

@@ -53,7 +53,7 @@ class MetricsLogger:
         rec = {"step": rec.pop("step"), **rec}
         self._jsonl.write(rec)
         self.records.append(rec)
-        if step % self.log_every and step != self.total_steps:
+        if step % self.log_every and step != self.total_steps and "val_loss" not in rec:
             return
         if self._wandb_run is not None:
             wandb_log.log_step(self._wandb_run, step, rec)

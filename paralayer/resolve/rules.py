@@ -146,7 +146,7 @@ def check(cfg: Config) -> Layout:
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
     for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
-                 check_context_parallel, check_experts, check_batch):
+                 check_context_parallel, check_experts, check_batch, check_eval):
         step(cfg, lay)
     return lay
 
@@ -375,6 +375,13 @@ def check_batch(cfg: Config, lay: Layout) -> None:
                + (f"; valid train.micro_batch: {_fmt(nearest(okmb, mb))}" if okmb else ""))
     if pp > 1:
         _check_microbatches(lay, sched, pp, gb, mb, dp, dp_source(cfg, lay))
+
+
+def check_eval(cfg: Config, lay: Layout) -> None:
+    """Validation (paralayer/runtime/evaluate.py) needs a held-out corpus to read."""
+    if getattr(cfg.train, "eval_every", 0) > 0 and not getattr(cfg.data, "valid", None):
+        _error(lay, "train.eval_every", f"train.eval_every={cfg.train.eval_every} needs a held-out corpus: set "
+               "data.valid=PATH (read with data.format), or train.eval_every=0 (never)")
 
 
 def _check_microbatches(lay: Layout, sched: str, pp: int, gb: int, mb: int, dp: int, dp_from: str) -> None:

@@ -39,6 +39,7 @@ from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
 from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
+from paralayer.runtime import evaluate
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import precision
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
@@ -388,6 +389,7 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     run = setup(cfg, as_plan(plan), run_dir, hooks)
     start_step = resume(run)
     stop = cfg.train.stop_at_step or cfg.train.steps
+    validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
     logger = open_logger(run, run_dir, start_step, log_progress)
     records: list[dict] = []
     preempt = PreemptSave()
@@ -395,6 +397,7 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
         rec = train_step(run, step)
         if rec is None:
             continue
+        evaluate.maybe_evaluate(validator, run, step, rec)  # rec["val_loss"] at an eval step
         records.append(rec)
         if logger is not None:
             logger.log(step, rec)
