@@ -428,7 +428,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
                  for i in layers) * tokens * ab
     inf = in_flight(lay, r)
-    # summed in the planner's order (planner._in_flight, _peak_memory: the same bytes to the unit)
+    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
     extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
     if (lay.chunks - 1) in chunks:
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
