@@ -278,6 +278,12 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
     return out
 
 
+def _work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:
+    """The compute term of a structure: the step's compute with what tp without SP replicates
+    (the non-SP elementwise kernels), times the busiest pipeline rank's imbalance."""
+    return (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
+
+
 def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float,
                      least_bubble: float, n_moe: int) -> float:
     """A lower bound on the step time of any layout of this structure: its compute (with what tp
@@ -285,7 +291,7 @@ def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbal
     streamed through HBM) at the fewest microbatches the schedule runs and an average rank's layers
     (the busiest holds at least as many), all × (1 + the least bubble). Each term is at its least
     over the structure's choices, so no layout of it is faster (``_timed``'s formula)."""
-    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
+    work = _work(cfg, mach, tot, lay, imbalance)
     pp = lay.pp
     least_m = 1 if pp == 1 or lay.schedule == "gpipe" else (2 * pp if lay.schedule == "dualpipev" else pp)
     n_dense = cfg.model.n_layers - n_moe
@@ -384,7 +390,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)
     lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
-    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * st.imbalance
+    work = _work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     split = lay.schedule in V_SCHEDULES and lay.pp > 1
     ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
