@@ -39,8 +39,8 @@ print(f"wheel: {len(names)} files, recipes {sum(n.startswith('paralayer/_recipes
 EOF
 
 step "install it into a fresh venv"
-python3 -m venv --system-site-packages "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install -q --no-deps "$WHEEL"
+python3 -m venv --system-site-packages --without-pip "$WORK/venv"  # this python's pip installs into it
+python3 -m pip --python "$WORK/venv/bin/python" install -q --no-deps "$WHEEL"
 PL="$WORK/venv/bin/paralayer"
 cd "$WORK/empty"
 WHERE=$("$WORK/venv/bin/python" -c 'import paralayer; print(paralayer.__file__)')
