@@ -22,7 +22,8 @@ step() { echo "== wheel: $* ($((SECONDS - T0)) s)"; }
 step "build from the tracked files"
 mkdir -p "$WORK/src" "$WORK/dist" "$WORK/empty"
 git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$WORK/src")
-if python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null; then
+# setuptools >= 71 builds wheels itself (no `wheel` package): build with it, offline
+if python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' 2>/dev/null; then
   python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src"
 else
   python3 -m pip wheel -q --no-deps -w "$WORK/dist" "$WORK/src"
