@@ -16,7 +16,7 @@ import sys
 from typing import Any, Optional
 
 from paralayer import config as config_mod
-from paralayer.config import ConfigError
+from paralayer.config import ConfigError, recipes
 
 EXIT_OK, EXIT_INVALID, EXIT_INTERNAL = 0, 2, 3
 #: runs one sweep may hold (each is resolved before anything starts)
@@ -34,15 +34,19 @@ class _ArgError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from paralayer import commands
+
     epilog = (
-        "recipes: " + ", ".join(config_mod.recipe_names()) + " (or a path to a .yaml file)\n"
-        "cluster profiles (cluster=NAME): " + ", ".join(config_mod.profile_names()) + "\n\n"
+        "recipes (recipe=NAME, or a path to a .yaml file), first folder first:\n" + recipes.describe("recipes") + "\n"
+        "cluster profiles (cluster=NAME):\n" + recipes.describe("profiles") + "\n"
+        "(your own: ./recipes, ./cluster/profiles, or folders in PARALAYER_RECIPES / PARALAYER_PROFILES)\n\n"
         "examples:\n"
         "  python launch.py                                   # the tiny recipe, here\n"
         "  python launch.py recipe=llama3-70b --dry-run       # the plan, as tables\n"
         "  python launch.py recipe=llama3-70b --dry-run --json\n"
         "  python launch.py recipe=tiny parallel.tp=1,2 -m    # a sweep, one run per value\n"
-        "exit codes: 0 ok; 2 invalid recipe or layout, or it does not fit (reason on stderr)"
+        "exit codes: 0 ok; 2 invalid recipe or layout, or it does not fit (reason on stderr)\n\n"
+        + commands.help_text()
     )
     p = _Parser(prog="launch.py", description="Config-driven launcher for hybrid-parallel transformer training.",
                 epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +257,11 @@ def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """Parse, resolve, print or dispatch; returns the exit code (never raises for a bad recipe)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from paralayer import commands  # report, export, prepare, slurm, resubmit: paralayer/commands.py
+
+    if commands.is_command(argv):
+        return commands.run(argv)
+    argv = commands.strip_train(argv)
     parser = build_parser()
     try:
         # intermixed: `recipe=tiny -m parallel.dp=1,2 --wait` (overrides on both sides of a flag)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),
     ("rehearse",),
     ("dispatch",),
-    ("cli", "report"),
+    ("cli", "commands", "report", "export", "__main__"),
 ]
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, interpolation
+from paralayer.config import bounds, interpolation, recipes
 
 from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
@@ -97,11 +97,11 @@ def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
 
 # ---------------------------------------------------------------- loading
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    return recipes.names("recipes")  # the lookup order: paralayer/config/recipes.py
 
 
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+    return recipes.names("profiles")
 
 
 def _safe_path(field_name: str, name: str) -> Path:
@@ -124,8 +124,8 @@ def _recipe_path(name: str) -> Path:
     p = _safe_path("recipe", name)
     if p.suffix in (".yaml", ".yml") and _exists(p):
         return p
-    cand = RECIPES_DIR / f"{name}.yaml"
-    if _exists(cand):
+    cand = recipes.find("recipes", name)
+    if cand is not None:
         return cand
     choices = ", ".join(recipe_names())
     raise ConfigError("recipe", f"no recipe '{name[:80]}'; valid recipes: {choices} (or a path to a .yaml file)")
@@ -195,8 +195,8 @@ def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:
 
 def _profile(name: str, field_name: str = "cluster") -> dict:
     p = _safe_path(field_name, name)
-    path = p if name.endswith((".yaml", ".yml")) else PROFILES_DIR / f"{name}.yaml"
-    if not _exists(path):
+    path = p if name.endswith((".yaml", ".yml")) else recipes.find("profiles", name)
+    if path is None or not _exists(path):
         raise ConfigError(field_name, f"no cluster profile '{name[:80]}'; valid profiles: {', '.join(profile_names())}")
     node = _load_yaml(path, "cluster")
     node.setdefault("name", Path(name).stem)

@@ -1,5 +1,9 @@
 """Pipeline parallel on ``torch.distributed.pipelining``: split, schedule, measure the bubble.
 
+Why this file is long: one concept, torch's pipelining driven for every schedule, whose parts (the
+chunk split, the stage hooks, the runner and its measured bubble) share the layout conventions
+below and change together (the schedules' own code is torch's; what is ours is the glue).
+
 Layout (the plan's convention, see docs/pipeline.md)
     ``plan["stage_layers"][c]`` lists the GLOBAL layer indices of pipeline chunk ``c`` (there are
     pp·v chunks). Chunk 0 also owns the embedding, the last chunk the final norm + head (+ loss).

@@ -16,7 +16,8 @@ against the full ``resolve()``: no errors, same memory total, bubble, spans and 
 
 The cost model (one step, one device; every term is reported per layout; the machine's side —
 peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.machine``, the table and the
-CLI ``paralayer.resolve.plan_report``):
+CLI ``paralayer.resolve.plan_report``; the memory fast path ``plan_memory``, the communication
+lines ``plan_comm``, the records ``plan_types`` and the listed rows ``plan_rows``):
 
     compute   = flops_per_step / (world · peak · efficiency)          (model FLOPs, 6N + 12·L·h·s)
     imbalance = FLOPs of the busiest pipeline rank / the mean (the output head sits on the last
@@ -67,10 +68,31 @@ from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_
     wire_factor,
 )
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
+from paralayer.resolve.plan_comm import (
+    affine_line,
+    comm_lines,
+    comm_points,
+    first_zero,
+    fsdp_key,
+    recompute_key,
+    set_axes,
+    tp_overlap_options,
+)
+from paralayer.resolve.plan_memory import MemPick as MemPick  # noqa: F401 - a planner name too
+from paralayer.resolve.plan_memory import (
+    RankInfo,
+    act_tables,
+    candidate_ranks,
+    in_flight,
+    peak_memory,
+    peak_memory_every,
+    state_table,
+)
+from paralayer.resolve.plan_rows import config_for, materialise, override_prefix
+from paralayer.resolve.plan_types import Candidate, Structure, Totals
 from paralayer.resolve.rules import (
     V_SCHEDULES,
     Layout,
-    chunk_rank,
     divisors,
     resolve_device,
     resolve_precision,
@@ -78,14 +100,10 @@ from paralayer.resolve.rules import (
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.step_time import compute_seconds, replicated_elementwise_seconds, time_plan, time_to_train
+from paralayer.resolve.step_time import compute_seconds, replicated_elementwise_seconds, time_plan
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
-# recompute modes with the same traffic in cost.comm: swiglu reruns no collective, selective's reruns
-# are core_attn's (the cp ring), full reruns the whole layer's
-COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}
-AXES = ("tp", "pp", "cp", "ep", "dp")
 MAX_VPP = 8
 
 
@@ -120,91 +138,6 @@ def axis_spans(tp: int, pp: int, cp: int, dp: int, ep: int, dpn: int) -> dict:
 MAX_STRUCTURES = 2000
 #: ... and the most layouts whose memory it weighs before it stops taking more structures.
 MAX_CANDIDATES = 150_000
-
-
-class Totals(NamedTuple):
-    """Model- and cluster-wide numbers every structure shares (computed once per plan)."""
-
-    wb: int  # bytes per parameter: weights, grads, optimizer
-    gbb: int
-    ob: int
-    ab: int  # bytes per activation element
-    gb: int  # global batch (sequences)
-    seq: int
-    h: int
-    compute: float  # seconds of the step's FLOPs (+ non-matmul kernels) per device
-    flops_step: float  # model FLOPs of a step
-    rc_frac: dict  # recompute mode -> extra FLOPs / step FLOPs
-    avail: Optional[float]  # bytes a device may fill (capacity - reserve), None = unknown
-
-
-class RankInfo(NamedTuple):
-    """A pipeline rank that can be the most loaded one."""
-
-    rank: int
-    dense: float  # parameters held (after tp sharding)
-    expert: float
-    n_dense: int  # layers held
-    n_moe: int
-    last: bool  # holds the output head
-    layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
-    n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
-
-
-class MemPick(NamedTuple):
-    """The most loaded device of a layout: bytes and the pipeline rank."""
-
-    total: int
-    rank: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-
-
-@dataclasses.dataclass
-class Structure:
-    """One choice of (tp, cp, pp, dp, ep, schedule, vpp) and what is computed once for it."""
-
-    lay: Layout
-    split: list
-    imbalance: float
-    spans: dict
-    degrees: dict
-    prefix: list  # the overrides that select it
-    bound: float  # a lower bound on any of its layouts' step time
-    # (overlap, recompute, FSDP's bf16: _fsdp_key) -> {axis: (fixed, per m)}
-    per_ax: dict = dataclasses.field(default_factory=dict)
-    first_pts: Optional[list] = None  # comm at recompute=none, zero _first_zero (for the refined bound)
-    least_bubble: float = 0.0  # the bubble at the most microbatches the global batch allows
-
-    @property
-    def pp_layout(self) -> Optional[list]:
-        return self.split if (self.lay.pp > 1 and len(set(self.split)) > 1) else None
-
-
-class Candidate(NamedTuple):
-    """One listed layout before it becomes the output dict (``_materialise``)."""
-
-    step: float
-    key: int  # index of its Structure
-    zero: int
-    mb: int
-    mm: int
-    recompute: str
-    mem: MemPick
-    fixed: float  # tp + pp + cp + ep seconds: the part independent of m (tp_overlap's included)
-    per_m: float  # ... and per microbatch
-    t_dp: float
-    dp_exposed: float
-    bubble: float
-    recomp: float
-    bubble_s: float
-    imb_s: float
-    ovh: float
-    overlap: bool
-    t_tp: float
-    every: int = 1  # recompute=full: parallel.recompute_every (1: every layer)
 
 
 # ------------------------------------------------------------------ the planner
@@ -261,7 +194,7 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
                     heapq.heapreplace(best, -t.step)
     recs.sort(key=lambda t: (t.step, t.mem.total))
     shown = recs[:top] if top else recs
-    out = [_materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
+    out = [materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
     if stats is not None:
         stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
                      seconds=time.process_time() - t0, listed=len(recs), unexplored=unexplored,
@@ -339,10 +272,16 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                         least_bubble = cost_mod.bubble_fraction(schedule, pp, tot.gb // dp, vpp)
                         out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
                                              {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
-                                             _override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
+                                             override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
                                              _structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe),
                                              least_bubble=least_bubble))
     return out
+
+
+def _work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:
+    """The compute term of a structure: the step's compute with what tp without SP replicates
+    (the non-SP elementwise kernels), times the busiest pipeline rank's imbalance."""
+    return (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
 
 
 def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float,
@@ -352,7 +291,7 @@ def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbal
     streamed through HBM) at the fewest microbatches the schedule runs and an average rank's layers
     (the busiest holds at least as many), all × (1 + the least bubble). Each term is at its least
     over the structure's choices, so no layout of it is faster (``_timed``'s formula)."""
-    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
+    work = _work(cfg, mach, tot, lay, imbalance)
     pp = lay.pp
     least_m = 1 if pp == 1 or lay.schedule == "gpipe" else (2 * pp if lay.schedule == "dualpipev" else pp)
     n_dense = cfg.model.n_layers - n_moe
@@ -370,106 +309,6 @@ class _Context(NamedTuple):
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
 
 
-def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
-    """The ranks that can be the most loaded: first, second, second to last, last."""
-    pp, schedule = lay.pp, lay.schedule
-    ranks = []
-    for r in sorted({0, 1, pp - 2, pp - 1} & set(range(pp))):
-        dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
-        chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
-        layers = [i for c in chunks for i in lay.stage_layers[c]]
-        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
-                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
-                              sum(1 for c in chunks if lay.stage_layers[c])))
-    return ranks
-
-
-def _overlaps(lay: Layout, mach: Machine) -> tuple:
-    """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V: the
-    runtime runs each ring once under V too, parallel/backward_pass.py, but listing the pair moves
-    picks, e.g. 70B at tp_overlap ≤ 0.5 to zbv tp 4 × pp 4, and waits on the planner's memory
-    agreeing with the resolver's for the layouts it would then list)."""
-    ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0
-    return (False, True) if ok else (False,)
-
-
-def _comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tuple) -> dict:
-    """Communication per step as lines in the microbatch count m, from the resolver's own
-    ``cost.comm`` at two values of m per (recompute, zero): every axis's time is affine in m (bytes
-    of tp/pp/cp/ep are fixed by the step's tokens, counts scale with m, ZeRO-3 gathers per
-    microbatch). Fills ``st.per_ax``; returns {zero: (dp line, grad reduce-scatter line)}.
-    tp_overlap's exposed tp time is not affine in m: it is computed per micro-batch size later."""
-    dp_line = {}
-    fks = (False, True) if _fsdp_able(st.lay) else (False,)
-    for fk in fks:
-        # the zeros with this precision mode, spread over the traffic classes so each zero's dp line comes once
-        zs = ([2, 3] if fk else [0, 1]) if len(fks) == 2 else [0, 1, 2, 3]
-        for i, cls in enumerate(("none", "core_attn", "full")):
-            zero_ = zs[min(i, len(zs) - 1)]
-            if cls == "none" and zero_ == _first_zero(st.lay) and st.first_pts is not None:
-                pts = st.first_pts
-            else:
-                pts = _comm_points(cfg, st, mach, gb, cls, zero_)
-            for recompute in RECOMPUTES:
-                if COMM_CLASS[recompute] == cls:
-                    _set_axes(st, (recompute, fk), pts)
-            dp_line.setdefault(zero_, (_line(pts, "dp"), _line(pts, "dp_reduce")))
-    for zero_ in range(4):
-        if zero_ not in dp_line:
-            pts = _comm_points(cfg, st, mach, gb, "none", zero_)
-            dp_line[zero_] = (_line(pts, "dp"), _line(pts, "dp_reduce"))
-    return dp_line
-
-
-def _fsdp_able(lay: Layout) -> bool:
-    """Whether ZeRO 2/3 runs bf16 as FSDP2's mixed precision here (bf16 stream) where ZeRO 0/1
-    autocasts (fp32 stream): then tp, pp and cp traffic depend on the ZeRO stage."""
-    return mem_mod.precision_mode(lay.precision, 2, lay.dp * lay.cp) == "bf16-fsdp"
-
-
-def _fsdp_key(lay: Layout, zero: int) -> bool:
-    return zero >= 2 and _fsdp_able(lay)
-
-
-def _first_zero(lay: Layout) -> int:
-    """The ZeRO stage whose tp/pp/cp/ep traffic is least (bf16 under FSDP moves half autocast's)."""
-    return 2 if _fsdp_able(lay) else 0
-
-
-def _set_axes(st: Structure, key: tuple, pts: list) -> None:
-    """st.per_ax for (recompute key, FSDP key), without and with tp_overlap (pp, cp, ep the same;
-    tp under tp_overlap is timed per micro-batch size)."""
-    rk, fk = key
-    if (False, rk, fk) not in st.per_ax:
-        st.per_ax[(False, rk, fk)] = {ax: _line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
-        st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
-
-
-def _comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
-                 every: int = 1) -> list:
-    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
-    lay, spans = st.lay, st.spans
-    lay.recompute_every = every
-    m1 = gb // lay.dp
-    mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
-    pts = []
-    for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2))):
-        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero
-        c = cost_mod.comm(cfg, lay)
-        t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
-        t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
-        pts.append((mm_, t))
-    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
-    lay.recompute_every = 1
-    return pts
-
-
-def _rkey(recompute: str, every: int) -> str:
-    """The key of a recompute choice in ``rc_frac`` and ``per_ax``: the mode, or full/k."""
-    return recompute if every == 1 else f"{recompute}/{every}"
-
-
 def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> list[int]:
     """recompute_every values k > 1 to weigh with recompute=full, largest (fewest layers recomputed)
     first: the divisors of the most layers a rank holds, and 2, 3, 4 (a handful per structure)."""
@@ -484,42 +323,6 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
     return sorted(ks, reverse=True)
 
 
-def _peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                       every: int, tab: float, layer_sums: Optional[dict] = None) -> MemPick:
-    """``_peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
-    "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
-    ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
-    but not on the micro-batch (the caller keys it so; same sums, same order, same bytes)."""
-    best: Optional[MemPick] = None
-    sums = None if layer_sums is None else layer_sums.get(every)
-    if sums is None:
-        sums = [_layer_sums(rk, st, act, every) for rk, st in zip(ranks, states)]
-        if layer_sums is not None:
-            layer_sums[every] = sums
-    for rk, st, (inf, extra, head), (per, live, copies) in zip(ranks, states, flight, sums):
-        a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
-        if best is None or st[3] + copies + a > best.total:
-            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
-    assert best is not None
-    return best
-
-
-def _layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
-    """(saved elements per token of the rank's layers, the recomputed layer's transient, autocast
-    copies) under recompute=full on every ``every``-th layer."""
-    per, live = 0.0, 0.0
-    copies, again = 0.0, 0.0  # autocast's copies held, and a recomputed layer's made again
-    for i, moe in rk.layers:
-        full = i % every == 0
-        per += act["full" if full else "none"][1 if moe else 0]
-        if full:
-            live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
-            again = max(again, st[6] if moe else st[5])
-        else:
-            copies += st[6] if moe else st[5]
-    return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
-
-
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
                   tp_time: Any, layer_sums: Optional[dict] = None) -> Optional[Candidate]:
@@ -532,19 +335,19 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
     cheap = {"none", "swiglu"} | ({"core_attn", "selective"} if st.lay.cp == 1 else set())
     bar = min((tot.rc_frac[m] for m in fitted & cheap), default=math.inf)
     for k in ks:
-        rk = _rkey("full", k)
+        rk = recompute_key("full", k)
         if rk not in tot.rc_frac:
             tot.rc_frac[rk] = cost_mod.recompute_fraction(ctx.cfg, "full", k)
         if tot.rc_frac[rk] >= bar:
             return None  # k descends, so the fraction only grows from here
         ctx.weighed[0] += 1
-        mem = _peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums)
+        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums)
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
-        fk = _fsdp_key(st.lay, zero)
+        fk = fsdp_key(st.lay, zero)
         if (False, rk, fk) not in st.per_ax:
-            _set_axes(st, (rk, fk), _comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
+            set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
         return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp, bubble, work, ovh_per_m, overlap,
@@ -556,32 +359,13 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
     """A tighter lower bound on the structure's step time: its compute and least bubble, plus the
     pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
     setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
-    st.first_pts = _comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", _first_zero(st.lay))
-    hideable_tp = True in _overlaps(st.lay, ctx.mach)
+    st.first_pts = comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", first_zero(st.lay))
+    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach)
     comm = 0.0
     for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
-        fixed, per_m = _line(st.first_pts, ax)
+        fixed, per_m = affine_line(st.first_pts, ax)
         comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
     return st.bound + comm * (1.0 + st.least_bubble)
-
-
-def _act_tables(ctx: _Context, lay: Layout, overlaps: tuple) -> dict:
-    """(overlap, FSDP shards) -> {recompute: saved elements per token (dense layer, MoE layer)};
-    shared by the structures with the same keys act_elems_per_token depends on (bf16 keeps more
-    in fp32 under autocast, ZeRO 0/1, than under FSDP's mixed precision: memory.bf16_extra_elems)."""
-    acts = {}
-    zero0 = lay.zero
-    for overlap in overlaps:
-        for fsdp in (False, True):
-            lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
-            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1)
-            if akey not in ctx.act_cache:
-                ctx.act_cache[akey] = {mode: (mem_mod.act_elems_per_token(ctx.cfg, lay, False, mode),
-                                              mem_mod.act_elems_per_token(ctx.cfg, lay, True, mode))
-                                       for mode in RECOMPUTES}
-            acts[(overlap, fsdp)] = ctx.act_cache[akey]
-    lay.tp_overlap, lay.zero = False, zero0
-    return acts
 
 
 def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
@@ -596,83 +380,21 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
     return None
 
 
-def _in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
-               rope: float, mode: str) -> list[tuple]:
-    """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
-    RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
-    stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
-    pp, schedule = lay.pp, lay.schedule
-    out = []
-    for rk in ranks:
-        inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
-        extra, head = inf * rk.n_chunks * rope, 0.0
-        if rk.last:
-            lif = mm if (schedule == "gpipe" and pp > 1) else 1
-            head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
-            extra += head * lif
-        out.append((inf, extra, head))
-    return out
-
-
-def _peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                 recompute: str, tab: float) -> MemPick:
-    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
-    ed, em = act[recompute]
-    nd_none, nm_none = act["none"]
-    best: Optional[MemPick] = None
-    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
-        a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
-        if recompute == "full" and (rk.n_dense + rk.n_moe):
-            # the recomputed layer's set less its input (memory.recompute_transient), never live
-            # beside the same microbatch's logits and head (memory.rank_activations)
-            live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
-            a += max(live - head, 0.0)
-        a = int(a)
-        # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
-        # (under full recompute a layer's copies are made again in its backward, never beside the
-        # same microbatch's head copy: memory.autocast_copy_params)
-        copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
-                     else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
-        if best is None or st[3] + copies + a > best.total:
-            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
-    assert best is not None
-    return best
-
-
-def _state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
-                 copy_terms: Optional[tuple] = None) -> list[tuple]:
-    """(params, grads, optimizer, total, head copy, dense-layer copy, MoE-layer copy) bytes of each
-    candidate rank under a ZeRO stage: the last three are autocast's bf16 weight copies
-    (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
-    ``_peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay)."""
-    d_dense = lay.dp * lay.cp
-    d_exp = max(d_dense // max(lay.ep, 1), 1)
-    autocast = copy_terms is not None and \
-        mem_mod.precision_mode(lay.precision, zero, d_dense) == "bf16-autocast"
-    head, dense, moe = (2 * x for x in copy_terms) if autocast else (0.0, 0.0, 0.0)
-    out = []
-    for rk in ranks:
-        pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
-                                                          lay.precision, lay.schedule))
-        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
-    return out
-
-
 def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed."""
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
-    ranks = _candidate_ranks(cfg, lay)
-    overlaps = _overlaps(lay, mach)
+    ranks = candidate_ranks(cfg, lay)
+    overlaps = tp_overlap_options(lay, mach)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
-    dp_line = _comm_lines(cfg, st, mach, tot.gb, overlaps)
+    dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)
     lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
-    work = (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * st.imbalance
+    work = _work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     split = lay.schedule in V_SCHEDULES and lay.pp > 1
     ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
-    acts = _act_tables(ctx, lay, overlaps)
+    acts = act_tables(cfg, ctx.act_cache, lay, overlaps)
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
     ks = _every_options(ctx, ranks, recomputes)
     if 1 not in _allowed(ctx.fixed, "recompute_every", [1]):  # full only on every k-th layer
@@ -690,12 +412,12 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
         return tp_cache[(mb, recompute)]
 
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
-    every_sums: dict = {}  # (overlap, zero) -> _peak_memory_every's per-layer sums by k
+    every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
-        states = _state_table(ranks, lay, zero, tot, copy_terms)
+        states = state_table(ranks, lay, zero, tot, copy_terms)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
         rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp, mode)
-        fk = _fsdp_key(lay, zero)
+        fk = fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
             continue
@@ -710,12 +432,12 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = _in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
+            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()
                 for recompute in recomputes:
-                    mem = _peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
+                    mem = peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
                                        tokens * tot.ab)
                     if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
@@ -742,90 +464,13 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
     """The step time of one layout from its parts (the formula in the module docstring)."""
     fixed, per_m = line
     t_dp, t_red = dp
-    recomp = work * tot.rc_frac[_rkey(recompute, every)]
+    recomp = work * tot.rc_frac[recompute_key(recompute, every)]
     ovh = ovh_per_m * mm
     inner = work + recomp + fixed + per_m * mm + t_tp + ovh
     dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
     return Candidate(inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
                      dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp,
                      every)
-
-
-def _line(pts: list, ax: str) -> tuple[float, float]:
-    """(fixed, per microbatch) seconds of an axis from its times at two microbatch counts."""
-    (ma, ta), (mb, tb) = pts
-    if ma == mb:
-        return (ta[ax], 0.0)
-    slope = (ta[ax] - tb[ax]) / (ma - mb)
-    return (ta[ax] - slope * ma, slope)
-
-
-def _materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: Totals, rank: int) -> dict:
-    """The output dict of one listed layout (the keys plan_layouts documents)."""
-    st = structs[t.key]
-    lay = st.lay
-    flops_step = tot.flops_step
-    tokens = tot.gb * tot.seq
-    ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
-    axes = st.per_ax[(t.overlap, _rkey(t.recompute, t.every), _fsdp_key(lay, t.zero))]
-    for name, (f_, p_) in axes.items():
-        ct[name] = f_ + p_ * t.mm
-    m = t.mem
-    out = {
-        "rank": rank,
-        "degrees": dict(st.degrees),
-        "schedule": lay.schedule,
-        "zero": t.zero,
-        "recompute": t.recompute,
-        "recompute_every": t.every,
-        "micro_batch": t.mb,
-        "microbatches": t.mm,
-        "sequence_parallel": lay.sequence_parallel,
-        "tp_overlap": t.overlap,
-        "pp_layout": st.pp_layout,
-        "world_size": mach.world,
-        "step_time_s": t.step,
-        "tokens_per_s": tokens / t.step,
-        "mfu": flops_step / (t.step * mach.world * mach.peak_tflops * 1e12),
-        "bubble": t.bubble,
-        "compute_s": tot.compute,
-        "imbalance": st.imbalance,
-        "imbalance_s": t.imb_s,
-        "recompute_s": t.recomp,
-        "overhead_s": t.ovh,
-        "bubble_s": t.bubble_s,
-        "comm_s": t.fixed + t.per_m * t.mm,  # tp + pp + cp + ep, on the critical path
-        "dp_comm_s": t.t_dp,
-        "dp_exposed_s": t.dp_exposed,
-        "comm_time_s": ct,
-        "spans": st.spans,
-        "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
-                   "total": m.total, "capacity": mach.capacity, "stage": m.rank},
-        "overrides": st.prefix + [f"parallel.zero={t.zero}", f"parallel.recompute={t.recompute}",
-                                  f"train.micro_batch={t.mb}"] + (["parallel.tp_overlap=true"] if t.overlap else [])
-        + ([f"parallel.recompute_every={t.every}"] if t.every > 1 else []),
-    }
-    out.update(time_to_train(cfg, t.step, tokens, mach.world))
-    return out
-
-
-def _override_prefix(tp: int, pp: int, vpp: int, cp: int, ep: int, dp: int, schedule: str, split: list) -> list[str]:
-    lo = "[" + ",".join(map(str, split)) + "]" if (pp > 1 and len(set(split)) > 1) else "null"
-    return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
-            f"parallel.dp={dp}", f"parallel.schedule={schedule}", f"parallel.pp_layout={lo}"]
-
-
-# ------------------------------------------------------------------ configs for a layout
-def config_for(cfg: Config, d: dict) -> Config:
-    """The config with a planned layout applied (what ``resolve`` and the runtime take)."""
-    deg = d["degrees"]
-    par = dataclasses.replace(cfg.parallel, tp=deg["tp"], pp=deg["pp"], vpp=deg["vpp"], cp=deg["cp"], ep=deg["ep"],
-                              dp=deg["dp"], schedule=d["schedule"], zero=d["zero"], recompute=d["recompute"],
-                              recompute_every=int(d.get("recompute_every", 1)),
-                              pp_layout=list(d["pp_layout"]) if d.get("pp_layout") else None,
-                              tp_overlap=bool(d.get("tp_overlap", False)))
-    tr = dataclasses.replace(cfg.train, micro_batch=d["micro_batch"])
-    return dataclasses.replace(cfg, parallel=par, train=tr)
 
 
 def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:

@@ -1,0 +1,226 @@
+"""Activations per device: what the forward leaves for backward on a pipeline rank at the
+schedule's peak in flight, and the peak itself (full recompute's transient).
+
+Sources: Megatron theoretical_memory_usage.py; Korthikanti et al. 2022 (activations); the
+Ultra-Scale Playbook (bytes per parameter by ZeRO stage). The activation constants are OURS:
+measured on ``paralayer/model/transformer.py`` (TransformerBlock with its lean RMSNorm, fp32, CPU) with
+``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and RoPE tables excluded)
+and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per layer, elements:
+
+    recompute=none        8h + 4f + a + 2     (replicated under TP: 3h + 2; sharded: 5h + a + 4f)
+    recompute=swiglu      8h + 3f + a + 2     (silu(gate) not kept: sharded 5h + a + 3f)
+    recompute=core_attn   6h + 2h·g/a + 4f + 2 (RoPE'd q/k/v, output, lse not kept: sharded
+                                               3h + 2h·g/a + 4f)
+    recompute=selective   6h + 2h·g/a + 3f + 2 (both: replicated 3h + 2; sharded 3h + 2h·g/a + 3f)
+    recompute=full        h                    (the layer input; one layer's "none" set is live
+                                               again while it is recomputed); with
+                                               recompute_every=k only layers i % k == 0, the
+                                               others keep their "none" set
+    MoE feed-forward     3·k·h + 4·k·f_E + 4·f_S + E  (dropless, balanced routing; replaces the 4f;
+                                               k → min(k, k·capacity_factor) with drops; f_S the
+                                               shared expert; whole on every tp rank (experts are
+                                               not tp-split) and kept under selective recompute)
+
+(h d_model, a heads, g kv heads, f ffn width, k top_k, E experts, f_E expert width.) K/V are
+counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA; under
+context parallel the ring attention saves them unexpanded (2h·g/a instead of 2h; its output shares
+wo's input storage as SDPA's does; measured at cp=2 and 4 with g/a = 1/2 and 1/4).
+Sequence parallel: the replicated part is split over tp, the column GEMMs' inputs included (they
+save their sequence shard and re-gather it in backward, Megatron's §4.2.2: measured at tp 2 and 4 in
+tests/test_tensor_memory.py); an MoE block's input is gathered by DTensor and saved whole (h). Context parallel divides the tokens. Predictions are lower bounds (allocator
+fragmentation, temporary buffers and communication buffers are not counted; Megatron #525, #597).
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve.memory_states import ACT_BYTES, is_moe_layer, layer_recompute, precision_mode, rank_chunks
+from paralayer.resolve.rules import Layout
+
+
+def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None) -> float:
+    """Saved elements per token for one layer on one device (see the module docstring), in units
+    of ``ACT_BYTES[precision]``: under bf16 what is kept in fp32 counts twice (:func:`bf16_extra_elems`)."""
+    mode = recompute or lay.recompute
+    elems = _act_elems(cfg, lay, moe, mode)
+    if lay.precision == "bf16":
+        elems += bf16_extra_elems(cfg, lay, mode)
+    return elems
+
+
+def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
+    """What a bf16 run keeps in fp32, as extra 2-byte elements per token per layer (measured on
+    our block at tp 1 and 2, with bf16 weights as FSDP's MixedPrecisionPolicy runs it and under
+    autocast, tests/test_tensor_memory.py):
+
+    - RMSNorm keeps its 1/rms in fp32: 2 more (split over tp under SP);
+    - SDPA's logsumexp is fp32: a more (heads split over tp; recomputed under core_attn/selective);
+    - autocast only (ZeRO 0/1: fp32 weights, ``precision_mode``): the residual stream is fp32, so
+      are the norms' saved inputs: 2h more (/t under SP). The column GEMMs' saved shard (SP) is
+      fp32 too: 2·h/t more; without SP every linear saves its own bf16 cast of the input: q, k, v
+      three and w1, w3 two where one was counted: 3h more.
+      Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
+    """
+    m = cfg.model
+    h, a, t = m.d_model, m.n_heads, lay.tp
+    sp = lay.sequence_parallel
+    autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
+    if mode == "full":
+        return (h / t if sp else h) if autocast else 0.0
+    extra = (2 + (2 * h if autocast else 0)) / (t if sp else 1)
+    if mode not in ("core_attn", "selective"):
+        extra += a / t
+    if autocast:
+        extra += 2 * h / t if sp else 3 * h
+    return extra
+
+
+def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
+    m = cfg.model
+    h, a, g, f, t = m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, lay.tp
+    if mode == "full":
+        return h / t if lay.sequence_parallel else h
+    rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
+    if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
+        shard = 3 * h + 2 * h * g / a
+    else:
+        shard = 5 * h + a
+        if lay.cp > 1:
+            # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
+            shard -= 2 * h * (1 - g / a)
+    # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not
+    ffn_mult = 3 if mode in ("swiglu", "selective") else 4
+    moe_whole = 0.0
+    if moe:
+        # Experts are not split by tp (ETP=1, paralayer/parallel/tensor.py): the MoE block runs
+        # whole on every tp rank over the full sequence, and selective recompute leaves it alone.
+        mo = m.moe
+        fe = mo.ffn_hidden or f
+        rows = routed_rows_per_token(cfg)
+        moe_whole = 3 * rows * h + mo.num_experts + 4 * (rows * fe + mo.shared_ffn_hidden)
+    else:
+        shard += ffn_mult * f
+    if lay.sequence_parallel:
+        # the inputs of the column GEMMs (attention, FFN): only this rank's chunk is saved, the
+        # backward gathers it again (parallel/sequence_parallel.py, tp_overlap.py); an MoE block's
+        # input is gathered by DTensor and saved whole
+        gathered = h / t + (h if moe else h / t)
+        return gathered + (rep - 2 * h) / t + shard / t + moe_whole
+    # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
+    return rep + shard / t + (h - h / t) + moe_whole
+
+
+def routed_rows_per_token(cfg: Config) -> float:
+    """Expert rows per token: top_k (dropless), or fewer when capacity_factor·top_k < top_k."""
+    mo = cfg.model.moe
+    if mo.capacity_factor is None:
+        return float(mo.top_k)
+    return min(float(mo.top_k), mo.top_k * mo.capacity_factor)
+
+
+def in_flight(lay: Layout, r: int) -> float:
+    """Microbatches whose activations rank r holds at peak (times its own layers).
+
+    GPipe: all m. 1F1B: p − r. Interleaved: torch's ScheduleInterleaved1F1B order (the one we
+    run): rank r runs w = (v−1)·p + 2·(p−1−r) warm-up forwards (at most m·v), then holds w + 1
+    chunk-microbatches, (w + 1)/v of its layers' sets: Megatron's p·(1 + (p−1)/(p·v)) on the first
+    rank, ((v−1)·p + 1)/v on the last (not (p − r)·(1 + (p−1)/(p·v)): the last rank holds a
+    whole round of its earlier chunks; gpt3-175b's last stage rehearsed 3.04× that).
+    ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
+    — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
+    chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
+    return in_flight_count(lay.pp, lay.microbatches, lay.schedule, lay.vpp, r)
+
+
+def in_flight_count(p: int, mm: int, s: str, vpp: int, r: int) -> float:
+    """:func:`in_flight` from the numbers alone (the planner calls it per candidate)."""
+    if p == 1:
+        return 1.0
+    if s == "gpipe":
+        return float(mm)
+    if s == "1f1b":
+        return float(min(mm, p - r))
+    if s == "interleaved":
+        total = mm * vpp
+        return min(min((vpp - 1) * p + 2 * (p - 1 - r), total) + 1, total) / vpp
+    if s == "zbv":
+        return float(min(mm, p))
+    if s == "dualpipev":
+        return float(min(mm, p + 0.5))
+    return float(min(mm, p))
+
+
+def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
+    """(peak, saved) activation bytes on pipeline rank r: what the forward leaves for backward at
+    the schedule's peak in flight, and the peak, which adds full recompute's transient.
+
+    Per microbatch in flight: each layer's saved set, and each chunk's RoPE cos/sin
+    (:func:`rope_bytes`). The last stage also holds, per microbatch whose backward has not begun,
+    the fp32 logits 4·s·b·V/t (vocab-parallel) and what the final norm and head save; a
+    microbatch's backward frees its own before any layer of it is recomputed, so the recomputed
+    layer's set and that microbatch's head are never live together (the larger one counts)."""
+    m = cfg.model
+    ab = ACT_BYTES[lay.precision]
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    chunks = rank_chunks(lay, r)
+    layers = [i for c in chunks for i in lay.stage_layers[c]]
+    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
+                 for i in layers) * tokens * ab
+    inf = in_flight(lay, r)
+    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
+    extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
+    if (lay.chunks - 1) in chunks:
+        last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
+        mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
+        head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
+        extra += head * last_in_flight
+    saved = inf * per_mb + extra
+    return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
+
+
+def rope_bytes(cfg: Config, lay: Layout) -> float:
+    """RoPE's cos and sin, (s/cp, head_dim) each: every chunk computes them per microbatch in the
+    residual stream's dtype (fp32 but under FSDP's bf16) and its layers save them (RoPE's product,
+    the checkpoints' inputs)."""
+    m = cfg.model
+    return rope_bytes_for(m.d_model // m.n_heads, m.seq_len / lay.cp,
+                          precision_mode(lay.precision, lay.zero, lay.dp * lay.cp))
+
+
+def rope_bytes_for(head_dim: int, positions: float, mode: str) -> float:
+    """:func:`rope_bytes` from the numbers (the planner calls it per ZeRO stage)."""
+    return 2.0 * head_dim * positions * (2 if mode == "bf16-fsdp" else 4)
+
+
+def head_saved_elems(lay: Layout, h: int, mode: str = "fp32") -> float:
+    """Per token, what the final norm and the head save: the norm's input and 1/rms
+    (model.transformer.RMSNorm), and the head's input. Under SP the norm sees s/tp tokens and the
+    head the gathered sequence: h + (h + 1)/tp; else 2h + 1 (measured at tp = 1, 2, 4 with and
+    without SP). In units of ``ACT_BYTES``: under bf16 (``mode``, :func:`precision_mode`) 1/rms
+    is fp32, and so is the norm's input under autocast (the residual stream), so they count twice
+    (8b-512k bf16 rehearsed 1.012 without)."""
+    norm = (h + 1) / lay.tp if lay.sequence_parallel else h + 1.0
+    extra = norm if mode == "bf16-autocast" else (norm / (h + 1) if mode == "bf16-fsdp" else 0.0)
+    return h + norm + extra
+
+
+def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
+    """Full recompute: the layer being recomputed in backward holds its whole "none" set once,
+    less its input, which the forward saved already (the checkpoint's input is the first norm's).
+
+    Not saved by the forward: torch.utils.checkpoint keeps it behind its own saved-tensor hooks
+    (rehearse/memory.py counts it), but part of the peak. Selective recompute's regions
+    (the attention core, the SwiGLU product) add nothing: the layer's backward first frees the
+    input of the GEMM after the region (wo's, w2's), about what the region recomputes (rehearsed
+    selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble
+    schedules keep those inputs for the weight pass: 8b tp2 pp4 zbv rehearses 1.023.
+    """
+    if lay.recompute != "full":
+        return 0
+    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c] if layer_recompute(lay, i) == "full"]
+    if not layers:
+        return 0
+    tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
+    ab = ACT_BYTES[lay.precision]
+    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none")
+                   - act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "full") for i in layers) * tokens * ab)
+

@@ -1,0 +1,68 @@
+"""The bf16 weight copies autocast keeps for backward (bf16 under ZeRO 0/1: fp32 weights, bf16
+compute), counted with the weights (2 B each) as the rehearsal measures them.
+
+Why its own module: it is neither a model state (the copies are made per step) nor an activation
+(one copy per weight, shared by every microbatch in flight), and the rules of which copies live
+when (sequence parallel, full recompute, the head) are their own.
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve.memory_states import (
+    attn_params,
+    expert_params,
+    is_moe_layer,
+    layer_recompute,
+    precision_mode,
+    rank_chunks,
+)
+from paralayer.resolve.rules import Layout
+
+
+def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
+    """(head, dense layer, MoE layer): weight elements on one device whose bf16 copy autocast keeps
+    for backward (one copy per weight per step, shared by the microbatches in flight).
+
+    Under autocast (ZeRO 0/1) the weights are fp32 and every GEMM casts its weight to bf16; the
+    copy lives as long as something holds it. ``nn.Linear`` GEMMs save their bf16 weight for
+    backward, and autocast's own cache (one per weight while the autocast region is open: the whole
+    step under pp, paralayer/parallel/pipeline.py) makes it one copy for all microbatches; the
+    experts' GEMMs share one copy per step the same way (model/moe.py ``weight_cache``). Held: the
+    output head; the MoE block's router, shared expert and local experts (never split by tp, not
+    sequence-parallel GEMMs); the attention and SwiGLU GEMMs only without sequence parallel (SP's
+    own GEMMs, parallel/sequence_parallel.py and tp_overlap.py, save the fp32 weight and cast again
+    in backward). Not held: the embedding (a lookup) and the norms (fp32); a fully recomputed layer
+    saves nothing in its forward: its copies are made again when backward recomputes it and live
+    through that layer's backward, never beside the head's copy of the same microbatch (the larger
+    counts; under pp, where the autocast region is the whole step, the caches also keep them after
+    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal (``weight_copy_bytes``, rehearse/memory.py)
+    and tests/test_precision.py."""
+    m = cfg.model
+    h, t = m.d_model, lay.tp
+    split = 0.0 if lay.sequence_parallel else attn_params(cfg) / t
+    dense = split + (0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t)
+    moe = 0.0
+    if m.moe.num_experts:
+        moe = (split + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+               + (m.moe.num_experts / lay.ep) * expert_params(cfg))
+    return lay.padded_vocab * h / t, dense, moe
+
+
+def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
+    """Weight elements of pipeline rank r whose bf16 copy autocast keeps (:func:`autocast_copy_terms`;
+    0 unless bf16 runs under autocast, :func:`precision_mode`)."""
+    if precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) != "bf16-autocast":
+        return 0.0
+    head, dense, moe = autocast_copy_terms(cfg, lay)
+    chunks = rank_chunks(lay, r)
+    n, transient = 0.0, 0.0
+    for c in chunks:
+        for i in lay.stage_layers[c]:
+            if layer_recompute(lay, i) != "full":
+                n += moe if is_moe_layer(cfg, i) else dense
+            else:
+                # a fully recomputed layer casts again in backward: its copies live while its
+                # backward runs, after the same microbatch's head backward freed the head's copy
+                transient = max(transient, moe if is_moe_layer(cfg, i) else dense)
+    return n + max(head if (lay.chunks - 1) in chunks else 0.0, transient)
+

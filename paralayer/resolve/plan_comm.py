@@ -1,0 +1,116 @@
+"""The planner's communication lines: every axis's seconds per step as an affine function of the
+microbatch count m, from the resolver's own ``cost.comm`` evaluated at two values of m.
+
+Why it is its own module: the search (``planner``) needs each axis's time for thousands of
+(zero, micro-batch, recompute) choices of one structure; two calls of ``cost.comm`` per traffic
+class give all of them (bytes of tp/pp/cp/ep are fixed by the step's tokens, counts scale with m).
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.config.schema import RECOMPUTE as RECOMPUTES
+from paralayer.resolve import cost as cost_mod
+from paralayer.resolve import memory as mem_mod
+from paralayer.resolve.machine import Machine, comm_seconds, dp_reduce_seconds
+from paralayer.resolve.plan_types import Structure
+from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
+
+# recompute modes with the same traffic in cost.comm: swiglu reruns no collective, selective's reruns
+# are core_attn's (the cp ring), full reruns the whole layer's
+COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}
+AXES = ("tp", "pp", "cp", "ep", "dp")
+
+
+def recompute_key(recompute: str, every: int) -> str:
+    """The key of a recompute choice in ``rc_frac`` and ``per_ax``: the mode, or full/k."""
+    return recompute if every == 1 else f"{recompute}/{every}"
+
+
+def tp_overlap_options(lay: Layout, mach: Machine) -> tuple:
+    """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V: the
+    runtime runs each ring once under V too, parallel/backward_pass.py, but listing the pair moves
+    picks, e.g. 70B at tp_overlap ≤ 0.5 to zbv tp 4 × pp 4, and waits on the planner's memory
+    agreeing with the resolver's for the layouts it would then list)."""
+    ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0
+    return (False, True) if ok else (False,)
+
+
+def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tuple) -> dict:
+    """Communication per step as lines in the microbatch count m, from the resolver's own
+    ``cost.comm`` at two values of m per (recompute, zero): every axis's time is affine in m (bytes
+    of tp/pp/cp/ep are fixed by the step's tokens, counts scale with m, ZeRO-3 gathers per
+    microbatch). Fills ``st.per_ax``; returns {zero: (dp line, grad reduce-scatter line)}.
+    tp_overlap's exposed tp time is not affine in m: it is computed per micro-batch size later."""
+    dp_line = {}
+    fks = (False, True) if fsdp_able(st.lay) else (False,)
+    for fk in fks:
+        # the zeros with this precision mode, spread over the traffic classes so each zero's dp line comes once
+        zs = ([2, 3] if fk else [0, 1]) if len(fks) == 2 else [0, 1, 2, 3]
+        for i, cls in enumerate(("none", "core_attn", "full")):
+            zero_ = zs[min(i, len(zs) - 1)]
+            if cls == "none" and zero_ == first_zero(st.lay) and st.first_pts is not None:
+                pts = st.first_pts
+            else:
+                pts = comm_points(cfg, st, mach, gb, cls, zero_)
+            for recompute in RECOMPUTES:
+                if COMM_CLASS[recompute] == cls:
+                    set_axes(st, (recompute, fk), pts)
+            dp_line.setdefault(zero_, (affine_line(pts, "dp"), affine_line(pts, "dp_reduce")))
+    for zero_ in range(4):
+        if zero_ not in dp_line:
+            pts = comm_points(cfg, st, mach, gb, "none", zero_)
+            dp_line[zero_] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
+    return dp_line
+
+
+def fsdp_able(lay: Layout) -> bool:
+    """Whether ZeRO 2/3 runs bf16 as FSDP2's mixed precision here (bf16 stream) where ZeRO 0/1
+    autocasts (fp32 stream): then tp, pp and cp traffic depend on the ZeRO stage."""
+    return mem_mod.precision_mode(lay.precision, 2, lay.dp * lay.cp) == "bf16-fsdp"
+
+
+def fsdp_key(lay: Layout, zero: int) -> bool:
+    return zero >= 2 and fsdp_able(lay)
+
+
+def first_zero(lay: Layout) -> int:
+    """The ZeRO stage whose tp/pp/cp/ep traffic is least (bf16 under FSDP moves half autocast's)."""
+    return 2 if fsdp_able(lay) else 0
+
+
+def set_axes(st: Structure, key: tuple, pts: list) -> None:
+    """st.per_ax for (recompute key, FSDP key), without and with tp_overlap (pp, cp, ep the same;
+    tp under tp_overlap is timed per micro-batch size)."""
+    rk, fk = key
+    if (False, rk, fk) not in st.per_ax:
+        st.per_ax[(False, rk, fk)] = {ax: affine_line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+        st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
+
+
+def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
+                 every: int = 1) -> list:
+    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
+    lay, spans = st.lay, st.spans
+    lay.recompute_every = every
+    m1 = gb // lay.dp
+    mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
+    pts = []
+    for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2))):
+        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero
+        c = cost_mod.comm(cfg, lay)
+        t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
+        t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
+        pts.append((mm_, t))
+    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
+    lay.recompute_every = 1
+    return pts
+
+
+def affine_line(pts: list, ax: str) -> tuple[float, float]:
+    """(fixed, per microbatch) seconds of an axis from its times at two microbatch counts."""
+    (ma, ta), (mb, tb) = pts
+    if ma == mb:
+        return (ta[ax], 0.0)
+    slope = (ta[ax] - tb[ax]) / (ma - mb)
+    return (ta[ax] - slope * ma, slope)
+

@@ -1,0 +1,176 @@
+"""The planner's memory fast path: the most loaded device of a layout for thousands of layouts a
+second, from per-structure tables (states by ZeRO stage, activations per token by recompute mode,
+microbatches in flight per candidate rank) instead of ``memory.memory()`` per layout.
+
+Why it is its own module: the search (``planner``) asks it one question, "how many bytes on the
+most loaded rank", and these are the resolver's own rules (``paralayer.resolve.memory``) summed in
+the same order, so ``tests/test_planner.py`` can hold the two to the byte.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+from paralayer.config import Config
+from paralayer.config.schema import RECOMPUTE as RECOMPUTES
+from paralayer.resolve import memory as mem_mod
+from paralayer.resolve.rules import Layout, chunk_rank
+
+if TYPE_CHECKING:
+    from paralayer.resolve.plan_types import Totals
+
+
+class RankInfo(NamedTuple):
+    """A pipeline rank that can be the most loaded one."""
+
+    rank: int
+    dense: float  # parameters held (after tp sharding)
+    expert: float
+    n_dense: int  # layers held
+    n_moe: int
+    last: bool  # holds the output head
+    layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
+    n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
+
+
+class MemPick(NamedTuple):
+    """The most loaded device of a layout: bytes and the pipeline rank."""
+
+    total: int
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+
+def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
+    """The ranks that can be the most loaded: first, second, second to last, last."""
+    pp, schedule = lay.pp, lay.schedule
+    ranks = []
+    for r in sorted({0, 1, pp - 2, pp - 1} & set(range(pp))):
+        dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
+        chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
+        layers = [i for c in chunks for i in lay.stage_layers[c]]
+        n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
+                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
+                              sum(1 for c in chunks if lay.stage_layers[c])))
+    return ranks
+
+
+def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> dict:
+    """(overlap, FSDP shards) -> {recompute: saved elements per token (dense layer, MoE layer)};
+    shared by the structures with the same keys act_elems_per_token depends on (bf16 keeps more
+    in fp32 under autocast, ZeRO 0/1, than under FSDP's mixed precision: memory.bf16_extra_elems)."""
+    acts = {}
+    zero0 = lay.zero
+    for overlap in overlaps:
+        for fsdp in (False, True):
+            lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
+            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1)
+            if akey not in act_cache:
+                act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
+                                              mem_mod.act_elems_per_token(cfg, lay, True, mode))
+                                       for mode in RECOMPUTES}
+            acts[(overlap, fsdp)] = act_cache[akey]
+    lay.tp_overlap, lay.zero = False, zero0
+    return acts
+
+
+def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
+               rope: float, mode: str) -> list[tuple]:
+    """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
+    RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
+    stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
+    pp, schedule = lay.pp, lay.schedule
+    out = []
+    for rk in ranks:
+        inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
+        extra, head = inf * rk.n_chunks * rope, 0.0
+        if rk.last:
+            lif = mm if (schedule == "gpipe" and pp > 1) else 1
+            head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
+            extra += head * lif
+        out.append((inf, extra, head))
+    return out
+
+
+def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
+                 recompute: str, tab: float) -> MemPick:
+    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
+    ed, em = act[recompute]
+    nd_none, nm_none = act["none"]
+    best: Optional[MemPick] = None
+    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
+        a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
+        if recompute == "full" and (rk.n_dense + rk.n_moe):
+            # the recomputed layer's set less its input (memory.recompute_transient), never live
+            # beside the same microbatch's logits and head (memory.rank_activations)
+            live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
+            a += max(live - head, 0.0)
+        a = int(a)
+        # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
+        # (under full recompute a layer's copies are made again in its backward, never beside the
+        # same microbatch's head copy: memory.autocast_copy_params)
+        copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
+                     else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
+        if best is None or st[3] + copies + a > best.total:
+            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
+    assert best is not None
+    return best
+
+
+def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
+                      every: int, tab: float, layer_sums: Optional[dict] = None) -> MemPick:
+    """``peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
+    "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
+    ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
+    but not on the micro-batch (the caller keys it so; same sums, same order, same bytes)."""
+    best: Optional[MemPick] = None
+    sums = None if layer_sums is None else layer_sums.get(every)
+    if sums is None:
+        sums = [rank_layer_sums(rk, st, act, every) for rk, st in zip(ranks, states)]
+        if layer_sums is not None:
+            layer_sums[every] = sums
+    for rk, st, (inf, extra, head), (per, live, copies) in zip(ranks, states, flight, sums):
+        a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
+        if best is None or st[3] + copies + a > best.total:
+            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
+    assert best is not None
+    return best
+
+
+def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
+    """(saved elements per token of the rank's layers, the recomputed layer's transient, autocast
+    copies) under recompute=full on every ``every``-th layer."""
+    per, live = 0.0, 0.0
+    copies, again = 0.0, 0.0  # autocast's copies held, and a recomputed layer's made again
+    for i, moe in rk.layers:
+        full = i % every == 0
+        per += act["full" if full else "none"][1 if moe else 0]
+        if full:
+            live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
+            again = max(again, st[6] if moe else st[5])
+        else:
+            copies += st[6] if moe else st[5]
+    return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
+
+
+def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
+                 copy_terms: Optional[tuple] = None) -> list[tuple]:
+    """(params, grads, optimizer, total, head copy, dense-layer copy, MoE-layer copy) bytes of each
+    candidate rank under a ZeRO stage: the last three are autocast's bf16 weight copies
+    (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
+    ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay)."""
+    d_dense = lay.dp * lay.cp
+    d_exp = max(d_dense // max(lay.ep, 1), 1)
+    autocast = copy_terms is not None and \
+        mem_mod.precision_mode(lay.precision, zero, d_dense) == "bf16-autocast"
+    head, dense, moe = (2 * x for x in copy_terms) if autocast else (0.0, 0.0, 0.0)
+    out = []
+    for rk in ranks:
+        pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
+                                                          lay.precision, lay.schedule))
+        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
+    return out
+

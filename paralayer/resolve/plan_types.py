@@ -1,0 +1,75 @@
+"""The planner's records: the numbers one plan shares (Totals), one layout structure and what is
+computed once for it (Structure), and one weighed layout before it becomes a row (Candidate).
+
+Why its own module: the search (``planner``), its memory and communication fast paths
+(``plan_memory``, ``plan_comm``) and the rows (``plan_rows``) all read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+from paralayer.resolve.plan_memory import MemPick
+from paralayer.resolve.rules import Layout
+
+
+class Totals(NamedTuple):
+    """Model- and cluster-wide numbers every structure shares (computed once per plan)."""
+
+    wb: int  # bytes per parameter: weights, grads, optimizer
+    gbb: int
+    ob: int
+    ab: int  # bytes per activation element
+    gb: int  # global batch (sequences)
+    seq: int
+    h: int
+    compute: float  # seconds of the step's FLOPs (+ non-matmul kernels) per device
+    flops_step: float  # model FLOPs of a step
+    rc_frac: dict  # recompute mode -> extra FLOPs / step FLOPs
+    avail: Optional[float]  # bytes a device may fill (capacity - reserve), None = unknown
+
+
+@dataclasses.dataclass
+class Structure:
+    """One choice of (tp, cp, pp, dp, ep, schedule, vpp) and what is computed once for it."""
+
+    lay: Layout
+    split: list
+    imbalance: float
+    spans: dict
+    degrees: dict
+    prefix: list  # the overrides that select it
+    bound: float  # a lower bound on any of its layouts' step time
+    # (overlap, recompute, FSDP's bf16: fsdp_key) -> {axis: (fixed, per m)}
+    per_ax: dict = dataclasses.field(default_factory=dict)
+    first_pts: Optional[list] = None  # comm at recompute=none, zero first_zero (for the refined bound)
+    least_bubble: float = 0.0  # the bubble at the most microbatches the global batch allows
+
+    @property
+    def pp_layout(self) -> Optional[list]:
+        return self.split if (self.lay.pp > 1 and len(set(self.split)) > 1) else None
+
+
+class Candidate(NamedTuple):
+    """One listed layout before it becomes the output dict (``_materialise``)."""
+
+    step: float
+    key: int  # index of its Structure
+    zero: int
+    mb: int
+    mm: int
+    recompute: str
+    mem: MemPick
+    fixed: float  # tp + pp + cp + ep seconds: the part independent of m (tp_overlap's included)
+    per_m: float  # ... and per microbatch
+    t_dp: float
+    dp_exposed: float
+    bubble: float
+    recomp: float
+    bubble_s: float
+    imb_s: float
+    ovh: float
+    overlap: bool
+    t_tp: float
+    every: int = 1  # recompute=full: parallel.recompute_every (1: every layer)
+
