@@ -25,14 +25,15 @@ FILE = "goodput.json"
 
 
 def process_start_time() -> Optional[float]:
-    """Unix time this process started (Linux /proc), so the interpreter's start-up counts too."""
+    """Unix time this process started (Linux /proc: its start in ticks since boot, against the
+    uptime on the same clock), so the interpreter's start-up and imports count too."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

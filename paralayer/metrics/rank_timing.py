@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from paralayer.compat import all_gather_single
+
 PARTS = ("compute", "collectives", "pipeline_idle", "data_wait")
 STREAK = 3
 
@@ -40,7 +42,7 @@ def gather(parts: Sequence[float], device: torch.device) -> list[list[float]]:
     world = dist.get_world_size()
     mine = torch.tensor(list(parts), dtype=torch.float64, device=device)
     out = torch.zeros(world * len(parts), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, mine)
+    all_gather_single(out, mine)
     return out.view(world, len(parts)).cpu().tolist()
 
 
