@@ -146,3 +146,27 @@ def test_goodput_sums_the_attempts_of_a_resumed_run(tmp_path, capfd):
     assert buckets == pytest.approx(t["goodput_wall_s"], rel=1e-6)
     assert 0 < t["goodput"] < 1 and t["goodput_restart_s"] > step3 and t["goodput_checkpoint_s"] > 0
     assert "paralayer: goodput" in capfd.readouterr().out
+
+
+def test_hang_diagnosis_names_missing_behind_or_idle_ranks(tmp_path):
+    """diagnose() on written reports: a rank with no report, else one behind, else one not inside
+    the collective the others wait in."""
+    from paralayer.runtime.watchdog import diagnose
+
+    def write(rank, step, inside=True):
+        last = {"axis": "dp_cp", "op": "grad_reduce", "step": step, "phase": "reduce", "microbatch": None}
+        if not inside:
+            last["done"] = True
+        where = {"rank": rank, "step": step, "phase": "reduce", "last_collective": last}
+        (tmp_path / f"rank-{rank}.txt").write_text(f"header\nwhere: {json.dumps(where)}\nstacks\n")
+
+    write(0, 4)
+    write(2, 4)
+    assert "rank 1 never entered the collective the others wait in (dp_cp grad_reduce, step 4" in \
+        diagnose(str(tmp_path), 3)
+    write(1, 3)
+    assert "rank 1 never entered" in diagnose(str(tmp_path), 3)
+    write(1, 4, inside=False)
+    assert "rank 1 never entered" in diagnose(str(tmp_path), 3)
+    write(1, 4)
+    assert "no rank is behind" in diagnose(str(tmp_path), 3)

@@ -69,7 +69,7 @@ class StragglerWatch:
                 self.warned.add(r)
                 self.printer(self.warning(table, r, busy, med, step))
         return {"slowest_rank": slow, "slowest_host": self.hosts[slow], "rank_time_spread": spread,
-                "rank_busy_s": {"max": busy[slow], "median": med}}
+                "rank_busy_max_s": busy[slow], "rank_busy_median_s": med}
 
     def warning(self, table, r: int, busy, med: float, step: int) -> str:
         medians = [statistics.median(row[i] for row in table) for i in range(len(PARTS))]

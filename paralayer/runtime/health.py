@@ -6,9 +6,9 @@ account (metrics/goodput.py); the loss-spike and rollback logic is runtime/stabi
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -68,7 +68,6 @@ class RunHealth:
         self.goodput.saved(step)
 
     def rolled_back(self, from_step: int, seconds: float) -> None:
-        self.beat()
         self.goodput.rolled_back(from_step, seconds)
 
     def close(self, finished: bool) -> Optional[dict]:
@@ -79,10 +78,14 @@ class RunHealth:
         self.goodput.maybe_write(final=finished)
         return self.goodput.totals(finished) if self.rank == 0 else None
 
-    def timed(self, bucket: str):
-        """``with health.timed("eval"):`` (the evaluation pass), or "checkpoint"."""
-        return self.goodput.timed(bucket)
-
-
-def wall() -> float:
-    return time.perf_counter()
+    @contextlib.contextmanager
+    def timed(self, bucket: str) -> Iterator[None]:
+        """``with health.timed("eval"):`` (the evaluation pass), or "checkpoint", "rollback": the
+        time goes to that goodput bucket, and the watchdog waits (those have their own timeouts)."""
+        if self.watchdog is not None:
+            self.watchdog.pause()
+        try:
+            with self.goodput.timed(bucket):
+                yield
+        finally:
+            self.beat()

@@ -477,7 +477,10 @@ def roll_back(run: RankRun, health, step: int, verdict, logger, records: list) -
     """train.on_nonfinite / train.spike.action = rollback: reload the newest verified checkpoint
     before ``step``, skip the batches since (runtime/stability.py); the step to run next."""
     t0 = time.perf_counter()
+    if health.watchdog is not None:
+        health.watchdog.pause()  # the load has checkpoint.timeout_s
     event = stab_mod.rollback(run, step, checkpoints(run).group, lambda extra: restore_extra(run, extra, True))
+    health.beat()
     from_step, skipped = event["from_step"], event["skipped_batches"]
     records[:] = [r for r in records if r["step"] <= from_step]
     if logger is not None:

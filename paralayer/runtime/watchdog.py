@@ -66,6 +66,11 @@ class Watchdog:
         if step is not None:
             self.last_step = step
 
+    def pause(self) -> None:
+        """Disarm until the next beat: a checkpoint save or load has its own timeout
+        (checkpoint.timeout_s) and may rightly take longer than a step."""
+        self._armed = False
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -158,7 +163,9 @@ def culprits(found: dict[int, dict], world: int) -> tuple[list[int], Optional[di
     if waiting:
         first = min(waiting)
         coll = waiting[first]
-    return sorted(set(missing) | set(behind) | set(idle)), coll
+    # the strongest evidence first: a rank that could not write (frozen, dead) explains the others;
+    # a rank in a collective torch runs for us (DTensor's) looks "not inside" ours, so idle comes last
+    return sorted(missing or behind or idle), coll
 
 
 def diagnose(d: str, world: int) -> str:
