@@ -5,7 +5,11 @@ holding a ``sitecustomize.py``; every Python process started with it (the launch
 rank) registers an import hook. When a rank imports ``paralayer.runtime.train``, the hook wraps
 its ``main`` so that ``train`` runs with :class:`FaultHooks` — a ``StepHooks`` that, on the
 chosen rank at the chosen step, raises (``raise``), kills itself with SIGKILL (``kill``), or makes
-its loss NaN (``nan``, which the global loss then carries to every rank).
+its loss NaN (``nan``, which the global loss then carries to every rank). Run-health kinds:
+``stop`` freezes the rank with SIGSTOP before that step's forward (a hung peer; it first writes its
+pid to ``$TMP/stopped-pid`` so a test can clean up), ``slow`` sleeps 0.2 s before every forward
+from that step on (a straggler), ``nan1`` / ``spike1`` poison the loss (NaN, or ×10) the first
+time that step runs only (a bad batch: after a rollback the step reads other data).
 """
 from __future__ import annotations
 
@@ -36,10 +40,23 @@ def make_hooks(module, spec: str):
     """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``."""
     kind, rank_s, step_s = spec.split(":")
     at_rank, at_step = int(rank_s), int(step_s)
+    done: set = set()
 
     class FaultHooks(module.StepHooks):
         def before_forward(self, rank: int, step: int) -> None:
-            if (rank, step) != (at_rank, at_step) or kind == "nan":
+            if kind == "slow" and rank == at_rank and step >= at_step:
+                time.sleep(0.2)
+                return
+            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow"):
+                return
+            if kind == "stop":
+                import signal
+                import tempfile
+
+                Path(tempfile.gettempdir(), "stopped-pid").write_text(str(os.getpid()))
+                print(f"paralayer: injecting SIGSTOP on rank {rank} at step {step} at unix time {time.time():.3f}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
                 return
             when = f"at unix time {time.time():.3f}"
             if kind == "kill":
@@ -51,6 +68,9 @@ def make_hooks(module, spec: str):
         def local_loss(self, rank: int, step: int, loss):
             if kind == "nan" and (rank, step) == (at_rank, at_step):
                 return loss * float("nan")
+            if kind in ("nan1", "spike1") and (rank, step) == (at_rank, at_step) and step not in done:
+                done.add(step)
+                return loss * (float("nan") if kind == "nan1" else 10.0)
             return loss
 
     return FaultHooks()

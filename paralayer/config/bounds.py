@@ -62,6 +62,10 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "cluster.slurm.max_requeues": (0, 1000),
     "checkpoint.every": (0, 10 ** 9),
     "checkpoint.keep": (1, 10 ** 6),
+    "train.spike.window": (1, 10 ** 6),
+    "train.rollback_skip_margin": (0, 10 ** 9),
+    "logging.profile.start": (0, 10 ** 9),
+    "logging.profile.steps": (1, 10 ** 6),
 }
 
 #: field -> (min, max, min allowed?, max allowed?, nullable). All must be finite.
@@ -87,6 +91,9 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "cluster.memory_reserve_gib": (0.0, 2.0 ** 20, True, True),
     "train.tokens": (0.0, 1e18, False, True),  # a token budget; null = train.steps
     "cluster.price_per_device_hour": (0.0, 1e9, True, True),
+    "train.spike.threshold_sigma": (0.0, 1e6, True, True),  # 0 = off
+    "train.hang_timeout_s": (0.0, 86400.0, True, True),  # 0 = off; null = 3/4 of collective_timeout_s
+    "logging.straggler_pct": (0.0, 1e6, False, True),
 }
 
 #: Text fields that name a file or folder: each path component at most 255 bytes (the limit of
@@ -119,7 +126,7 @@ def check_int(name: str, value: Any) -> None:
 def _bound_float(name: str, value: Any) -> None:
     lo, hi, lo_ok, hi_ok = FLOAT_BOUNDS[name]
     if value is None and name in ("cluster.device_memory_gib", "cluster.peak_tflops", "model.moe.capacity_factor",
-                                  "train.tokens", "cluster.price_per_device_hour"):
+                                  "train.tokens", "cluster.price_per_device_hour", "train.hang_timeout_s"):
         return
     rng = f"{'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -222,7 +229,26 @@ def check_bounds(cfg: Config) -> None:
     for name, value in _texts(cfg):
         _check_text(name, value)
     _check_world(cfg)
+    check_health(cfg)
     check_generic(cfg)
+
+
+def check_health(cfg: Config) -> None:
+    """Run-health keys (paralayer/runtime/watchdog.py, stability.py, metrics/profile.py)."""
+    from paralayer.config.schema import NONFINITE_ACTIONS, SPIKE_ACTIONS
+
+    t = cfg.train
+    if t.on_nonfinite is not None and t.on_nonfinite not in NONFINITE_ACTIONS:
+        raise ConfigError("train.on_nonfinite", f"'{t.on_nonfinite}' is not one of: {', '.join(NONFINITE_ACTIONS)}")
+    if t.spike.action not in SPIKE_ACTIONS:
+        raise ConfigError("train.spike.action", f"'{t.spike.action}' is not one of: {', '.join(SPIKE_ACTIONS)}")
+    if t.hang_timeout_s and t.hang_timeout_s >= t.collective_timeout_s:
+        raise ConfigError("train.hang_timeout_s", f"must be shorter than train.collective_timeout_s="
+                          f"{t.collective_timeout_s:g} (the watchdog must see a hang first), got {t.hang_timeout_s:g}")
+    for r in cfg.logging.profile.ranks or []:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < MAX_WORLD:
+            raise ConfigError("logging.profile.ranks", f"must list ranks from 0 to {MAX_WORLD - 1} (or be null: "
+                              f"every rank), got {r!r}")
 
 
 def _check_world(cfg: Config) -> None:

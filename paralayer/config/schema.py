@@ -82,6 +82,18 @@ class ParallelConfig:
     pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
 
 
+NONFINITE_ACTIONS = ("skip", "rollback", "stop")
+SPIKE_ACTIONS = ("warn", "skip", "rollback", "stop")
+
+
+@dataclass
+class SpikeConfig:
+    """A loss above mean + threshold_sigma·std of the last ``window`` steps (paralayer/runtime/stability.py)."""
+    window: int = 50
+    threshold_sigma: float = 0.0  # 0 = off
+    action: str = "warn"  # warn | skip | rollback | stop
+
+
 @dataclass
 class TrainConfig:
     global_batch: int = 8
@@ -101,7 +113,12 @@ class TrainConfig:
     compile_backend: str = "inductor"
     resume: str = "none"  # none | auto | PATH
     stop_at_step: Optional[int] = None
-    skip_nonfinite: bool = False
+    skip_nonfinite: bool = False  # the older flag: on_nonfinite unset follows it (true = skip, false = stop)
+    on_nonfinite: Optional[str] = None  # skip | rollback | stop
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    rollback_skip_margin: int = 0  # extra data batches skipped after the bad step's
+    # watchdog: no step finished for this long → stacks + diagnosis; None = 3/4 of collective_timeout_s, 0 = off
+    hang_timeout_s: Optional[float] = None
     log_every: int = 1
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     collective_timeout_s: float = 120.0  # process-group timeout: a peer gone this long ends every rank
@@ -175,8 +192,19 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of steps start … start+steps-1 on ``ranks`` (paralayer/metrics/profile.py)."""
+    start: int = 0  # 0 = off
+    steps: int = 1
+    ranks: Optional[List[int]] = field(default_factory=lambda: [0])  # None = every rank
+    memory: bool = False
+
+
+@dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    straggler_pct: float = 20.0  # a rank this much slower than the median for 3 logged steps: warned
     timeline: bool = False
     progress: bool = True
 

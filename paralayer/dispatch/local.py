@@ -61,9 +61,20 @@ def run_local(run_dir: str, plan: dict) -> int:
     error_file = os.path.join(run_dir, "error.txt")  # the failure's line, for the sweep report
     if os.path.exists(error_file):
         os.remove(error_file)
+    from paralayer.dispatch.hang_monitor import HangMonitor
+    from paralayer.runtime.watchdog import clear as clear_hang_reports
+
+    clear_hang_reports(run_dir)
+    monitor = HangMonitor(run_dir, world)  # a hang: names the stuck rank, ends the ranks
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "paralayer.runtime.train", run_dir)
     except ChildFailedError as exc:
+        monitor.stop()
+        if monitor.line is not None:
+            print(monitor.line, file=sys.stderr, flush=True)
+            with open(error_file, "w", encoding="utf-8") as f:
+                f.write(monitor.line + "\n")
+            return 1
         rank, failure = root_failure(exc.failures)
         msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         if isinstance(failure.message, dict):
@@ -81,5 +92,6 @@ def run_local(run_dir: str, plan: dict) -> int:
         if len(exc.failures) > 1:
             print(f"paralayer: ranks that ended with an error: {ranks}", file=sys.stderr, flush=True)
         return 1
+    monitor.stop()
     print(f"paralayer: done; metrics in {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return 0

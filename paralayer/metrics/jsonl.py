@@ -51,12 +51,20 @@ def last_logged_step(path: str) -> Optional[int]:
     return max(r["step"] for r in recs) if recs else None
 
 
-def truncate_after(path: str, step: int) -> int:
+def _kept(rec: Dict[str, Any], step: int) -> bool:
+    """A step's record up to ``step``; a rollback event (paralayer/runtime/stability.py) when the
+    checkpoint resumed from was taken after it, i.e. its ``from_step`` is before ``step``."""
+    if rec.get("event") == "rollback" and isinstance(rec.get("from_step"), int):
+        return rec["from_step"] < step
+    return rec["step"] <= step
+
+
+def truncate_after(path: str, step: int, keep_events: bool = False) -> int:
     """Keep only the complete records with ``step <= step`` (dropping lines cut short by a crash),
     rewriting the file atomically; returns how many records were kept. A missing file: 0."""
     if not os.path.isfile(path):
         return 0
-    keep = [r for r in read_records(path) if r["step"] <= step]
+    keep = [r for r in read_records(path) if _kept(r, step) or (keep_events and "event" in r)]
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".metrics-", dir=d)
     with os.fdopen(fd, "w", encoding="utf-8") as f:

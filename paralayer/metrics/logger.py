@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 
 from paralayer.metrics import wandb_log
 from paralayer.metrics.console import ConsoleProgress
-from paralayer.metrics.jsonl import JsonlWriter, strict_json_record
+from paralayer.metrics.jsonl import JsonlWriter, strict_json_record, truncate_after
 from paralayer.metrics.throughput import summarize
 
 
@@ -59,17 +59,40 @@ class MetricsLogger:
             wandb_log.log_step(self._wandb_run, step, rec)
         self._console.step(step, rec)
 
+    def rewind(self, step: int, event: Dict[str, Any]) -> None:
+        """A rollback (paralayer/runtime/stability.py): drop the records after ``step`` (they will be
+        run again), then write the ``event`` line; W&B keeps it in the summary (its history cannot
+        go back in steps)."""
+        if not self.enabled or self._closed:
+            return
+        self._jsonl.close()
+        truncate_after(self.path, step, keep_events=True)  # earlier rollbacks still stand
+        self._jsonl = JsonlWriter(self.run_dir)
+        self.records = [r for r in self.records if r["step"] <= step]
+        self._jsonl.write(strict_json_record(event))
+        self.rollbacks = getattr(self, "rollbacks", 0) + 1
+        if self._wandb_run is not None:
+            self._wandb_run.summary["rollbacks"] = self.rollbacks
+            self._wandb_run.summary[f"rollback_{self.rollbacks}"] = {k: v for k, v in event.items()
+                                                                    if k != "skipped_batches"}
+
     def summary(self) -> Dict[str, Any]:
         """Medians over the logged steps (see :func:`paralayer.metrics.throughput.summarize`)."""
         return summarize(self.records)
 
-    def close(self) -> Optional[Dict[str, Any]]:
-        """Stop the bar, print the summary table, finish W&B, close metrics.jsonl. Idempotent."""
+    def close(self, extra: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+        """Stop the bar, print the summary table, finish W&B, close metrics.jsonl. Idempotent.
+        ``extra`` (the goodput totals, paralayer/metrics/goodput.py) joins the W&B summary and is
+        printed as one line after the table."""
         if not self.enabled or self._closed:
             return None
         self._closed = True
-        s = self.summary()
+        s = {**self.summary(), **(extra or {})}
         self._console.close(s, self.peak_source)
+        if extra and extra.get("goodput") is not None:
+            from paralayer.metrics.goodput import summary_line
+
+            print(summary_line(extra), flush=True)
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
             wandb_log.finish_run(run, s)

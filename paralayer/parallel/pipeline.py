@@ -59,6 +59,7 @@ from torch import nn
 from paralayer.clock import StepClock
 from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
 from paralayer.model.moe import shared_weight_casts
+from paralayer.parallel.comm_trace import optional_collective, optional_region
 from paralayer.parallel.early_recv import EarlyRecv
 from paralayer.resolve.plan import plan_field
 
@@ -401,6 +402,7 @@ class PipelineRunner:
             for c, mod in zip(ids, self.chunks):
                 _boundary_hooks(mod, c == 0, c == self.n_chunks - 1, autocast_dtype)
 
+        self.trace = None  # a paralayer.parallel.comm_trace.CommTrace, set by the runtime
         self.events: list[dict] = []  # start/end are clock marks until _finish_measure reads them
         self.clock = StepClock(self.device)
         self.stages = []
@@ -454,12 +456,16 @@ class PipelineRunner:
 
         def wrap(fn, action: str):
             def timed(*args, **kwargs):
-                if not runner.measure:
-                    return fn(*args, **kwargs)
-                clock = runner.clock
-                start = clock.mark()
-                out = fn(*args, **kwargs)
                 mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
+                trace = runner.trace  # paralayer/parallel/comm_trace.py: where am I, profiler ranges
+                if trace is not None:
+                    trace.at(trace.step, f"pipeline {action} chunk {chunk}", int(mb))
+                with optional_region(trace, f"pipeline.{action}.mb{mb}.chunk{chunk}"):
+                    if not runner.measure:
+                        return fn(*args, **kwargs)
+                    clock = runner.clock
+                    start = clock.mark()
+                    out = fn(*args, **kwargs)
                 runner.events.append({"action": action, "mb": int(mb), "chunk": chunk,
                                       "start": start, "end": clock.mark()})
                 return out
@@ -513,7 +519,8 @@ class PipelineRunner:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         loss = loss.reshape(1).contiguous()
-        dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
+        with optional_collective(self.trace, "pp", "loss_broadcast"):
+            dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
         if self.measure:
             self._finish_measure()
         return loss[0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import signal
 import sys
@@ -35,6 +34,7 @@ from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
+from paralayer.parallel.comm_trace import CommTrace
 from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
 from paralayer.parallel.tensor import loss_parallel_ctx
@@ -42,6 +42,7 @@ from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import precision
+from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
     apply_recompute,
@@ -98,6 +99,8 @@ class RankRun:
     peak_source: str = "rank 0"
     hooks: StepHooks = field(default_factory=StepHooks)
     checkpointer: Any = None  # paralayer.checkpoint.dcp.Checkpointer, made by checkpoints()
+    comm: CommTrace = field(default_factory=CommTrace)  # where am I; our collectives (parallel/comm_trace.py)
+    stability: Any = None  # runtime/stability.py: non-finite and spiking losses, the data skipped by rollbacks
 
     @property
     def rank(self) -> int:
@@ -126,8 +129,12 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
                   hooks=hooks or StepHooks())
+    run.comm.rank = dist.get_rank()
+    run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)
     run.runner = build_runner(run)
+    if run.runner is not None:
+        run.runner.trace = run.comm
     run.peak_tflops, run.peak_source = agree_peak_tflops(cfg, device)
     return run
 
@@ -214,12 +221,20 @@ def resume(run: RankRun) -> int:
     if found is None:
         return 1
     path, extra = found
-    run.sched.load_state_dict(extra["scheduler"])
-    ckpt.set_rng_state(extra["rng"])
+    restore_extra(run, extra)
     start_step = int(extra["step"]) + 1
     if run.rank == 0:
         print(f"paralayer: resumed from {path} at step {start_step}", flush=True)
     return start_step
+
+
+def restore_extra(run: RankRun, extra: dict, rolling_back: bool = False) -> None:
+    """A loaded checkpoint's small state: the LR schedule, the RNG, the data skipped by rollbacks."""
+    from paralayer.checkpoint import dcp as ckpt
+
+    run.sched.load_state_dict(extra["scheduler"])
+    ckpt.set_rng_state(extra["rng"])
+    run.stability.load_state_dict(extra.get("stability"), rolling_back)
 
 
 def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progress: bool):
@@ -245,7 +260,8 @@ def step_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     from paralayer.data.sampler import labels_for
 
     d = run.degree
-    tokens = run.dataset.get_batch(step, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
+    batch = run.stability.batch_for(step) if run.stability is not None else step  # rollbacks skip batches
+    tokens = run.dataset.get_batch(batch, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
     tokens = tokens.to(run.device)
     labels = labels_for(tokens)
     if d["cp"] > 1:
@@ -267,15 +283,18 @@ def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -
     model, m = run.built.chunks[0], run.scaling.microbatches
     dtype = run.autocast_dtype
     loss_sum = torch.zeros((), device=run.device)
-    for mb_tokens, mb_labels in zip(tokens.chunk(m), labels.chunk(m)):
+    for i, (mb_tokens, mb_labels) in enumerate(zip(tokens.chunk(m), labels.chunk(m))):
         with loss_parallel_ctx(run.degree["tp"] > 1):
+            run.comm.at(run.comm.step, "forward", i)
             with torch.autocast(run.device.type, dtype=dtype, enabled=dtype is not None), \
-                    shared_weight_casts([model] if dtype is not None else []):
+                    shared_weight_casts([model] if dtype is not None else []), run.comm.region("forward"):
                 logits = model(mb_tokens)
-            loss = run.loss_fn(logits, mb_labels)
+                loss = run.loss_fn(logits, mb_labels)
             aux = model.aux_loss()
             total = loss if aux is None else loss + run.cfg.model.moe.aux_loss_coef * aux
-            (total / run.scaling.loss_divisor).backward()
+            run.comm.at(run.comm.step, "backward", i)
+            with run.comm.region("backward"):
+                (total / run.scaling.loss_divisor).backward()
         loss_sum = loss_sum + loss.detach() / m
     return loss_sum
 
@@ -291,46 +310,69 @@ def reduce_and_clip_tensors(run: RankRun, local_loss: torch.Tensor) -> tuple[tor
     no values; a GPU is not made to wait): the loss and the grad norm as 0-d tensors."""
     built, meshes = run.built, run.meshes
     tie = bool(run.cfg.model.tie_embeddings)
-    finish_grads(run.scaling, run.reducer, built.expert_params,
-                 tied_chunks=built.chunks if tie else None, tied_group=run.tied_group)
-    loss_t = _global_loss(local_loss, meshes)
-    grad_norm = dpar.clip_grad_norm(
-        built.params, run.cfg.train.grad_clip, meshes["pp"].get_group() if run.degree["pp"] > 1 else None,
-        built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
-        skip_norm=tied.head_copy(built.chunks) if tie else (), as_tensor=True)
+    run.comm.at(run.comm.step, "reduce")
+    with run.comm.collective("dp_cp", "grad_reduce"):
+        finish_grads(run.scaling, run.reducer, built.expert_params,
+                     tied_chunks=built.chunks if tie else None, tied_group=run.tied_group)
+    with run.comm.collective("dp_cp", "loss_all_reduce"):
+        loss_t = _global_loss(local_loss, meshes)
+    with run.comm.collective("pp_ep_tp", "grad_norm"):
+        grad_norm = _clip(run, built, meshes, tie)
     return loss_t, grad_norm
 
 
-def nonfinite_step(run: RankRun, step: int, loss: float, grad_norm: float) -> bool:
-    """A non-finite loss or norm: skip the update (train.skip_nonfinite) and return True, or raise."""
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return False
-    if not run.cfg.train.skip_nonfinite:
-        raise NonFiniteLoss(f"step {step}: loss is {loss} (grad norm {grad_norm}); stopping. "
-                            f"Lower train.lr or set train.skip_nonfinite=true to skip such steps.")
+def _clip(run: RankRun, built: Built, meshes: Meshes, tie: bool) -> torch.Tensor:
+    return dpar.clip_grad_norm(
+        built.params, run.cfg.train.grad_clip, meshes["pp"].get_group() if run.degree["pp"] > 1 else None,
+        built.expert_params, meshes["ep"].get_group() if meshes.expert is not None else None,
+        skip_norm=tied.head_copy(built.chunks) if tie else (), as_tensor=True)
+
+
+def bad_step(run: RankRun, step: int, loss: float, grad_norm: float) -> Optional[stab_mod.Verdict]:
+    """A non-finite or spiking loss (runtime/stability.py): None to go on with the update; the
+    verdict when the update is skipped (skip) or the loop must roll back; raises on stop."""
+    v = run.stability.check(step, loss, grad_norm)
+    if v is None or v.action == "warn":
+        if v is not None and run.rank == 0:
+            print(f"paralayer: warning: {v.why}", flush=True)
+        run.stability.accept(loss)
+        return None
+    if v.action == "stop":
+        if v.nonfinite:
+            raise NonFiniteLoss(f"{v.why}; stopping. Lower train.lr or set train.on_nonfinite=skip|rollback "
+                                f"to skip such steps or roll back.")
+        raise stab_mod.LossSpike(f"{v.why}; stopping (train.spike.action=stop)")
     run.opt.zero_grad(set_to_none=True)
-    if run.rank == 0:
-        print(f"paralayer: step {step}: non-finite loss {loss}; step skipped", flush=True)
-    run.sched.step()
-    return True
+    if v.action == "skip":
+        if run.rank == 0:
+            what = f"non-finite loss {loss}" if v.nonfinite else v.why
+            print(f"paralayer: step {step}: {what}; step skipped", flush=True)
+        run.sched.step()
+    return v
 
 
-def train_step(run: RankRun, step: int) -> Optional[dict]:
-    """One optimizer step; its metrics record, or None when a non-finite step was skipped."""
+def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
+    """One optimizer step; its metrics record, or the verdict on a skipped or rolled-back step."""
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     clock = StepClock(run.device)  # CUDA events on a GPU: step_time_s is the device's time
     clock.start()
+    run.comm.new_step(step)
+    t_data = time.perf_counter()
     tokens, labels = step_batch(run, step)
+    run.comm.data_s = time.perf_counter() - t_data
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
     local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
     loss, grad_norm = reduce_and_clip(run, local_loss)
-    if nonfinite_step(run, step, loss, grad_norm):
-        return None
+    verdict = bad_step(run, step, loss, grad_norm)
+    if verdict is not None:
+        return verdict
     lr = run.opt.param_groups[0]["lr"]
-    run.opt.step()
+    run.comm.at(step, "optimizer")
+    with run.comm.region("optimizer"):
+        run.opt.step()
     moe_step.update_bias(run.built.chunks, run.cfg, run.meshes)
     run.sched.step()
     return step_record(run, step, loss, lr, grad_norm, clock.elapsed())
@@ -386,31 +428,74 @@ def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, 
 def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, log_progress: bool = False,
           hooks: Optional[StepHooks] = None) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
+    from paralayer.runtime.health import RunHealth
+
     run = setup(cfg, as_plan(plan), run_dir, hooks)
     start_step = resume(run)
     stop = cfg.train.stop_at_step or cfg.train.steps
     validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
     logger = open_logger(run, run_dir, start_step, log_progress)
+    health = RunHealth(run, run_dir, start_step, stop)  # profiler, rank timing, watchdog, goodput
     records: list[dict] = []
     preempt = PreemptSave()
-    for step in range(start_step, stop + 1):
-        rec = train_step(run, step)
-        if rec is None:
-            continue
-        evaluate.maybe_evaluate(validator, run, step, rec)  # rec["val_loss"] at an eval step
-        records.append(rec)
-        if logger is not None:
-            logger.log(step, rec)
-        saved = save_if_due(run, step, stop)
-        stop_if_signalled(run, preempt, step, stop, saved, logger)
+    finished = False
+    try:
+        step = start_step
+        while step <= stop:
+            step = run_step(run, health, step, stop, logger, records, preempt, validator)
+        finished = True
+    finally:
+        goodput = health.close(finished)
     preempt.restore()
     if run.checkpointer is not None:
         run.checkpointer.wait()
     if run.runner is not None and run_dir is not None and cfg.logging.timeline:
         _write_timeline(run.runner, run.meshes, run_dir)
     if logger is not None:
-        logger.close()
+        logger.close(goodput)
     return records
+
+
+def run_step(run: RankRun, health, step: int, stop: int, logger, records: list, preempt: PreemptSave,
+             validator: Optional[evaluate.Validator] = None) -> int:
+    """One step of the loop with its evaluation, logging, checkpoint and signal check; the next step to run."""
+    health.before_step(step)
+    out = train_step(run, step)
+    if isinstance(out, stab_mod.Verdict):
+        health.after_step(step, None)
+        return roll_back(run, health, step, out, logger, records) if out.action == "rollback" else step + 1
+    out.update(health.after_step(step, out))
+    if validator is not None and validator.due(step):
+        with health.timed("eval"):
+            evaluate.maybe_evaluate(validator, run, step, out)  # out["val_loss"]
+    records.append(out)
+    if logger is not None:
+        logger.log(step, out)
+    with health.timed("checkpoint"):
+        saved = save_if_due(run, step, stop)
+    if saved:
+        health.saved(step)
+    stop_if_signalled(run, preempt, step, stop, saved, logger)
+    return step + 1
+
+
+def roll_back(run: RankRun, health, step: int, verdict, logger, records: list) -> int:
+    """train.on_nonfinite / train.spike.action = rollback: reload the newest verified checkpoint
+    before ``step``, skip the batches since (runtime/stability.py); the step to run next."""
+    t0 = time.perf_counter()
+    if health.watchdog is not None:
+        health.watchdog.pause()  # the load has checkpoint.timeout_s
+    event = stab_mod.rollback(run, step, checkpoints(run).group, lambda extra: restore_extra(run, extra, True))
+    health.beat()
+    from_step, skipped = event["from_step"], event["skipped_batches"]
+    records[:] = [r for r in records if r["step"] <= from_step]
+    if logger is not None:
+        logger.rewind(from_step, dict(event, reason=verdict.why))
+    if run.rank == 0:
+        print(f"paralayer: {verdict.why}; rolled back to the checkpoint of step {from_step}, skipping data "
+              f"batches {skipped[0]}..{skipped[-1]}", flush=True)
+    health.rolled_back(from_step, time.perf_counter() - t0)
+    return from_step + 1
 
 
 def checkpoints(run: RankRun):
@@ -428,7 +513,8 @@ def checkpoints(run: RankRun):
 def _save(run: RankRun, step: int) -> None:
     from paralayer.checkpoint import dcp as ckpt
 
-    extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state()}
+    extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),
+             "stability": run.stability.state_dict()}
     checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 
 
@@ -459,6 +545,8 @@ def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
     if device_type == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo") if os.environ.get("MASTER_ADDR", "127.0.0.1") in (
             "127.0.0.1", "localhost") else None
+    else:  # NCCL's flight recorder: the watchdog dumps it beside a hang report (runtime/watchdog.py)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -505,7 +593,7 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     try:
         train(cfg, plan, run_dir, log_progress=True, hooks=hooks)
         dist.barrier()
-    except NonFiniteLoss as exc:
+    except (NonFiniteLoss, stab_mod.LossSpike) as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
     except (CheckpointError, DataError) as exc:  # bad input: one line, no traceback, every rank exits 2

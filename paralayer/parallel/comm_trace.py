@@ -1,0 +1,84 @@
+"""Where this rank is, cheaply: the step, the phase, and the last collective it entered.
+
+Our own blocking collective call sites (the data-parallel gradient reduction, the loss average,
+the gradient-norm sums, the pipeline's loss broadcast) run inside :meth:`CommTrace.collective`.
+That costs one dict and two clock reads per collective, and buys three things:
+
+- the watchdog (paralayer/runtime/watchdog.py) writes ``last`` (mesh axis, op, step, phase,
+  microbatch) next to the stacks when a step hangs, so the launcher can name the rank that never
+  entered the collective the others wait in;
+- ``blocked_s`` (time inside those calls this step) is the "time in collectives" of the per-rank
+  timing (paralayer/metrics/rank_timing.py);
+- while the profiler runs (``profiling``), each call and each :meth:`region` is a
+  ``record_function`` range named ``comm.<axis>.<op>`` (or the region's name); otherwise a region
+  is a no-op (no profiler overhead when it is off).
+
+DTensor's tensor-parallel collectives are torch's own: they appear in a trace as c10d ops, and
+their time counts as compute here.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Optional
+
+
+class CommTrace:
+    """One rank's "where am I": written by the step loop and our collective call sites, read by
+    the watchdog thread (plain attribute writes: a reader sees the old or the new dict)."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.step = 0
+        self.phase = "setup"
+        self.microbatch: Optional[int] = None
+        self.last: Optional[dict] = None
+        self.entered = 0  # collectives entered since the start (a rank behind has fewer)
+        self.blocked_s = 0.0
+        self.data_s = 0.0  # the step loop's time reading its batch
+        self.profiling = False
+
+    def at(self, step: int, phase: str, microbatch: Optional[int] = None) -> None:
+        """The loop's position: ``phase`` is data | forward | backward | reduce | optimizer | ..."""
+        self.step, self.phase, self.microbatch = step, phase, microbatch
+
+    def new_step(self, step: int) -> None:
+        self.at(step, "data")
+        self.blocked_s = 0.0
+        self.data_s = 0.0
+
+    @contextlib.contextmanager
+    def collective(self, axis: str, op: str, microbatch: Optional[int] = None) -> Iterator[None]:
+        """Around one of our blocking collectives: remember it, time it, name it in a trace."""
+        self.entered += 1
+        self.last = {"axis": axis, "op": op, "step": self.step, "phase": self.phase,
+                     "microbatch": self.microbatch if microbatch is None else microbatch, "seq": self.entered}
+        t0 = time.perf_counter()
+        try:
+            with self.region(f"comm.{axis}.{op}"):
+                yield
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+            self.last = dict(self.last, done=True)
+
+    def region(self, name: str) -> Any:
+        """A profiler range while profiling, else nothing."""
+        if not self.profiling:
+            return contextlib.nullcontext()
+        from torch.profiler import record_function
+
+        return record_function(name)
+
+    def snapshot(self) -> dict:
+        return {"rank": self.rank, "step": self.step, "phase": self.phase, "microbatch": self.microbatch,
+                "entered": self.entered, "last_collective": self.last}
+
+
+def optional_region(trace: Optional[CommTrace], name: str) -> Any:
+    """:meth:`CommTrace.region` where a caller may hold no trace."""
+    return contextlib.nullcontext() if trace is None else trace.region(name)
+
+
+def optional_collective(trace: Optional[CommTrace], axis: str, op: str, microbatch: Optional[int] = None) -> Any:
+    """:meth:`CommTrace.collective` where a caller may hold no trace."""
+    return contextlib.nullcontext() if trace is None else trace.collective(axis, op, microbatch)
