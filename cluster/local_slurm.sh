@@ -388,6 +388,8 @@ wait_idle_1() {
         for d in slurmctld:"$PID_CTLD":"$LOG_CTLD" slurmd:"$PID_SLURMD":"$LOG_SLURMD" \
                  slurmdbd:"$PID_DBD":"$LOG_DBD"; do
             IFS=: read -r n p l <<<"$d"
+            # a slurmd just restarted may not have written its pid file yet: allow it 5 s
+            if [ ! -s "$p" ] && [ $(( $(date +%s) + TIMEOUT - deadline )) -lt 5 ]; then continue; fi
             alive "$p" || { tail_log "$n" "$l"; die "$n died while waiting for the node (state: ${st:-?})"; }
         done
         if [ "$(date +%s)" -ge "$deadline" ]; then

@@ -102,6 +102,7 @@ start_node_slurmds() {
     for k in $(seq 1 "$NODES"); do
         mkdir -p "$H/spool/n$k" "$RUN/n$k"
         if alive "$(slurmd_pidfile "$k")"; then continue; fi
+        rm -f "$(slurmd_pidfile "$k")"  # a node killed by kill-node left its pid file behind
         ns_exec "$(node_ns "$k")" "n$k" env SLURM_CONF="$CONF" slurmd >>"$LOG/slurmd-n$k.out" 2>&1 \
             || { tail_log slurmd "$LOG/slurmd-n$k.log"; die "slurmd on n$k failed to start"; }
     done

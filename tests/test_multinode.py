@@ -224,7 +224,7 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 def test_preempted_then_node_lost_requeues_and_resumes_elastically(env2, tmp_path):
-    steps, every = 14, 2
+    steps, every = 10, 2
     run, log = tmp_path / "run", tmp_path / "launch.log"
     t0 = time.monotonic()
     proc = _popen([*TWO, "parallel.dp=auto", f"train.steps={steps}", f"checkpoint.every={every}",
@@ -244,7 +244,7 @@ def test_preempted_then_node_lost_requeues_and_resumes_elastically(env2, tmp_pat
         k = int(first.group(1))
         ck = run / "checkpoints" / f"step-{k:08d}"
         assert sorted(p.name for p in ck.glob("__*_0.distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # all ranks
-        _wait(lambda: len(_records(run)) >= k + 2 and len(_python_pids("pls-n1")) >= 2, "training after the resume",
+        _wait(lambda: len(_records(run)) >= k + 1 and len(_python_pids("pls-n1")) >= 2, "training after the resume",
               proc, log, 120)
         # power loss of n2: every process in its namespace, at once
         survivors = _python_pids("pls-n1")

@@ -18,6 +18,21 @@ from paralayer import config as config_mod
 from paralayer.resolve import resolve
 
 
+def needs_replan(run_dir: str, job_nodes: int) -> bool:
+    """The job runs on fewer nodes than the run was first planned for (plan.json, or the first plan
+    kept by an earlier re-plan): every task asks, so every task re-plans and says so."""
+    import glob
+
+    planned = []
+    for p in [os.path.join(run_dir, "plan.json"), *glob.glob(os.path.join(run_dir, "plan.nodes*.json"))]:
+        try:
+            with open(p) as f:
+                planned.append(int(json.load(f).get("nodes") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return bool(planned) and job_nodes < max(planned)
+
+
 def _write(path: str, text: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -72,3 +72,28 @@ def describe(job_id: str, run_dir: str) -> Optional[str]:
     _run(["scontrol", "update", f"JobId={job_id}", f"Comment=lost node {','.join(nodes)} ranks "
           f"{','.join(map(str, ranks)) or '?'}"])
     return line
+
+
+def up_nodes() -> int:
+    """How many nodes SLURM can give a job now (not down, drained or unresponsive)."""
+    n = 0
+    for line in _run(["sinfo", "-h", "-N", "-o", "%N|%T"]).splitlines():
+        _, _, st = line.partition("|")
+        st = st.strip().lower()
+        if st and not st.endswith("*") and not any(w in st for w in ("down", "drain", "fail")):
+            n += 1
+    return n
+
+
+def reopen(job_id: str, min_nodes: int, nodes: int, tasks_per_node: int) -> Optional[str]:
+    """A job started on ``nodes`` nodes is requeued with that count fixed (SLURM narrows
+    ``--nodes=MIN-MAX`` to the allocation, and NumTasks with it), so it would wait for the dead node.
+    Ask again for what is up now, at least ``min_nodes`` (``cluster.slurm.min_nodes``)."""
+    n = max(min_nodes, min(nodes, up_nodes()))
+    if n >= nodes:
+        return None
+    r = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"NumTasks={n * tasks_per_node}",
+                        f"NumNodes={min_nodes}-{n}"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        return f"could not re-open the job to {n} node(s): {(r.stderr or r.stdout).strip()}"
+    return f"asked again for {n} node(s) x {tasks_per_node} task(s) (cluster.slurm.min_nodes={min_nodes}): it resumes on the smaller world"

@@ -115,12 +115,13 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
             resume = "auto"
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True)
-        want = _plan_world(self.run_dir)
-        if want and want > dist_env.world_size:
-            # the job came back on fewer nodes (cluster.slurm.min_nodes): plan for the world it has
-            from paralayer.dispatch.elastic import replan
+        from paralayer.dispatch import elastic
 
-            want = replan(self.run_dir, int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), dist_env.rank)
+        want = _plan_world(self.run_dir)
+        job_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+        if elastic.needs_replan(self.run_dir, job_nodes):
+            # the job came back on fewer nodes (cluster.slurm.min_nodes): plan for the world it has
+            want = elastic.replan(self.run_dir, job_nodes, dist_env.rank)
         if want and want < dist_env.world_size:
             # a job array has one shape for all elements: an element whose plan needs fewer ranks
             # than the array's tasks runs on the first `want` tasks, the others stay idle
@@ -402,6 +403,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
         stderr.append([str(s.paths.stderr) for s in subs])
     res = SubmitResult(job_ids=[str(j.job_id) for j in jobs], run_dirs=dirs, folder=folder,
                        stdout=stdout, stderr=stderr, array=len(jobs) > 1, jobs=jobs)
+    if cluster.get("min_nodes") and int(cluster["min_nodes"]) < params["nodes"]:
+        res.elastic = (int(cluster["min_nodes"]), params["nodes"], params["tasks_per_node"])
     if verbose:
         print(res.hint, flush=True)
     if wait:

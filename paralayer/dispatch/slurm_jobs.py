@@ -33,6 +33,7 @@ class SubmitResult:
     jobs: list[Any] = dataclasses.field(repr=False, default_factory=list)
     status: int | None = None  # set by wait(): 0 all completed, 1 failed, 124 wait deadline passed
     states: dict[str, str] = dataclasses.field(default_factory=dict)
+    elastic: tuple | None = None  # (min_nodes, nodes, tasks_per_node) with cluster.slurm.min_nodes
 
     @property
     def hint(self) -> str:
@@ -210,6 +211,7 @@ class _Watch:
     last_sacct: float = 0.0
     run_dirs: dict = dataclasses.field(default_factory=dict)  # job id -> run directory
     node_fails: dict = dataclasses.field(default_factory=dict)  # job id -> NODE_FAIL attempts reported
+    elastic: tuple | None = None
 
 
 def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
@@ -222,7 +224,7 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
     through its requeue to the end of its last attempt."""
     stream = stream or sys.stderr
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    w = _Watch(result.job_ids, run_dirs=dict(zip(result.job_ids, result.run_dirs)))
+    w = _Watch(result.job_ids, run_dirs=dict(zip(result.job_ids, result.run_dirs)), elastic=result.elastic)
     echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
     while True:
         _poll_states(w, poll_s, verbose, stream)
@@ -286,6 +288,10 @@ def _report_node_loss(w: _Watch, jid: str, stream) -> None:
         line = node_loss.describe(jid, w.run_dirs.get(jid, "?"))
         if line:
             print(f"[paralayer.slurm] job {jid}: {line}", file=stream, flush=True)
+        if w.elastic:
+            again = node_loss.reopen(jid, *w.elastic)
+            if again:
+                print(f"[paralayer.slurm] job {jid}: {again}", file=stream, flush=True)
 
 
 def _mark_finished(w: _Watch, result: SubmitResult) -> None:
