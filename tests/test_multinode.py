@@ -126,6 +126,7 @@ def _wait(cond, what: str, proc, log: Path, deadline_s: float):
 
 
 # ----------------------------------------------------------------------------- against the two-node SLURM
+@pytest.mark.timeout(600)
 def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
     """One batch, side by side: the sweep (2 elements x 2 nodes x 2 ranks), the cyclic refusal, the
     loopback trap, the one-node reference, the dry run."""
@@ -223,8 +224,9 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if Path(f"/proc/{p}").exists()}
 
 
+@pytest.mark.timeout(600)
 def test_preempted_then_node_lost_requeues_and_resumes_elastically(env2, tmp_path):
-    steps, every = 10, 2
+    steps, every = 8, 2
     run, log = tmp_path / "run", tmp_path / "launch.log"
     t0 = time.monotonic()
     proc = _popen([*TWO, "parallel.dp=auto", f"train.steps={steps}", f"checkpoint.every={every}",
@@ -280,5 +282,5 @@ def test_preempted_then_node_lost_requeues_and_resumes_elastically(env2, tmp_pat
     show = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30,
                           env=env2).stdout
     assert "Comment=lost node n2 ranks 2,3" in show, show
-    print(f"preempt at step {k - 0}, n2 lost after step {last}: survivors out in {exit_s:.1f}s, resumed at "
+    print(f"preempt at step {k}, n2 lost after step {last}: survivors out in {exit_s:.1f}s, resumed at "
           f"{res[1][1]} on n1; {time.monotonic() - t0:.0f}s")
