@@ -138,8 +138,8 @@ def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
         "cyclic": _popen([*TWO, "parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "train.steps=2",
                           "cluster.slurm.srun_args=[--distribution=cyclic]", f"run.dir={cyc}", "--wait"],
                          tmp_path / "cyclic.log", env2, tmp_path),
-        "lo": _popen([*TWO, "cluster.network_interface=lo", "train.steps=2", f"run.dir={lo}", "--no-rehearse", "--wait"],
-                     tmp_path / "lo.log", env2, tmp_path),
+        "lo": _popen([*TWO, "cluster.network_interface=lo", "train.steps=2", f"run.dir={lo}", "--no-rehearse",
+                      "--wait"], tmp_path / "lo.log", env2, tmp_path),
         "ref": _popen([*SMALL, "cluster=local", "train.lr=3e-3", "train.steps=3", f"run.dir={ref}"],
                       tmp_path / "ref.log", env2, tmp_path),
     }
@@ -202,8 +202,8 @@ def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
 
     # the loopback trap: named, with the fix, before any collective
     assert rcs["lo"] != 0, logs["lo"][-3000:]
-    assert re.search(r"error: rank \d on n[12]: GLOO_SOCKET_IFNAME=lo on a job of 2 nodes: .*cluster\.network_interface",
-                     logs["lo"]), logs["lo"][-3000:]
+    assert re.search(r"error: rank \d on n[12]: GLOO_SOCKET_IFNAME=lo on a job of 2 nodes: "
+                     r".*cluster\.network_interface", logs["lo"]), logs["lo"][-3000:]
     assert not _records(lo) and not (lo / "placement.json").exists()
     print(f"batch of 5 launches: {took:.0f}s; parity {'bitwise' if bitwise else '<= 1e-6'}")
 

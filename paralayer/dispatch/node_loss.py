@@ -96,4 +96,5 @@ def reopen(job_id: str, min_nodes: int, nodes: int, tasks_per_node: int) -> Opti
                         f"NumNodes={min_nodes}-{n}"], capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
         return f"could not re-open the job to {n} node(s): {(r.stderr or r.stdout).strip()}"
-    return f"asked again for {n} node(s) x {tasks_per_node} task(s) (cluster.slurm.min_nodes={min_nodes}): it resumes on the smaller world"
+    return (f"asked again for {n} node(s) x {tasks_per_node} task(s) (cluster.slurm.min_nodes={min_nodes}): "
+            "it resumes on the smaller world")
