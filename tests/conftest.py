@@ -5,6 +5,13 @@ a running SLURM (``SLURM_CONF``, or the local cluster's default config, where ``
 otherwise, as root, it installs the packages (``cluster/install_slurm_deps.sh``, apt) and starts
 the one-node cluster of ``cluster/local_slurm.sh``, and stops it after the session. It skips, with
 the reason, only where it cannot: not root, no package mirror, no SLURM client tools.
+
+``local_slurm_2node``: the same for the two-node cluster of ``cluster/local_slurm.sh start --nodes 2``
+(one network namespace per node; state in /tmp/paralayer-slurm-2node, the path the profile
+``local-slurm-2node`` names). It runs beside the one-node cluster; SLURM_CONF is not changed.
+
+``PARALAYER_REQUIRE_SLURM=1`` (set by .ci/run, which installs and starts both clusters): a SLURM
+that is not there FAILS these fixtures instead of skipping.
 """
 from __future__ import annotations
 
@@ -19,6 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 SLURM_HOME = os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm")
 DEFAULT_CONF = os.path.join(SLURM_HOME, "etc", "slurm.conf")
 _UP_STATES = ("idle", "mixed", "allocated", "completing")
+REQUIRE = os.environ.get("PARALAYER_REQUIRE_SLURM") == "1"
+TWO_NODE_HOME = "/tmp/paralayer-slurm-2node"  # cluster/profiles/local-slurm-2node.yaml names it
+TWO_NODE_CONF = os.path.join(TWO_NODE_HOME, "etc", "slurm.conf")
+
+
+def _unavailable(reason: str) -> None:
+    """Skip, or fail where CI requires SLURM (PARALAYER_REQUIRE_SLURM=1)."""
+    if REQUIRE:
+        pytest.fail(f"PARALAYER_REQUIRE_SLURM=1 but SLURM is not available: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def slurm_answers() -> str | None:
@@ -74,7 +91,7 @@ def local_slurm():
     if reason:
         started, why = _start_local_slurm()
         if not started:
-            pytest.skip(f"{reason}; {why}")
+            _unavailable(f"{reason}; {why}")
         reason = slurm_answers()
         if reason:
             raise RuntimeError(f"the local SLURM started but does not answer: {reason}")
@@ -84,3 +101,50 @@ def local_slurm():
         if started:
             subprocess.run(["bash", str(REPO / "cluster" / "local_slurm.sh"), "stop"], capture_output=True,
                            timeout=120, env=dict(os.environ, PARALAYER_SLURM_HOME=SLURM_HOME))
+
+
+def two_nodes_answer() -> str | None:
+    """None when the two-node cluster answers with n1 and n2 usable, else why not."""
+    if shutil.which("sinfo") is None or not os.path.isfile(TWO_NODE_CONF):
+        return f"no two-node SLURM ({TWO_NODE_CONF} missing or no sinfo)"
+    try:
+        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10,
+                           env=dict(os.environ, SLURM_CONF=TWO_NODE_CONF))
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"sinfo failed: {exc}"
+    up = {ln.split()[0] for ln in r.stdout.splitlines() if len(ln.split()) == 2
+          and ln.split()[1].rstrip("*~#") in _UP_STATES and not ln.split()[1].endswith("*")}
+    if r.returncode != 0 or not {"n1", "n2"} <= up:
+        return f"two-node SLURM not up (sinfo rc={r.returncode}: {(r.stdout + r.stderr).strip()[:200]})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def local_slurm_2node():
+    """The two-node SLURM: reused if up, else started (``local_slurm.sh start --nodes 2``, packages
+    installed where needed) and stopped at the end. Yields its slurm.conf."""
+    script = str(REPO / "cluster" / "local_slurm.sh")
+    env = dict(os.environ, PARALAYER_SLURM_HOME=TWO_NODE_HOME)
+    env.pop("SLURM_CONF", None)
+    started = False
+    if two_nodes_answer():
+        if os.geteuid() != 0:
+            _unavailable("not root: cannot start the two-node SLURM (cluster/local_slurm.sh start --nodes 2)")
+        if shutil.which("slurmd") is None:
+            inst = subprocess.run(["bash", str(REPO / "cluster" / "install_slurm_deps.sh")], capture_output=True,
+                                  text=True, timeout=900, env=env)
+            if inst.returncode != 0:
+                _unavailable(f"could not install the SLURM packages: {(inst.stdout + inst.stderr).strip()[-300:]}")
+        start = subprocess.run(["bash", script, "start", "--nodes", "2"], capture_output=True, text=True,
+                               timeout=300, env=env)
+        if start.returncode != 0:
+            raise RuntimeError(f"cluster/local_slurm.sh start --nodes 2 failed:\n{start.stderr[-2000:]}")
+        started = True
+        why = two_nodes_answer()
+        if why:
+            raise RuntimeError(f"the two-node SLURM started but does not answer: {why}")
+    try:
+        yield TWO_NODE_CONF
+    finally:
+        if started:
+            subprocess.run(["bash", script, "stop", "--nodes", "2"], capture_output=True, timeout=120, env=env)

@@ -151,6 +151,8 @@ class SlurmConfig:
     setup: List[str] = field(default_factory=list)
     max_requeues: int = 3
     folder: Optional[str] = None  # submitit logs; default run.dir/../slurm-logs
+    min_nodes: Optional[int] = None  # sbatch --nodes=MIN-nodes: a requeued job may come back on fewer (dp=auto)
+    slurm_conf: Optional[str] = None  # the cluster's slurm.conf (wins over $SLURM_CONF); null = the environment's
 
 
 @dataclass
@@ -166,6 +168,7 @@ class ClusterConfig:
     inter_node_gbps: float = 1.0  # GB/s per device, across nodes
     memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels
     price_per_device_hour: Optional[float] = None  # cost of a device-hour (any currency): the plan's train_cost
+    network_interface: Optional[str] = None  # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME of every task (e.g. eth0)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 

@@ -138,7 +138,8 @@ def _slurm_settings(cfg: Config, plans: list[Any] | None = None) -> dict:
     s = config_mod.to_dict(cfg)["cluster"]["slurm"]
     dpn = [int(v) for v in (_plan_value(p, "devices_per_node") for p in (plans or [])) if v]
     devices = {d for d in (_plan_value(p, "device") for p in (plans or [])) if d}
-    s.update(nodes=c.nodes, devices_per_node=max(dpn) if dpn else (c.devices_per_node or 1),
+    s.update(nodes=c.nodes, network_interface=c.network_interface,
+             devices_per_node=max(dpn) if dpn else (c.devices_per_node or 1),
              device=devices.pop() if len(devices) == 1 else auto_device(c.device, c.peak_tflops))
     return s
 

@@ -43,7 +43,8 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", 
 CLUSTER_KEYS = (
     "nodes", "devices_per_node", "device", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
     "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
-    "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf",
+    "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf", "network_interface",
+    "min_nodes",
 )
 from paralayer.dispatch.errors import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
@@ -114,7 +115,13 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
             resume = "auto"
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True)
+        from paralayer.dispatch import elastic
+
         want = _plan_world(self.run_dir)
+        job_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+        if elastic.needs_replan(self.run_dir, job_nodes):
+            # the job came back on fewer nodes (cluster.slurm.min_nodes): plan for the world it has
+            want = elastic.replan(self.run_dir, job_nodes, dist_env.rank)
         if want and want < dist_env.world_size:
             # a job array has one shape for all elements: an element whose plan needs fewer ranks
             # than the array's tasks runs on the first `want` tasks, the others stay idle
@@ -131,6 +138,9 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
               f"(local {dist_env.local_rank}) master {dist_env.master_addr}:{dist_env.master_port} "
               f"run_dir={self.run_dir} resume={resume or '-'}", flush=True)
         _require_planned_device(self.run_dir, dist_env.rank)
+        from paralayer.dispatch.rendezvous import check_rendezvous
+
+        check_rendezvous(dist_env.rank, int(os.environ.get("SLURM_JOB_NUM_NODES") or 1))
         fn = resolve_entry(self.entry)
         out = fn(self.run_dir, f"train.resume={resume}") if resume else fn(self.run_dir)
         if isinstance(out, int) and not isinstance(out, bool) and out != 0:
@@ -267,6 +277,12 @@ def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralaye
         params["slurm_array_parallelism"] = int(cluster["array_parallelism"])
 
     extra = dict(cluster.get("sbatch_extra") or {})
+    min_nodes = cluster.get("min_nodes")
+    if min_nodes:  # an elastic job: SLURM may start (or requeue) it on fewer nodes, down to min_nodes
+        if not 1 <= int(min_nodes) <= nodes:
+            raise DispatchError(f"cluster.slurm.min_nodes={min_nodes}: must be between 1 and cluster.nodes={nodes}")
+        if int(min_nodes) < nodes:
+            extra["nodes"] = f"{int(min_nodes)}-{nodes}"
     if extra:
         extra = {str(k).replace("_", "-"): _sbatch_value(v) for k, v in extra.items()}
         extra = {k: v for k, v in extra.items() if v is not False and v is not None}
@@ -284,7 +300,11 @@ def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralaye
         f"export PYTHONPATH={shlex.quote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
     ]
-    if device == "cpu":
+    ifname = cluster.get("network_interface")
+    if ifname:  # the interface every task's process group uses (gloo on CPU, NCCL's bootstrap on GPUs)
+        q = shlex.quote(str(ifname))
+        setup.append(f"export GLOO_SOCKET_IFNAME={q} NCCL_SOCKET_IFNAME={q}")
+    elif device == "cpu":
         setup.append("export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}" if nodes == 1 else ":")
     setup += [str(s) for s in _as_list(cluster.get("setup"))]
     params["slurm_setup"] = setup
@@ -306,14 +326,14 @@ def _check_run_dirs(run_dirs: Sequence[str]) -> list[str]:
 
 def _ensure_slurm(cluster: Mapping[str, Any]) -> None:
     conf = cluster.get("slurm_conf")
-    if (not conf and not os.environ.get("SLURM_CONF") and not os.path.isfile("/etc/slurm/slurm.conf")
-            and os.path.isfile(LOCAL_SLURM_CONF)):
-        conf = LOCAL_SLURM_CONF  # the one-node SLURM of cluster/local_slurm.sh
-    if conf and not os.environ.get("SLURM_CONF"):
+    if conf:  # the profile names its cluster (local-slurm-2node): it wins over $SLURM_CONF
         if not Path(conf).is_file():
-            raise DispatchError(f"cluster.slurm_conf={conf}: no such file (is the cluster started? "
-                                "cluster/local_slurm.sh start)")
+            raise DispatchError(f"cluster.slurm.slurm_conf={conf}: no such file (is the cluster started? "
+                                "cluster/local_slurm.sh start [--nodes N])")
         os.environ["SLURM_CONF"] = str(conf)
+    elif (not os.environ.get("SLURM_CONF") and not os.path.isfile("/etc/slurm/slurm.conf")
+            and os.path.isfile(LOCAL_SLURM_CONF)):
+        os.environ["SLURM_CONF"] = LOCAL_SLURM_CONF  # the one-node SLURM of cluster/local_slurm.sh
     for tool in ("sbatch", "srun", "sacct"):
         if shutil.which(tool) is None:
             raise DispatchError(f"'{tool}' not found: SLURM client tools are required for cluster.backend=slurm")
@@ -383,6 +403,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
         stderr.append([str(s.paths.stderr) for s in subs])
     res = SubmitResult(job_ids=[str(j.job_id) for j in jobs], run_dirs=dirs, folder=folder,
                        stdout=stdout, stderr=stderr, array=len(jobs) > 1, jobs=jobs)
+    if cluster.get("min_nodes") and int(cluster["min_nodes"]) < params["nodes"]:
+        res.elastic = (int(cluster["min_nodes"]), params["nodes"], params["tasks_per_node"])
     if verbose:
         print(res.hint, flush=True)
     if wait:

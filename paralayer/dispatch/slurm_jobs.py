@@ -33,6 +33,7 @@ class SubmitResult:
     jobs: list[Any] = dataclasses.field(repr=False, default_factory=list)
     status: int | None = None  # set by wait(): 0 all completed, 1 failed, 124 wait deadline passed
     states: dict[str, str] = dataclasses.field(default_factory=dict)
+    elastic: tuple | None = None  # (min_nodes, nodes, tasks_per_node) with cluster.slurm.min_nodes
 
     @property
     def hint(self) -> str:
@@ -208,6 +209,9 @@ class _Watch:
     outcomes: dict = dataclasses.field(default_factory=dict)  # job id -> per-task (status, payload)
     never: dict = dataclasses.field(default_factory=dict)     # job id -> why it can never start
     last_sacct: float = 0.0
+    run_dirs: dict = dataclasses.field(default_factory=dict)  # job id -> run directory
+    node_fails: dict = dataclasses.field(default_factory=dict)  # job id -> NODE_FAIL attempts reported
+    elastic: tuple | None = None
 
 
 def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float = 1.0,
@@ -220,7 +224,7 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
     through its requeue to the end of its last attempt."""
     stream = stream or sys.stderr
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    w = _Watch(result.job_ids)
+    w = _Watch(result.job_ids, run_dirs=dict(zip(result.job_ids, result.run_dirs)), elastic=result.elastic)
     echo = _LogEcho(result, stream) if (verbose if echo_logs is None else echo_logs) else None
     while True:
         _poll_states(w, poll_s, verbose, stream)
@@ -268,8 +272,26 @@ def _poll_states(w: _Watch, poll_s: float, verbose: bool, stream) -> None:
         for jid in w.ids:
             st = w.states.get(jid)
             if st and st != w.shown.get(jid) and st not in _TERMINAL_STATES:
+                if w.shown.get(jid) == "RUNNING":
+                    _report_node_loss(w, jid, stream)
                 w.shown[jid] = st
                 print(f"[paralayer.slurm] job {jid}: {st}", file=stream, flush=True)
+
+
+def _report_node_loss(w: _Watch, jid: str, stream) -> None:
+    """A running job left RUNNING: if an attempt more ended NODE_FAIL, name the node and ranks."""
+    from paralayer.dispatch import node_loss
+
+    n = node_loss.failed_attempts(jid)
+    if n > w.node_fails.get(jid, 0):
+        w.node_fails[jid] = n
+        line = node_loss.describe(jid, w.run_dirs.get(jid, "?"))
+        if line:
+            print(f"[paralayer.slurm] job {jid}: {line}", file=stream, flush=True)
+        if w.elastic:
+            again = node_loss.reopen(jid, *w.elastic)
+            if again:
+                print(f"[paralayer.slurm] job {jid}: {again}", file=stream, flush=True)
 
 
 def _mark_finished(w: _Watch, result: SubmitResult) -> None:
@@ -299,8 +321,11 @@ def _final_states(w: _Watch, result: SubmitResult) -> list:
             failed.append(jid)
             continue
         oc = w.outcomes[jid]
-        ok = all(o is not None and o[0] == "success" for o in oc)
         st = final.get(jid, w.states.get(jid, "UNKNOWN"))
+        ok = all(o is not None and o[0] == "success" for o in oc)
+        if not ok and st == "COMPLETED" and oc and oc[0] is not None and oc[0][0] == "success":
+            # an elastic attempt on fewer nodes (cluster.slurm.min_nodes) never ran the last tasks
+            ok = all(o is None or o[0] == "success" for o in oc)
         if ok and st in _TERMINAL_STATES - {"COMPLETED"}:
             ok = False
         result.states[jid] = st if not (ok and st not in _TERMINAL_STATES) else "COMPLETED"

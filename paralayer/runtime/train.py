@@ -41,6 +41,7 @@ from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate
 from paralayer.runtime import moe_step as moe_step
+from paralayer.runtime import placement
 from paralayer.runtime import precision
 from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
@@ -117,6 +118,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
     if device.type == "cuda":
         torch.cuda.set_device(device)
     meshes = build_mesh(plan, device.type)
+    placement.check(plan, meshes, run_dir)  # an intra-node axis across hosts stops here (one line)
     torch.manual_seed(cfg.train.seed)
     built = build_model(cfg, plan, meshes, device)
     opt, sched = build_optimizer(cfg, built, meshes)
@@ -596,7 +598,7 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     except (NonFiniteLoss, stab_mod.LossSpike) as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
-    except (CheckpointError, DataError) as exc:  # bad input: one line, no traceback, every rank exits 2
+    except (CheckpointError, DataError, placement.PlacementError) as exc:  # bad input: one line, every rank exits 2
         _report_input_error(exc, rank)
         return 2
     except Preempted:
