@@ -7,7 +7,7 @@ unless ``train.weight_decay_1d``), ``LambdaLR`` with a warmup + cosine written h
 global batch in one forward, ``F.cross_entropy`` over its valid labels, ``clip_grad_norm_``, and
 the batches read from the token file here (``data.format=tokens``, step k = lines (k-1)·B … k·B-1).
 lr, loss and grad norm must agree over 5 steps; a planted error (warmup off by one, weight decay on
-the norm gains, a cosine that ends at 0) must not. Plus a table test of ``lr_lambda``.
+the norm gains, a cosine that ends at 0, microbatch losses summed instead of averaged) must not. Plus a table test of ``lr_lambda``.
 """
 from __future__ import annotations
 
@@ -83,9 +83,11 @@ def _plain_loop(cfg, token_path: str, decay_1d: bool) -> list[dict]:
     return records
 
 
-def _planted(plant: str, build, optimizer):
+def _planted(plant: str, build, optimizer, T):
     """Put one error into our code (in this forked rank only); return the undo."""
-    good_lambda, good_decays = build.lr_lambda, optimizer.decays
+    from paralayer.parallel.grad_scaling import GradScaling
+
+    good_lambda, good_decays, good_scaling = build.lr_lambda, optimizer.decays, T.grad_scaling
     if plant == "warmup_off_by_one":  # step k gets (k-1)/W: the first step at lr 0
         build.lr_lambda = lambda c: (lambda s: good_lambda(c)(s - 1) if s >= 1 else 0.0)
     elif plant == "cosine_to_zero":
@@ -93,23 +95,29 @@ def _planted(plant: str, build, optimizer):
             dataclasses.replace(c, train=dataclasses.replace(c.train, min_lr_ratio=0.0)))
     elif plant == "decay_norms":
         optimizer.decays = lambda p, decay_1d: True
+    elif plant == "microbatch_sum":  # the microbatch losses summed, not averaged: grads 4x too large
+
+        class Summed(GradScaling):
+            loss_divisor = property(lambda self: 1)
+
+        T.grad_scaling = lambda plan, meshes: Summed(**good_scaling(plan, meshes).__dict__)
 
     def undo():
-        build.lr_lambda, optimizer.decays = good_lambda, good_decays
+        build.lr_lambda, optimizer.decays, T.grad_scaling = good_lambda, good_decays, good_scaling
     return undo
 
 
 def _both(rank, world, overrides, plants):
     """The plain loop, and train() once per plant (None: our code as it is)."""
     from paralayer.runtime import build, optimizer
-    from paralayer.runtime.train import train
+    from paralayer.runtime import train as T
 
     cfg, plan = cfg_and_plan(BASE + overrides)
     ours = []
     for plant in plants:
-        undo = _planted(plant, build, optimizer)
+        undo = _planted(plant, build, optimizer, T)
         try:
-            ours.append([{k: r[k] for k in ("step", "lr", "loss", "grad_norm")} for r in train(cfg, plan)])
+            ours.append([{k: r[k] for k in ("step", "lr", "loss", "grad_norm")} for r in T.train(cfg, plan)])
         finally:
             undo()
     return ours, _plain_loop(cfg, overrides[0].split("=", 1)[1], cfg.train.weight_decay_1d)
@@ -141,7 +149,7 @@ def test_train_matches_plain_torch_loop(tmp_path, decay_1d):
     assert loop[0]["loss"] > 1.1 * math.log(VOCAB), "wide init: the loss starts far from ln V"
 
 
-PLANTS = ["warmup_off_by_one", "cosine_to_zero", "decay_norms"]
+PLANTS = ["warmup_off_by_one", "cosine_to_zero", "decay_norms", "microbatch_sum"]
 
 
 def test_planted_errors_fail_the_oracle(tmp_path):
@@ -154,6 +162,8 @@ def test_planted_errors_fail_the_oracle(tmp_path):
         assert not _ok(errs), (plant, errs)
         if plant == "decay_norms":  # the lr is right; the trajectory moves by far more than the tolerance
             assert errs["lr"] <= 1e-12 and max(errs["loss"], errs["grad_norm"]) > 20 * LOSS_TOL, errs
+        if plant == "microbatch_sum":  # clipping and AdamW (m/sqrt(v)) hide it from the loss; the norm shows it
+            assert errs["grad_norm"] > 1.0, errs
 
 
 def test_weight_decay_groups():
