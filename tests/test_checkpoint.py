@@ -181,7 +181,7 @@ def test_exact_resume_and_reshard(tmp_path):
     verify_checkpoint(os.path.join(root, "step-00000002"))
 
     saved = r0["saved"]
-    assert all(r["same_loaded"] and r["saved"] == saved for r in res), "FSDP -> FSDP: a parameter differs after the load"
+    assert all(r["same_loaded"] and r["saved"] == saved for r in res), "FSDP -> FSDP: a parameter differs"
 
     def same_run(got: list, layout: str) -> None:
         """Losses and grad norms of steps 3-4 against the straight FSDP run."""

@@ -52,10 +52,12 @@ _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight
 LLAMA_NAMES = {**_TOP_NAMES, **{f"layers.{i}.{o}": f"model.layers.{i}.{h}"
                                 for i in range(2) for o, h in _LAYER_NAMES + _DENSE_NAMES}}
 # Mixtral: the router, and experts stacked (E, ...) on our side; per-expert keys in the file
-MIXTRAL_NAMES = {**_TOP_NAMES, **{f"layers.{i}.{o}": f"model.layers.{i}.{h}" for i in range(2)
-                                  for o, h in _LAYER_NAMES + [("feed_forward.gate.weight", "block_sparse_moe.gate.weight")]}}
+_ROUTER = [("feed_forward.gate.weight", "block_sparse_moe.gate.weight")]
+MIXTRAL_NAMES = {**_TOP_NAMES, **{f"layers.{i}.{o}": f"model.layers.{i}.{h}"
+                                  for i in range(2) for o, h in _LAYER_NAMES + _ROUTER}}
 MIXTRAL_EXPERT_KEYS = {f"layers.{i}.feed_forward.{w}": [f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight"
-                                                        for j in range(E)] for i in range(2) for w in ("w1", "w2", "w3")}
+                                                        for j in range(E)]
+                       for i in range(2) for w in ("w1", "w2", "w3")}
 
 
 def _widen(model, seed: int):

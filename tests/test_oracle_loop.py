@@ -7,7 +7,8 @@ unless ``train.weight_decay_1d``), ``LambdaLR`` with a warmup + cosine written h
 global batch in one forward, ``F.cross_entropy`` over its valid labels, ``clip_grad_norm_``, and
 the batches read from the token file here (``data.format=tokens``, step k = lines (k-1)·B … k·B-1).
 lr, loss and grad norm must agree over 5 steps; a planted error (warmup off by one, weight decay on
-the norm gains, a cosine that ends at 0, microbatch losses summed instead of averaged) must not. Plus a table test of ``lr_lambda``.
+the norm gains, a cosine that ends at 0, microbatch losses summed instead of averaged) must not.
+Plus a table test of ``lr_lambda``.
 """
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def _dtensor_groups(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     gain = torch.nn.Parameter(distribute_tensor(torch.ones(8), mesh, [Shard(0)]))
     mat = torch.nn.Parameter(distribute_tensor(torch.ones(2, 8), mesh, [Shard(0)]))  # local (1, 8)
-    return [(g["weight_decay"], [tuple(p.to_local().shape) for p in g["params"]]) for g in param_groups([gain, mat], 0.1, False)]
+    groups = param_groups([gain, mat], 0.1, False)
+    return [(g["weight_decay"], [tuple(p.to_local().shape) for p in g["params"]]) for g in groups]
 
 
 def test_weight_decay_groups_use_the_logical_shape():

@@ -16,10 +16,10 @@ from tests.dist import paired, run_ranks
 
 SEQ = 16
 BASE = ["model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
-        "model.vocab_size=64", f"model.seq_len={SEQ}", "model.init_std=0.2", "train.global_batch=8", "train.micro_batch=2",
-        "train.steps=4", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
-        "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
-        "checkpoint.every=2", "checkpoint.keep=2"]
+        "model.vocab_size=64", f"model.seq_len={SEQ}", "model.init_std=0.2", "train.global_batch=8",
+        "train.micro_batch=2", "train.steps=4", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32",
+        "train.threads=1", "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled",
+        "logging.progress=false", "checkpoint.every=2", "checkpoint.keep=2"]
 
 
 def _data(tmp):
@@ -118,7 +118,8 @@ def test_exact_resume_async_save(tmp_path):
     tmp = str(tmp_path)
     layout = ["parallel.dp=2", "parallel.zero=0"]
     straight, _ = _run(tmp, "straight-c", layout, ["checkpoint.every=0"])
-    first, _ = _run(tmp, "async-1", layout, ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"])
+    first, _ = _run(tmp, "async-1", layout,
+                    ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"])
     names = sorted(os.listdir(os.path.join(tmp, "ckpt-async")))
     assert names == ["step-00000002", "step-00000003"], names  # keep=2, all complete after the run
     second, _ = _run(tmp, "async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])
