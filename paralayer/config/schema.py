@@ -104,6 +104,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 2
     weight_decay: float = 0.1
+    weight_decay_1d: bool = False  # true: decay 1-D params too (torchtitan); false: not (Megatron, nanoGPT, OLMo)
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0

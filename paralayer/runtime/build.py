@@ -141,6 +141,8 @@ def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
 
 
 def lr_lambda(cfg: Config):
+    """The LR multiplier after ``step`` optimizer steps: linear warmup to 1 over ``warmup_steps``
+    (step k of the run, 1-based, gets k / warmup_steps), then cosine to ``min_lr_ratio`` at ``steps``."""
     t = cfg.train
 
     def f(step: int) -> float:  # step counts optimizer steps already taken (0-based)
@@ -155,10 +157,13 @@ def lr_lambda(cfg: Config):
 
 
 def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
+    """AdamW over this rank's parameters (ZeRO-1: over its share), in the groups of
+    paralayer/runtime/optimizer.py (``train.weight_decay_1d``), and the LambdaLR of :func:`lr_lambda`."""
     t = cfg.train
 
     def make(params):  # fused on CUDA, foreach elsewhere (paralayer/runtime/optimizer.py)
-        return optimizer.adamw(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        return optimizer.adamw(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                               decay_1d=t.weight_decay_1d)
 
     if int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1:
         dp_mesh = meshes["dp_cp"]

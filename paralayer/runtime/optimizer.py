@@ -1,9 +1,17 @@
-"""AdamW with the fastest implementation the parameters' device has.
+"""AdamW with the fastest implementation the parameters' device has, and its parameter groups.
 
 On CUDA, ``fused=True`` runs the whole update of every parameter in a few kernels (torchtitan's
 default); elsewhere ``foreach=True`` (one vectorised op per step over lists of tensors). The
 foreach kernels refuse to mix DTensors with plain tensors (MoE blocks stay plain under TP), so
 each kind gets its own parameter group.
+
+Weight decay (``train.weight_decay_1d``): by default 1-D parameters (RMSNorm gains, biases) are
+not decayed, as Megatron-LM (``no_weight_decay_cond``), nanoGPT (``dim() < 2``) and OLMo do:
+decaying a norm gain pulls it towards 0, not towards its init of 1, and only shrinks the
+activations the next matrix has to re-grow; matrices (embeddings included) are decayed.
+``train.weight_decay_1d=true`` decays every parameter, as torchtitan does. A parameter's
+dimension is its logical one: a DTensor's ``.dim()`` is the full tensor's (an FSDP2 or TP shard
+of a norm gain is still 1-D, a row shard of a matrix still 2-D).
 """
 from __future__ import annotations
 
@@ -13,21 +21,36 @@ import torch
 from torch import nn
 
 
-def param_groups(params: Sequence[nn.Parameter]) -> list[dict]:
-    """DTensor parameters in one group, plain tensors in another (empty groups dropped)."""
+def decays(p: torch.Tensor, decay_1d: bool) -> bool:
+    """Whether AdamW's weight decay applies to ``p`` (its logical shape: DTensor ``dim()`` is global)."""
+    return decay_1d or p.dim() >= 2
+
+
+def param_groups(params: Sequence[nn.Parameter], weight_decay: float = 0.0, decay_1d: bool = True) -> list[dict]:
+    """DTensor and plain parameters in separate groups (the foreach kernels do not mix them),
+    each split into decayed and not decayed (``decay_1d=False``: 1-D parameters get
+    ``weight_decay=0``); empty groups dropped, order: DTensor before plain, decayed before not."""
     from torch.distributed.tensor import DTensor
 
-    groups = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
-    return [{"params": g} for g in groups if g]
+    groups = []
+    for is_dt in (True, False):
+        kind = [p for p in params if isinstance(p, DTensor) == is_dt]
+        for decay in (True, False):
+            g = [p for p in kind if decays(p, decay_1d) == decay]
+            if g:
+                groups.append({"params": g, "weight_decay": weight_decay if decay else 0.0})
+    return groups
 
 
 def adamw(params: Sequence[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float,
-          eps: float = 1e-8, fused: Optional[bool] = None) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (``fused=None``: decided by the first parameter's device)."""
+          eps: float = 1e-8, fused: Optional[bool] = None, decay_1d: bool = True) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA (``fused=None``: decided by the first parameter's device);
+    ``decay_1d=False``: no weight decay on 1-D parameters (:func:`param_groups`)."""
     if fused is None:
         fused = bool(params) and params[0].device.type == "cuda"
     impl = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(param_groups(params), lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **impl)
+    return torch.optim.AdamW(param_groups(params, weight_decay, decay_1d), lr=lr, betas=betas,
+                             weight_decay=weight_decay, eps=eps, **impl)
 
 
 def implementation(opt: torch.optim.Optimizer) -> str:
