@@ -125,3 +125,28 @@ def test_exact_resume_async_save(tmp_path):
     second, _ = _run(tmp, "async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])
     assert [r["step"] for r in second] == [4]
     assert first + second == straight
+
+
+def _decay_after_resume(rank, world, tmp, run_dir):
+    """Train 2 steps with weight decay 0.1 (a checkpoint at step 2), then set up the run again
+    with 0.03 and resume: the optimizer's groups hold the recipe's 0.03, not the checkpoint's."""
+    from paralayer.runtime import train as T
+
+    def cfg_plan(wd):
+        cfg = load_config(BASE + [f"data.path={_data(tmp)}", "parallel.dp=1", "parallel.tp=1", "train.resume=auto",
+                                  f"train.weight_decay={wd}", f"checkpoint.dir={run_dir}/ck", "train.stop_at_step=2"])
+        return cfg, resolve(cfg)
+
+    T.train(*cfg_plan(0.1), run_dir=run_dir)
+    cfg, plan = cfg_plan(0.03)
+    run = T.setup(cfg, plan, run_dir)
+    start = T.resume(run)
+    return start, sorted({g["weight_decay"] for g in run.opt.param_groups})
+
+
+def test_resume_keeps_the_recipes_weight_decay(tmp_path):
+    """DCP restores each group's hyperparameters from the checkpoint; the recipe's value wins
+    (a changed train.weight_decay, or the new weight_decay_1d default, takes effect on resume)."""
+    start, decays = run_ranks(_decay_after_resume, 1, str(tmp_path), str(tmp_path / "run"))[0]
+    assert start == 3
+    assert decays == [0.0, 0.03], decays  # 1-D gains undecayed, matrices at the recipe's 0.03

@@ -57,3 +57,24 @@ def implementation(opt: torch.optim.Optimizer) -> str:
     """'fused', 'foreach' or 'for-loop': what the optimizer's first group runs."""
     g = opt.param_groups[0]
     return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "for-loop"
+
+
+#: Hyperparameters the recipe sets (train.weight_decay, weight_decay_1d, beta1, beta2), which a
+#: loaded checkpoint must not override: DCP's set_optimizer_state_dict restores each group's values
+#: from the checkpoint, so a resumed run would keep the old decay (e.g. on the norm gains) and ignore
+#: a changed setting. The LR is the schedule's (restored with it), not listed here.
+RECIPE_HYPERPARAMS = ("weight_decay", "betas")
+
+
+def recipe_hyperparams(opt) -> list[dict]:
+    """Per param group, the values the recipe gave (taken before a checkpoint is loaded)."""
+    return [{k: g[k] for k in RECIPE_HYPERPARAMS if k in g} for g in getattr(opt, "inner", opt).param_groups]
+
+
+def reapply_hyperparams(opt, saved: list[dict]) -> None:
+    """Put the recipe's values back after a load (the groups are the same objects and order)."""
+    groups = getattr(opt, "inner", opt).param_groups
+    if len(groups) != len(saved):
+        raise RuntimeError(f"optimizer has {len(groups)} param groups after the load, {len(saved)} before")
+    for g, vals in zip(groups, saved):
+        g.update(vals)

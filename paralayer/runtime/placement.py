@@ -77,6 +77,7 @@ def check(plan: Any, meshes: Meshes, run_dir: Optional[str]) -> dict[int, dict]:
     """Gather the placement, write placement.json (rank 0), refuse a plan the placement breaks."""
     where = gather(dist.get_world_size())
     if run_dir is not None and dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "placement.json")
         with open(path + ".tmp", "w") as f:
             json.dump({str(r): where[r] for r in sorted(where)}, f, indent=1)

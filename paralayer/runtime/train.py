@@ -42,7 +42,7 @@ from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import placement
-from paralayer.runtime import precision
+from paralayer.runtime import optimizer, precision
 from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
@@ -216,12 +216,14 @@ def resume(run: RankRun) -> int:
     from paralayer.checkpoint import dcp as ckpt
 
     group = checkpoints(run).group
+    recipe_values = optimizer.recipe_hyperparams(run.opt)  # the recipe's decay/betas win over the checkpoint's
     if resume_from == "auto":  # falls back past damaged ones; raises if some exist but none loads
         found = ckpt.resume_latest(run.ckpt_dir, run.built.chunks, [run.opt], group=group)
     else:
         found = (resume_from, ckpt.load_checkpoint(resume_from, run.built.chunks, [run.opt], group=group))
     if found is None:
         return 1
+    optimizer.reapply_hyperparams(run.opt, recipe_values)
     path, extra = found
     restore_extra(run, extra)
     start_step = int(extra["step"]) + 1
