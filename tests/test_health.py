@@ -75,11 +75,12 @@ def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd):
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     assert [r["slowest_rank"] for r in recs] == [1] * 5
-    assert all(r["rank_time_spread"] > 1.2 for r in recs), [r["rank_time_spread"] for r in recs]
+    # (step 1 warms up both ranks: the 0.2 s sleep is a smaller share of it)
+    assert all(r["rank_time_spread"] > 1.2 for r in recs[1:]), [r["rank_time_spread"] for r in recs]
     assert recs[0]["slowest_host"] == os.uname().nodename
     assert out[0]["timing"] == out[1]["timing"]  # every rank has the gathered fields
     warned = [x for x in (err.out + err.err).splitlines() if "straggler: rank 1" in x]
-    assert len(warned) == 1 and "slow part: compute" in warned[0] and "to step 3" in warned[0], warned
+    assert len(warned) == 1 and "slow part: compute" in warned[0] and "3 logged steps in a row" in warned[0], warned
 
 
 # ------------------------------------------------------------------ spikes and non-finite steps
