@@ -75,11 +75,12 @@ def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd):
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     assert [r["slowest_rank"] for r in recs] == [1] * 5
-    assert all(r["rank_time_spread"] > 1.2 for r in recs), [r["rank_time_spread"] for r in recs]
+    # (step 1 warms up both ranks: the 0.2 s sleep is a smaller share of it)
+    assert all(r["rank_time_spread"] > 1.2 for r in recs[1:]), [r["rank_time_spread"] for r in recs]
     assert recs[0]["slowest_host"] == os.uname().nodename
     assert out[0]["timing"] == out[1]["timing"]  # every rank has the gathered fields
     warned = [x for x in (err.out + err.err).splitlines() if "straggler: rank 1" in x]
-    assert len(warned) == 1 and "slow part: compute" in warned[0] and "to step 3" in warned[0], warned
+    assert len(warned) == 1 and "slow part: compute" in warned[0] and "3 logged steps in a row" in warned[0], warned
 
 
 # ------------------------------------------------------------------ spikes and non-finite steps
@@ -170,3 +171,34 @@ def test_hang_diagnosis_names_missing_behind_or_idle_ranks(tmp_path):
     assert "rank 1 never entered" in diagnose(str(tmp_path), 3)
     write(1, 4)
     assert "no rank is behind" in diagnose(str(tmp_path), 3)
+
+
+def _stuck_rank(run_dir):
+    from paralayer.parallel.comm_trace import CommTrace
+    from paralayer.runtime.watchdog import Watchdog
+
+    trace = CommTrace(rank=0)
+    trace.new_step(7)
+    wd = Watchdog(0.3, run_dir, 0, 2, trace, announce=True, grace_s=0.2)
+    wd.beat(6)
+    with trace.collective("dp_cp", "grad_reduce"):
+        import time
+
+        time.sleep(30)  # the peer never comes
+
+
+def test_watchdog_without_the_launcher_reports_and_exits(tmp_path):
+    """The rank side alone (as under SLURM, where srun --kill-on-bad-exit ends the job step): the
+    report, the diagnosis line (printed by the lowest rank that wrote one) in error.txt, exit 1."""
+    import multiprocessing as mp
+    import time
+
+    p = mp.get_context("fork").Process(target=_stuck_rank, args=(str(tmp_path),))
+    t0 = time.time()
+    p.start()
+    p.join(20)
+    assert p.exitcode == 1 and time.time() - t0 < 10
+    report = (tmp_path / "hang" / "rank-0.txt").read_text()
+    assert "last finished step: 6" in report and "in _stuck_rank" in report
+    assert (tmp_path / "error.txt").read_text().startswith(
+        "paralayer: hang: rank 1 never entered the collective the others wait in (dp_cp grad_reduce, step 7")

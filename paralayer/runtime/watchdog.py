@@ -92,7 +92,10 @@ class Watchdog:
         if self.announce:
             present = sorted(reports(self.dir))
             if present and present[0] == self.rank:
-                print(diagnose(self.dir, self.world), file=sys.stderr, flush=True)
+                line = diagnose(self.dir, self.world)
+                print(line, file=sys.stderr, flush=True)
+                with open(os.path.join(os.path.dirname(self.dir), "error.txt"), "w", encoding="utf-8") as f:
+                    f.write(line + "\n")  # what the sweep report shows for this run
         os._exit(EXIT_HANG)
 
     def write_report(self, idle_s: float) -> str:
