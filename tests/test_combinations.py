@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from collections import defaultdict
 
@@ -159,8 +160,9 @@ def _run_list(rank, world, jobs):
     return [[(r["loss"], r["grad_norm"]) for r in train(cfg, plan)] for cfg, plan in jobs]
 
 
+@pytest.mark.timeout(1200)
 def test_every_row_matches_one_rank(rows, tmp_path):
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     data = [f"data.path={_data(tmp_path)}"]
     keys = sorted({C.reference_key(r) for r in rows})
     ref_jobs = [_resolved(C.BASE + data + list(k) + ["parallel.tp=1", "parallel.dp=1"]) for k in keys]
@@ -182,6 +184,8 @@ def test_every_row_matches_one_rank(rows, tmp_path):
                 if el > LOSS_TOL or en > NORM_TOL:
                     bad.append((C.overrides(r), rank, el, en))
                     break
-    print(f"{len(rows)} layouts, {len(keys)} references: {time.perf_counter() - t0:.1f} s "
-          f"(references {t_ref:.1f} s)")
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    print(f"{len(rows)} layouts, {len(keys)} references: {time.perf_counter() - t0:.1f} s wall "
+          f"(references {t_ref:.1f} s), {cpu_s:.0f} CPU-s in the ranks")
     assert not bad, "\n".join(f"{ov} rank {rk}: loss {el:.2e} grad norm {en:.2e}" for ov, rk, el, en in bad)
