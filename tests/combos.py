@@ -19,25 +19,25 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-#: the tiny model every layout trains (4 chunks of 2 layers under pp 2 × vpp 2; seq 16 splits into
-#: 2·cp = 4 zigzag chunks and over cp·tp = 4 sequence-parallel ranks; tp 2 divides heads and FFN)
-BASE = ["model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
+#: the tiny model every layout trains (seq 16 splits into 2·cp = 4 zigzag chunks and over cp·tp = 4
+#: sequence-parallel ranks; tp 2 divides heads and FFN); 4 layers, 8 where an uneven split of 4
+#: chunks needs them (:func:`n_layers`)
+BASE = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
         "model.vocab_size=64", "model.seq_len=16", "model.init_std=0.2",
         "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
         "train.steps=2", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
         "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
         "checkpoint.every=0", "cluster.device=cpu", "cluster.peak_tflops=1.0"]
-N_LAYERS = 8
 EXPERTS = 4
 CAPACITY = 1.0  # with top-2 of 4 experts some tokens drop: the dropping path runs
-#: microbatches per data rank: dualpipev needs 2·pp = 4, interleaved a multiple of pp; without pp, 2
-#: (gradient accumulation runs)
-MICROBATCHES = {True: 4, False: 2}
+#: microbatches per data rank: 2 (gradient accumulation runs; interleaved needs a multiple of pp,
+#: zbv at least pp), 4 under dualpipev (it needs 2·pp)
+MICROBATCHES = {"dualpipev": 4}
 #: the most ranks a row may take: pairwise coverage never needs three degrees > 1 at once, and on a
 #: 2-core machine an 8-rank world costs twice a 4-rank one
 MAX_WORLD = 4
 #: ``pp_layout=uneven``: layers per chunk for 2 chunks (gpipe/1f1b) and for 4 (interleaved, V)
-UNEVEN = {2: [3, 5], 4: [1, 3, 3, 1]}
+UNEVEN = {2: [1, 3], 4: [1, 3, 3, 1]}
 TP, PP, CP, EP = 2, 2, 2, 2  # the degree a feature's "on" value uses (8 ranks at most)
 
 
@@ -165,15 +165,20 @@ def model_overrides(row: dict) -> list[str]:
     """The overrides a row's one-rank reference shares with it (model, batch)."""
     moe = row["moe"]
     d = degrees(row)
-    gb = row["micro_batch"] * MICROBATCHES[d["pp"] > 1] * d["dp"]
-    ov = [f"model.tie_embeddings={str(row['tied']).lower()}", f"train.micro_batch={row['micro_batch']}",
-          f"train.global_batch={gb}"]
+    gb = row["micro_batch"] * MICROBATCHES.get(row["pipe"], 2) * d["dp"]
+    ov = [f"model.n_layers={n_layers(row)}", f"model.tie_embeddings={str(row['tied']).lower()}",
+          f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"]
     if moe == "dense":
         return ov + ["model.moe.num_experts=0"]
     router = moe.replace("_cap", "")
     cap = CAPACITY if moe.endswith("_cap") else "null"
     return ov + [f"model.moe.num_experts={EXPERTS}", f"model.moe.router={router}", f"model.moe.capacity_factor={cap}",
                  "model.moe.bias_update_rate=0.01"]
+
+
+def n_layers(row: dict) -> int:
+    """4 layers (one per chunk under pp 2 × vpp 2), 8 for an uneven split of 4 chunks."""
+    return 8 if row["pp_layout"] == "uneven" and degrees(row)["vpp"] > 1 else 4
 
 
 def reference_key(row: dict) -> tuple:

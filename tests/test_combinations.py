@@ -24,7 +24,9 @@ from tests.dist import max_rel_err, run_ranks
 
 LOSS_TOL, NORM_TOL = 1e-5, 3e-5
 
-# Building a model on meta imports torch's reference ops (seconds, once): before the ranks fork.
+# Building a model on meta imports torch's reference ops, and train() DTensor, FSDP and the
+# pipelining package (seconds of CPU per rank): import them once, before the ranks fork.
+import paralayer.runtime.train  # noqa: E402,F401
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model.transformer import Transformer  # noqa: E402
 
