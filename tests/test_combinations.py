@@ -112,9 +112,16 @@ def _planner_samples():
              ["recipe=tiny", "cluster=local", "cluster.devices_per_node=8", "model.moe.num_experts=4",
               "model.moe.router=sigmoid", "model.tie_embeddings=true"],
              ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=4"]]
-    for ov in cases:
+    cases = [(ov, None) for ov in cases]
+    tiny8 = ["recipe=tiny", "cluster=local", "cluster.devices_per_node=8", "model.n_layers=8"]
+    cases += [(tiny8, {"pp": 2, "schedule": s}) for s in ("gpipe", "1f1b", "interleaved", "dualpipev")]
+    # only full recompute on every k-th layer fits (tests/test_planner.py, recompute_every > 1)
+    cases.append((["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "model.seq_len=16384",
+                   "train.global_batch=256", "cluster.device_memory_gib=70"],
+                  dict(tp=8, pp=4, dp=16, cp=1, schedule="1f1b", zero=1, micro_batch=1, tp_overlap=False)))
+    for ov, fixed in cases:
         cfg = load_config(ov)
-        for lay in plan_layouts(cfg, top=60):
+        for lay in plan_layouts(cfg, top=60, fixed=fixed):
             yield ov, lay, C.planner_row(lay, cfg.model)
 
 
