@@ -254,6 +254,13 @@ def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
     The V schedules split input and weight grads: their weight pass runs after FSDP's
     post-backward hook, so the reduce-scatter is started by hand once the weight pass is done
     (as torch's own REDUCE_GRAD does at the step's end).
+    Under ZeRO-3 both passes first unshard the chunk's FSDP modules (a no-op when they are
+    already unsharded): torch's input pass finds the weights' gradient nodes through
+    ``submod.parameters()`` BEFORE FSDP's pre-backward hook swaps the unsharded parameters in, and
+    its weight pass maps gradients back through the same call, after another microbatch's forward
+    may have resharded them. Against the sharded parameters the input pass found no weight of a
+    resharded layer: those layers' weight gradients came only from the microbatches whose weight
+    pass happened to run unsharded (dualpipev: grad norm 6.86 instead of 7.25), and zbv crashed.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
     stage_backward = private("torch.distributed.pipelining._backward", "stage_backward")
@@ -268,10 +275,20 @@ def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
         mod.set_reshard_after_backward(reshard_weights)
         mod.set_requires_gradient_sync(True)
 
+    fsdp_mods = [m for m in mod.modules() if isinstance(m, FSDPModule)]
+
+    def unshard_all() -> None:
+        for m in fsdp_mods:
+            m.unshard()
+
     def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "input":  # the weight grads come in the weight pass
+            if reshard_weights:
+                unshard_all()
             return base(backward_type, bwd_kwargs, last_backward=last_backward)
         if backward_type == "weight":
+            if reshard_weights:
+                unshard_all()
             out = base(backward_type, bwd_kwargs, last_backward=last_backward)
             sync_on()
             state = fully_shard.state(mod)

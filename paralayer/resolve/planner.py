@@ -241,8 +241,8 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
         padded = int(math.ceil(m_.vocab_size / tp) * tp)
         for cp in _allowed(fixed, "cp", divisors(world // tp)):
-            if cp > 1 and tot.seq % (2 * cp):
-                continue
+            if cp > 1 and (tot.seq % (2 * cp) or (m_.moe.num_experts and m_.moe.capacity_factor is not None)):
+                continue  # (capacity under cp: refused by rules.check_experts)
             if sp and tot.seq % (cp * tp):
                 drop("sequence parallel: seq_len/cp not divisible by tp")
                 continue

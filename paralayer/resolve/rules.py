@@ -351,6 +351,13 @@ def check_experts(cfg: Config, lay: Layout) -> None:
         if m.moe.every > m.n_layers:
             _error(lay, "model.moe.every", f"model.moe.every={m.moe.every} exceeds model.n_layers={m.n_layers}: no "
                    f"layer would be MoE; valid: 1..{m.n_layers}")
+        if m.moe.capacity_factor is not None and cp > 1:
+            # capacity is per rank's own tokens (model/moe.py): a cp rank holds 1/cp of each
+            # sequence, so it would keep and drop other tokens than one process (issue #25)
+            _error(lay, "model.moe.capacity_factor", f"model.moe.capacity_factor={m.moe.capacity_factor} with "
+                   f"parallel.cp={cp}: capacity is applied to each rank's own tokens, and a context-parallel "
+                   "rank holds only 1/cp of every sequence, so it would drop other tokens than one process "
+                   "does; use model.moe.capacity_factor=null (dropless) or parallel.cp=1")
     elif ep > 1:
         _error(lay, "parallel.ep", f"parallel.ep={ep} needs experts: model.moe.num_experts is 0 (dense); use ep=1 or "
                f"set model.moe.num_experts to a multiple of {ep}")

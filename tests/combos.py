@@ -1,0 +1,240 @@
+"""The pairwise combination suite's generator: the feature space the planner searches, the pairs
+that cannot run together, and a greedy pairwise covering array over the rest.
+
+Why a covering array: the features below have 6·4·5·2·4·2·2·5·2·2·2 ≈ 300k combinations, far
+too many to train; but most wrong-gradient bugs need two features to meet (V schedule × ZeRO-3,
+issue #25). A covering array puts every value of every feature next to every value of every other
+feature in at least one layout, in ~30 layouts.
+
+The values come from the schema and the planner, not a hand list (``feature_values``): a new
+schedule, recompute mode or router joins the array by itself, and tests/test_combinations.py fails
+when the planner's output or the schema's ``parallel`` section grows a knob this file does not map.
+
+A pair of values that cannot run together is DISALLOWED (:func:`disallowed`): the array does not
+need to cover it, and the test asserts that the resolver refuses a layout holding it, naming the
+field. Torch-free.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+#: the tiny model every layout trains (seq 16 splits into 2·cp = 4 zigzag chunks and over cp·tp = 4
+#: sequence-parallel ranks; tp 2 divides heads and FFN); 4 layers, 8 where an uneven split of 4
+#: chunks needs them (:func:`n_layers`)
+BASE = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
+        "model.vocab_size=64", "model.seq_len=16", "model.init_std=0.2",
+        "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
+        "train.steps=2", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
+        "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
+        "checkpoint.every=0", "cluster.device=cpu", "cluster.peak_tflops=1.0"]
+EXPERTS = 4
+CAPACITY = 1.0  # with top-2 of 4 experts some tokens drop: the dropping path runs
+#: microbatches per data rank: 2 (gradient accumulation runs; interleaved needs a multiple of pp,
+#: zbv at least pp), 4 under dualpipev (it needs 2·pp)
+MICROBATCHES = {"dualpipev": 4}
+#: the most ranks a row may take: pairwise coverage never needs three degrees > 1 at once, and on a
+#: 2-core machine an 8-rank world costs twice a 4-rank one
+MAX_WORLD = 4
+#: ``pp_layout=uneven``: layers per chunk for 2 chunks (gpipe/1f1b) and for 4 (interleaved, V)
+UNEVEN = {2: [1, 3], 4: [1, 3, 3, 1]}
+TP, PP, CP, EP = 2, 2, 2, 2  # the degree a feature's "on" value uses (8 ranks at most)
+
+
+def feature_values() -> dict[str, tuple]:
+    """Each feature and its values, from the schema and the planner's own tuples."""
+    from paralayer.config.schema import RECOMPUTE, ROUTERS
+    from paralayer.resolve.planner import SCHEDULES_PP
+
+    moe = ("dense",) + tuple(f"{r}{cap}" for r in ROUTERS for cap in ("", "_cap"))
+    return {
+        "pipe": ("none",) + tuple(SCHEDULES_PP),   # none: pp = 1; else pp 2 (vpp 2 where it applies)
+        "recompute": tuple(RECOMPUTE),
+        "moe": moe,                                # router × capacity (dropless or capacity_factor)
+        "tp": ("1", "sp", "nosp", "overlap"),      # tp 2 with sequence parallel / without / + tp_overlap
+        "zero": (0, 1, 2, 3),
+        "recompute_every": (1, 2),
+        "cp": (1, CP),
+        "ep": (1, EP),
+        "tied": (False, True),
+        "pp_layout": ("even", "uneven"),
+        "micro_batch": (1, 2),
+    }
+
+
+def disallowed(f: str, a, g: str, b) -> Optional[str]:
+    """The field the resolver must name when value ``a`` of feature ``f`` meets value ``b`` of
+    ``g`` (they cannot run together), or None when the pair is allowed."""
+    for (f1, v1), (f2, v2) in (((f, a), (g, b)), ((g, b), (f, a))):
+        if f1 == "ep" and v1 > 1 and f2 == "moe" and v2 == "dense":
+            return "parallel.ep"  # expert parallel needs experts
+        if f1 == "pp_layout" and v1 == "uneven" and f2 == "pipe" and v2 == "none":
+            return "parallel.pp_layout"  # an uneven split needs pipeline chunks
+        if f1 == "moe" and str(v1).endswith("_cap") and f2 == "cp" and v2 > 1:
+            return "model.moe.capacity_factor"  # capacity counts a rank's own tokens: 1/cp of each sequence
+    return None
+
+
+#: refused single values: (feature overrides, the field the resolver names). tp_overlap needs
+#: sequence parallel, so the array's ``tp`` feature folds the two knobs into one (nosp + overlap
+#: is the refused combination of them).
+REFUSED_SETTINGS = [
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_overlap=true"], "parallel.tp_overlap"),
+]
+
+
+def _row_ok(row: dict, first: dict) -> bool:
+    """No disallowed pair, and at most MAX_WORLD ranks with the features not yet set at their
+    ``first`` (cheapest) value."""
+    items = list(row.items())
+    if not all(disallowed(f, a, g, b) is None for (f, a), (g, b) in itertools.combinations(items, 2)):
+        return False
+    return world_size(dict(first, **row)) <= MAX_WORLD
+
+
+def allowed_pairs(features: dict) -> set:
+    """Every pair ((f, a), (g, b)) with f before g in ``features`` that may run together."""
+    names = list(features)
+    out = set()
+    for i, j in itertools.combinations(range(len(names)), 2):
+        f, g = names[i], names[j]
+        for a in features[f]:
+            for b in features[g]:
+                if disallowed(f, a, g, b) is None:
+                    out.add(((f, a), (g, b)))
+    return out
+
+
+def row_pairs(row: dict, features: dict) -> set:
+    names = [n for n in features if n in row]
+    return {((f, row[f]), (g, row[g])) for f, g in itertools.combinations(names, 2)}
+
+
+def covering_array(features: Optional[dict] = None, tries: int = 12) -> list[dict]:
+    """A pairwise covering array over ``features`` (greedy, AETG-style, deterministic): each row
+    starts from one of the first ``tries`` uncovered pairs, fills the other features one at a time
+    with the value that covers the most uncovered pairs (ties: the first value, the cheapest), and
+    the row that covers the most pairs per rank is kept. Every row holds only allowed pairs."""
+    features = features or feature_values()
+    names = list(features)
+    first = {n: v[0] for n, v in features.items()}
+    uncovered = allowed_pairs(features)
+    rows: list[dict] = []
+    while uncovered:
+        best, best_gain = None, -1
+        for seed in sorted(uncovered, key=repr)[:tries]:
+            (f, a), (g, b) = seed
+            row = {f: a, g: b}
+            for n in names:
+                if n in row:
+                    continue
+                scored = []
+                for v in features[n]:
+                    cand = dict(row, **{n: v})
+                    if _row_ok(cand, first):
+                        scored.append((len(row_pairs(cand, features) & uncovered), -features[n].index(v), v))
+                row[n] = max(scored)[2]
+            gain = len(row_pairs(row, features) & uncovered) / world_size(row)
+            if gain > best_gain:
+                best, best_gain = row, gain
+        rows.append({n: best[n] for n in names})
+        uncovered -= row_pairs(best, features)
+    return rows
+
+
+# ------------------------------------------------------------------ a row as a layout
+def degrees(row: dict) -> dict:
+    """tp, pp, vpp, cp, ep, dp of a row: dp is 2 only where ZeRO or ep needs data ranks that cp
+    does not already give (the fewest ranks that exercise the row)."""
+    tp = 1 if row["tp"] == "1" else TP
+    pp = 1 if row["pipe"] == "none" else PP
+    vpp = 2 if row["pipe"] in ("interleaved", "zbv", "dualpipev") else 1
+    cp = int(row["cp"])
+    ep = int(row["ep"])
+    need_data = row["zero"] > 0 or ep > 1
+    dp = 2 if need_data and cp == 1 else 1
+    return {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp}
+
+
+def world_size(row: dict) -> int:
+    d = degrees(row)
+    return d["tp"] * d["pp"] * d["cp"] * d["dp"]
+
+
+def model_overrides(row: dict) -> list[str]:
+    """The overrides a row's one-rank reference shares with it (model, batch)."""
+    moe = row["moe"]
+    d = degrees(row)
+    gb = row["micro_batch"] * MICROBATCHES.get(row["pipe"], 2) * d["dp"]
+    ov = [f"model.n_layers={n_layers(row)}", f"model.tie_embeddings={str(row['tied']).lower()}",
+          f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"]
+    if moe == "dense":
+        return ov + ["model.moe.num_experts=0"]
+    router = moe.replace("_cap", "")
+    cap = CAPACITY if moe.endswith("_cap") else "null"
+    return ov + [f"model.moe.num_experts={EXPERTS}", f"model.moe.router={router}", f"model.moe.capacity_factor={cap}",
+                 "model.moe.bias_update_rate=0.01"]
+
+
+def n_layers(row: dict) -> int:
+    """4 layers (one per chunk under pp 2 × vpp 2), 8 for an uneven split of 4 chunks."""
+    return 8 if row["pp_layout"] == "uneven" and degrees(row)["vpp"] > 1 else 4
+
+
+def reference_key(row: dict) -> tuple:
+    return tuple(model_overrides(row))
+
+
+def overrides(row: dict) -> list[str]:
+    """Every override of a row's layout (BASE and data.path excluded)."""
+    d = degrees(row)
+    pipe = row["pipe"]
+    ov = model_overrides(row) + [f"parallel.{k}={v}" for k, v in d.items()]
+    ov += [f"parallel.schedule={'1f1b' if pipe == 'none' else pipe}", f"parallel.zero={row['zero']}",
+           f"parallel.recompute={row['recompute']}", f"parallel.recompute_every={row['recompute_every']}"]
+    if row["tp"] != "1":
+        ov += [f"parallel.sequence_parallel={str(row['tp'] != 'nosp').lower()}",
+               f"parallel.tp_overlap={str(row['tp'] == 'overlap').lower()}"]
+    if row["pp_layout"] == "uneven":
+        chunks = d["pp"] * (2 if d["vpp"] > 1 else 1)
+        ov.append("parallel.pp_layout=[" + ",".join(map(str, UNEVEN.get(chunks, [1, 1]))) + "]")
+    return ov
+
+
+def default_row() -> dict:
+    """The first value of every feature: the base a refused pair is tried on."""
+    return {n: v[0] for n, v in feature_values().items()}
+
+
+# ------------------------------------------------------------------ a planner layout as a row
+#: the keys of a planner layout that describe WHAT runs (mapped by :func:`planner_row`) ...
+PLANNER_LAYOUT_KEYS = {"degrees", "schedule", "zero", "recompute", "recompute_every", "micro_batch",
+                       "sequence_parallel", "tp_overlap", "pp_layout", "microbatches", "world_size", "overrides"}
+#: ... and those that predict how it runs (no feature)
+PLANNER_PREDICTION_KEYS = {"rank", "step_time_s", "tokens_per_s", "mfu", "bubble", "compute_s", "imbalance",
+                           "imbalance_s", "recompute_s", "overhead_s", "bubble_s", "comm_s", "dp_comm_s",
+                           "dp_exposed_s", "comm_time_s", "spans", "memory", "train_days", "device_hours",
+                           "train_tokens", "train_tokens_from", "train_steps", "calibration", "gpu"}
+#: the schema's parallel fields the features cover (dp is what is left of the world: derived)
+PARALLEL_FIELDS = {"tp": "tp", "pp": "pipe", "vpp": "pipe", "schedule": "pipe", "cp": "cp", "ep": "ep",
+                   "dp": None, "zero": "zero", "recompute": "recompute", "recompute_every": "recompute_every",
+                   "sequence_parallel": "tp", "tp_overlap": "tp", "pp_layout": "pp_layout"}
+
+
+def planner_row(layout: dict, model) -> dict:
+    """The features of one layout from ``plan_layouts`` (any degree > 1 is the feature's "on"
+    value), with the model's own (experts, router, capacity, tied embeddings)."""
+    d = layout["degrees"]
+    moe = model.moe
+    if moe.num_experts == 0:
+        moe_v = "dense"
+    else:
+        moe_v = moe.router + ("_cap" if moe.capacity_factor is not None else "")
+    tp = "1" if d["tp"] == 1 else ("overlap" if layout["tp_overlap"] else "sp" if layout["sequence_parallel"]
+                                   else "nosp")
+    return {"pipe": "none" if d["pp"] == 1 else layout["schedule"], "recompute": layout["recompute"],
+            "moe": moe_v, "tp": tp, "zero": int(layout["zero"]),
+            "recompute_every": 1 if int(layout.get("recompute_every", 1)) == 1 else 2,
+            "cp": 1 if d["cp"] == 1 else CP, "ep": 1 if d["ep"] == 1 else EP, "tied": bool(model.tie_embeddings),
+            "pp_layout": "uneven" if layout.get("pp_layout") else "even",
+            "micro_batch": 1 if int(layout["micro_batch"]) == 1 else 2}

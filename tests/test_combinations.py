@@ -1,0 +1,200 @@
+"""Every pair of layout features, trained and compared with one process (issue #25).
+
+tests/combos.py generates a pairwise covering array over the features the planner searches
+(schedules, ZeRO, recompute, tp/SP/tp_overlap, cp, ep with both routers and capacity, tied
+embeddings, uneven pp_layout, micro-batch). Each row trains 2 steps at init std 0.2 on at most 8
+gloo ranks; its loss and grad norm must equal the one-rank run of the same model and batch every
+step (1e-5 / 3e-5 relative). The rows of one world size run one after another inside ONE forked
+world, and each one-rank reference is computed once. Pairs that cannot run together must be
+refused by the resolver, naming the field; the planner must offer nothing outside the array.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tests import combos as C
+from tests.dist import max_rel_err, run_ranks
+
+LOSS_TOL, NORM_TOL = 1e-5, 3e-5
+
+# Building a model on meta imports torch's reference ops, and train() DTensor, FSDP and the
+# pipelining package (seconds of CPU per rank): import them once, before the ranks fork.
+import paralayer.runtime.train  # noqa: E402,F401
+from paralayer.config import ModelConfig  # noqa: E402
+from paralayer.model.transformer import Transformer  # noqa: E402
+
+with torch.device("meta"):
+    Transformer(ModelConfig(d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=8, vocab_size=8))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return C.covering_array()
+
+
+# ------------------------------------------------------------------ torch-free: the array itself
+def test_array_covers_every_allowed_pair_on_at_most_8_ranks(rows):
+    feats = C.feature_values()
+    want = C.allowed_pairs(feats)
+    got = set().union(*(C.row_pairs(r, feats) for r in rows))
+    assert want - got == set()
+    assert all(C.disallowed(f, a, g, b) is None for r in rows for (f, a), (g, b) in C.row_pairs(r, feats))
+    assert max(C.world_size(r) for r in rows) <= 8
+    print(f"{len(rows)} layouts cover {len(want)} pairs; ranks {sorted(C.world_size(r) for r in rows)}")
+
+
+def test_generator_knows_every_planner_and_schema_knob():
+    """A new knob must join the generator: every field of the schema's parallel section and every
+    key of a planner layout is either a feature (or derived) or a known prediction."""
+    import dataclasses
+
+    from paralayer.config import load_config
+    from paralayer.config.schema import ParallelConfig
+    from paralayer.resolve.planner import plan_layouts
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert fields == set(C.PARALLEL_FIELDS), fields ^ set(C.PARALLEL_FIELDS)
+    feats = C.feature_values()
+    assert {v for v in C.PARALLEL_FIELDS.values() if v} <= set(feats)
+    cfg = load_config(["recipe=tiny", "cluster=local", "cluster.devices_per_node=8"])
+    lays = plan_layouts(cfg, top=5)
+    assert lays
+    for lay in lays:
+        unknown = set(lay) - C.PLANNER_LAYOUT_KEYS - C.PLANNER_PREDICTION_KEYS
+        assert not unknown, f"planner layout keys the combination generator does not know: {unknown}"
+        assert set(lay["degrees"]) == {"tp", "pp", "vpp", "cp", "ep", "dp"}
+
+
+def _refused(row: dict, extra: list = ()) -> list:
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
+
+    cfg = load_config(C.BASE + C.overrides(row) + list(extra))
+    return resolve(cfg).to_dict()["errors"]
+
+
+def test_disallowed_pairs_are_refused_by_the_resolver():
+    feats = C.feature_values()
+    names = list(feats)
+    refused = []
+    for i, f in enumerate(names):
+        for g in names[i + 1:]:
+            for a in feats[f]:
+                for b in feats[g]:
+                    fld = C.disallowed(f, a, g, b)
+                    if fld is None:
+                        continue
+                    row = dict(C.default_row(), **{f: a, g: b})
+                    errs = _refused(row)
+                    assert any(e["field"] == fld for e in errs), (f, a, g, b, errs)
+                    refused.append((f, a, g, b))
+    assert refused  # the constraints are real: each one is a refusal
+    for extra, fld in C.REFUSED_SETTINGS:
+        errs = _refused(C.default_row(), extra)
+        assert any(e["field"] == fld for e in errs), (extra, errs)
+    print("refused:", refused, [s for s, _ in C.REFUSED_SETTINGS])
+
+
+def _planner_samples():
+    from paralayer.config import load_config
+    from paralayer.resolve.planner import plan_layouts
+
+    cases = [["recipe=tiny", "cluster=local", "cluster.devices_per_node=8"],
+             ["recipe=tiny", "cluster=local", "cluster.devices_per_node=8", "model.moe.num_experts=4",
+              "model.moe.capacity_factor=1.25"],
+             ["recipe=tiny", "cluster=local", "cluster.devices_per_node=8", "model.moe.num_experts=4",
+              "model.moe.router=sigmoid", "model.tie_embeddings=true"],
+             ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=4"]]
+    cases = [(ov, None) for ov in cases]
+    tiny8 = ["recipe=tiny", "cluster=local", "cluster.devices_per_node=8", "model.n_layers=8"]
+    cases += [(tiny8, {"pp": 2, "schedule": s}) for s in ("gpipe", "1f1b", "interleaved", "dualpipev")]
+    # only full recompute on every k-th layer fits (tests/test_planner.py, recompute_every > 1)
+    cases.append((["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "model.seq_len=16384",
+                   "train.global_batch=256", "cluster.device_memory_gib=70"],
+                  dict(tp=8, pp=4, dp=16, cp=1, schedule="1f1b", zero=1, micro_batch=1, tp_overlap=False)))
+    for ov, fixed in cases:
+        cfg = load_config(ov)
+        for lay in plan_layouts(cfg, top=60, fixed=fixed):
+            yield ov, lay, C.planner_row(lay, cfg.model)
+
+
+def test_planner_offers_nothing_outside_the_array(rows):
+    """Invariant: every pair of feature values in a layout the planner offers was run by the suite
+    (or would be refused: the planner must not offer those at all)."""
+    feats = C.feature_values()
+    covered = set().union(*(C.row_pairs(r, feats) for r in rows))
+    n = 0
+    for ov, lay, row in _planner_samples():
+        n += 1
+        assert set(row) == set(feats)
+        for pair in C.row_pairs(row, feats):
+            (f, a), (g, b) = pair
+            assert C.disallowed(f, a, g, b) is None, (ov, lay["overrides"], pair)
+            assert pair in covered, (ov, lay["overrides"], pair)
+    assert n > 50
+
+
+# ------------------------------------------------------------------ the runs
+def _data(tmp) -> str:
+    path = os.path.join(str(tmp), "combos_tokens.jsonl")
+    if not os.path.exists(path):
+        g = torch.Generator().manual_seed(0)
+        with open(path, "w") as f:
+            for _ in range(64):
+                f.write(json.dumps({"input_ids": torch.randint(0, 64, (16,), generator=g).tolist()}) + "\n")
+    return path
+
+
+def _resolved(overrides: list):
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
+
+    cfg = load_config(overrides)
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], (overrides, plan["errors"])
+    return cfg, plan
+
+
+def _run_list(rank, world, jobs):
+    """Train every (cfg, plan) of ``jobs`` in turn in this world: [(loss, grad_norm) per step] each."""
+    from paralayer.runtime.train import train
+
+    return [[(r["loss"], r["grad_norm"]) for r in train(cfg, plan)] for cfg, plan in jobs]
+
+
+@pytest.mark.timeout(1200)
+def test_every_row_matches_one_rank(rows, tmp_path):
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    data = [f"data.path={_data(tmp_path)}"]
+    keys = sorted({C.reference_key(r) for r in rows})
+    ref_jobs = [_resolved(C.BASE + data + list(k) + ["parallel.tp=1", "parallel.dp=1"]) for k in keys]
+    refs = dict(zip(keys, run_ranks(_run_list, 1, ref_jobs, timeout_s=300)[0]))
+    t_ref = time.perf_counter() - t0
+    by_world = defaultdict(list)
+    for r in rows:
+        by_world[C.world_size(r)].append(r)
+    bad = []
+    for world, group in sorted(by_world.items()):
+        jobs = [_resolved(C.BASE + data + C.overrides(r)) for r in group]
+        out = run_ranks(_run_list, world, jobs, timeout_s=600)
+        for i, r in enumerate(group):
+            ref = refs[C.reference_key(r)]
+            for rank in range(world):
+                recs = out[rank][i]
+                el = max_rel_err([x[0] for x in recs], [x[0] for x in ref])
+                en = max_rel_err([x[1] for x in recs], [x[1] for x in ref])
+                if el > LOSS_TOL or en > NORM_TOL:
+                    bad.append((C.overrides(r), rank, el, en))
+                    break
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    print(f"{len(rows)} layouts, {len(keys)} references: {time.perf_counter() - t0:.1f} s wall "
+          f"(references {t_ref:.1f} s), {cpu_s:.0f} CPU-s in the ranks")
+    assert not bad, "\n".join(f"{ov} rank {rk}: loss {el:.2e} grad norm {en:.2e}" for ov, rk, el, en in bad)
