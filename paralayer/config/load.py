@@ -8,6 +8,7 @@ nearest valid key. This module imports no torch.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, interpolation
+from paralayer.config import bounds, depth, interpolation
 
 from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
@@ -50,13 +51,24 @@ from paralayer.config.schema import (  # noqa: F401 - the schema's names are thi
 # ---------------------------------------------------------------- key names and suggestions
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the schema (leaves and sections)."""
+    if cls is Config and not prefix:
+        return list(_all_config_keys())
+    return _all_keys(cls, prefix)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_config_keys() -> tuple[str, ...]:
+    return tuple(_all_keys(Config, ""))
+
+
+def _all_keys(cls: type, prefix: str) -> list[str]:
     out = []
     for f in fields(cls):
         name = f"{prefix}{f.name}"
         out.append(name)
         default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
         if is_dataclass(default):
-            out.extend(all_keys(type(default), name + "."))
+            out.extend(_all_keys(type(default), name + "."))
     return out
 
 
@@ -76,7 +88,7 @@ def nearest_key(key: str) -> Optional[str]:
 
 def _unknown_key_error(key: str) -> ConfigError:
     hint = nearest_key(key)
-    msg = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
+    msg = "unknown key" + (f"; did you mean '{hint}'?" if hint and hint != key else "")
     return ConfigError(key, msg)
 
 
@@ -158,10 +170,15 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
+    depth.check_file_size(path, field_name)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=get_yaml_loader())
+            text = f.read(depth.MAX_FILE_BYTES + 1)
+        depth.check_yaml_text(text, field_name, str(path))  # before the recursive composer sees it
+        data = yaml.load(text, Loader=get_yaml_loader())
         data = {} if data is None else data
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
         raise ConfigError(field_name, f"invalid YAML at {_yaml_error(path, exc)}") from None
     except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
@@ -227,6 +244,9 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
         key, _, value = ov.partition("=")
         key = key.strip().lstrip("+")
         key = ALIASES.get(key, key)
+        if len(key) > 256:
+            raise ConfigError(key[:60] + "...", f"is not a dotted key of the recipe ({len(key):,} characters; the "
+                              "longest is under 60)")
         if not key or not all(part and (part.replace("_", "a").replace("-", "a").isalnum()) for part in key.split(".")):
             raise ConfigError(key[:80] or "(empty key)", "is not a dotted key (e.g. parallel.tp=2)")
         if key == "recipe":
@@ -242,6 +262,7 @@ def _parse_value(key: str, value: str) -> Any:
     """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it;
     ``${...}`` kept as a reference (resolved later, against the recipe), resolvers refused."""
     interpolation.check_text(key, value)
+    depth.check_value(key, value)
     if value in ("", "null", "~"):  # YAML's null (``model.moe.capacity_factor=null``: dropless)
         return None
     if value.lstrip().startswith(("[", "{")):
@@ -258,13 +279,15 @@ def _parse_value(key: str, value: str) -> Any:
 
 def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
     """Unknown keys anywhere in a plain YAML node, with a suggestion; a section (or a map or list
-    field) given as something else names that field."""
+    field, or an item of a list field) given as the wrong kind of value names that field."""
     if not isinstance(node, (dict, DictConfig)):
         raise ConfigError(prefix.rstrip(".") or "recipe", f"must be a mapping of keys, got {_kind(node)}")
     names = {f.name: f for f in fields(cls)}
     for key in node:
         full = f"{prefix}{key}"
         if key not in names:
+            if isinstance(key, str) and "." in key:
+                raise _dotted_key_error(prefix, key)
             raise _unknown_key_error(full)
         f = names[key]
         default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
@@ -272,13 +295,50 @@ def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
         if is_dataclass(default):
             if value is not None:
                 _check_keys(value, type(default), full + ".")
-        elif isinstance(default, dict) and value is not None and not isinstance(value, dict):
-            raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
-        elif isinstance(default, list) and value is not None and not isinstance(value, list):
-            raise ConfigError(full, f"must be a list, got {_kind(value)}")
-        elif not isinstance(default, (dict, list)) and isinstance(value, (dict, list)) \
-                and not any(t in str(f.type).lower() for t in ("list", "dict", "any")):
-            raise ConfigError(full, f"must be a single value, got {_kind(value)}")
+        elif value is not None:
+            _check_shape(full, value, _shape(f.type, default))
+
+
+def _shape(type_text: Any, default: Any) -> tuple[str, str]:
+    """(outer, items) of a schema field: 'map' / 'list' / 'value' / 'any' and, for a list, what
+    its items are ('value' or 'any'). From the annotation (``Optional[List[int]]``) or the default."""
+    t = str(type_text).replace("typing.", "")
+    if t.startswith("Optional[") and t.endswith("]"):
+        t = t[len("Optional["):-1]
+    if t.startswith("List[") or isinstance(default, list):
+        inner = t[len("List["):-1] if t.startswith("List[") else "Any"
+        return "list", "value" if inner in ("int", "str", "float", "bool") else "any"
+    if t.startswith("Dict[") or isinstance(default, dict):
+        return "map", "any"
+    if t in ("int", "str", "float", "bool"):
+        return "value", "any"
+    return "any", "any"
+
+
+def _check_shape(full: str, value: Any, shape: tuple[str, str]) -> None:
+    outer, items = shape
+    if outer == "map" and not isinstance(value, (dict, DictConfig)):
+        raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
+    if outer == "list" and not isinstance(value, (list, ListConfig)):
+        raise ConfigError(full, f"must be a list, got {_kind(value)}")
+    if outer == "value" and isinstance(value, (dict, list, DictConfig, ListConfig)):
+        raise ConfigError(full, f"must be a single value, got {_kind(value)}")
+    if outer == "list" and items == "value":
+        for i, item in enumerate(value):
+            if isinstance(item, (dict, list, DictConfig, ListConfig)):
+                raise ConfigError(full, f"item {i} must be a single value, got {_kind(item)}")
+
+
+def _dotted_key_error(prefix: str, key: str) -> ConfigError:
+    """``model: {moe.top_k: 1}``: one dotted key inside a map (YAML keeps it as one name)."""
+    head, _, rest = key.partition(".")
+    full = f"{prefix}{key}"
+    if full in all_keys():
+        return ConfigError(full, f"a dotted key inside a map is one name in YAML; write it as nested keys: "
+                           f"{head}: {{{rest}: ...}}")
+    hint = nearest_key(full)
+    return ConfigError(full, "unknown key (a dotted key inside a map is one name in YAML; write nested keys: "
+                       f"{head}: {{{rest}: ...}})" + (f"; did you mean '{hint}'?" if hint and hint != full else ""))
 
 
 def _kind(value: Any) -> str:
@@ -315,7 +375,9 @@ def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
         if key not in all_keys() and not key.startswith("cluster.slurm.sbatch_extra."):
             raise _unknown_key_error(key)
         try:
-            OmegaConf.update(merged, key, _parse_value(key, value), merge=True)
+            parsed = _parse_value(key, value)
+            _check_override_shape(key, parsed)
+            OmegaConf.update(merged, key, parsed, merge=True)
         except OmegaConfBaseException as exc:
             raise _wrap(exc, key) from None
         except ConfigError:
@@ -324,8 +386,29 @@ def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
             raise ConfigError(key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
+def _check_override_shape(key: str, value: Any) -> None:
+    """A list or map typed on the command line where the field takes another kind names the field."""
+    cls, f = Config, None
+    for part in key.split("."):
+        names = {x.name: x for x in fields(cls)} if is_dataclass(cls) else {}
+        f = names.get(part)
+        if f is None:
+            return  # a key under a map field (cluster.slurm.sbatch_extra.X): anything goes
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        cls = type(default)
+    if f is not None and value is not None and not is_dataclass(cls):
+        _check_shape(key, value, _shape(f.type, cls() if cls in (list, dict) else None))
+
+
 def load_config(overrides: list[str] | None = None, recipe: str | None = None) -> Config:
     """Build the typed config from ``recipe=NAME cluster=NAME key=value ...``."""
+    merged, layers, dotted = merged_config(overrides, recipe)
+    return typed_config(merged, layers, dotted)
+
+
+def merged_config(overrides: list[str] | None = None, recipe: str | None = None) -> tuple[DictConfig, list, list[str]]:
+    """The recipe chain, its profile and the overrides merged (nothing resolved yet): the merged
+    tree, the plain layers it came from, and the dotted overrides."""
     overrides = list(overrides or [])
     ov_recipe, ov_cluster, dotted = _parse_overrides(overrides)
     recipe = ov_recipe or recipe or "tiny"
@@ -344,6 +427,17 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
             raise _wrap(exc) from None
     merged.recipe = Path(recipe).stem
     _apply_overrides(merged, dotted)
+    if has_references(layers, dotted):  # bound what ${...} expands to before OmegaConf resolves it
+        interpolation.check_expansion(interpolation.flatten(OmegaConf.to_container(merged, resolve=False)))
+    return merged, layers, dotted
+
+
+def has_references(layers: list, dotted: list[str]) -> bool:
+    return any("${" in d.partition("=")[2] for d in dotted) or bool(interpolation.references(layers))
+
+
+def typed_config(merged: DictConfig, layers: list, dotted: list[str], validate: bool = True) -> Config:
+    """The merged tree as the typed Config (references resolved), checked field by field."""
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -353,10 +447,16 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
             if refs:
                 raise _wrap(exc, refs[0]) from None
         raise _wrap(exc) from None
-    if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
-        _apply_hf_shape(cfg, [d.partition("=")[0] for d in dotted])
-    validate_values(cfg)
+    if validate:
+        finish_config(cfg, [d.partition("=")[0] for d in dotted])
     return cfg
+
+
+def finish_config(cfg: Config, overridden: list[str]) -> None:
+    """The shape from ``model.init=hf:PATH`` and the per-field checks, in place."""
+    if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
+        _apply_hf_shape(cfg, overridden)
+    validate_values(cfg)
 
 
 def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
