@@ -100,6 +100,8 @@ def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
     if type(exc).__name__ in ("ConfigKeyError", "ConfigAttributeError") and "not in struct" in str(exc).lower() \
             or "Key '" in text and "not in" in text:
         return _unknown_key_error(key)
+    if "incompatible container types" in text:  # a map where a list belongs, or the reverse
+        return ConfigError(key, "holds a mapping where a list belongs, or a list where a mapping belongs")
     if type(exc).__name__ == "ValidationError":
         value = repr(getattr(exc, "value", None))
         value = value if len(value) <= 60 else value[:57] + "..."
@@ -244,6 +246,7 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
         key, _, value = ov.partition("=")
         key = key.strip().lstrip("+")
         key = ALIASES.get(key, key)
+        depth.check_value(key[:80] or "(empty key)", value)  # every value, before any parser sees it
         if len(key) > 256:
             raise ConfigError(key[:60] + "...", f"is not a dotted key of the recipe ({len(key):,} characters; the "
                               "longest is under 60)")
@@ -336,9 +339,7 @@ def _dotted_key_error(prefix: str, key: str) -> ConfigError:
     if full in all_keys():
         return ConfigError(full, f"a dotted key inside a map is one name in YAML; write it as nested keys: "
                            f"{head}: {{{rest}: ...}}")
-    hint = nearest_key(full)
-    return ConfigError(full, "unknown key (a dotted key inside a map is one name in YAML; write nested keys: "
-                       f"{head}: {{{rest}: ...}})" + (f"; did you mean '{hint}'?" if hint and hint != full else ""))
+    return _unknown_key_error(full)
 
 
 def _kind(value: Any) -> str:
@@ -396,7 +397,13 @@ def _check_override_shape(key: str, value: Any) -> None:
             return  # a key under a map field (cluster.slurm.sbatch_extra.X): anything goes
         default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
         cls = type(default)
-    if f is not None and value is not None and not is_dataclass(cls):
+    if f is None or value is None:
+        return
+    if is_dataclass(cls):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"is a section: must be a mapping of keys, got {_kind(value)}")
+        _check_keys(value, cls, key + ".")
+    else:
         _check_shape(key, value, _shape(f.type, cls() if cls in (list, dict) else None))
 
 

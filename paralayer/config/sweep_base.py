@@ -14,6 +14,7 @@ import copy
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ValueNode
+from omegaconf._utils import format_and_raise
 from omegaconf.errors import OmegaConfBaseException
 
 from paralayer.config import load
@@ -56,7 +57,10 @@ class SweepBase:
             try:
                 scratch._set_value(parsed)  # the schema's conversion and type check for this field
             except OmegaConfBaseException as exc:
-                raise load._wrap(exc, key) from None
+                try:  # OmegaConf's own wording ($VALUE filled in), as a full load's update gives it
+                    format_and_raise(node=scratch, key=None, value=parsed, msg=str(exc), cause=exc)
+                except OmegaConfBaseException as formatted:
+                    raise load._wrap(formatted, key) from None
             except Exception:  # noqa: BLE001 - the full load names the field
                 return None
             values.append((key, scratch._value()))

@@ -64,11 +64,11 @@ NARROWING = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.vpp": "vpp", "p
 #: rows of the table when --top is not given
 # --plan --json without --top: the best JSON_ROWS layouts, so the answer stays within seconds on
 # clusters with a hundred thousand valid layouts (--top N asks for more).
-JSON_ROWS = 1000
+JSON_ROWS = 100
 TABLE_ROWS = 15
 #: the most layouts --plan lists: a larger --top is capped to it (a note on stderr says so). The
 #: planner's search grows with the rows asked for; printing is linear in the rows printed.
-MAX_TOP = 1000
+MAX_TOP = 100
 #: tables longer than this are written as plain aligned text (rich takes ~2 ms a row)
 RICH_ROWS = 50
 
