@@ -2,13 +2,12 @@
 and the ``--plan`` CLI entry."""
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, Optional
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine, machine_for
 from paralayer.resolve import strict_json
+from paralayer.resolve.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.planner import plan_layouts
 
