@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan (or plans) as JSON")
     p.add_argument("--plan", action="store_true", help="every valid layout for the model on the cluster, ranked")
     p.add_argument("--top", type=int, default=None, metavar="N",
-                   help="--plan: list only the best N layouts (degrees given as overrides narrow the search)")
+                   help="--plan: list only the best N layouts (degrees given as overrides narrow the search); "
+                        "N above 100 is capped at 100, with a note on stderr")
     p.add_argument("-m", "--multirun", action="store_true", help="sweep: comma lists become one run per combination")
     p.add_argument("--wait", action="store_true", help="SLURM: wait for the job(s) and return their exit code")
     p.add_argument("--timeline", action="store_true", help="record a per-rank timeline of the step")

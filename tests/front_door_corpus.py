@@ -16,6 +16,7 @@ import contextlib
 import io
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -72,6 +73,18 @@ def names_field(line: str, argv: list[str], tmp: str) -> bool:
         return True  # it names the key as typed (a key of no schema field)
     return (token in known or token in typed or token.startswith(("sweep.", "cluster.slurm.sbatch_extra."))
             or (tmp and tmp in text.split(": ", 1)[0]) or token.endswith("..."))
+
+
+#: CPU seconds after which a case is stopped (and counted slow)
+GIVE_UP_S = 10.0
+
+
+class _GaveUp(BaseException):
+    pass
+
+
+def _give_up(signum, frame):
+    raise _GaveUp()
 
 
 class Case:
@@ -234,13 +247,20 @@ def run_case(case: Case, tmp: str) -> dict:
         argv = [a.replace(k, v) for a in argv]
     out, err = io.StringIO(), io.StringIO()
     t0 = time.process_time()
+    old = signal.signal(signal.SIGPROF, _give_up)
+    signal.setitimer(signal.ITIMER_PROF, GIVE_UP_S)  # CPU seconds: a hang ends as "slow", not as a stuck run
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             rc = cli.main(argv)
         except SystemExit as exc:
             rc = exc.code
+        except _GaveUp:
+            rc = 0
         except BaseException as exc:  # noqa: BLE001 - a crash is a finding
             rc = f"raised {type(exc).__name__}"
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+            signal.signal(signal.SIGPROF, old)
     cpu = time.process_time() - t0
     o, e = out.getvalue(), err.getvalue()
     problems = []

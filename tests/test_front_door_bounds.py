@@ -259,13 +259,17 @@ FAST_KINDS = ["deep", "deep-override", "hf", "exponential", "alias", "swap", "no
 
 
 def test_a_fast_subset_of_the_corpus_holds(tmp_path, monkeypatch):
-    """60 generated cases of the slow-free kinds: exit 0/2, in budget, named, one line, no secret."""
+    """40 generated cases of the slow-free kinds: exit 0/2, in budget, named, one line, no secret."""
     monkeypatch.setenv("WANDB_API_KEY", corpus.SECRET)
     bad = []
-    for i, case in enumerate(corpus.cases(60, seed=28, kinds=FAST_KINDS)):
+    for i, case in enumerate(corpus.cases(40, seed=28, kinds=FAST_KINDS)):
         d = tmp_path / str(i)
         d.mkdir()
         res = corpus.run_case(case, str(d))
         if res["problems"]:
             bad.append((res["kind"], res["problems"], res["argv"][:3], res["err"][-200:]))
     assert not bad, bad
+
+
+def test_help_states_the_top_cap():
+    assert f"capped at {plan_report.MAX_TOP}" in " ".join(cli.build_parser().format_help().split())
