@@ -231,7 +231,8 @@ def test_plan_with_nothing_that_fits_names_the_closest_layouts(capsys):
     cap = capsys.readouterr()
     assert _strict_json(cap.out) == []
     lines = cap.err.strip().splitlines()
-    assert lines[0].startswith("error: no layout of llama3-70b fits a100-80gb-8x (8 devices; fixed: tp=2)")
+    assert lines[0].startswith("error: parallel.tp=2: no layout with tp = 2 of llama3-70b fits a100-80gb-8x "
+                               "(cluster.nodes=1 × cluster.devices_per_node=8 = 8 devices)")
     closest = [ln for ln in lines if ln.startswith("error: closest: ")]
     assert 1 <= len(closest) <= 3
     for ln in closest:

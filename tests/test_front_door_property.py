@@ -135,3 +135,92 @@ def test_any_recipe_file_exits_0_or_2_naming_the_field(key, value, quoted):
             assert _names(err, key) or (path in err and " line " in err), (lines, err[-600:])
     finally:
         os.unlink(path)
+
+
+# ------------------------------------------------------------------ issue 28: the second pass
+CONTAINER_FIELDS = ["parallel.pp_layout", "cluster.slurm.sbatch_extra", "cluster.slurm.srun_args", "sweep",
+                    "model", "model.moe", "parallel", "run.name", "train.lr", "cluster.slurm.setup"]
+CONTROL = st.sampled_from(["\n", "\r", "\x1b[31m", "\x1b]0;t\x07", "\t", "\x7f", "\u2028", "\x85", "\x0b", "\x1b[2J"])
+
+
+def _nested(depth: int, kinds: list[str]) -> str:
+    text = "1"
+    for i in range(depth):
+        text = f"{{a: {text}}}" if kinds[i % len(kinds)] == "map" else f"[{text}]"
+    return text
+
+
+def _one_line_errors(err: str) -> None:
+    assert "\x1b" not in err
+    for ln in err.splitlines():
+        assert ln.startswith(("error:", "warning:", "note:", "usage:")) or not ln.strip(), ln
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(CONTAINER_FIELDS), depth=st.integers(1, 400),
+       kinds=st.lists(st.sampled_from(["map", "list"]), min_size=1, max_size=3), in_file=st.booleans())
+def test_any_nesting_depth_exits_0_or_2_naming_the_field_or_file(key, depth, kinds, in_file):
+    value = _nested(depth, kinds)
+    if not in_file:
+        _check(["recipe=tiny", f"{key}={value}", "--dry-run"], key.split(".")[0], bound_s=1.0)
+        return
+    parts = key.split(".")
+    text = "base: tiny\n" + "".join("  " * i + p + ":\n" for i, p in enumerate(parts[:-1]))
+    text += "  " * (len(parts) - 1) + f"{parts[-1]}: {value}\n"
+    fd, path = tempfile.mkstemp(suffix=".yaml")
+    try:
+        os.write(fd, text.encode())
+        os.close(fd)
+        rc, cpu, out, err = _run([f"recipe={path}", "--dry-run"])
+        assert rc in (0, 2) and cpu < 1.0, (key, depth, rc, err[-300:])
+        if rc == 2:
+            assert _names(err, key.split(".")[0]) or path in err, err
+        _one_line_errors(err)
+    finally:
+        os.unlink(path)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(CONTAINER_FIELDS), swap=st.sampled_from(["{a: 1}", "[1, 2]", "[[1]]", "[{a: 1}]",
+                                                                    "{a: [1, {b: 2}]}", "x"]))
+def test_any_container_type_swap_exits_0_or_2_naming_the_field(key, swap):
+    _check(["recipe=tiny", f"{key}={swap}", "--dry-run"], key.split(".")[0], bound_s=1.0)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(top=st.one_of(st.integers(101, 10 ** 6), st.integers(10 ** 6, 10 ** 30)), as_json=st.booleans())
+def test_a_huge_top_is_capped_within_the_bound(top, as_json):
+    rc, cpu, out, err = _run(["recipe=tiny", "--plan", "--top", str(top)] + (["--json"] if as_json else []))
+    assert rc == 0 and "capped at" in err and cpu < 2.0
+    if as_json:
+        _strict(out)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=st.integers(1, 40), b=st.integers(1, 40), keys=st.sampled_from([("train.seed", "train.steps"),
+                                                                        ("run.name", "train.seed"),
+                                                                        ("train.lr", "checkpoint.every")]))
+def test_sweep_products_at_the_bound_are_fast_or_refused_naming_an_axis(a, b, keys):
+    vals = {"train.seed": [str(i) for i in range(b)], "train.steps": [str(i + 1) for i in range(a)],
+            "run.name": [f"r{i}" for i in range(a)], "train.lr": [f"{(i + 1) * 1e-4:g}" for i in range(a)],
+            "checkpoint.every": [str(i) for i in range(b)]}
+    argv = ["recipe=tiny", "-m", "--dry-run"] + [f"{k}={','.join(vals[k] or ['1'])}" for k in keys]
+    rc, cpu, out, err = _run(argv)
+    n = max(len(vals[keys[0]]), 1) * max(len(vals[keys[1]]), 1)
+    assert rc in (0, 2) and cpu < 2.0, (n, cpu, err[-300:])
+    if n > cli.MAX_SWEEP:
+        assert rc == 2 and "at most 256" in err and any(k in err for k in keys)
+    elif n > 1 and rc == 0:
+        assert out.startswith(f"sweep: {n} run(s)")
+    _one_line_errors(err)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(LEAVES + ["recipe", "cluster", "nokey.x"]), pre=st.text(max_size=4), c=CONTROL,
+       post=st.text(max_size=4))
+def test_a_value_with_control_characters_stays_on_one_escaped_line(key, pre, c, post):
+    value = (pre + c + post).replace("\x00", "")
+    rc, cpu, out, err = _run([f"{key}={value}", "--dry-run"])
+    assert rc in (0, 2) and cpu < 1.0
+    assert "\x1b" not in out + err
+    _one_line_errors(err)

@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any
 
+from paralayer.config.depth import MAX_JSON_BYTES, check_json_text
+
 
 class HFFormatError(ValueError):
     """A Hugging Face checkpoint we cannot represent or read; the message names the file/field."""
@@ -18,8 +20,14 @@ def _read_config(path: str) -> dict:
     try:
         if not os.path.isfile(fp):
             raise HFFormatError(f"{fp}: not found (model.init=hf:PATH needs a Hugging Face directory)")
+        if os.path.getsize(fp) > MAX_JSON_BYTES:
+            raise HFFormatError(f"{fp}: {os.path.getsize(fp):,} bytes; at most {MAX_JSON_BYTES:,}")
         with open(fp, encoding="utf-8") as f:
-            hf = json.load(f)
+            text = f.read()
+        problem = check_json_text(text, fp)  # before json's recursive decoder sees it
+        if problem:
+            raise HFFormatError(problem)
+        hf = json.loads(text)
     except HFFormatError:
         raise
     except json.JSONDecodeError as exc:

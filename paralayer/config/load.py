@@ -7,17 +7,22 @@ nearest valid key. This module imports no torch.
 """
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, interpolation, recipes
-
+from paralayer.config import bounds, depth, interpolation, recipes
+from paralayer.config.keys import (  # noqa: F401 - part of this module's API
+    _check_keys,
+    _check_override_shape,
+    _kind,
+    _unknown_key_error,
+    all_keys,
+    nearest_key,
+)
 from paralayer.config.schema import (  # noqa: F401 - the schema's names are this module's API too
     BACKENDS,
     COMPILE_BACKENDS,
@@ -47,39 +52,6 @@ from paralayer.config.schema import (  # noqa: F401 - the schema's names are thi
 )
 
 
-# ---------------------------------------------------------------- key names and suggestions
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (leaves and sections)."""
-    out = []
-    for f in fields(cls):
-        name = f"{prefix}{f.name}"
-        out.append(name)
-        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            out.extend(all_keys(type(default), name + "."))
-    return out
-
-
-def nearest_key(key: str) -> Optional[str]:
-    keys = all_keys()
-    leaf = key.split(".")[-1]
-    hits = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    if hits:
-        return hits[0]
-    same_leaf = [k for k in keys if k.split(".")[-1] == leaf]
-    if same_leaf:
-        return same_leaf[0]
-    leaves = {k.split(".")[-1]: k for k in keys}
-    hits = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
-    return leaves[hits[0]] if hits else None
-
-
-def _unknown_key_error(key: str) -> ConfigError:
-    hint = nearest_key(key)
-    msg = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
-    return ConfigError(key, msg)
-
-
 def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
     key = getattr(exc, "full_key", None) or context or "recipe"
     text = str(exc).split("\n")[0]
@@ -88,6 +60,8 @@ def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
     if type(exc).__name__ in ("ConfigKeyError", "ConfigAttributeError") and "not in struct" in str(exc).lower() \
             or "Key '" in text and "not in" in text:
         return _unknown_key_error(key)
+    if "incompatible container types" in text:  # a map where a list belongs, or the reverse
+        return ConfigError(key, "holds a mapping where a list belongs, or a list where a mapping belongs")
     if type(exc).__name__ == "ValidationError":
         value = repr(getattr(exc, "value", None))
         value = value if len(value) <= 60 else value[:57] + "..."
@@ -158,10 +132,15 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
+    depth.check_file_size(path, field_name)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=get_yaml_loader())
+            text = f.read(depth.MAX_FILE_BYTES + 1)
+        depth.check_yaml_text(text, field_name, str(path))  # before the recursive composer sees it
+        data = yaml.load(text, Loader=get_yaml_loader())
         data = {} if data is None else data
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
         raise ConfigError(field_name, f"invalid YAML at {_yaml_error(path, exc)}") from None
     except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
@@ -227,6 +206,10 @@ def _parse_overrides(overrides: list[str]) -> tuple[Optional[str], Optional[str]
         key, _, value = ov.partition("=")
         key = key.strip().lstrip("+")
         key = ALIASES.get(key, key)
+        depth.check_value(key[:80] or "(empty key)", value)  # every value, before any parser sees it
+        if len(key) > 256:
+            raise ConfigError(key[:60] + "...", f"is not a dotted key of the recipe ({len(key):,} characters; the "
+                              "longest is under 60)")
         if not key or not all(part and (part.replace("_", "a").replace("-", "a").isalnum()) for part in key.split(".")):
             raise ConfigError(key[:80] or "(empty key)", "is not a dotted key (e.g. parallel.tp=2)")
         if key == "recipe":
@@ -242,6 +225,7 @@ def _parse_value(key: str, value: str) -> Any:
     """A command-line value: YAML lists/maps (``[7,8,7]``) parsed, the rest as OmegaConf reads it;
     ``${...}`` kept as a reference (resolved later, against the recipe), resolvers refused."""
     interpolation.check_text(key, value)
+    depth.check_value(key, value)
     if value in ("", "null", "~"):  # YAML's null (``model.moe.capacity_factor=null``: dropless)
         return None
     if value.lstrip().startswith(("[", "{")):
@@ -254,39 +238,6 @@ def _parse_value(key: str, value: str) -> Any:
         interpolation.check_tree(parsed, key + ".")
         return parsed
     return value
-
-
-def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
-    """Unknown keys anywhere in a plain YAML node, with a suggestion; a section (or a map or list
-    field) given as something else names that field."""
-    if not isinstance(node, (dict, DictConfig)):
-        raise ConfigError(prefix.rstrip(".") or "recipe", f"must be a mapping of keys, got {_kind(node)}")
-    names = {f.name: f for f in fields(cls)}
-    for key in node:
-        full = f"{prefix}{key}"
-        if key not in names:
-            raise _unknown_key_error(full)
-        f = names[key]
-        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-        value = node[key]
-        if is_dataclass(default):
-            if value is not None:
-                _check_keys(value, type(default), full + ".")
-        elif isinstance(default, dict) and value is not None and not isinstance(value, dict):
-            raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
-        elif isinstance(default, list) and value is not None and not isinstance(value, list):
-            raise ConfigError(full, f"must be a list, got {_kind(value)}")
-        elif not isinstance(default, (dict, list)) and isinstance(value, (dict, list)) \
-                and not any(t in str(f.type).lower() for t in ("list", "dict", "any")):
-            raise ConfigError(full, f"must be a single value, got {_kind(value)}")
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return f"{value!r}"[:60]
 
 
 def _pick_profile(chain: list[dict], ov_cluster: Optional[str]) -> tuple[Optional[str], str]:
@@ -315,7 +266,9 @@ def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
         if key not in all_keys() and not key.startswith("cluster.slurm.sbatch_extra."):
             raise _unknown_key_error(key)
         try:
-            OmegaConf.update(merged, key, _parse_value(key, value), merge=True)
+            parsed = _parse_value(key, value)
+            _check_override_shape(key, parsed)
+            OmegaConf.update(merged, key, parsed, merge=True)
         except OmegaConfBaseException as exc:
             raise _wrap(exc, key) from None
         except ConfigError:
@@ -326,6 +279,13 @@ def _apply_overrides(merged: DictConfig, dotted: list[str]) -> None:
 
 def load_config(overrides: list[str] | None = None, recipe: str | None = None) -> Config:
     """Build the typed config from ``recipe=NAME cluster=NAME key=value ...``."""
+    merged, layers, dotted = merged_config(overrides, recipe)
+    return typed_config(merged, layers, dotted)
+
+
+def merged_config(overrides: list[str] | None = None, recipe: str | None = None) -> tuple[DictConfig, list, list[str]]:
+    """The recipe chain, its profile and the overrides merged (nothing resolved yet): the merged
+    tree, the plain layers it came from, and the dotted overrides."""
     overrides = list(overrides or [])
     ov_recipe, ov_cluster, dotted = _parse_overrides(overrides)
     recipe = ov_recipe or recipe or "tiny"
@@ -344,6 +304,17 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
             raise _wrap(exc) from None
     merged.recipe = Path(recipe).stem
     _apply_overrides(merged, dotted)
+    if has_references(layers, dotted):  # bound what ${...} expands to before OmegaConf resolves it
+        interpolation.check_expansion(interpolation.flatten(OmegaConf.to_container(merged, resolve=False)))
+    return merged, layers, dotted
+
+
+def has_references(layers: list, dotted: list[str]) -> bool:
+    return any("${" in d.partition("=")[2] for d in dotted) or bool(interpolation.references(layers))
+
+
+def typed_config(merged: DictConfig, layers: list, dotted: list[str], validate: bool = True) -> Config:
+    """The merged tree as the typed Config (references resolved), checked field by field."""
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -353,10 +324,16 @@ def load_config(overrides: list[str] | None = None, recipe: str | None = None) -
             if refs:
                 raise _wrap(exc, refs[0]) from None
         raise _wrap(exc) from None
-    if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
-        _apply_hf_shape(cfg, [d.partition("=")[0] for d in dotted])
-    validate_values(cfg)
+    if validate:
+        finish_config(cfg, [d.partition("=")[0] for d in dotted])
     return cfg
+
+
+def finish_config(cfg: Config, overridden: list[str]) -> None:
+    """The shape from ``model.init=hf:PATH`` and the per-field checks, in place."""
+    if isinstance(cfg.model.init, str) and cfg.model.init.startswith("hf:"):
+        _apply_hf_shape(cfg, overridden)
+    validate_values(cfg)
 
 
 def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:

@@ -91,17 +91,47 @@ def closest_layouts(cfg: Config, world: int, fixed: Optional[dict] = None, k: in
     return [(describe(c), why) for _, c, why in scored[:k]]
 
 
-def report(cfg: Config, stats: dict, fixed: Optional[dict] = None, file=None) -> None:
-    """Print to stderr: nothing fits, the planner's drop reasons, the closest layouts and why."""
-    import sys
+#: the planner's names of fixed settings -> the field the user typed
+FIELDS = {"tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp", "cp": "parallel.cp", "ep": "parallel.ep",
+          "dp": "parallel.dp", "schedule": "parallel.schedule", "zero": "parallel.zero",
+          "recompute": "parallel.recompute", "recompute_every": "parallel.recompute_every",
+          "tp_overlap": "parallel.tp_overlap", "micro_batch": "train.micro_batch"}
 
-    out = file or sys.stderr
+
+def headline(cfg: Config, stats: dict, fixed: dict, closest: list[tuple[str, str]]) -> str:
+    """The first line, beginning with the field to change: a degree fixed on the command line, else
+    the cluster's size (nodes × devices per node), with what failed."""
     mach = stats.get("machine") or {}
     world = int(mach.get("world") or 1)
+    nodes, per = mach.get("nodes", cfg.cluster.nodes), mach.get("devices_per_node", cfg.cluster.devices_per_node)
+    size = f"cluster.nodes={nodes} × cluster.devices_per_node={per} = {world} devices"
     dropped = sorted((stats.get("dropped") or {}).items(), key=lambda kv: -kv[1])[:3]
-    reasons = "; ".join(f"{r} ({n:,})" for r, n in dropped)
-    print(f"error: no layout of {cfg.recipe} fits {cfg.cluster.name} ({world} devices"
-          + (f"; fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else "")
-          + f"){'; dropped: ' + reasons if reasons else ''}", file=out)
-    for desc, why in closest_layouts(cfg, world, fixed):
-        print(f"error: closest: {desc}: {why}", file=out)
+    tail = ("; dropped: " + "; ".join(f"{r} ({n:,})" for r, n in dropped)) if dropped else ""
+    if fixed:
+        given = ", ".join(f"{FIELDS.get(k, k)}={v}" for k, v in fixed.items())
+        spelled = ", ".join(f"{k} = {v}" for k, v in fixed.items())
+        odd = [f"{k} = {v} does not divide {world}" for k, v in fixed.items()
+               if k in ("tp", "pp", "cp", "ep", "dp") and isinstance(v, int) and v > 0 and world % v]
+        return (f"{given}: no layout with {spelled} of {cfg.recipe} fits {cfg.cluster.name} ({size}"
+                + (f"; {', '.join(odd)}" if odd else "") + f"){tail}")
+    memory = any("GiB per device" in why for _, why in closest)
+    if memory or not closest:
+        return (f"{size}: no layout of {cfg.recipe} fits in cluster.device_memory_gib="
+                f"{cfg.cluster.device_memory_gib:g} per device on {cfg.cluster.name} (more nodes or a larger "
+                f"device){tail}")
+    return f"{size}: no layout of {cfg.recipe} divides {world} devices into valid degrees{tail}"
+
+
+def report(cfg: Config, stats: dict, fixed: Optional[dict] = None, file=None) -> None:
+    """Print to stderr: the field to change and why nothing fits, the planner's drop reasons, the
+    closest layouts and why each fails (every line one line: echoed text is escaped)."""
+    import sys
+
+    from paralayer.config.echo import one_line
+
+    out = file or sys.stderr
+    world = int((stats.get("machine") or {}).get("world") or 1)
+    closest = closest_layouts(cfg, world, fixed)
+    print(f"error: {one_line(headline(cfg, stats, dict(fixed or {}), closest))}", file=out)
+    for desc, why in closest:
+        print(f"error: closest: {one_line(desc)}: {one_line(why)}", file=out)

@@ -2,13 +2,12 @@
 and the ``--plan`` CLI entry."""
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, Optional
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine, machine_for
 from paralayer.resolve import strict_json
+from paralayer.resolve.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.planner import plan_layouts
 
@@ -64,8 +63,13 @@ NARROWING = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.vpp": "vpp", "p
 #: rows of the table when --top is not given
 # --plan --json without --top: the best JSON_ROWS layouts, so the answer stays within seconds on
 # clusters with a hundred thousand valid layouts (--top N asks for more).
-JSON_ROWS = 1000
+JSON_ROWS = 100
 TABLE_ROWS = 15
+#: the most layouts --plan lists: a larger --top is capped to it (a note on stderr says so). The
+#: planner's search grows with the rows asked for; printing is linear in the rows printed.
+MAX_TOP = 100
+#: tables longer than this are written as plain aligned text (rich takes ~2 ms a row)
+RICH_ROWS = 50
 
 
 def fixed_from_overrides(overrides: list[str], cfg: Config) -> dict:
@@ -91,6 +95,9 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
     if top is not None and top < 1:
         print(f"error: --top: must be a whole number >= 1, got {top}", file=sys.stderr)
         return 2
+    if top is not None and top > MAX_TOP:
+        print(f"note: --top {top:,} capped at {MAX_TOP:,}, the most layouts --plan lists", file=sys.stderr)
+        top = MAX_TOP
     as_json = getattr(args, "json", False)
     stats: dict = {}
     limit = top or (JSON_ROWS if as_json else TABLE_ROWS)
@@ -145,16 +152,13 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
         why = c == "why it loses to #1"
         t.add_column(c, justify="left" if c in ("schedule", "recompute") or why else "right",
                      no_wrap=not why, min_width=24 if why else None)
-    for d in plans[:top]:
-        g = d["degrees"]
-        t.add_row(str(d["rank"]), str(g["tp"]), "yes" if d.get("tp_overlap") else "-",
-                  *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
-                  str(d["zero"]), _recompute_label(d),
-                  str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
-                  f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
-                  f"{d['memory']['total'] / GIB:.1f}", f"{d['train_days']:.3g}", f"{d['device_hours']:,.0f}",
-                  *([f"{d['train_cost']:,.0f}"] if priced else []), d["why"])
-    con.print(t)
+    rows = [_row(d, priced) for d in plans[:top]]
+    if len(rows) > RICH_ROWS:  # linear and fast: plain aligned text
+        con.file.write(plain_table(str(t.title), cols, rows))
+    else:
+        for r in rows:
+            t.add_row(*r)
+        con.print(t)
     if stats["dropped"]:
         t = Table(title="Dropped layouts, by reason")
         t.add_column("reason")
@@ -168,6 +172,31 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
     else:
         con.print("[red]no layout fits[/red]" + (" with the degrees fixed on the command line" if stats.get("fixed")
                                                   else ""))
+
+
+def _row(d: dict, priced: bool) -> list[str]:
+    g = d["degrees"]
+    return [str(d["rank"]), str(g["tp"]), "yes" if d.get("tp_overlap") else "-",
+            *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
+            str(d["zero"]), _recompute_label(d),
+            str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
+            f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
+            f"{d['memory']['total'] / GIB:.1f}", f"{d['train_days']:.3g}", f"{d['device_hours']:,.0f}",
+            *([f"{d['train_cost']:,.0f}"] if priced else []), d["why"]]
+
+
+def plain_table(title: str, cols: list[str], rows: list[list[str]]) -> str:
+    """A title, a header and one line per row, columns aligned: time linear in the text written."""
+    widths = [len(c) for c in cols]
+    for r in rows:
+        for i, cell in enumerate(r):
+            widths[i] = max(widths[i], len(cell))
+    left = {"schedule", "recompute", "why it loses to #1"}
+    fmt = [(lambda c, w=w: c.ljust(w)) if name in left else (lambda c, w=w: c.rjust(w))
+           for name, w in zip(cols, widths)]
+    out = [title, "  ".join(f(c) for f, c in zip(fmt, cols)).rstrip(), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(f(c) for f, c in zip(fmt, r)).rstrip() for r in rows]
+    return "\n".join(out) + "\n"
 
 
 __all__ = ["finish", "why_slower", "print_plans", "run", "fixed_from_overrides"]
