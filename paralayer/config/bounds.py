@@ -85,6 +85,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "cluster.memory_reserve_gib": (0.0, 2.0 ** 20, True, True),
     "train.tokens": (0.0, 1e18, False, True),  # a token budget; null = train.steps
     "cluster.price_per_device_hour": (0.0, 1e9, True, True),
+    "data.valid_fraction": (0.0, 1.0, True, False),  # a held-out fraction of each source
 }
 
 #: Text fields that name a file or folder: each path component at most 255 bytes (the limit of
@@ -153,7 +154,8 @@ def _check_text(name: str, value: Optional[str]) -> None:
 
 
 def _texts(cfg: Config) -> list[tuple[str, Any]]:
-    out = [(n, get(cfg, n)) for n in PATH_FIELDS + tuple(NAME_FIELDS)]
+    out = [(n, get(cfg, n)) for n in PATH_FIELDS + tuple(NAME_FIELDS) if n != "data.path"]
+    out += [("data.path", p) for p in _data_paths(cfg)]
     s = cfg.cluster.slurm
     for n in ("partition", "account", "qos", "constraint"):
         out.append((f"cluster.slurm.{n}", getattr(s, n)))
@@ -200,11 +202,20 @@ def check_generic(cfg: Config) -> None:
             raise ConfigError(name, f"must be within ±{GENERIC_INT:,} (the bound), got {_short(value)}")
         if isinstance(value, str) and "\x00" in value:
             raise ConfigError(name, "must not contain NUL characters")
-    for name in ("data.path", "data.tokenizer"):
-        value = get(cfg, name)
-        if value and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
+    for name, value in [("data.path", p) for p in _data_paths(cfg)] + [("data.tokenizer", cfg.data.tokenizer)]:
+        if value and isinstance(value, str) and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
             raise ConfigError(name, f"'{value[:80]}' lies under {', '.join(FORBIDDEN_READS)}: a recipe may not read "
                               "the environment or devices")
+
+
+def _data_paths(cfg: Config) -> list:
+    """data.path (text, or a list of texts under data.format=indexed) and every data.blend path."""
+    p = cfg.data.path
+    out = list(p) if isinstance(p, (list, tuple)) else [p]
+    for e in cfg.data.blend or []:
+        if isinstance(e, dict) and "path" in e:
+            out += list(e["path"]) if isinstance(e["path"], (list, tuple)) else [e["path"]]
+    return out
 
 
 def check_bounds(cfg: Config) -> None:

@@ -1,14 +1,17 @@
 """What can be known about the data before any rank starts, without torch: the files exist, can
 be read, are not empty, and the format is one we read. ``--dry-run`` (cli.py) reports these as plan
-errors (exit 2); the runtime's readers (readers.py) find the rest and name the line or row."""
+errors (exit 2); the runtime's readers (readers.py) find the rest and name the line or row. Indexed
+shards (headers, dtypes, token counts) and blend weights are checked by the resolver
+(paralayer/resolve/data_plan.py), which puts them in the plan."""
 from __future__ import annotations
 
 import os
 from typing import Any, List
 
 from paralayer.data.errors import DataError
+from paralayer.resolve.data_plan import training_files, valid_shares
 
-FORMATS = ("text", "jsonl", "parquet", "tokens")
+FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 
 
 def data_files(path: str) -> List[str]:
@@ -54,11 +57,21 @@ def check_data(data_cfg: Any) -> list[tuple[str, str]]:
             check_file(tok)
         except DataError as exc:
             errors.append(("data.tokenizer", f"{exc.file}: {exc.reason}"))
-    if data_cfg.path is None:
-        return errors
-    try:
-        for f in data_files(data_cfg.path):
-            check_file(f)
-    except DataError as exc:
-        errors.append(("data.path", f"{exc.file}: {exc.reason}"))
+    if data_cfg.format == "indexed":
+        return errors  # the resolver reads the shards' headers (resolve/data_plan.py)
+    blend = list(getattr(data_cfg, "blend", None) or [])
+    paths = [(f"data.blend[{i}].path", e.get("path") if hasattr(e, "get") else None) for i, e in enumerate(blend)]
+    for fld, path in paths or [("data.path", data_cfg.path)]:
+        if path is None:
+            continue
+        try:
+            for f in data_files(path):
+                check_file(f)
+        except DataError as exc:
+            errors.append((fld, f"{exc.file}: {exc.reason}"))
     return errors
+
+
+def shared_files(data_cfg: Any, valid_path: Any) -> List[str]:
+    """The files validation (``valid_path``) and training (data.path / data.blend) both read."""
+    return valid_shares(data_cfg, valid_path)
