@@ -1,14 +1,14 @@
 """Blends (``data.blend: [{path, weight}, ...]``): each step's sequences drawn from weighted sources.
 
-Position p (0-based) of the blended stream goes to the source with the largest deficit
-``w_s · max(p, 1) − c_s(p)`` (normalised weight times positions so far, minus the sequences it
-has given; ties to the first source): Megatron's ``build_blending_indices`` rule, so after any
-number of positions every source's count is within one sequence of its target. The source's
+Position p (0-based) of the blended stream goes to a source with a large deficit (normalised
+weight times positions so far, minus the sequences it has given), by Tijdeman's rule (see
+:class:`_Schedule`), so after any number of positions every source's count is within one
+sequence of its target. The source's
 c-th sequence is its own stream's position c (its epoch c // N_s, shuffled by its own seed), so a
 source that runs out wraps into its next epoch; a warning names it.
 
 Pure function of the step: the schedule is replayed from position 0 the first time a process asks
-(a straight run then advances it step by step; a resume replays it once, about a microsecond per
+(a straight run then advances it step by step; a resume replays it once, a few microseconds per
 position), and only its counts are kept: O(sources) memory.
 """
 from __future__ import annotations
@@ -45,27 +45,38 @@ def blend_entries(blend: Sequence[Any]) -> list[tuple[Any, float, str]]:
 
 
 class _Schedule:
-    """The greedy largest-deficit assignment of positions to sources, replayed forward."""
+    """The deterministic assignment of blend positions to sources, replayed forward.
+
+    Tijdeman's rule for the chairman assignment problem (a refinement of Megatron's
+    largest-deficit-first, whose plain form drifts up to ~1.19 sequences from the target): the
+    draw number t = p + 1 goes, among the sources whose deficit ``w_s·t − c_s`` is at least
+    δ = 1/(2S−2), to the one with the earliest deadline ``(c_s + 1 − δ) / w_s``. Then
+    ``|c_s − w_s·t| ≤ 1 − δ < 1`` for every source after every draw (Tijdeman 1980).
+    """
 
     def __init__(self, weights: Sequence[float]):
         total = float(sum(weights))
         self.w = [float(x) / total for x in weights]
+        self.delta = 1.0 / (2 * len(self.w) - 2) if len(self.w) > 1 else 0.0
         self.pos = 0
         self.counts = [0] * len(self.w)
+
+    def _pick(self, t: float) -> int:
+        w, c, d = self.w, self.counts, self.delta
+        best, deadline = -1, math.inf
+        for s in range(len(w)):
+            if w[s] * t - c[s] >= d - 1e-9:
+                dl = (c[s] + 1 - d) / w[s]
+                if dl < deadline:
+                    best, deadline = s, dl
+        return best
 
     def _advance_to(self, pos: int) -> None:
         if pos < self.pos:
             self.pos, self.counts = 0, [0] * len(self.w)
-        w, c, n = self.w, self.counts, len(self.w)
         for p in range(self.pos, pos):
-            t = float(max(p, 1))
-            best, be = 0, w[0] * t - c[0]
-            for s in range(1, n):
-                e = w[s] * t - c[s]
-                if e > be:
-                    best, be = s, e
-            c[best] += 1
-        self.pos = pos
+            self.counts[self._pick(float(p + 1))] += 1
+        self.pos = max(self.pos, pos)
 
     def counts_at(self, pos: int) -> List[int]:
         self._advance_to(pos)
@@ -76,16 +87,10 @@ class _Schedule:
         self._advance_to(start)
         src = np.empty(length, dtype=np.int64)
         idx = np.empty(length, dtype=np.int64)
-        w, c, n = self.w, self.counts, len(self.w)
-        for j, p in enumerate(range(start, start + length)):
-            t = float(max(p, 1))
-            best, be = 0, w[0] * t - c[0]
-            for s in range(1, n):
-                e = w[s] * t - c[s]
-                if e > be:
-                    best, be = s, e
-            src[j], idx[j] = best, c[best]
-            c[best] += 1
+        for j in range(length):
+            s = self._pick(float(start + j + 1))
+            src[j], idx[j] = s, self.counts[s]
+            self.counts[s] += 1
         self.pos = start + length
         return src, idx
 
@@ -112,7 +117,7 @@ class BlendedDataset:
     def files(self) -> List[str]:
         return [f for s in self.sources for f in s.files]
 
-    def global_rows(self, step: int, global_batch: Optional[int] = None) -> list[tuple[int, int]]:
+    def global_rows(self, step: int, global_batch: Optional[int] = None, warn: bool = True) -> list[tuple[int, int]]:
         """(source, sequence index in that source) of each sequence of step ``step``'s global batch."""
         gb = int(global_batch or self.global_batch or 0)
         if step < 1 or gb < 1:
@@ -126,7 +131,8 @@ class BlendedDataset:
             idx = stream_indices(pos[m], ds.n_sequences, ds.shuffle, ds.seed)
             for j, i in zip(m.tolist(), idx.tolist()):
                 out[j] = (s, i)
-            self._warn_wrap(s, int(pos[m].max()) // ds.n_sequences)
+            if warn:
+                self._warn_wrap(s, int(pos[m].max()) // ds.n_sequences)
         return out
 
     def _warn_wrap(self, s: int, epoch: int) -> None:
@@ -138,7 +144,7 @@ class BlendedDataset:
 
     def get_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1,
                   global_batch: Optional[int] = None) -> torch.Tensor:
-        rows = rank_share(self.global_rows(step, global_batch), dp_rank, dp_size)
+        rows = rank_share(self.global_rows(step, global_batch, warn=dp_rank == 0), dp_rank, dp_size)
         out = np.empty((len(rows), self.seq_len), dtype=np.int64)
         for j, (s, i) in enumerate(rows):
             out[j] = self.sources[s].rows([i])[0]
