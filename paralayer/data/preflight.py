@@ -9,13 +9,16 @@ import os
 from typing import Any, List
 
 from paralayer.data.errors import DataError
-from paralayer.resolve.data_plan import training_files, valid_shares
+from paralayer.resolve.data_plan import valid_shares
 
 FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 
 
-def data_files(path: str) -> List[str]:
-    """The files ``data.path`` names: the file itself, or a directory's visible files (sorted)."""
+def data_files(path: Any) -> List[str]:
+    """The files ``data.path`` names: the file itself, a directory's visible files (sorted), or a
+    list of those (in order)."""
+    if isinstance(path, (list, tuple)):
+        return [f for p in path for f in data_files(p)]
     if os.path.isdir(path):
         try:
             names = os.listdir(path)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -264,8 +263,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rate = st["tokens"] / max(st["seconds"], 1e-9)
+    resumed = f", {st['resumed_parts']} resumed" if st["resumed_parts"] else ""
     print(f"prepared {args.out}.bin/.idx: documents {st['documents']:,}, tokens {st['tokens']:,}, "
-          f"shards {st['shards']} ({st['parts']} parts{', ' + str(st['resumed_parts']) + ' resumed' if st['resumed_parts'] else ''}), "
+          f"shards {st['shards']} ({st['parts']} parts{resumed}), "
           f"bytes {st['bytes']:,} ({st['dtype']}), {st['seconds']:.1f} s, {rate:,.0f} tokens/s")
     return 0
 

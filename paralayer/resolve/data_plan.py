@@ -39,7 +39,8 @@ def _entries(data_cfg: Any) -> tuple[list, list]:
         except (TypeError, ValueError):
             w = float("nan")
         if not math.isfinite(w) or w <= 0:
-            errors.append(Issue(f"data.blend[{i}].weight", f"{path}: is {weight}: a weight must be a finite number > 0"))
+            errors.append(Issue(f"data.blend[{i}].weight",
+                                f"{path}: is {weight}: a weight must be a finite number > 0"))
             continue
         out.append((path, w, f"data.blend[{i}].path"))
     return out, errors
