@@ -203,7 +203,8 @@ def check_generic(cfg: Config) -> None:
         if isinstance(value, str) and "\x00" in value:
             raise ConfigError(name, "must not contain NUL characters")
     for name, value in [("data.path", p) for p in _data_paths(cfg)] + [("data.tokenizer", cfg.data.tokenizer)]:
-        if value and isinstance(value, str) and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
+        forbidden = tuple(d + "/" for d in FORBIDDEN_READS)
+        if value and isinstance(value, str) and os.path.realpath(value).startswith(forbidden):
             raise ConfigError(name, f"'{value[:80]}' lies under {', '.join(FORBIDDEN_READS)}: a recipe may not read "
                               "the environment or devices")
 

@@ -160,7 +160,7 @@ def prepare_files(files: List[str], prefix: str, fmt: str = "text", text_field: 
     try:
         ds, col = _load(fmt, files, text_field, scratch)
         n = ds.num_rows
-        part_docs = part_docs or max(50_000, math.ceil(n / 256))
+        part_docs = part_docs or max(250_000, math.ceil(n / 64))  # each part starts a worker pool
         n_parts = max(1, math.ceil(n / part_docs))
         key = {"v": _PART_VERSION, "files": _fingerprint(files), "format": fmt, "field": col,
                "tokenizer": tokenizer.name, "part_docs": part_docs}

@@ -4,7 +4,8 @@ The documents of every shard of a source, in order, are one stream of ids (each 
 already holds its documents back to back, EOS ids included when prepare wrote them). Sequence i
 of ``seq_len`` is ids [i·seq_len, (i+1)·seq_len) of that stream; the incomplete tail is dropped.
 Nothing is computed per document or per sequence at start-up (only the shards' cumulative
-sizes), so another ``seq_len`` re-tokenises nothing and a 4 GB corpus opens like a 10 MB one.
+sizes), so another ``seq_len`` re-tokenises nothing and a 4 GB corpus opens like a 10 MB one; a
+batch reads its sequences with pread (indexed.py says why not through the map).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class TokenStream:
         while done < length:
             lo = start + done - int(self.offsets[k])
             take = min(length - done, self.shards[k].n_tokens - lo)
-            out[done:done + take] = self.shards[k].tokens[lo:lo + take]
+            out[done:done + take] = self.shards[k].read(lo, take)
             done += take
             k += 1
         if self.vocab_size is not None and length:
