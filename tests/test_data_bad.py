@@ -109,6 +109,8 @@ def test_blend_weights_short_sources_and_shared_valid(tmp_path):
         assert msg.startswith(f"{b}: is ") and "a weight must be a finite number > 0" in msg
         with pytest.raises(DataError, match=r"^data.blend\[1\].weight: .*finite number > 0"):
             build_dataset(load_config(TINY + [blend]).data, SEQ, 0, str(tmp_path / "c"), global_batch=4)
+    assert _one_error([f"data.path={a}", f"data.blend=[{{path: {b}, weight: 1}}]"], "data.blend") == \
+        f"data.path is also set ({a}): a run reads data.path or data.blend, not both (set data.path=null)"
     blend = f"data.blend=[{{path: {a}, weight: 1}},{{path: {short}, weight: 1}}]"
     assert _one_error([blend], "data.blend[1].path") == \
         f"{short}: holds {SEQ - 1} tokens, fewer than one sequence (model.seq_len={SEQ})"

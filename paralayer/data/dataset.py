@@ -182,6 +182,9 @@ def _sources(data_cfg: Any, cache_dir: str) -> list[tuple[Any, float, str]]:
 
     blend = getattr(data_cfg, "blend", None) or []
     if blend:
+        if data_cfg.path is not None:
+            raise DataError(f"data.path is also set ({data_cfg.path}): a run reads data.path or data.blend, not both "
+                            "(set data.path=null)", field="data.blend")
         return blend_entries(blend)
     path = data_cfg.path
     if path is None:

@@ -28,6 +28,9 @@ def _entries(data_cfg: Any) -> tuple[list, list]:
     if not blend:
         return ([(data_cfg.path, 1.0, "data.path")] if data_cfg.path is not None else []), []
     out, errors = [], []
+    if data_cfg.path is not None:
+        errors.append(Issue("data.blend", f"data.path is also set ({data_cfg.path}): a run reads data.path or "
+                            "data.blend, not both (set data.path=null)"))
     for i, e in enumerate(blend):
         path = e.get("path") if hasattr(e, "get") else None
         weight = e.get("weight") if hasattr(e, "get") else None
