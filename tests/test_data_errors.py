@@ -101,7 +101,7 @@ def test_concurrent_builders_share_the_cache_and_leave_no_lock(tmp_path):
     counts = [q.get(timeout=5) for _ in procs]
     assert len(set(counts)) == 1 and counts[0] > 0
     assert _leftovers(tmp_path / "cache") == []
-    assert sorted(n.split(".")[-1] for n in os.listdir(tmp_path / "cache")) == ["json", "npy"]
+    assert sorted(n.split(".")[-1] for n in os.listdir(tmp_path / "cache")) == ["bin", "idx", "json"]
 
 
 def test_preflight(tmp_path):

@@ -94,6 +94,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.spike.threshold_sigma": (0.0, 1e6, True, True),  # 0 = off
     "train.hang_timeout_s": (0.0, 86400.0, True, True),  # 0 = off; null = 3/4 of collective_timeout_s
     "logging.straggler_pct": (0.0, 1e6, False, True),
+    "data.valid_fraction": (0.0, 1.0, True, False),  # a held-out fraction of each source
 }
 
 #: Text fields that name a file or folder: each path component at most 255 bytes (the limit of
@@ -162,7 +163,8 @@ def _check_text(name: str, value: Optional[str]) -> None:
 
 
 def _texts(cfg: Config) -> list[tuple[str, Any]]:
-    out = [(n, get(cfg, n)) for n in PATH_FIELDS + tuple(NAME_FIELDS)]
+    out = [(n, get(cfg, n)) for n in PATH_FIELDS + tuple(NAME_FIELDS) if n != "data.path"]
+    out += [("data.path", p) for p in _data_paths(cfg)]
     s = cfg.cluster.slurm
     for n in ("partition", "account", "qos", "constraint"):
         out.append((f"cluster.slurm.{n}", getattr(s, n)))
@@ -209,11 +211,23 @@ def check_generic(cfg: Config) -> None:
             raise ConfigError(name, f"must be within ±{GENERIC_INT:,} (the bound), got {_short(value)}")
         if isinstance(value, str) and "\x00" in value:
             raise ConfigError(name, "must not contain NUL characters")
-    for name in ("data.path", "data.valid", "data.tokenizer"):
-        value = get(cfg, name)
-        if value and os.path.realpath(value).startswith(tuple(d + "/" for d in FORBIDDEN_READS)):
+    reads = [("data.path", p) for p in _data_paths(cfg)] + [("data.valid", cfg.data.valid),
+                                                           ("data.tokenizer", cfg.data.tokenizer)]
+    for name, value in reads:
+        forbidden = tuple(d + "/" for d in FORBIDDEN_READS)
+        if value and isinstance(value, str) and os.path.realpath(value).startswith(forbidden):
             raise ConfigError(name, f"'{value[:80]}' lies under {', '.join(FORBIDDEN_READS)}: a recipe may not read "
                               "the environment or devices")
+
+
+def _data_paths(cfg: Config) -> list:
+    """data.path (text, or a list of texts under data.format=indexed) and every data.blend path."""
+    p = cfg.data.path
+    out = list(p) if isinstance(p, (list, tuple)) else [p]
+    for e in cfg.data.blend or []:
+        if isinstance(e, dict) and "path" in e:
+            out += list(e["path"]) if isinstance(e["path"], (list, tuple)) else [e["path"]]
+    return out
 
 
 def check_bounds(cfg: Config) -> None:

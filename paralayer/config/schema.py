@@ -19,7 +19,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # torch.compile backends for train.compile: inductor generates kernels; aot_eager traces the same
 # graphs (forward and backward) but runs them eagerly: CPU tests check the tracing without codegen
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-DATA_FORMATS = ("text", "jsonl", "parquet", "tokens")
+DATA_FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
 BACKENDS = ("local", "slurm")
@@ -129,13 +129,18 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None  # None = a generated offline corpus
+    # None = a generated offline corpus; format=indexed: a PREFIX (PREFIX.bin/.idx), a directory of
+    # them, or a list of those
+    path: Any = None
     format: str = "text"
     shuffle: bool = True
     tokenizer: Optional[str] = None  # None = byte-level; else a tokenizers JSON file
     text_field: str = "text"
     cache_dir: Optional[str] = None  # tokenised/packed corpora; None = ~/.cache/paralayer
     valid: Optional[str] = None  # held-out corpus (read with data.format) for train.eval_every
+    # [{path: P, weight: W}, ...]: sources blended by weight (each read with data.format); [] = data.path
+    blend: List[Any] = field(default_factory=list)
+    valid_fraction: float = 0.0  # the last fraction of each source's sequences held out of training
 
 
 @dataclass

@@ -1,18 +1,24 @@
 """What can be known about the data before any rank starts, without torch: the files exist, can
 be read, are not empty, and the format is one we read. ``--dry-run`` (cli.py) reports these as plan
-errors (exit 2); the runtime's readers (readers.py) find the rest and name the line or row."""
+errors (exit 2); the runtime's readers (readers.py) find the rest and name the line or row. Indexed
+shards (headers, dtypes, token counts) and blend weights are checked by the resolver
+(paralayer/resolve/data_plan.py), which puts them in the plan."""
 from __future__ import annotations
 
 import os
 from typing import Any, List
 
 from paralayer.data.errors import DataError
+from paralayer.resolve.data_plan import valid_shares
 
-FORMATS = ("text", "jsonl", "parquet", "tokens")
+FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 
 
-def data_files(path: str) -> List[str]:
-    """The files ``data.path`` names: the file itself, or a directory's visible files (sorted)."""
+def data_files(path: Any) -> List[str]:
+    """The files ``data.path`` names: the file itself, a directory's visible files (sorted), or a
+    list of those (in order)."""
+    if isinstance(path, (list, tuple)):
+        return [f for p in path for f in data_files(p)]
     if os.path.isdir(path):
         try:
             names = os.listdir(path)
@@ -55,33 +61,35 @@ def check_data(data_cfg: Any) -> list[tuple[str, str]]:
         except DataError as exc:
             errors.append(("data.tokenizer", f"{exc.file}: {exc.reason}"))
     errors += _check_valid(data_cfg)
-    if data_cfg.path is None:
-        return errors
-    try:
-        for f in data_files(data_cfg.path):
-            check_file(f)
-    except DataError as exc:
-        errors.append(("data.path", f"{exc.file}: {exc.reason}"))
+    if data_cfg.format == "indexed":
+        return errors  # the resolver reads the shards' headers (resolve/data_plan.py)
+    blend = list(getattr(data_cfg, "blend", None) or [])
+    paths = [(f"data.blend[{i}].path", e.get("path") if hasattr(e, "get") else None) for i, e in enumerate(blend)]
+    for fld, path in paths or [("data.path", data_cfg.path)]:
+        if path is None:
+            continue
+        try:
+            for f in data_files(path):
+                check_file(f)
+        except DataError as exc:
+            errors.append((fld, f"{exc.file}: {exc.reason}"))
     return errors
 
 
+def shared_files(data_cfg: Any, valid_path: Any) -> List[str]:
+    """The files validation (``valid_path``) and training (data.path / data.blend) both read."""
+    return valid_shares(data_cfg, valid_path)
+
+
 def _check_valid(data_cfg: Any) -> list[tuple[str, str]]:
-    """``data.valid`` (validation): its files exist and can be read, and none is a training file."""
+    """``data.valid`` (validation): its files exist and can be read (a file it shares with training
+    is reported by the resolver, resolve/data_plan.py)."""
     valid = getattr(data_cfg, "valid", None)
-    if not valid:
+    if not valid or data_cfg.format == "indexed":
         return []
     try:
-        files = data_files(valid)
-        for f in files:
+        for f in data_files(valid):
             check_file(f)
     except DataError as exc:
         return [("data.valid", f"{exc.file}: {exc.reason}")]
-    try:
-        shared = {os.path.realpath(f) for f in files} & \
-            {os.path.realpath(f) for f in (data_files(data_cfg.path) if data_cfg.path else [])}
-    except DataError:
-        return []  # data.path's own error is reported under data.path
-    if shared:
-        return [("data.valid", f"{sorted(shared)[0]}: is also a training file (data.path); validation must be "
-                 "held out")]
     return []

@@ -3,15 +3,14 @@
 * ``format=tokens``: a JSONL file, one ``{"input_ids": [...]}`` per line, each exactly ``seq_len``
   long; line i is sequence i (file order, nothing dropped or reordered).
 * ``format=text | jsonl | parquet``: ``datasets.load_dataset("text" | "json" | "parquet",
-  data_files=...)`` (text: one document per line; jsonl/parquet: the ``data.text_field`` column),
-  each document tokenised and followed by the tokenizer's EOS id, the documents concatenated in
-  file order and cut into ``seq_len`` chunks (the incomplete tail is dropped).
+  data_files=...)`` (text: one document per line; jsonl/parquet: the ``data.text_field`` column);
+  prepare.py tokenises them into indexed shards (each document followed by the EOS id).
 
 When ``datasets`` fails (a binary file, a malformed JSON line, a corrupt parquet file) its error
 names neither the file nor the line; :func:`locate_error` reads the files again to find the first
 bad line or file, so the user gets ``data.path: FILE:LINE: what is wrong``. ``datasets`` runs in a
-temporary cache that is removed afterwards (the packed result is cached by dataset.py), so it
-leaves neither Arrow files nor ``.lock`` files behind.
+temporary cache that is removed afterwards (prepare.py's shards are what is cached), so it leaves
+neither Arrow files nor ``.lock`` files behind.
 
 Network: never. ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` are set before ``datasets``
 is imported (and forced on if it already was).
@@ -21,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from typing import List, Optional
 
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -122,46 +119,3 @@ def locate_error(fmt: str, files: List[str], text_field: str, exc: BaseException
     first = str(exc).strip().splitlines()
     return DataError(f"cannot be read as data.format={fmt} ({type(exc).__name__}"
                      f"{': ' + first[0] if first else ''})", file=_one(files) or os.path.dirname(files[0]))
-
-
-def pack_documents(fmt: str, files: List[str], tokenizer, seq_len: int, text_field: str,
-                   cache_dir: str) -> np.ndarray:
-    """``format=text | jsonl | parquet``: [N, seq_len] int64 of packed documents."""
-    os.makedirs(cache_dir, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".datasets-", dir=cache_dir)
-    try:
-        try:
-            ds = _load_hf(fmt, files, scratch)
-        except Exception as exc:  # noqa: BLE001 - DatasetGenerationError and friends
-            raise locate_error(fmt, files, text_field, exc) from None
-        field = "text" if fmt == "text" else text_field
-        if field not in ds.column_names:
-            raise DataError(f"no column {field!r} (columns: {', '.join(ds.column_names)})", field="data.text_field",
-                            file=_one(files) or os.path.dirname(files[0]))
-        return _pack(ds, field, tokenizer, seq_len, files)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _pack(ds, field: str, tokenizer, seq_len: int, files: List[str]) -> np.ndarray:
-    eos = getattr(tokenizer, "eos_id", None)
-    chunks: List[np.ndarray] = []
-    carry = np.zeros(0, dtype=np.int64)
-    for batch in ds.select_columns([field]).iter(batch_size=1000):
-        texts = [t for t in batch[field] if isinstance(t, str) and t]
-        if not texts:
-            continue
-        stream: List[int] = []
-        for ids in tokenizer.encode_batch(texts):
-            stream.extend(ids)
-            if eos is not None:
-                stream.append(eos)
-        buf = np.concatenate([carry, np.asarray(stream, dtype=np.int64)])
-        n = len(buf) // seq_len
-        if n:
-            chunks.append(buf[: n * seq_len].reshape(n, seq_len))
-        carry = buf[n * seq_len:]
-    if not chunks:
-        raise DataError(f"holds fewer than model.seq_len={seq_len} tokens ({ds.num_rows} documents)",
-                        file=_one(files) or os.path.dirname(files[0]))
-    return np.concatenate(chunks)

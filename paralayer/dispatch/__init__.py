@@ -21,8 +21,9 @@ def check_inputs(cfg: Config) -> None:
     does not ask)."""
     for name, path in (("data.path", cfg.data.path), ("data.valid", getattr(cfg.data, "valid", None)),
                        ("data.tokenizer", cfg.data.tokenizer)):
-        if path and not Path(path).exists():
-            raise LaunchError(f"{name}: {path} does not exist on this machine; nothing was started")
+        for p in path if isinstance(path, (list, tuple)) else [path]:  # data.format=indexed: a list of PREFIXes
+            if p and not (Path(p).exists() or Path(f"{p}.idx").exists()):
+                raise LaunchError(f"{name}: {p} does not exist on this machine; nothing was started")
 
 
 def check_devices(plans: list[Any]) -> None:

@@ -36,8 +36,12 @@ def start_run(folder: str, mode: str, project: str, group: Optional[str], config
 
 
 def log_step(run: Any, step: int, rec: Dict[str, Any]) -> None:
-    """The record's numbers at this step (None and non-numbers left out)."""
-    run.log({k: v for k, v in rec.items()
+    """The record's numbers at this step (None and non-numbers left out; a map of numbers, such as
+    ``source_sequences`` {path: n}, as ``source_sequences/path``)."""
+    flat: Dict[str, Any] = {}
+    for k, v in rec.items():
+        flat.update({f"{k}/{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+    run.log({k: v for k, v in flat.items()
              if k != "step" and isinstance(v, (int, float)) and v is not None}, step=int(step))
 
 

@@ -198,6 +198,9 @@ def resolve(cfg: Config) -> Plan:
         from paralayer.resolve.step_time import plan_timing
 
         plan.extra.update(plan_timing(cfg, plan))
+    from paralayer.resolve import data_plan
+
+    data_plan.apply(cfg, plan)  # the data section: tokens and epochs per source, bad shards
     return plan
 
 

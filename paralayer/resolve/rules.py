@@ -386,9 +386,11 @@ def check_batch(cfg: Config, lay: Layout) -> None:
 
 def check_eval(cfg: Config, lay: Layout) -> None:
     """Validation (paralayer/runtime/evaluate.py) needs a held-out corpus to read."""
-    if getattr(cfg.train, "eval_every", 0) > 0 and not getattr(cfg.data, "valid", None):
-        _error(lay, "train.eval_every", f"train.eval_every={cfg.train.eval_every} needs a held-out corpus: set "
-               "data.valid=PATH (read with data.format), or train.eval_every=0 (never)")
+    held_out = getattr(cfg.data, "valid", None) or float(getattr(cfg.data, "valid_fraction", 0.0) or 0.0) > 0
+    if getattr(cfg.train, "eval_every", 0) > 0 and not held_out:
+        _error(lay, "train.eval_every", f"train.eval_every={cfg.train.eval_every} needs held-out data: set "
+               "data.valid=PATH (read with data.format) or data.valid_fraction=F (0 < F < 1), or "
+               "train.eval_every=0 (never)")
 
 
 def _check_microbatches(lay: Layout, sched: str, pp: int, gb: int, mb: int, dp: int, dp_from: str) -> None:

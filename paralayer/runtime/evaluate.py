@@ -48,21 +48,22 @@ class Validator:
 
 
 def build_valid_dataset(cfg: Any):
-    """``data.valid`` through the training's own builder, read in order (shuffle off, no blend)."""
-    from paralayer.data.dataset import build_dataset
+    """The held-out data through the training's own builder, read in order: ``data.valid`` (a
+    corpus read with data.format), else ``data.valid_fraction`` (the held-out tail of each source,
+    disjoint from training; paralayer/data/dataset.py build_valid_dataset)."""
+    from paralayer.data.dataset import build_valid_dataset as build
 
     data = cfg.data
-    if not getattr(data, "valid", None):
-        raise DataError("train.eval_every > 0 needs a held-out corpus: set data.valid=PATH", field="data.valid")
-    changes = {"path": data.valid, "shuffle": False}
-    if "blend" in {f.name for f in dataclasses.fields(data)}:
-        changes["blend"] = None  # the training mixture is not the held-out corpus
+    valid = getattr(data, "valid", None)
+    if not valid and not float(getattr(data, "valid_fraction", 0.0) or 0.0) > 0:
+        raise DataError("train.eval_every > 0 needs held-out data: set data.valid=PATH or data.valid_fraction",
+                        field="data.valid")
     cache_dir = data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
     try:
-        return build_dataset(dataclasses.replace(data, **changes), cfg.model.seq_len, cfg.train.seed, cache_dir,
-                             global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
+        return build(data, cfg.model.seq_len, cfg.train.seed, cache_dir, global_batch=cfg.train.global_batch,
+                     vocab_size=cfg.model.vocab_size, path=valid or None)
     except DataError as exc:  # the same checks as data.path, reported under data.valid
-        if exc.field != "data.path":
+        if exc.field != "data.path" or not valid:
             raise
         raise DataError(exc.reason, field="data.valid", file=exc.file, line=exc.line) from None
 

@@ -395,6 +395,8 @@ def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: floa
         rec["bubble_measured"] = run.runner.bubble_measured
     rec.update(moe_step.step_stats(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.moe.num_experts,
                                    run.device) or {})
+    if hasattr(run.dataset, "source_sequences"):  # {source: sequences drawn so far} (data/blend.py)
+        rec["source_sequences"] = run.dataset.source_sequences(step, cfg.train.global_batch)
     return rec
 
 
