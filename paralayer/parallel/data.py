@@ -150,6 +150,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Option
                     names += (pg.group_name,)
         local = _local(g)
         parts.setdefault((id(p) in expert_ids, tuple(sorted(names))), []).append(local)
+    # the grads to scale, read AFTER the loop above: it may have replaced a Partial p.grad by its sum
+    grads = [p.grad for p in params if p.grad is not None]
     keys = sorted(parts)
     sums = torch.zeros(max(len(keys), 1), dtype=torch.float32, device=device)
     for i, k in enumerate(keys):
