@@ -122,6 +122,26 @@ def loader_rate(data_cfg, seconds: float = 10.0) -> float:
     return step * 16 * 128 / (time.perf_counter() - t0)
 
 
+def open_times(d: str, repeats: int = 7) -> dict:
+    """Median ms to open each corpus and read its first batch, and to resolve its plan (headers)."""
+    from paralayer.config import DataConfig, load_config
+    from paralayer.data.dataset import build_dataset
+    from paralayer.resolve.plan import resolve
+
+    out: dict = {"open": {}, "resolve": {}}
+    for _ in range(repeats):
+        for name in ("small", "big"):
+            p = os.path.join(d, name)
+            t0 = time.perf_counter()
+            build_dataset(DataConfig(path=p, format="indexed"), 128, 0, "/tmp/paralayer-bench-cache", global_batch=16,
+                          vocab_size=256).get_batch(1, 0, 2)
+            t1 = time.perf_counter()
+            resolve(load_config(["recipe=tiny", "data.format=indexed", f"data.path={p}"]))
+            out["open"].setdefault(name, []).append(1e3 * (t1 - t0))
+            out["resolve"].setdefault(name, []).append(1e3 * (time.perf_counter() - t1))
+    return {k: {n: statistics.median(v) for n, v in m.items()} for k, m in out.items()}
+
+
 def prepare_vs_bare(d: str, repeats: int) -> dict:
     """prepare's tokens/s against a bare encode_batch over the same lines (BPE, 8k vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -200,18 +220,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                   for _ in range(args.repeats)),
                   "blend of 3": statistics.median(loader_rate(DataConfig(format="indexed", blend=blend))
                                                   for _ in range(args.repeats))}
+        opened = open_times(d)
         prep = prepare_vs_bare(d, args.repeats)
     finally:
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree("/tmp/paralayer-bench-cache", ignore_errors=True)
-    md = report(runs, loader, prep, big_bytes, args, gen_s)
+    md = report(runs, loader, prep, big_bytes, args, gen_s, opened)
     print(md)
     if args.out:
         write_named_section(args.out, "## Data at scale", md)
     return 0
 
 
-def report(runs: dict, loader: dict, prep: dict, big_bytes: int, args, gen_s: float) -> str:
+def report(runs: dict, loader: dict, prep: dict, big_bytes: int, args, gen_s: float, opened: dict) -> str:
     med = {n: statistics.median(r["first_step_s"] for r in rs) for n, rs in runs.items()}
     rss = {n: [statistics.median(r["rss"][k] for r in rs) for k in range(min(len(r["rss"]) for r in rs))]
            for n, rs in runs.items()}
@@ -235,6 +256,11 @@ def report(runs: dict, loader: dict, prep: dict, big_bytes: int, args, gen_s: fl
     for k in range(min(len(rss["small"]), len(rss["big"]))):
         lines.append(f"| rank peak RSS #{k + 1} (MiB) | {rss['small'][k] / 2**20:.0f} | {rss['big'][k] / 2**20:.0f} | "
                      f"{rss['big'][k] / rss['small'][k]:.3f} |")
+    o, r = opened["open"], opened["resolve"]
+    lines += [
+        f"| open + first batch, one process (ms) | {o['small']:.2f} | {o['big']:.2f} | {o['big'] / o['small']:.3f} |",
+        f"| resolve with the data section (ms) | {r['small']:.0f} | {r['big']:.0f} | {r['big'] / r['small']:.3f} |",
+    ]
     lines += [
         "",
         f"Loader alone (one process, shuffled, batches of 16 × 128 drawn all over the corpus): "
