@@ -255,7 +255,8 @@ def test_nothing_fits_begins_with_the_field_to_change(ov, head):
     assert all(ln.startswith("error: closest: ") for ln in lines[1:])
 
 
-FAST_KINDS = ["deep", "deep-override", "hf", "exponential", "alias", "swap", "no-fit", "control", "dotted", "secret"]
+FAST_KINDS = ["deep", "deep-override", "hf", "exponential", "alias", "swap", "no-fit", "control", "dotted", "secret",
+              "markup"]
 
 
 def test_a_fast_subset_of_the_corpus_holds(tmp_path, monkeypatch):
