@@ -219,10 +219,17 @@ def gen_secret(r: random.Random) -> Case:
     return _file_case("secret-file", f"base: tiny\nsweep:\n  run.name: ['{spelled}', b]\n", ["-m"])
 
 
+def gen_markup(r: random.Random) -> Case:
+    value = r.choice(["x[/red]y", "[bold]", "[/]", "[link=file:///etc/passwd]x[/link]", "\\[x]", "[red"])
+    key = r.choice(["cluster.name", "run.name", "parallel.schedule", "run.dir", "data.path"])
+    mode = r.choice([["--plan"], ["--dry-run"], ["--plan", "--top", "60"], ["--dry-run", "--json"]])
+    return Case("markup", [f"{key}={value}", *mode])
+
+
 GENERATORS: dict[str, Callable[[random.Random], Case]] = {
     "deep": gen_deep, "deep-override": gen_deep_override, "hf": gen_hf, "exponential": gen_exponential,
     "alias": gen_anchor, "swap": gen_swap, "top": gen_top, "sweep": gen_sweep, "no-fit": gen_no_fit,
-    "control": gen_control, "dotted": gen_dotted, "secret": gen_secret,
+    "control": gen_control, "dotted": gen_dotted, "secret": gen_secret, "markup": gen_markup,
 }
 
 

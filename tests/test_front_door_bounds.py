@@ -255,7 +255,8 @@ def test_nothing_fits_begins_with_the_field_to_change(ov, head):
     assert all(ln.startswith("error: closest: ") for ln in lines[1:])
 
 
-FAST_KINDS = ["deep", "deep-override", "hf", "exponential", "alias", "swap", "no-fit", "control", "dotted", "secret"]
+FAST_KINDS = ["deep", "deep-override", "hf", "exponential", "alias", "swap", "no-fit", "control", "dotted", "secret",
+              "markup"]
 
 
 def test_a_fast_subset_of_the_corpus_holds(tmp_path, monkeypatch):
@@ -273,3 +274,9 @@ def test_a_fast_subset_of_the_corpus_holds(tmp_path, monkeypatch):
 
 def test_help_states_the_top_cap():
     assert f"capped at {plan_report.MAX_TOP}" in " ".join(cli.build_parser().format_help().split())
+
+
+@pytest.mark.parametrize("mode", [["--plan"], ["--dry-run"], ["--plan", "--top", "60"]])
+def test_markup_in_a_name_is_printed_as_text(mode):
+    rc, _, out, err = _run(["cluster.name=x[/red]y", *mode])
+    assert rc == 0 and "x[/red]y" in out.splitlines()[0], err

@@ -49,6 +49,9 @@ class SweepBase:
         for item in extra:
             key, _, value = item.partition("=")
             key = load.ALIASES.get(key.strip().lstrip("+"), key.strip().lstrip("+"))
+            if not self._maybe_key(key):
+                load._parse_overrides([item])  # the full load's key syntax check, then its unknown key
+                raise load._unknown_key_error(key)
             node = self._leaf(key)
             if node is None or "${" in value or value.lstrip().startswith(("[", "{")):
                 return None
@@ -78,6 +81,12 @@ class SweepBase:
         except Exception:  # noqa: BLE001
             return None
         return cfg
+
+    @staticmethod
+    def _maybe_key(key: str) -> bool:
+        """False for a key no full load would take (so a sweep over a typo costs no full loads)."""
+        return key in ("recipe", "cluster") or key in load.all_keys() or key.split(".")[0] == "sweep" \
+            or key.startswith("cluster.slurm.sbatch_extra.")
 
     def _leaf(self, key: str) -> Optional[ValueNode]:
         """The base's node for a schema leaf (not a section, not a map field's own key)."""

@@ -6,6 +6,7 @@ import sys
 from typing import Any, Optional
 
 from paralayer.config import Config
+from paralayer.config.echo import markup_safe
 from paralayer.resolve import strict_json
 from paralayer.resolve.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
@@ -121,13 +122,13 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
 
 def _header(cfg: Config, stats: dict, con: Any) -> None:
     mach = stats["machine"]
-    con.print(f"[bold]{cfg.recipe}[/bold] on {cfg.cluster.name}: {mach['nodes']} node(s) × "
+    con.print(f"[bold]{markup_safe(cfg.recipe)}[/bold] on {markup_safe(cfg.cluster.name)}: {mach['nodes']} node(s) × "
               f"{mach['devices_per_node']} = {mach['world']} devices; peak {mach['peak_tflops']:g} TFLOP/s × "
               f"efficiency {mach['efficiency']:.3g}; links {mach['intra_gbps']:.4g} GB/s in a node, "
               f"{mach['inter_gbps']:.4g} GB/s across (effective)")
     fixed = stats.get("fixed") or {}
     if fixed:
-        con.print("fixed on the command line: " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+        con.print("fixed on the command line: " + markup_safe(", ".join(f"{k}={v}" for k, v in fixed.items()))
                   + " (only layouts with these are listed)")
     why = ("the planner's work bound was reached: narrow with overrides, e.g. parallel.tp=8" if stats.get("work_bound_hit")
            else "their lower bound on step time cannot reach the listed ones")
@@ -168,7 +169,7 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
         con.print(t)
     if plans:
         con.print("[dim]time to train: ideal steps only (no failures, restarts, checkpoint stalls, evaluation)[/dim]")
-        con.print("run the first: python launch.py recipe=" + cfg.recipe + " " + " ".join(plans[0]["overrides"]))
+        con.print("run the first: python launch.py recipe=" + markup_safe(cfg.recipe + " " + " ".join(plans[0]["overrides"])))
     else:
         con.print("[red]no layout fits[/red]" + (" with the degrees fixed on the command line" if stats.get("fixed")
                                                   else ""))
