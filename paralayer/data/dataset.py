@@ -150,7 +150,7 @@ def _prepared_stream(path: str, fmt: str, data_cfg: Any, seq_len: int, cache_dir
     return TokenStream([IndexedShard(prefix, field)], None, field), tok_name, from_cache
 
 
-def source_sequences(path: Any, data_cfg: Any, seq_len: int, cache_dir: str, vocab_size: Optional[int],
+def open_source(path: Any, data_cfg: Any, seq_len: int, cache_dir: str, vocab_size: Optional[int],
                      field: str = "data.path") -> tuple[PackedSequences, str, bool]:
     """(the packed sequences of one source, tokenizer name, from the cache?)."""
     fmt = data_cfg.format
@@ -203,7 +203,7 @@ def _build(data_cfg: Any, seq_len: int, seed: int, cache_dir: str, global_batch:
     frac = float(getattr(data_cfg, "valid_fraction", 0.0) or 0.0)
     out = []
     for i, (path, weight, field) in enumerate(_sources(data_cfg, cache_dir)):
-        seqs, tok, cached = source_sequences(path, data_cfg, seq_len, cache_dir, vocab_size, field)
+        seqs, tok, cached = open_source(path, data_cfg, seq_len, cache_dir, vocab_size, field)
         n_out = held_out(len(seqs), frac)
         if n_out and len(seqs) < 2:
             raise DataError(f"holds {len(seqs)} sequence of model.seq_len={seq_len}: nothing to hold out for "
@@ -219,8 +219,6 @@ def _build(data_cfg: Any, seq_len: int, seed: int, cache_dir: str, global_batch:
     if not getattr(data_cfg, "blend", None):
         ds = out[0][1]
         ds.seed = int(seed)
-        if data_cfg.path is not None:
-            ds.source = os.path.abspath(ds.source) if isinstance(data_cfg.path, str) else ds.source
         return ds
     return BlendedDataset([d for _, d in out], [w for w, _ in out], global_batch=global_batch)
 
