@@ -20,10 +20,11 @@ from paralayer.config import Config
 from paralayer.model.compile import compile_blocks, compile_loss
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import data as dpar
-from paralayer.parallel.grad_scaling import cp_loss_weight
+from paralayer.parallel import tied_embeddings as tied
+from paralayer.parallel.grad_scaling import GradScaling, cp_loss_weight
 from paralayer.parallel.mesh import Meshes
 from paralayer.resolve.plan import Plan
-from paralayer.runtime import optimizer, precision
+from paralayer.runtime import moe_step, optimizer, precision
 
 
 def as_plan(plan: Union[Plan, dict]) -> Plan:
@@ -204,3 +205,71 @@ def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: i
         return mean * cp_loss_weight(n_local.to(mean.dtype), n_global, cp)
 
     return loss_fn
+
+
+# ------------------------------------------------------------------ the rest of a rank's setup
+def grad_scaling(plan: Plan, meshes: Meshes) -> GradScaling:
+    """The gradient-scaling contract's factors for this layout (paralayer/parallel/grad_scaling.py)."""
+    return GradScaling(microbatches=int(plan.microbatches), pp=int(plan.degrees["pp"]),
+                       dp_cp=meshes.size("dp_cp"), ep=int(plan.degrees["ep"]), zero=int(plan.zero))
+
+
+def build_reducer(scaling: GradScaling, built: Built, meshes: Meshes):
+    """ZeRO-0/1 over dp·cp > 1: the bucketed gradient reducer; otherwise None (FSDP or one rank)."""
+    if not scaling.uses_reducer:
+        return None
+    dp_cp = meshes["dp_cp"]
+    edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
+    return dpar.GradReducer(built.params, dp_cp.get_group(), dp_cp.size(), built.expert_params, edp_group,
+                            microbatches=scaling.microbatches, divide=scaling.reducer_divisor)
+
+
+def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
+    """Tied embeddings under pp: the (first, last) pipeline pair that sums the embedding and head
+    grads; None when they sit on one rank (pp = 1, or the V schedules keep both on pp rank 0)."""
+    if not (cfg.model.tie_embeddings and int(plan.degrees["pp"]) > 1 and plan.schedule not in ("zbv", "dualpipev")):
+        return None
+    w = meshes.world.mesh
+    return tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), dist.get_rank())
+
+
+def build_data(cfg: Config):
+    """The packed token dataset the recipe names (cached in data.cache_dir, default ~/.cache/paralayer)."""
+    from paralayer.data.dataset import build_dataset
+
+    cache_dir = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
+    return build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
+                         global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
+
+
+def build_runner(run: Any):
+    """pp > 1: the pipeline schedule over this rank's chunks; None otherwise."""
+    cfg, d = run.cfg, run.degree
+    if d["pp"] == 1:
+        return None
+    from paralayer.parallel.pipeline import PipelineRunner
+
+    moe = cfg.model.moe
+    runner = PipelineRunner(run.built.chunks, run.meshes["pp"], run.plan, run.loss_fn, run.device,
+                            microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
+                            loss_parallel=d["tp"] > 1,
+                            aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
+                            scale_grads=run.scaling.schedule_scales,
+                            # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
+                            reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),
+                            rehearse=run.rehearsing, autocast_dtype=run.autocast_dtype)
+    moe_step.count_real_forwards_only(runner, run.built.chunks)
+    return runner
+
+
+def agree_peak_tflops(cfg: Config, device: torch.device) -> tuple[Optional[float], str]:
+    """Rank 0 resolves the peak (configured, or measured on CPU) and every rank takes its value."""
+    from paralayer import metrics as metrics_mod
+
+    peak, source = None, "rank 0"
+    if dist.get_rank() == 0:
+        peak, source = metrics_mod.resolve_peak_tflops(device, cfg.cluster.peak_tflops, torch.get_num_threads())
+    t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item()) or None, source
+

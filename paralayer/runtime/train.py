@@ -11,17 +11,22 @@ per step :func:`train_step` (:func:`step_batch` → :func:`forward_backward` →
 :func:`reduce_and_clip` → optimizer → :func:`step_record`) → :func:`save_if_due` →
 :func:`stop_if_signalled`. Who divides each gradient by what is stated once, in
 paralayer/parallel/grad_scaling.py. Tests reach into a step only through :class:`StepHooks`.
+Each step runs through :func:`run_step` (health: timing, watchdog, profiler; evaluation; the
+stability verdict and :func:`roll_back`).
+
+Why this file is long: it is the step loop and every named step of it, read top to bottom in one
+place (~530 lines); what is not the loop lives beside it: building the model, optimizer, data and
+pipeline (runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), run
+health (runtime/health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,22 +44,27 @@ from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
 from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
-from paralayer.runtime import evaluate
+from paralayer.runtime import evaluate, optimizer, placement, precision
 from paralayer.runtime import moe_step as moe_step
-from paralayer.runtime import placement
-from paralayer.runtime import optimizer, precision
 from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
+    agree_peak_tflops,
     apply_recompute,
     as_plan,
+    build_data,
     build_model,
     build_optimizer,
+    build_reducer,
+    build_runner,
+    build_tied_group,
+    grad_scaling,
     lr_lambda,
     make_loss_fn,
     resolve_device,
 )
 from paralayer.runtime.preempt import Preempted, PreemptSave
+from paralayer.runtime.rank_entry import _report_input_error, init_distributed, load_run  # noqa: F401
 
 
 class NonFiniteLoss(RuntimeError):
@@ -140,71 +150,6 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
     run.peak_tflops, run.peak_source = agree_peak_tflops(cfg, device)
     return run
 
-
-def grad_scaling(plan: Plan, meshes: Meshes) -> GradScaling:
-    """The gradient-scaling contract's factors for this layout (paralayer/parallel/grad_scaling.py)."""
-    return GradScaling(microbatches=int(plan.microbatches), pp=int(plan.degrees["pp"]),
-                       dp_cp=meshes.size("dp_cp"), ep=int(plan.degrees["ep"]), zero=int(plan.zero))
-
-
-def build_reducer(scaling: GradScaling, built: Built, meshes: Meshes):
-    """ZeRO-0/1 over dp·cp > 1: the bucketed gradient reducer; otherwise None (FSDP or one rank)."""
-    if not scaling.uses_reducer:
-        return None
-    dp_cp = meshes["dp_cp"]
-    edp_group = meshes["edp"].get_group() if meshes.expert is not None else None
-    return dpar.GradReducer(built.params, dp_cp.get_group(), dp_cp.size(), built.expert_params, edp_group,
-                            microbatches=scaling.microbatches, divide=scaling.reducer_divisor)
-
-
-def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
-    """Tied embeddings under pp: the (first, last) pipeline pair that sums the embedding and head
-    grads; None when they sit on one rank (pp = 1, or the V schedules keep both on pp rank 0)."""
-    if not (cfg.model.tie_embeddings and int(plan.degrees["pp"]) > 1 and plan.schedule not in ("zbv", "dualpipev")):
-        return None
-    w = meshes.world.mesh
-    return tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), dist.get_rank())
-
-
-def build_data(cfg: Config):
-    """The packed token dataset the recipe names (cached in data.cache_dir, default ~/.cache/paralayer)."""
-    from paralayer.data.dataset import build_dataset
-
-    cache_dir = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "paralayer")
-    return build_dataset(cfg.data, cfg.model.seq_len, cfg.train.seed, cache_dir,
-                         global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size)
-
-
-def build_runner(run: RankRun):
-    """pp > 1: the pipeline schedule over this rank's chunks; None otherwise."""
-    cfg, d = run.cfg, run.degree
-    if d["pp"] == 1:
-        return None
-    from paralayer.parallel.pipeline import PipelineRunner
-
-    moe = cfg.model.moe
-    runner = PipelineRunner(run.built.chunks, run.meshes["pp"], run.plan, run.loss_fn, run.device,
-                            microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
-                            loss_parallel=d["tp"] > 1,
-                            aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
-                            scale_grads=run.scaling.schedule_scales,
-                            # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
-                            reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),
-                            rehearse=run.rehearsing, autocast_dtype=run.autocast_dtype)
-    moe_step.count_real_forwards_only(runner, run.built.chunks)
-    return runner
-
-
-def agree_peak_tflops(cfg: Config, device: torch.device) -> tuple[Optional[float], str]:
-    """Rank 0 resolves the peak (configured, or measured on CPU) and every rank takes its value."""
-    from paralayer import metrics as metrics_mod
-
-    peak, source = None, "rank 0"
-    if dist.get_rank() == 0:
-        peak, source = metrics_mod.resolve_peak_tflops(device, cfg.cluster.peak_tflops, torch.get_num_threads())
-    t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    return float(t.item()) or None, source
 
 
 # ------------------------------------------------------------------ resume and logging
@@ -545,42 +490,6 @@ def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:
 
 
 # ------------------------------------------------------------------ entry point
-def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
-    """The process group from the launcher's RANK/WORLD_SIZE/MASTER_* (torch's env:// init)."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cpu":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo") if os.environ.get("MASTER_ADDR", "127.0.0.1") in (
-            "127.0.0.1", "localhost") else None
-    else:  # NCCL's flight recorder: the watchdog dumps it beside a hang report (runtime/watchdog.py)
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]:
-    """resolved.yaml with the launcher's ``key=value`` overrides (a requeued SLURM job passes
-    ``train.resume=auto``), and plan.json as a :class:`Plan`."""
-    cfg = config_mod.from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
-    if overrides:
-        from omegaconf import OmegaConf
-
-        merged = OmegaConf.merge(OmegaConf.create(config_mod.to_dict(cfg)), OmegaConf.from_dotlist(list(overrides)))
-        cfg = config_mod.from_dict(OmegaConf.to_container(merged))
-    with open(os.path.join(run_dir, "plan.json")) as f:
-        plan = as_plan(json.load(f))
-    return cfg, plan
-
-
-def _report_input_error(exc: Exception, rank: int) -> None:
-    """Bad data or checkpoints that do not load: one line. Under the local launcher each rank
-    leaves it in torch elastic's error file (the launcher prints it once, exit 2); elsewhere
-    (SLURM) rank 0 prints it and the other ranks stay quiet."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        with open(error_file, "w") as f:
-            json.dump({"message": {"message": str(exc), "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
-    elif rank == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-
 
 def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> int:
     """Entry point of every rank: read the run directory, train, leave metrics behind.
