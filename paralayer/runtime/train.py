@@ -341,7 +341,8 @@ def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: floa
     rec.update(moe_step.step_stats(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.moe.num_experts,
                                    run.device) or {})
     if hasattr(run.dataset, "source_sequences"):  # {source: sequences drawn so far} (data/blend.py)
-        rec["source_sequences"] = run.dataset.source_sequences(step, cfg.train.global_batch)
+        batch = run.stability.batch_for(step) if run.stability is not None else step  # batches a rollback skipped count
+        rec["source_sequences"] = run.dataset.source_sequences(batch, cfg.train.global_batch)
     return rec
 
 
