@@ -148,3 +148,16 @@ def local_slurm_2node():
     finally:
         if started:
             subprocess.run(["bash", script, "stop", "--nodes", "2"], capture_output=True, timeout=120, env=env)
+
+
+#: Test files that submit to the real SLURM clusters: one xdist worker runs all of them, one after
+#: another, so two files never compete for the clusters' task slots (their deadlines assume that).
+SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``-n N --dist loadgroup`` (pyproject's addopts) each file's tests stay on one worker,
+    so a module's shared one-rank references are computed once; the SLURM files share one group."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("slurm" if name in SLURM_FILES else name))
