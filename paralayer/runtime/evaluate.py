@@ -108,19 +108,9 @@ def validation_loss(run: Any, dataset: Any, batches: int) -> float:
 
 def eval_batch(run: Any, dataset: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's tokens and labels of eval batch ``k`` (0-based): its dp share, its cp shard."""
-    from paralayer.data.sampler import labels_for
+    from paralayer.runtime.batch import rank_batch
 
-    d = run.degree
-    tokens = dataset.get_batch(k + 1, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
-    tokens = tokens.to(run.device)
-    labels = labels_for(tokens)
-    if d["cp"] > 1:
-        from paralayer.parallel.context import zigzag_shard
-
-        cp_rank = run.meshes.local_rank("cp")
-        tokens = zigzag_shard(tokens, 1, d["cp"], cp_rank)
-        labels = zigzag_shard(labels, 1, d["cp"], cp_rank)
-    return tokens, labels
+    return rank_batch(run, dataset, k + 1)
 
 
 def _batch_loss(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

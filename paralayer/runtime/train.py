@@ -47,6 +47,7 @@ from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate, optimizer, placement, precision
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import stability as stab_mod
+from paralayer.runtime.batch import rank_batch
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
     agree_peak_tflops,
@@ -206,20 +207,8 @@ def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progr
 # ------------------------------------------------------------------ one step
 def step_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's tokens and labels of the step's global batch (its dp share, its cp zigzag shard)."""
-    from paralayer.data.sampler import labels_for
-
-    d = run.degree
     batch = run.stability.batch_for(step) if run.stability is not None else step  # rollbacks skip batches
-    tokens = run.dataset.get_batch(batch, run.meshes.local_rank("dp"), d["dp"], run.cfg.train.global_batch)
-    tokens = tokens.to(run.device)
-    labels = labels_for(tokens)
-    if d["cp"] > 1:
-        from paralayer.parallel.context import zigzag_shard
-
-        cp_rank = run.meshes.local_rank("cp")
-        tokens = zigzag_shard(tokens, 1, d["cp"], cp_rank)
-        labels = zigzag_shard(labels, 1, d["cp"], cp_rank)
-    return tokens, labels
+    return rank_batch(run, run.dataset, batch)
 
 
 def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
