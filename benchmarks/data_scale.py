@@ -26,6 +26,9 @@ import sys
 import time
 from typing import Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibrate_gpu import write_named_section  # noqa: E402 - the same section writer as the planner examples
+
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,19 +176,6 @@ def prepare_vs_bare(d: str, repeats: int) -> dict:
         prep.append((st["tokens"] - st["documents"]) / st["seconds"])  # the same ids, without the EOS
     return {"bare": statistics.median(bare), "prepare": statistics.median(prep), "workers": workers,
             "mb": os.path.getsize(text) / 1e6, "lines": len(lines)}
-
-
-def write_named_section(path: str, head_prefix: str, text: str) -> None:
-    """Replace the section whose heading starts with ``head_prefix`` (or append it)."""
-    old = open(path).read() if os.path.exists(path) else ""
-    i = old.find(head_prefix)
-    if i >= 0:
-        j = old.find("\n## ", i + len(head_prefix))
-        new = old[:i] + text.rstrip("\n") + "\n\n" + (old[j + 1:] if j >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    with open(path, "w") as f:
-        f.write(new)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
