@@ -8,15 +8,13 @@ the same order, so ``tests/test_planner.py`` can hold the two to the byte.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve.plan_types import MemPick, Totals
 from paralayer.resolve.rules import Layout, chunk_rank
-
-if TYPE_CHECKING:
-    from paralayer.resolve.plan_types import Totals
 
 
 class RankInfo(NamedTuple):
@@ -30,17 +28,6 @@ class RankInfo(NamedTuple):
     last: bool  # holds the output head
     layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
     n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
-
-
-class MemPick(NamedTuple):
-    """The most loaded device of a layout: bytes and the pipeline rank."""
-
-    total: int
-    rank: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
 
 
 def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:

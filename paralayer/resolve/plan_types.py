@@ -9,8 +9,18 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Optional
 
-from paralayer.resolve.plan_memory import MemPick
 from paralayer.resolve.rules import Layout
+
+
+class MemPick(NamedTuple):
+    """The most loaded device of a layout: bytes and the pipeline rank."""
+
+    total: int
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
 
 
 class Totals(NamedTuple):

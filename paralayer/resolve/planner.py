@@ -78,7 +78,6 @@ from paralayer.resolve.plan_comm import (
     set_axes,
     tp_overlap_options,
 )
-from paralayer.resolve.plan_memory import MemPick as MemPick  # noqa: F401 - a planner name too
 from paralayer.resolve.plan_memory import (
     RankInfo,
     act_tables,
@@ -90,6 +89,7 @@ from paralayer.resolve.plan_memory import (
 )
 from paralayer.resolve.plan_rows import config_for, materialise, override_prefix
 from paralayer.resolve.plan_types import Candidate, Structure, Totals
+from paralayer.resolve.plan_types import MemPick as MemPick  # noqa: F401 - a planner name too
 from paralayer.resolve.rules import (
     V_SCHEDULES,
     Layout,
