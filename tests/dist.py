@@ -143,3 +143,19 @@ def train_records(overrides: list[str]) -> list[dict]:
 
     cfg, plan = cfg_and_plan(overrides)
     return train(cfg, plan)
+
+
+def write_tokens(path: str, lines: int, seq: int, vocab: int, keep_existing: bool = False) -> str:
+    """A ``data.format=tokens`` file of ``lines`` random sequences (seed 0, the same ids for the
+    same arguments); ``keep_existing``: leave a file already there as it is."""
+    import json
+
+    import torch
+
+    if keep_existing and os.path.exists(path):
+        return path
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for _ in range(lines):
+            f.write(json.dumps({"input_ids": torch.randint(0, vocab, (seq,), generator=g).tolist()}) + "\n")
+    return path

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from paralayer.checkpoint.dcp import list_checkpoints, verify_checkpoint
+from tests.dist import write_tokens
 
 STEPS, EVERY, TRIALS = 50, 2, 20
 SEQ = 16
@@ -35,12 +36,7 @@ BASE = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_h
 
 
 def _data(tmp: str) -> str:
-    path = os.path.join(tmp, "tokens.jsonl")
-    g = torch.Generator().manual_seed(0)
-    with open(path, "w") as f:
-        for _ in range(64):
-            f.write(json.dumps({"input_ids": torch.randint(0, 64, (SEQ,), generator=g).tolist()}) + "\n")
-    return path
+    return write_tokens(os.path.join(tmp, "tokens.jsonl"), 64, SEQ, 64)
 
 
 def _rank(overrides: list[str], run_dir: str, kill_at: int, log: str, rank: int, world: int, store: str) -> None:

@@ -10,7 +10,6 @@ refused by the resolver, naming the field; the planner must offer nothing outsid
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import time
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from tests import combos as C
-from tests.dist import max_rel_err, run_ranks
+from tests.dist import max_rel_err, run_ranks, write_tokens
 
 LOSS_TOL, NORM_TOL = 1e-5, 3e-5
 
@@ -143,13 +142,7 @@ def test_planner_offers_nothing_outside_the_array(rows):
 
 # ------------------------------------------------------------------ the runs
 def _data(tmp) -> str:
-    path = os.path.join(str(tmp), "combos_tokens.jsonl")
-    if not os.path.exists(path):
-        g = torch.Generator().manual_seed(0)
-        with open(path, "w") as f:
-            for _ in range(64):
-                f.write(json.dumps({"input_ids": torch.randint(0, 64, (16,), generator=g).tolist()}) + "\n")
-    return path
+    return write_tokens(os.path.join(str(tmp), "combos_tokens.jsonl"), 64, 16, 64, keep_existing=True)
 
 
 def _resolved(overrides: list):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist import cfg_and_plan, paired, run_ranks
+from tests.dist import cfg_and_plan, paired, run_ranks, write_tokens
 
 SEQ, VOCAB, GB, STEPS, WARMUP = 32, 64, 8, 5, 2
 LR, WD, MIN_RATIO = 1e-2, 0.5, 0.1  # a large decay, so decaying the gains or not shows in 5 steps
@@ -36,12 +36,7 @@ LOSS_TOL, NORM_TOL = 2e-6, 2e-6  # relative: microbatches of 2 against one batch
 
 
 def _token_file(tmp: str) -> str:
-    path = os.path.join(tmp, "tokens.jsonl")
-    g = torch.Generator().manual_seed(0)
-    with open(path, "w") as f:
-        for _ in range(GB * STEPS):
-            f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g).tolist()}) + "\n")
-    return path
+    return write_tokens(os.path.join(tmp, "tokens.jsonl"), GB * STEPS, SEQ, VOCAB)
 
 
 def _loop_lr(i: int, steps: int = STEPS, warmup: int = WARMUP, min_ratio: float = MIN_RATIO) -> float:

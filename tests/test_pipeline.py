@@ -18,7 +18,7 @@ from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import pipeline as pl
 from paralayer.parallel import timeline as tl
 from paralayer.runtime.activation_memory import ActivationMemory
-from tests.dist import max_rel_err, paired, run_ranks
+from tests.dist import max_rel_err, paired, run_ranks, write_tokens
 
 # Building a model on meta imports torch's reference ops (~3–8 s, once); do it here, before the
 # ranks fork, so that no rank pays it.
@@ -294,15 +294,7 @@ E2E_BASE = ["parallel.tp=1",
 
 
 def _e2e_data(tmp) -> str:
-    path = os.path.join(str(tmp), "tokens.jsonl")
-    if not os.path.exists(path):
-        import json
-
-        g = torch.Generator().manual_seed(0)
-        with open(path, "w") as f:
-            for _ in range(128):
-                f.write(json.dumps({"input_ids": torch.randint(0, 64, (E2E_SEQ,), generator=g).tolist()}) + "\n")
-    return path
+    return write_tokens(os.path.join(str(tmp), "tokens.jsonl"), 128, E2E_SEQ, 64, keep_existing=True)
 
 
 def _e2e_rank(rank, world, cfg, plan):

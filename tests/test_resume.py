@@ -4,15 +4,13 @@ parameter's full tensor after the load equals the saved one bit for bit, and los
 follow the straight run (init std 0.2: at 0.02 a stage left at its init moved the loss by 4e-6)."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-import torch
 
 from paralayer.config import load_config
 from paralayer.resolve.plan import resolve
-from tests.dist import paired, run_ranks
+from tests.dist import paired, run_ranks, write_tokens
 
 SEQ = 16
 BASE = ["model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
@@ -23,12 +21,7 @@ BASE = ["model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_h
 
 
 def _data(tmp):
-    path = os.path.join(tmp, "tokens.jsonl")
-    g = torch.Generator().manual_seed(0)
-    with open(path, "w") as f:
-        for _ in range(64):
-            f.write(json.dumps({"input_ids": torch.randint(0, 64, (SEQ,), generator=g).tolist()}) + "\n")
-    return path
+    return write_tokens(os.path.join(tmp, "tokens.jsonl"), 64, SEQ, 64)
 
 
 def _full_params(chunks) -> dict:
