@@ -22,6 +22,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DATA_FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
+ROPE_TYPES = ("default", "llama3", "yarn")
+LAYER_TYPES = ("full", "sliding")
 BACKENDS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -46,6 +48,45 @@ class MoEConfig:
     router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3, bias balancing)
     shared_ffn_hidden: int = 0  # 0 = no shared expert
     bias_update_rate: float = 0.001  # router=sigmoid: aux-loss-free balancing step (DeepSeek-V3 gamma)
+    first_k_dense: int = 0  # layers 0 … k-1 stay dense (DeepSeek-V3: 3); the rest follow `every`
+    n_group: int = 1  # experts in n_group groups: groups picked by their best two scores (DeepSeek-V3)
+    topk_group: int = 1  # groups each token may route to (node-limited routing); n_group 1 = off
+    routed_scaling_factor: float = 1.0  # routed experts' weights times this (DeepSeek-V3: 2.5)
+    norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights; None = the router's own habit
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (alpha); 0 = off
+
+
+@dataclass
+class RopeConfig:
+    """RoPE frequencies: default (plain base), llama3 (Llama 3.1 smoothing), yarn (YaRN, with its
+    attention scale). Read from config.json's rope_scaling or rope_parameters."""
+    type: str = "default"  # default | llama3 | yarn
+    factor: float = 1.0
+    original_max_position: Optional[int] = None  # the pre-training context the scaling extends
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn (DeepSeek's mscale)
+    mscale_all_dim: float = 0.0  # yarn (DeepSeek's mscale_all_dim)
+    attention_factor: Optional[float] = None  # yarn: scale of cos/sin; None = from factor and mscale
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank 0 = off (plain GQA attention)."""
+    q_lora_rank: Optional[int] = None  # None = a plain q projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+
+@dataclass
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 §2.2): depth D extra blocks on the last stage."""
+    depth: int = 0  # 0 = off, bit for bit
+    loss_weight: float = 0.3  # lambda
 
 
 @dataclass
@@ -62,6 +103,17 @@ class ModelConfig:
     tie_embeddings: bool = False
     init: str = "random"  # random | hf:PATH
     init_std: float = 0.02
+    head_dim: Optional[int] = None  # None = d_model // n_heads (Qwen3-0.6B: 128 with d_model 1024, 16 heads)
+    qk_norm: bool = False  # an RMSNorm per head on q and k, before RoPE (Qwen3)
+    rope: RopeConfig = field(default_factory=RopeConfig)  # model.rope_theta stays the base
+    # sliding-window attention: a query sees itself and the window-1 tokens before it (transformers'
+    # sliding_window); None = full attention on every layer
+    sliding_window: Optional[int] = None
+    # per layer "full" | "sliding" (transformers' layer_types); None = full_attention_every decides
+    layer_types: Optional[List[str]] = None
+    full_attention_every: int = 0  # with sliding_window: layer i full when (i+1) % k == 0; 0 = all sliding
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
