@@ -140,7 +140,7 @@ def test_what_we_cannot_build_is_refused(saved, tmp_path, edit, words):
 
 # ------------------------------------------------------------------ multi-rank, through the runtime
 def _overrides(path: str, data: str, layout: list) -> list:
-    return ["recipe=tiny", "parallel.tp=1", f"model.init=hf:{path}", f"model.seq_len={fam.SEQ}",
+    return ["recipe=tiny", "parallel.tp=1", "parallel.dp=1", f"model.init=hf:{path}", f"model.seq_len={fam.SEQ}",
             f"data.path={data}", "data.format=tokens", "data.shuffle=false", f"train.global_batch={BATCH}",
             "train.micro_batch=1", "train.steps=2", "train.precision=fp32", "train.grad_clip=1e9",
             "logging.wandb.mode=disabled"] + list(layout)
