@@ -231,7 +231,17 @@ class RingStats:
     last_step_times_fwd_s: list[float] = field(default_factory=list)
     last_step_times_bwd_s: list[float] = field(default_factory=list)
     kv_bytes_sent: int = 0      # K/V bytes this rank sent in forward (the window ring sends fewer)
-    dkv_bytes_sent: int = 0     # partial dK/dV bytes sent in backward (the window ring)
+    dkv_bytes_sent: int = 0     # partial dK/dV bytes sent in backward
+    trace: object = None        # the rank's CommTrace (runtime/train.py links it): counts the bytes too
+
+    def add_sent(self, kind: str, nbytes: int) -> None:
+        """``kind`` kv | dkv: bytes this rank sent, here and in the comm trace."""
+        if kind == "kv":
+            self.kv_bytes_sent += nbytes
+        else:
+            self.dkv_bytes_sent += nbytes
+        if self.trace is not None:
+            self.trace.sent("cp", kind, nbytes)
 
     def reset(self) -> None:
         self.pairs_fwd = self.pairs_bwd = self.calls = 0
@@ -287,7 +297,7 @@ class _RingAttnFn(torch.autograd.Function):
             if step < cp - 1:
                 nxt, works = ring.exchange(kv, _KV_TAG)
                 if stats is not None:
-                    stats.kv_bytes_sent += kv.numel() * kv.element_size()
+                    stats.add_sent("kv", kv.numel() * kv.element_size())
             t0 = time.perf_counter()
             kb, vb = kv[0], kv[1]
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
@@ -360,6 +370,8 @@ class _RingAttnFn(torch.autograd.Function):
             if cp > 1:
                 # the partial dK/dV follows its K/V block one hop; after cp hops it is home
                 dkv_next, dkv_works = ring.exchange(dkv_acc, _DKV_TAG)
+                if stats is not None:
+                    stats.add_sent("dkv", dkv_acc.numel() * dkv_acc.element_size())
             if kv_works is not None:
                 ring.wait(kv_works)
                 kv = kv_next

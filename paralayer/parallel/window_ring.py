@@ -130,7 +130,7 @@ class _WindowRingFn(torch.autograd.Function):
         shapes = {src: (len(sl),) + tuple(kv.shape[:3]) + (c, kv.size(-1)) for src, sl in mine.items()}
         recvs, works = peers.exchange(sends, shapes, _WKV_TAG, kv)
         if stats is not None:
-            stats.kv_bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+            stats.add_sent("kv", sum(t.numel() * t.element_size() for t in sends.values()))
         out_acc = torch.empty(b, s, h, v.size(-1), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         fresh, waited = {0, 1}, False
@@ -198,7 +198,7 @@ class _WindowRingFn(torch.autograd.Function):
                        for need in [needed(cp, dst, c, window)] if rank in need}
         got, works = peers.exchange(dremote, back_shapes, _WDKV_TAG, dkv)
         if stats is not None:
-            stats.dkv_bytes_sent += sum(t.numel() * t.element_size() for t in dremote.values())
+            stats.add_sent("dkv", sum(t.numel() * t.element_size() for t in dremote.values()))
         for w_ in works:
             w_.wait()
         for dst, t in got.items():
