@@ -192,3 +192,69 @@ def test_layouts_match_transformers(saved, tokens, family, layout):
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     assert loss_err < TOL and max(errs.values()) < TOL, errs
+
+
+# ------------------------------------------------------------------ round trip: import → 2 steps → export
+def _round_trip_worker(rank, world, runs):
+    """For each (overrides, out dir): 2 training steps from the import, then export_hf (collective)."""
+    from paralayer.checkpoint.hf import export_hf
+    from paralayer.runtime.build import as_plan
+    from paralayer.runtime.train import setup, train_step
+    from tests.dist import cfg_and_plan
+
+    losses = []
+    for overrides, out in runs:
+        cfg, plan = cfg_and_plan(overrides)
+        run = setup(cfg, as_plan(plan), None)
+        losses.append([train_step(run, s)["loss"] for s in (1, 2)])
+        export_hf(run.built.chunks, cfg.model, out)
+    return losses
+
+
+LR = 3e-3  # the tiny recipe's train.lr
+ROUND_TRIP = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"]}
+
+
+def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
+    """transformers loads each export (its own class for the family) and its logits equal ours
+    within 1e-6; the tp2 and pp2 exports equal the one-rank export (the heads and the layers are
+    split and merged back right)."""
+    from safetensors.torch import load_file
+    import transformers
+
+    outs = {}
+    for lay, extra in ROUND_TRIP.items():
+        runs = [(_overrides(saved[f][0], tokens, extra), str(tmp_path / f"{f}-{lay}")) for f in fam.FAMILIES]
+        run_ranks(_round_trip_worker, 1 if lay == "one" else 2, runs, timeout_s=300)
+        outs[lay] = {f: r[1] for f, r in zip(fam.FAMILIES, runs)}
+    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:2])
+    want_class = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "window": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+    for f in fam.FAMILIES:
+        one = outs["one"][f]
+        back = transformers.AutoModelForCausalLM.from_pretrained(one, attn_implementation="sdpa").float().eval()
+        assert type(back).__name__ == want_class[f]
+        ours, mcfg = _ours(one)
+        with torch.no_grad():
+            err = _rel(ours(x), back(input_ids=x).logits)
+        src = json.load(open(os.path.join(saved[f][0], "config.json")))
+        exp = json.load(open(os.path.join(one, "config.json")))
+        for key in ("rope_parameters", "head_dim", "sliding_window", "layer_types"):
+            if key in src:
+                assert exp.get(key) == src[key] or (key == "head_dim" and src[key] is None), (f, key)
+        print(f"{f}: exported logits vs transformers' from_pretrained rel err {err:.1e}")
+        assert err < 1e-6, (f, err)
+        ref = load_file(os.path.join(one, "model.safetensors"))
+        src_w = load_file(os.path.join(saved[f][0], "model.safetensors"))
+        for lay in ("tp2", "pp2"):
+            got = load_file(os.path.join(outs[lay][f], "model.safetensors"))
+            assert set(got) == set(ref), (f, lay)
+            diffs = {k: (got[k] - ref[k]).abs().max().item() for k in ref}
+            worst = max(diffs, key=diffs.get)
+            print(f"{f} {lay}: largest |export - one-rank export| {diffs[worst]:.1e} ({worst})")
+            # Adam moves an element by at most ~lr a step whatever its gradient, so gradients equal to
+            # 1e-6 can still part by up to 2·lr per step where a gradient is ~0; a head or layer put
+            # in the wrong place moves weights by ~0.2 (init std)
+            assert diffs[worst] < 4 * LR, (f, lay, worst, diffs[worst])
+        moved = max((ref[k] - src_w[k]).abs().max().item() for k in ref if k in src_w)
+        assert moved > 1e-4, moved  # the two steps trained
