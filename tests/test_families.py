@@ -258,3 +258,22 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
             assert diffs[worst] < 4 * LR, (f, lay, worst, diffs[worst])
         moved = max((ref[k] - src_w[k]).abs().max().item() for k in ref if k in src_w)
         assert moved > 1e-4, moved  # the two steps trained
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"model_type": "olmo3"}, 'model_type="olmo3" is not supported (llama, mistral, mixtral, qwen3)'),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     'rope_parameters.rope_type="dynamic" is not supported (default, llama3, yarn)'),
+])
+def test_front_door_refuses_in_one_line_and_writes_nothing(saved, tmp_path, capsys, edit, words):
+    from paralayer.cli import main
+
+    cfg = json.load(open(os.path.join(saved["qwen3"][0], "config.json")))
+    cfg.update(edit)
+    os.makedirs(tmp_path / "hf")
+    json.dump(cfg, open(tmp_path / "hf" / "config.json", "w"))
+    rc = main(["recipe=tiny", f"model.init=hf:{tmp_path / 'hf'}", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "model.init:" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
