@@ -146,8 +146,9 @@ def _overrides(path: str, data: str, layout: list) -> list:
             "logging.wandb.mode=disabled"] + list(layout)
 
 
-def _grads_worker(rank, world, overrides):
-    """The runtime's step 1 on this rank: the global loss and this rank's full gradients."""
+def _grads_worker(rank, world, runs):
+    """For each overrides of ``runs``, the runtime's step 1 on this rank: the global loss and this
+    rank's full gradients (every run in this one forked world: one start-up for all families)."""
     from torch.distributed.tensor import DTensor
 
     from paralayer.model.transformer import _clean_name
@@ -155,17 +156,32 @@ def _grads_worker(rank, world, overrides):
     from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch
     from tests.dist import cfg_and_plan
 
-    cfg, plan = cfg_and_plan(overrides)
-    run = setup(cfg, as_plan(plan), None)
-    tokens, labels = step_batch(run, 1)
-    loss, _ = reduce_and_clip_tensors(run, forward_backward(run, tokens, labels))
-    grads = {}
-    for chunk in run.built.chunks:
-        for n, p in chunk.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            name = _clean_name(n)
-            grads[name] = (g[: fam.VOCAB] if name in ("tok_embeddings.weight", "output.weight") else g).numpy().copy()
-    return float(loss), grads
+    out = []
+    for overrides in runs:
+        cfg, plan = cfg_and_plan(overrides)
+        run = setup(cfg, as_plan(plan), None)
+        tokens, labels = step_batch(run, 1)
+        loss, _ = reduce_and_clip_tensors(run, forward_backward(run, tokens, labels))
+        grads = {}
+        for chunk in run.built.chunks:
+            for n, p in chunk.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                name = _clean_name(n)
+                grads[name] = (g[: fam.VOCAB] if name in ("tok_embeddings.weight", "output.weight") else g).numpy().copy()
+        out.append((float(loss), grads))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_results(saved, tokens):
+    """{(family, layout): [(loss, grads) per rank]}: one 2-rank world per layout, the families in turn."""
+    out = {}
+    for layout, extra in LAYOUTS.items():
+        res = run_ranks(_grads_worker, 2, [_overrides(saved[f][0], tokens, extra) for f in fam.FAMILIES],
+                        timeout_s=300)
+        for i, f in enumerate(fam.FAMILIES):
+            out[(f, layout)] = [r[i] for r in res]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -175,14 +191,14 @@ def tokens(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", fam.FAMILIES)
-def test_layouts_match_transformers(saved, tokens, family, layout):
+def test_layouts_match_transformers(saved, tokens, layout_results, family, layout):
     path, ref = saved[family]
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
     ref.zero_grad(set_to_none=True)
     out = ref(input_ids=x, labels=x)
     out.loss.backward()
     hf = dict(ref.named_parameters())
-    res = run_ranks(_grads_worker, 2, _overrides(path, tokens, LAYOUTS[layout]))
+    res = layout_results[(family, layout)]
     grads = {}
     for _, g in res:
         grads.update(g)
