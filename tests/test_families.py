@@ -128,6 +128,7 @@ def test_config_fields_and_both_rope_spellings(saved, tmp_path):
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
     ({"rope_parameters": {**fam.YARN, "truncate": False}}, "truncate=false"),
     ({"head_dim": 23}, "head_dim=23 must be even"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
 ])
 def test_what_we_cannot_build_is_refused(saved, tmp_path, edit, words):
     cfg = json.load(open(os.path.join(saved["qwen3"][0], "config.json")))

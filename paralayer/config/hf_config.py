@@ -127,6 +127,9 @@ def load_hf_config(path: str) -> dict:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise HFFormatError(f"{fp}: {key}=true is not supported (our layers have no biases)")
+    if hf.get("attention_dropout") not in (None, 0, 0.0):
+        raise HFFormatError(f"{fp}: attention_dropout={json.dumps(hf['attention_dropout'])[:40]} is not supported "
+                            "(0: our attention has no dropout)")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{fp}: hidden_act {json.dumps(hf.get('hidden_act'))[:40]} is not supported (silu)")
     d, heads = _int(hf, "hidden_size", fp), _int(hf, "num_attention_heads", fp)
