@@ -194,7 +194,11 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if _autocast(lay) else 1
         pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        return _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+        e = _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+        # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
+        # truncated count would make them non-affine in m, which the planner's lines assume)
+        e["bytes_per_step"] = int(act_msg * pairs * mm)
+        return e
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
         return _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm, lay.tp)
