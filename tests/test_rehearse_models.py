@@ -21,10 +21,11 @@ CASES = {
     "qwen3-32b-window": ["recipe=qwen3-32b", "model.n_layers=2", "model.sliding_window=1024",
                          "model.layer_types=[sliding,full]"],
     "qwen3-30b-a3b": ["recipe=qwen3-30b-a3b", "model.n_layers=2"],
-    "qwen3-235b-a22b": ["recipe=qwen3-235b-a22b", "model.n_layers=16", "parallel.pp_layout=null"],
     "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
-    "deepseek-v3": ["recipe=deepseek-v3", "model.n_layers=32", "parallel.pp_layout=null"],
 }
+# The full-size layouts (deepseek-v3 on 2048 H800 at 32 layers, qwen3-235b-a22b on 256 H100 at 16)
+# take minutes per rank on this 2-core machine: they are rows of benchmarks/rehearse_matrix.py
+# ("dsv3 published", "qwen3-235b"), run by hand, not part of the CI suite.
 
 
 def _rehearse(overrides: list[str]) -> dict:
