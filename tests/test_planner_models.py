@@ -344,3 +344,11 @@ def test_plan_ranks_dualpipe_layouts_with_time_and_device_hours(ov, world):
     assert all(d["flops_per_token"] == cost.flops_per_token(cfg) for d in plans if "flops_per_token" in d)
     assert all(d["device_hours"] > 0 and d["train_days"] > 0 for d in plans)
     assert [d["step_time_s"] for d in plans] == sorted(d["step_time_s"] for d in plans)
+
+
+def test_tp_overlap_is_refused_for_mla_and_never_planned():
+    rc, out, err = _main(["recipe=deepseek-v3", "parallel.tp=2", "parallel.tp_overlap=true", "--dry-run"])
+    assert rc == 2 and "error: parallel.tp_overlap: " in err and "not built for MLA" in err, err
+    cfg = load_config(["recipe=deepseek-v3-tiny"])
+    plans = planner.plan_layouts(cfg, top=200)
+    assert plans and not any(d["tp_overlap"] for d in plans)
