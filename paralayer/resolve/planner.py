@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts
 from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -360,7 +361,7 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
     pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
     setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
     st.first_pts = comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", first_zero(st.lay))
-    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach)
+    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach, ctx.cfg.model.mla.kv_lora_rank > 0)
     comm = 0.0
     for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
         fixed, per_m = affine_line(st.first_pts, ax)
@@ -385,7 +386,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
     ranks = candidate_ranks(cfg, lay)
-    overlaps = tp_overlap_options(lay, mach)
+    overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)
@@ -416,7 +417,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = state_table(ranks, lay, zero, tot, copy_terms)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
-        rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp, mode)
+        rope = mem_mod.rope_bytes_for(model_parts.rope_dim(cfg), tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
@@ -432,7 +433,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
+            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()

@@ -237,7 +237,9 @@ def check_tensor_parallel(cfg: Config, lay: Layout) -> None:
         vt_msg = f"valid tp for this model: {_fmt(valid_tp(cfg, max(8, tp)))}"
     else:
         vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(valid_tp(cfg, dpn))}"
-    if m.d_model % m.n_heads:
+    if m.head_dim is not None or m.mla.kv_lora_rank > 0:
+        pass  # the head width is model.head_dim or MLA's (config/model_checks.py checks them), not d_model/n_heads
+    elif m.d_model % m.n_heads:
         _error(lay, "model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid "
                f"n_heads: {_fmt(nearest(divisors(m.d_model), m.n_heads))}")
     elif (m.d_model // m.n_heads) % 2:
@@ -282,6 +284,9 @@ def check_sequence_parallel(cfg: Config, lay: Layout) -> None:
         _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
                "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
     lay.tp_overlap = bool(p.tp_overlap) and tp > 1
+    if lay.tp_overlap and cfg.model.mla.kv_lora_rank > 0:
+        _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses GQA's q/k/v and o GEMMs with their "
+               "collectives; it is not built for MLA (model.mla.kv_lora_rank > 0): use tp_overlap=false")
 
 
 def check_pipeline_split(cfg: Config, lay: Layout) -> None:
