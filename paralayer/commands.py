@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 #: the verb that is the default action: ``paralayer train recipe=tiny`` = ``paralayer recipe=tiny``
 TRAIN = "train"
 EXIT_INVALID = 2
+EXIT_FAILED = 1
 
 
 def _err(msg: str) -> int:
@@ -42,25 +43,16 @@ def _delegate(module: str, prog: str, fix: Optional[Callable[[list], list]] = No
     def run(argv: list) -> int:
         if importlib.util.find_spec(module) is None:
             return _err(f"{prog}: {module} is not part of this paralayer install")
-        mod = importlib.import_module(module)
-        try:
-            return int(mod.main(fix(argv) if fix else argv) or 0)
-        except SystemExit as exc:  # argparse's --help (0) and usage errors (2)
-            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _err(str(exc.code)))
-        except FileNotFoundError as exc:
-            return _err(f"{prog}: {exc.filename or exc}: no such file or directory")
+        from paralayer.config.untrusted import guard
+
+        return guard(prog, lambda: importlib.import_module(module).main(fix(argv) if fix else argv))
 
     return run
 
 
 def _export(argv: list) -> int:
     """export: a missing or broken run directory is one line, exit 2 (not a traceback)."""
-    from paralayer.config import ConfigError
-
-    try:
-        return _delegate("paralayer.checkpoint.export", "export")(argv)
-    except ConfigError as exc:
-        return _err(f"export: {exc.field}: {exc.message}")
+    return _delegate("paralayer.checkpoint.export", "export")(argv)
 
 
 def _profile_paths(argv: list) -> list:
