@@ -452,13 +452,13 @@ def _main(argv: Sequence[str] | None) -> int:
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=None)
     a = ap.parse_args(argv)
+    cluster = load_profile(a.profile)
     for d in a.run_dirs:
         check_dir(d, "RUN_DIR")
         for name in ("resolved.yaml", "plan.json"):
             check_file(os.path.join(d, name), "RUN_DIR", 16 << 20)
     if a.timeout_s is not None and not (0 < a.timeout_s < 10 ** 7):
         raise BadInput("--timeout-s", f"must be a number of seconds in (0, 1e7), got {a.timeout_s}")
-    cluster = load_profile(a.profile)
     try:
         res = submit(a.run_dirs, cluster, a.folder, wait=a.wait, entry=a.entry, timeout_s=a.timeout_s)
     except DispatchError as e:
