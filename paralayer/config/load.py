@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, depth, interpolation, recipes
+from paralayer.config import bounds, depth, interpolation, recipes, untrusted
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -315,6 +315,7 @@ def has_references(layers: list, dotted: list[str]) -> bool:
 
 def typed_config(merged: DictConfig, layers: list, dotted: list[str], validate: bool = True) -> Config:
     """The merged tree as the typed Config (references resolved), checked field by field."""
+    untrusted.check_bools(layers, dotted)
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:

@@ -313,3 +313,58 @@ def guard(prog: str, fn: Callable[[], Any]) -> int:
             return err(f"{prog}: {show(name)}: {exc.strerror or type(exc).__name__}", 2)
         return err(f"{prog}: unexpected {type(exc).__name__}: {one_line(str(exc), 300)} (a bug in paralayer: "
                    "please report it)", 1)
+
+
+def bool_fields() -> set[str]:
+    """The dotted names of the schema's boolean fields."""
+    import dataclasses
+
+    from paralayer.config.schema import Config
+
+    out: set[str] = set()
+
+    def walk(cls: Any, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if t == "bool":
+                out.add(prefix + f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+
+    walk(Config, "")
+    return out
+
+
+def check_bools(layers: Sequence[Any], dotted: Sequence[str]) -> None:
+    """A boolean field holds true or false, as written: OmegaConf would take ``2`` or ``"yes"``
+    (``logging.profile.memory=2``) as true, where every number field refuses a boolean."""
+    import yaml
+
+    names = bool_fields()
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, dict):
+            return
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if key in names and v is not None and not isinstance(v, bool) and not _is_ref(v):
+                raise BadInput(key, f"must be true or false, got {show(repr(v), 60)}")
+            walk(v, key + ".")
+
+    for layer in layers:
+        walk(layer, "")
+    for d in dotted:
+        key, _, text = d.partition("=")
+        key = key.strip().lstrip("+")
+        if key in names and not _is_ref(text):
+            try:
+                v = yaml.safe_load(text)
+            except yaml.YAMLError:
+                continue  # the loader names it
+            if v is not None and not isinstance(v, bool):
+                raise BadInput(key, f"must be true or false, got {show(text, 60)}")
+
+
+def _is_ref(v: Any) -> bool:
+    return isinstance(v, str) and "${" in v
