@@ -272,8 +272,11 @@ def _secret_in(path: str) -> bool:
 
 
 def _child(argv: list[str], wfd_out: int, wfd_err: int) -> None:
+    import faulthandler
+
     from paralayer import cli
 
+    faulthandler.disable()  # a signal is the parent's finding, not a dump on the test's terminal
     os.dup2(wfd_out, 1)
     os.dup2(wfd_err, 2)
     sys.stdout, sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", 0), write_through=True), \
