@@ -351,7 +351,7 @@ def run_case(case: Case, tmp: str) -> dict:
         errs = [ln for ln in lines if ln.startswith("error:")]
         if len(errs) != 1 or any(not ln.startswith(("error:", "warning:", "note:")) for ln in lines):
             problems.append("multi-line: a message spans lines")
-        elif not names_something(errs[0], tmp):
+        elif not names_something(errs[0], tmp, argv):
             problems.append("unnamed: rejection names no argument, field or file")
     after = _snapshot(tmp)
     for p, h in before.items():
@@ -364,13 +364,15 @@ def run_case(case: Case, tmp: str) -> dict:
             "err": e[-300:], "problems": problems}
 
 
-def names_something(line: str, tmp: str) -> bool:
-    """``error: ARG: ...`` for an argument or field of ARGS or the schema, or a file under tmp."""
+def names_something(line: str, tmp: str, argv: list[str] = ()) -> bool:
+    """``error: ARG: ...`` for an argument or field of ARGS or the schema, an argument as typed
+    (``--bogus``), or a file under tmp."""
     from paralayer.config import all_keys
 
     head = line[len("error:"):].strip().split(": ", 1)[0]
     token = head.split(" ", 1)[0]
-    return (token in ARGS or token in set(all_keys()) or token.startswith(("cluster.", "slurm")) or tmp in head)
+    return (token in ARGS or token in set(all_keys()) or token.startswith(("cluster.", "slurm")) or tmp in head
+            or (token.startswith("-") and token in argv))
 
 
 def main(n: int, seed: int, kinds: list[str] | None, show: int) -> int:
