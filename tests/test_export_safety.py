@@ -110,3 +110,16 @@ def test_export_bad_input_names_the_argument(run, tmp_path, capsys, argv, field)
     argv = [a.format(run=run, tmp=tmp_path) for a in argv]
     rc, out, err = _export(argv, capsys)
     assert rc == 2 and err.startswith(f"error: {field}: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_export_of_a_checkpoint_of_another_shape_is_one_line(run, tmp_path, capsys):
+    """resolved.yaml now says d_model=64: neither checkpoint fits; both are named, exit 2."""
+    from paralayer import config as config_mod
+    from paralayer.config import load_config
+
+    run, _ = run
+    (run / "resolved.yaml").write_text(config_mod.to_yaml(load_config(SMALL + ["model.d_model=64"])))
+    rc, out, err = _export([str(run), "--out", str(tmp_path / "hf")], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: checkpoint.dir: no checkpoint loads: "), err
+    assert "step-00000001" in errors[0] and "step-00000002" in errors[0], err
