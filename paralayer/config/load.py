@@ -132,6 +132,7 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
+    untrusted.check_file(str(path), field_name)  # not /proc, /sys, /dev (links followed), not a FIFO
     depth.check_file_size(path, field_name)
     try:
         with open(path, encoding="utf-8") as f:
