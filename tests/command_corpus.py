@@ -394,13 +394,14 @@ def main(n: int, seed: int, kinds: list[str] | None, show: int) -> int:
     by_kind: dict = {}
     for res in results:
         k = by_kind.setdefault(res["kind"], {"n": 0, "crash": 0, "time-out": 0, "unnamed": 0, "multi-line": 0,
-                                             "secret": 0, "lost": 0, "max_wall": 0.0})
+                                             "secret": 0, "ansi": 0, "lost": 0, "max_wall": 0.0})
         k["n"] += 1
         k["max_wall"] = max(k["max_wall"], res["wall"])
         for p in res["problems"]:
             key = p.split(":")[0].split(" ")[0]
-            k[{"ANSI": "secret"}.get(key, key) if key in k or key == "ANSI" else "crash"] += 1
-    cols = ["n", "crash", "time-out", "unnamed", "multi-line", "secret", "lost", "max_wall"]
+            key = "ansi" if key == "ANSI" else key
+            k[key if key in k else "crash"] += 1
+    cols = ["n", "crash", "time-out", "unnamed", "multi-line", "secret", "ansi", "lost", "max_wall"]
     print(f"{'kind':<16}" + "".join(f"{c:>11}" for c in cols))
     for kind, k in sorted(by_kind.items()):
         print(f"{kind:<16}" + "".join(f"{k[c]:>11.2f}" if c == "max_wall" else f"{k[c]:>11}" for c in cols))

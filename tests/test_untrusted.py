@@ -62,3 +62,12 @@ def test_a_boolean_field_holds_a_boolean():
         u.check_bools([], ["logging.profile.memory=2"])
     with pytest.raises(u.BadInput, match="logging.profile.memory"):
         u.check_bools([{"logging": {"profile": {"memory": "yes"}}}], [])
+
+
+def test_markup_in_a_data_path_is_printed_as_text(capsys):
+    """``data.path=x[/red]y --dry-run`` raised rich's MarkupError (the corpus's markup kind found it)."""
+    from paralayer import cli
+
+    assert cli.main(["data.path=x[/red]y", "--dry-run"]) == 2
+    c = capsys.readouterr()
+    assert "data: x[/red]y:" in c.out and c.err.startswith("error: data.path: x[/red]y: ")
