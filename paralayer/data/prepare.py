@@ -14,6 +14,12 @@ rerun after an interruption keeps the parts already there (if the inputs and set
 same) and writes the rest. The parts are then joined into ``PREFIX.bin/.idx`` under temp names
 and renamed, .idx last: a prefix whose .idx exists is complete. Training (``data.format`` text,
 jsonl, parquet) runs the same code into ``data.cache_dir``, so there is one reader.
+
+Nothing is lost (paralayer/config/untrusted.py): the inputs are untrusted (never under /proc,
+/sys, /dev; never a FIFO); an ``--out`` whose files would write over an input is refused; a
+``PREFIX.parts`` found at the start is resumed only when it holds this prepare's parts with the
+same key, else refused and left as it is (never deleted); one this invocation made is removed
+when the data turns out bad.
 """
 from __future__ import annotations
 
@@ -350,8 +356,6 @@ def check_args(args: argparse.Namespace, files: List[str]) -> None:
 
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
-        raise BadInput("--workers", f"must be >= 1, got {args.workers}")
     files = input_files(args.inputs)
     if args.tokenizer:
         check_input(args.tokenizer, "--tokenizer", 64 << 20)
