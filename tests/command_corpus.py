@@ -81,8 +81,8 @@ def _run_folder(r: random.Random, broken: str | None = None) -> dict:
 
 
 def gen_prepare_out(r: random.Random) -> Case:
-    out = r.choice(["", ".", "sub/", ".hidden", "{t}/in.txt/x", "/sys/x", "/proc/x", "a" * 300, "{t}/" + "d/" * 3 + "b" * 256,
-                    f"o{r.choice(CONTROL)}p", "{t}/in", "/dev/null/x", "..", "{t}/", "-"])
+    out = r.choice(["", ".", "sub/", ".hidden", "-", "o\u202ep", "{t}/in.txt/x", "/sys/x", "/proc/x", "a" * 300,
+                    "{t}/" + "d/" * 3 + "b" * 256, f"o{r.choice(CONTROL)}p", "{t}/in", "/dev/null/x", "..", "{t}/"])
     return Case("prepare-out", ["prepare", "{t}/in.txt", "--out", out, "--workers", "1", "--no-progress"],
                 files={"in.txt": DOCS})
 
@@ -271,11 +271,12 @@ def _secret_in(path: str) -> bool:
     return False
 
 
-def _child(argv: list[str], wfd_out: int, wfd_err: int) -> None:
+def _child(argv: list[str], wfd_out: int, wfd_err: int, cwd: str) -> None:
     import faulthandler
 
     from paralayer import cli
 
+    os.chdir(cwd)  # relative names (--out -) land in the scratch folder, never in the checkout
     faulthandler.disable()  # a signal is the parent's finding, not a dump on the test's terminal
     os.dup2(wfd_out, 1)
     os.dup2(wfd_err, 2)
@@ -309,7 +310,7 @@ def run_case(case: Case, tmp: str) -> dict:
         os.close(outs[0][0])
         os.close(outs[1][0])
         os.environ["WANDB_API_KEY"] = SECRET
-        _child(argv, outs[0][1], outs[1][1])
+        _child(argv, outs[0][1], outs[1][1], tmp)
     os.close(outs[0][1])
     os.close(outs[1][1])
     bufs, open_fds, status, timed_out = {outs[0][0]: b"", outs[1][0]: b""}, {outs[0][0], outs[1][0]}, None, False

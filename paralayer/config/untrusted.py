@@ -25,7 +25,7 @@ import stat
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from paralayer.config.depth import MAX_DEPTH, json_depth
-from paralayer.config.echo import one_line
+from paralayer.config.echo import has_unsafe, one_line
 from paralayer.config.schema import ConfigError
 
 #: folders whose files are the environment or devices, never read as input
@@ -219,7 +219,7 @@ def check_out(path: str, field: str) -> str:
         raise BadInput(field, f"'{show(path)}' names a folder, not a name to write (give e.g. {show(path.rstrip('/') or '.')}/out)")
     if base.startswith("."):
         raise BadInput(field, f"'{show(path)}' is a hidden name; give a visible one")
-    if any(ch in path for ch in "\n\r") or any(ord(ch) < 32 for ch in path):
+    if has_unsafe(path):  # a control, DEL, line separator or bidi override in a file name
         raise BadInput(field, f"'{show(path)}' holds control characters")
     full = os.path.abspath(path)
     bad = forbidden(full) or next((d for d in FORBIDDEN if full.startswith(d + "/")), None)
