@@ -29,16 +29,17 @@
 set -uo pipefail
 
 CMD="${1:-}"; shift || true
-NODES_ARG=""
+NODES_ARG=""; NODES_GIVEN=""
 while [ $# -gt 0 ]; do
     case "$1" in
-        --nodes) NODES_ARG="${2:-}"; shift 2 ;;
-        --nodes=*) NODES_ARG="${1#--nodes=}"; shift ;;
+        --nodes) NODES_ARG="${2:-}"; NODES_GIVEN=1; shift; [ $# -gt 0 ] && shift ;;  # no value: no loop
+        --nodes=*) NODES_ARG="${1#--nodes=}"; NODES_GIVEN=1; shift ;;
         *) KILL_NODE="$1"; shift ;;
     esac
 done
-if [ -n "$NODES_ARG" ] && ! [[ "$NODES_ARG" =~ ^[1-9][0-9]*$ ]]; then
-    echo "local_slurm: --nodes $NODES_ARG: expected a whole number >= 1" >&2; exit 2
+# at most 3 digits before any arithmetic (a longer number is bash's integer overflow error)
+if [ -n "$NODES_GIVEN" ] && ! [[ "$NODES_ARG" =~ ^[1-9][0-9]{0,2}$ ]]; then
+    echo "local_slurm: --nodes '${NODES_ARG:0:40}': expected a whole number from 1 to 12" >&2; exit 2
 fi
 if [ -n "${PARALAYER_SLURM_HOME:-}" ]; then H="$PARALAYER_SLURM_HOME"
 elif [ -n "$NODES_ARG" ] && [ "$NODES_ARG" -gt 1 ]; then H="/tmp/paralayer-slurm-${NODES_ARG}node"

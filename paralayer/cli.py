@@ -212,7 +212,7 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     for src in (d.get("data") or {}).get("sources", []):  # resolve/data_plan.py
         toks = "tokens unknown until prepared" if src["tokens"] is None else f"{src['tokens']:,} tokens"
         ep = "" if src["epochs"] is None else f", {src['epochs']:.3g} epochs in this run"
-        con.print(f"data: {src['path']}: {toks}, weight {src['weight']:.3g}{ep}")
+        con.print(f"data: {markup_safe(str(src['path']))}: {toks}, weight {src['weight']:.3g}{ep}")
     for n in d["notes"]:
         con.print(f"[dim]note:[/dim] {markup_safe(n)}")
     for w in d["warnings"]:

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 #: the verb that is the default action: ``paralayer train recipe=tiny`` = ``paralayer recipe=tiny``
 TRAIN = "train"
 EXIT_INVALID = 2
+EXIT_FAILED = 1
 
 
 def _err(msg: str) -> int:
@@ -42,25 +43,16 @@ def _delegate(module: str, prog: str, fix: Optional[Callable[[list], list]] = No
     def run(argv: list) -> int:
         if importlib.util.find_spec(module) is None:
             return _err(f"{prog}: {module} is not part of this paralayer install")
-        mod = importlib.import_module(module)
-        try:
-            return int(mod.main(fix(argv) if fix else argv) or 0)
-        except SystemExit as exc:  # argparse's --help (0) and usage errors (2)
-            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _err(str(exc.code)))
-        except FileNotFoundError as exc:
-            return _err(f"{prog}: {exc.filename or exc}: no such file or directory")
+        from paralayer.config.untrusted import guard
+
+        return guard(prog, lambda: importlib.import_module(module).main(fix(argv) if fix else argv))
 
     return run
 
 
 def _export(argv: list) -> int:
     """export: a missing or broken run directory is one line, exit 2 (not a traceback)."""
-    from paralayer.config import ConfigError
-
-    try:
-        return _delegate("paralayer.checkpoint.export", "export")(argv)
-    except ConfigError as exc:
-        return _err(f"export: {exc.field}: {exc.message}")
+    return _delegate("paralayer.checkpoint.export", "export")(argv)
 
 
 def _profile_paths(argv: list) -> list:
@@ -92,8 +84,35 @@ def slurm_command(argv: Sequence[str]) -> list[str]:
     return ["bash", str(recipes.shipped_script("local_slurm.sh")), *argv]
 
 
+#: most nodes the shipped SLURM starts on one machine (cluster/local_slurm_nodes.sh: a /28 subnet)
+MAX_LOCAL_NODES = 12
+
+
+def slurm_args_problem(argv: Sequence[str]) -> Optional[str]:
+    """The one-line problem with ``paralayer slurm ACTION ARGS``, checked before bash sees them
+    (a bare ``--nodes`` looped forever in the script; a huge one was bash's overflow error)."""
+    from paralayer.config.echo import one_line
+
+    action, rest = argv[0], list(argv[1:])
+    if action == "install-deps":
+        return f"slurm install-deps: takes no arguments, got '{one_line(rest[0], 40)}'" if rest else None
+    while rest:
+        a = rest.pop(0)
+        if a == "--nodes" or a.startswith("--nodes="):
+            value = a.partition("=")[2] if "=" in a else (rest.pop(0) if rest else None)
+            if value is None or not value.isdigit() or not 1 <= int(value[:4]) <= MAX_LOCAL_NODES or len(value) > 3:
+                shown = "nothing" if value is None else f"'{one_line(value, 40)}'"
+                return f"--nodes: expected a whole number from 1 to {MAX_LOCAL_NODES}, got {shown}"
+            if action not in ("start", "restart", "stop", "status", "env"):
+                return f"--nodes: not an option of slurm {action}"
+        else:
+            return f"slurm {action}: unknown argument '{one_line(a, 40)}'; valid: --nodes N"
+    return None
+
+
 def _slurm(argv: list) -> int:
     from paralayer.config import recipes
+    from paralayer.config.echo import one_line
 
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
@@ -101,7 +120,11 @@ def _slurm(argv: list) -> int:
         print(SLURM_HELP.format(script=recipes.shipped_script("local_slurm.sh")))
         return 0
     if argv[0] not in ("start", "stop", "restart", "status", "env", "install-deps"):
-        return _err(f"slurm: unknown action '{argv[0][:40]}'; valid: start, stop, restart, status, env, install-deps")
+        return _err(f"slurm: unknown action '{one_line(argv[0], 40)}'; valid: start, stop, restart, status, env, "
+                    "install-deps")
+    problem = slurm_args_problem(argv)
+    if problem:
+        return _err(problem)
     cmd = slurm_command(argv)
     if dry:
         print(shlex.join(cmd))

@@ -1,6 +1,7 @@
 """A generated corpus of bad inputs for the front door (issue 28), run in-process one at a time.
 
     python tests/front_door_corpus.py [--n 3000] [--seed 0] [--kinds deep,swap,...] [--show 20]
+    python tests/front_door_corpus.py --commands [--n 400]    every other command (tests/command_corpus.py)
 
 Each case is argv for ``launch.py`` (``--dry-run`` or ``--plan``), sometimes with a recipe file or
 an HF config.json written for it. Checked per case: the exit code is 0 or 2; the process CPU time
@@ -297,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default=None)
     ap.add_argument("--show", type=int, default=15)
+    ap.add_argument("--commands", action="store_true", help="the commands' corpus (tests/command_corpus.py): "
+                    "prepare, report, export, resubmit, slurm")
     args = ap.parse_args(argv)
+    if args.commands:
+        import command_corpus
+
+        return command_corpus.main(args.n, args.seed, args.kinds.split(",") if args.kinds else None, args.show)
     os.environ["WANDB_API_KEY"] = SECRET
     cli.main(["recipe=tiny", "--dry-run", "--json"])  # one-time imports do not count against the bound
     results = []

@@ -208,7 +208,7 @@ def test_export_and_its_old_spelling(tiny_run, capsys):
     assert cli.main(["export", "--help"]) == 0 and "--checkpoint" in capsys.readouterr().out
     rc = cli.main(["export", str(base / "no-run"), "--out", str(base / "x")])
     err = capsys.readouterr().err
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "resolved.yaml" in err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: RUN_DIR: ") and "no-run" in err
 
 
 @row("rehearse")

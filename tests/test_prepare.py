@@ -86,8 +86,8 @@ def test_jsonl_parquet_tokenizer_and_bad_input(tmp_path):
         assert rc == 0, err
         assert np.asarray(IndexedShard(str(tmp_path / fmt)).tokens).tolist() == want
     rc, out, err = _main([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "x"), "--format", "jsonl"])
-    assert rc == 2 and err.strip().splitlines() == [f"error: data.text_field: {tmp_path / 'c.jsonl'}: no column "
+    assert rc == 2 and err.strip().splitlines() == [f"error: --text-field: {tmp_path / 'c.jsonl'}: no column "
                                                     "'text' (columns: body)"]
     rc, out, err = _main([str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x")])
-    assert rc == 2 and err.strip() == f"error: data.path: {tmp_path / 'nope.txt'}: no such file or directory"
+    assert rc == 2 and err.strip() == f"error: INPUT: {tmp_path / 'nope.txt'}: no such file"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("x.", ".datasets-"))]

@@ -164,7 +164,7 @@ def _check_text(name: str, value: Optional[str]) -> None:
 
 def _texts(cfg: Config) -> list[tuple[str, Any]]:
     out = [(n, get(cfg, n)) for n in PATH_FIELDS + tuple(NAME_FIELDS) if n != "data.path"]
-    out += [("data.path", p) for p in _data_paths(cfg)]
+    out += _named_data_paths(cfg)
     s = cfg.cluster.slurm
     for n in ("partition", "account", "qos", "constraint"):
         out.append((f"cluster.slurm.{n}", getattr(s, n)))
@@ -211,8 +211,8 @@ def check_generic(cfg: Config) -> None:
             raise ConfigError(name, f"must be within ±{GENERIC_INT:,} (the bound), got {_short(value)}")
         if isinstance(value, str) and "\x00" in value:
             raise ConfigError(name, "must not contain NUL characters")
-    reads = [("data.path", p) for p in _data_paths(cfg)] + [("data.valid", cfg.data.valid),
-                                                           ("data.tokenizer", cfg.data.tokenizer)]
+    reads = [(n, p) for n, p in _named_data_paths(cfg)] + [("data.valid", cfg.data.valid),
+                                                          ("data.tokenizer", cfg.data.tokenizer)]
     for name, value in reads:
         forbidden = tuple(d + "/" for d in FORBIDDEN_READS)
         if value and isinstance(value, str) and os.path.realpath(value).startswith(forbidden):
@@ -227,6 +227,17 @@ def _data_paths(cfg: Config) -> list:
     for e in cfg.data.blend or []:
         if isinstance(e, dict) and "path" in e:
             out += list(e["path"]) if isinstance(e["path"], (list, tuple)) else [e["path"]]
+    return out
+
+
+def _named_data_paths(cfg: Config) -> list:
+    """(field, path) of data.path and of every data.blend[i].path (named as such in errors)."""
+    p = cfg.data.path
+    out = [("data.path", x) for x in (list(p) if isinstance(p, (list, tuple)) else [p])]
+    for i, e in enumerate(cfg.data.blend or []):
+        if isinstance(e, dict) and "path" in e:
+            out += [(f"data.blend[{i}].path", x) for x in (list(e["path"]) if isinstance(e["path"], (list, tuple))
+                                                           else [e["path"]])]
     return out
 
 

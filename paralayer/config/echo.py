@@ -28,6 +28,12 @@ def one_line(text: str, limit: int = MAX_LINE) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def has_unsafe(text: str) -> bool:
+    """``text`` holds a character :func:`one_line` would escape (a control, DEL, a line separator,
+    a bidi override): such a name is refused where it would become a file."""
+    return bool(_UNSAFE.search(text))
+
+
 def markup_safe(text: str) -> str:
     """One line, with rich's markup brackets escaped (for text printed through a rich console)."""
     from rich.markup import escape

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, depth, interpolation, model_checks, recipes
+from paralayer.config import bounds, depth, interpolation, model_checks, recipes, untrusted
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -132,6 +132,7 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
+    untrusted.check_file(str(path), field_name)  # not /proc, /sys, /dev (links followed), not a FIFO
     depth.check_file_size(path, field_name)
     try:
         with open(path, encoding="utf-8") as f:
@@ -315,6 +316,7 @@ def has_references(layers: list, dotted: list[str]) -> bool:
 
 def typed_config(merged: DictConfig, layers: list, dotted: list[str], validate: bool = True) -> Config:
     """The merged tree as the typed Config (references resolved), checked field by field."""
+    untrusted.check_bools(layers, dotted)
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:

@@ -34,6 +34,8 @@ def blend_entries(blend: Sequence[Any]) -> list[tuple[Any, float, str]]:
         if path is None:
             raise DataError("needs a path (each entry is {path: P, weight: W})", field=f"{name}.path")
         try:
+            if isinstance(weight, bool):  # true is no weight (booleans are refused as numbers everywhere)
+                raise TypeError
             w = float(weight)
         except (TypeError, ValueError):
             raise DataError(f"{weight!r} is not a number", field=f"{name}.weight", file=str(path)) from None

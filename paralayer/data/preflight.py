@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, List
 
+from paralayer.config.untrusted import forbidden
 from paralayer.data.errors import DataError
 from paralayer.resolve.data_plan import valid_shares
 
@@ -28,6 +29,11 @@ def data_files(path: Any) -> List[str]:
                        if not f.startswith(".") and os.path.isfile(os.path.join(path, f)))
         if not files:
             raise DataError("the directory holds no files", file=path)
+        for f in files:  # a link in the folder to the environment or a device is never read
+            bad = forbidden(f)
+            if bad:
+                raise DataError(f"links to a file under {bad}: the environment and devices are never read as data",
+                                file=f)
         return files
     if not os.path.exists(path):
         raise DataError("no such file or directory", file=path)

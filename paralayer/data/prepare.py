@@ -14,6 +14,12 @@ rerun after an interruption keeps the parts already there (if the inputs and set
 same) and writes the rest. The parts are then joined into ``PREFIX.bin/.idx`` under temp names
 and renamed, .idx last: a prefix whose .idx exists is complete. Training (``data.format`` text,
 jsonl, parquet) runs the same code into ``data.cache_dir``, so there is one reader.
+
+Nothing is lost (paralayer/config/untrusted.py): the inputs are untrusted (never under /proc,
+/sys, /dev; never a FIFO); an ``--out`` whose files would write over an input is refused; a
+``PREFIX.parts`` found at the start is resumed only when it holds this prepare's parts with the
+same key, else refused and left as it is (never deleted); one this invocation made is removed
+when the data turns out bad.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +37,10 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from paralayer.config.depth import MAX_DEPTH, json_depth
+from paralayer.config.echo import one_line
+from paralayer.config.untrusted import ArgParser, BadInput, check_dir, check_file as check_input, check_out, guard
+from paralayer.config.untrusted import read_json, refuse_overwrite, show
 from paralayer.data import readers
 from paralayer.data.errors import DataError
 from paralayer.data.indexed import IndexedShard, IndexedWriter, fsync_dir, write_index
@@ -48,6 +59,10 @@ def _fingerprint(files: List[str]) -> list:
     return out
 
 
+class _BadDocument(ValueError):
+    """A document that is not text (a number, NUL bytes): located and named by the caller."""
+
+
 class _Encode:
     """The batched ``map`` function: a batch of documents → one row of their ids back to back
     (each followed by EOS) and their lengths. Picklable, for ``num_proc`` workers."""
@@ -56,7 +71,11 @@ class _Encode:
         self.tok, self.field = tokenizer, field
 
     def __call__(self, batch: dict) -> dict:
-        texts = [t for t in batch[self.field] if isinstance(t, str) and t]
+        col = batch[self.field]
+        bad = next((t for t in col if t is not None and (not isinstance(t, str) or "\x00" in t)), None)
+        if bad is not None:  # prepare_files names the file and line (readers.locate_error)
+            raise _BadDocument("holds NUL bytes" if isinstance(bad, str) else f"a document is {type(bad).__name__}")
+        texts = [t for t in col if t]
         eos = getattr(self.tok, "eos_id", None)
         docs = [np.asarray(ids, dtype=np.int32) for ids in self.tok.encode_batch(texts)] if texts else []
         if eos is not None:
@@ -127,24 +146,72 @@ def _join(parts: List[str], prefix: str, code: int) -> None:
                 os.unlink(t)
 
 
-def _parts_dir(prefix: str, key: dict) -> str:
-    """PREFIX.parts, kept if it was started with the same key (a resume), else emptied."""
+_PART_NAME = re.compile(r"^(manifest\.json|part-\d{5}\.(bin|idx)|.*\.tmp-\d+)$")
+
+
+def _parts_dir(prefix: str, key: dict) -> tuple[str, bool]:
+    """(PREFIX.parts, created now). An existing one is resumed only when it holds a prepare's parts
+    started with the same key; anything else there (other files, other inputs or settings, a
+    damaged manifest) is refused, never deleted: it was not made by this invocation."""
     d = prefix + ".parts"
     manifest = os.path.join(d, "manifest.json")
-    same = False
-    with contextlib.suppress(OSError, ValueError):
-        with open(manifest) as f:
-            same = json.load(f) == key
-    if not same:
-        shutil.rmtree(d, ignore_errors=True)
+    if not os.path.lexists(d):
         os.makedirs(d)
         with open(manifest, "w") as f:
             json.dump(key, f)
-    for n in os.listdir(d):  # the temp files of a part interrupted mid-write
+        return d, True
+    if os.path.islink(d) or not os.path.isdir(d):
+        raise BadInput("--out", f"{show(d)} exists and is not a parts folder of prepare; move it or choose another --out")
+    names = os.listdir(d)
+    foreign = [n for n in names if not _PART_NAME.match(n)]
+    try:
+        same = read_json(manifest, "--out", 1 << 20) == key
+    except BadInput:
+        same = False
+    if foreign or not same:
+        what = f"holds {show(foreign[0], 60)}" if foreign else "holds the parts of another prepare (other inputs or settings)"
+        raise BadInput("--out", f"{show(d)} {what}; it is left as it is: remove it to start over, or choose another --out")
+    for n in names:  # the temp files of a part interrupted mid-write (prepare's own names)
         if ".tmp-" in n:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, n))
-    return d
+    return d, False
+
+
+@contextlib.contextmanager
+def _removed_on_bad_data(created: Optional[str]):
+    """Bad data found while writing parts: the parts folder this invocation created goes (an
+    interruption keeps it, to resume; one found at the start is never removed)."""
+    try:
+        yield
+    except (DataError, BadInput):
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def check_nesting(files: List[str]) -> None:
+    """Every JSONL line nests at most MAX_DEPTH levels, checked before any JSON parser recurses
+    (``datasets``' reader crashes the process on a deeply nested line). A line can only be that
+    deep if it holds that many brackets, so most lines cost one count."""
+    for fname in files:
+        with open(fname, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+                    depth = json_depth(raw.decode("utf-8", errors="replace"))
+                    if depth > MAX_DEPTH:
+                        raise DataError(f"nested {depth} levels deep; the limit is {MAX_DEPTH}", file=fname,
+                                        line=lineno)
+
+
+def _resumed(part: str) -> tuple[int, int]:
+    """(documents, tokens) of a part a previous invocation finished; a damaged one is refused."""
+    try:
+        sh = IndexedShard(part)
+        return sh.n_documents, sh.n_tokens
+    except Exception as exc:  # noqa: BLE001 - a damaged header or size
+        raise BadInput("--out", f"{show(part)}.idx (a part kept to resume) cannot be read ({one_line(exc, 120)}); "
+                       f"remove {show(os.path.dirname(part))} to start over") from None
 
 
 def prepare_files(files: List[str], prefix: str, fmt: str = "text", text_field: str = "text",
@@ -158,24 +225,29 @@ def prepare_files(files: List[str], prefix: str, fmt: str = "text", text_field: 
     os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".datasets-", dir=os.path.dirname(os.path.abspath(prefix)))
     try:
+        if fmt == "jsonl":
+            check_nesting(files)
         ds, col = _load(fmt, files, text_field, scratch)
         n = ds.num_rows
         part_docs = part_docs or max(250_000, math.ceil(n / 64))  # each part starts a worker pool
         n_parts = max(1, math.ceil(n / part_docs))
         key = {"v": _PART_VERSION, "files": _fingerprint(files), "format": fmt, "field": col,
                "tokenizer": tokenizer.name, "part_docs": part_docs}
-        pdir = _parts_dir(prefix, key)
+        pdir, created = _parts_dir(prefix, key)
         parts = [os.path.join(pdir, f"part-{i:05d}") for i in range(n_parts)]
         stats = {"documents": 0, "tokens": 0, "resumed_parts": 0}
-        with _progress(progress, n) as bar:
+        with _progress(progress, n) as bar, _removed_on_bad_data(pdir if created else None):
             for i, part in enumerate(parts):
                 lo, hi = i * part_docs, min(n, (i + 1) * part_docs)
                 if os.path.isfile(part + ".idx"):
-                    sh = IndexedShard(part)
-                    docs, toks = sh.n_documents, sh.n_tokens
+                    docs, toks = _resumed(part)
                     stats["resumed_parts"] += 1
                 else:
-                    docs, toks = _write_part(ds.select(range(lo, hi)), col, tokenizer, part, code, workers, scratch)
+                    try:
+                        docs, toks = _write_part(ds.select(range(lo, hi)), col, tokenizer, part, code, workers,
+                                                 scratch)
+                    except _BadDocument as exc:
+                        raise readers.locate_error(fmt, files, text_field, exc) from None
                 stats["documents"] += docs
                 stats["tokens"] += toks
                 bar(hi - lo, toks)
@@ -233,7 +305,7 @@ def prepare_tokens(files: List[str], prefix: str, seq_len: int, vocab_size: Opti
 
 # ------------------------------------------------------------------ the command
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m paralayer.data.prepare",
+    p = ArgParser(prog="python -m paralayer.data.prepare",
                                 description="Tokenise text, JSONL or parquet into Megatron indexed shards "
                                             "(PREFIX.bin + PREFIX.idx)")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
@@ -247,27 +319,70 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """The command: prints documents, tokens, shards, bytes; exit 2 with one line for bad input."""
-    args = build_parser().parse_args(argv)
-    try:
-        if args.workers < 1:
-            raise DataError(f"must be >= 1, got {args.workers}", field="--workers")
-        files = [f for inp in args.inputs for f in data_files(inp)]
-        for f in files:
+#: the recipe field a DataError names -> this command's argument
+_ARG_OF = {"data.path": "INPUT", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer"}
+
+
+def input_files(inputs: List[str], field: str = "INPUT") -> List[str]:
+    """The files INPUT... name (a folder: its visible regular files), each checked as untrusted
+    input: not under /proc, /sys, /dev; links followed only to regular files; never a FIFO."""
+    out: List[str] = []
+    for inp in inputs:
+        if os.path.isdir(inp):
+            check_dir(inp, field)
+        else:
+            check_input(inp, field)
+        try:
+            found = data_files(inp)
+        except DataError as exc:
+            raise BadInput(field, f"{show(exc.file or inp)}: {exc.reason}") from None
+        for f in found:
+            check_input(f, field)
             check_file(f)
+        out += found
+    return out
+
+
+def check_args(args: argparse.Namespace, files: List[str]) -> None:
+    """The flags, and the outputs against the inputs (nothing is written over what is read)."""
+    if args.workers < 1:
+        raise BadInput("--workers", f"must be >= 1, got {args.workers}")
+    if args.part_docs is not None and args.part_docs < 1:
+        raise BadInput("--part-docs", f"must be >= 1, got {args.part_docs}")
+    check_out(args.out, "--out")
+    reads = files + ([args.tokenizer] if args.tokenizer else [])
+    refuse_overwrite([args.out + ".bin", args.out + ".idx", args.out + ".parts"], reads, "--out")
+
+
+def _main(argv: Optional[List[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    files = input_files(args.inputs)
+    if args.tokenizer:
+        check_input(args.tokenizer, "--tokenizer", 64 << 20)
+    check_args(args, files)
+    try:
         tok = load_tokenizer(args.tokenizer)
+    except DataError as exc:
+        raise BadInput("--tokenizer", f"{show(exc.file or args.tokenizer)}: {exc.reason}") from None
+    try:
         st = prepare_files(files, args.out, args.format, args.text_field, tok, args.workers,
                            progress=not args.no_progress and sys.stderr.isatty(), part_docs=args.part_docs)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except DataError as exc:  # named as the command's argument, not the recipe's field
+        field = _ARG_OF.get(exc.field, exc.field)
+        where = f"{show(exc.file)}{f':{exc.line}' if exc.line else ''}: " if exc.file else ""
+        raise BadInput(field, f"{where}{exc.reason}") from None
     rate = st["tokens"] / max(st["seconds"], 1e-9)
     resumed = f", {st['resumed_parts']} resumed" if st["resumed_parts"] else ""
-    print(f"prepared {args.out}.bin/.idx: documents {st['documents']:,}, tokens {st['tokens']:,}, "
+    print(f"prepared {show(args.out, 300)}.bin/.idx: documents {st['documents']:,}, tokens {st['tokens']:,}, "
           f"shards {st['shards']} ({st['parts']} parts{resumed}), "
           f"bytes {st['bytes']:,} ({st['dtype']}), {st['seconds']:.1f} s, {rate:,.0f} tokens/s")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The command: prints documents, tokens, shards, bytes; exit 2 with one line for bad input
+    (paralayer/config/untrusted.py), naming the argument, the file and the line."""
+    return guard("prepare", lambda: _main(argv))
 
 
 if __name__ == "__main__":

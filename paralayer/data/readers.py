@@ -29,6 +29,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 import numpy as np  # noqa: E402
 
+from paralayer.config.depth import MAX_DEPTH, json_depth  # noqa: E402
 from paralayer.data.errors import DataError  # noqa: E402
 
 
@@ -104,6 +105,8 @@ def locate_error(fmt: str, files: List[str], text_field: str, exc: BaseException
             for lineno, line in _lines(fname):
                 if fmt != "jsonl" or not line.strip():
                     continue
+                if json_depth(line) > MAX_DEPTH:  # before json recurses (a deep line exhausts the stack)
+                    return DataError(f"nested more than {MAX_DEPTH} levels deep", file=fname, line=lineno)
                 try:
                     obj = json.loads(line.strip())
                 except json.JSONDecodeError as e:

@@ -5,13 +5,16 @@ only that, so a job that is requeued or re-run later trains exactly what was pla
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from paralayer import config as config_mod
 from paralayer.config import Config
+from paralayer.config.echo import one_line
 from paralayer.dispatch.errors import LaunchError
 from paralayer.resolve.rules import auto_device
 
@@ -46,6 +49,34 @@ def check_devices(plans: list[Any]) -> None:
                           "profile to run on GPU nodes (--dry-run and --plan work from here)")
 
 
+#: what a run leaves in run.dir: a folder holding one of these holds another run
+RUN_FILES = ("resolved.yaml", "plan.json", "metrics.jsonl", "goodput.json", "error.txt", "placement.json",
+             "checkpoints")
+
+
+def refuse_reuse(run_dir: Path, resume: Any) -> None:
+    """A run never reuses a folder that holds another run's files unless it resumes that run
+    (``train.resume`` auto or a path): else its resolved.yaml, plan.json and metrics would be
+    written over. LaunchError (exit 2) naming the folder and train.resume."""
+    if resume not in (None, "", "none") or not run_dir.is_dir():
+        return
+    found = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if found:
+        raise LaunchError(f"run.dir: {one_line(str(run_dir), 300)} holds another run's files ({', '.join(found)}); "
+                          "choose a new run.dir, or set train.resume=auto to resume that run")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary name renamed into place (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
 def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
     """Create run.dir (default runs/<recipe>-<time>) holding resolved.yaml and plan.json."""
     if not cfg.run.dir:
@@ -53,10 +84,11 @@ def prepare_run_dir(cfg: Config, plan: Any, suffix: str = "") -> str:
         cfg.run.dir = str(Path("runs") / f"{cfg.recipe}-{stamp}{suffix}")
     run_dir = Path(cfg.run.dir)
     plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+    refuse_reuse(run_dir, cfg.train.resume)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "resolved.yaml").write_text(config_mod.to_yaml(cfg))
-        (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+        write_atomic(run_dir / "resolved.yaml", config_mod.to_yaml(cfg))
+        write_atomic(run_dir / "plan.json", json.dumps(plan_dict, indent=2) + "\n")
     except OSError as exc:
         raise LaunchError(f"run.dir: cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
     return str(run_dir.resolve())
@@ -93,6 +125,8 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
     sweep_dir = cfgs[0].run.dir or str(Path("runs") / group)
     overrides = sweep.differing(cfgs)
     names = sweep.run_names(overrides)  # runs named by what differs (tp2-pp2/); the index is in sweep.json
+    for cfg, name in zip(cfgs, names):  # every folder checked before any is written
+        refuse_reuse(Path(sweep_dir) / name, cfg.train.resume)
     run_dirs = []
     for cfg, plan, name in zip(cfgs, plans, names):
         cfg.logging.wandb.group = group

@@ -412,29 +412,66 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     return res
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m paralayer.dispatch.slurm RUN_DIR... --profile cluster/profiles/local-slurm.yaml``"""
-    import argparse
+def load_profile(path: str) -> dict:
+    """``--profile FILE`` as untrusted input: a bounded, depth-checked YAML mapping (its top level or
+    its ``cluster:`` key) whose keys and types the front door's schema accepts (the same loader as
+    ``cluster=FILE``). BadInput naming --profile (and the field) otherwise."""
+    import tempfile
 
-    ap = argparse.ArgumentParser(prog="python -m paralayer.dispatch.slurm", description=main.__doc__)
-    ap.add_argument("run_dirs", nargs="+")
+    import yaml
+
+    from paralayer import config as config_mod
+    from paralayer.config import ConfigError
+    from paralayer.config.depth import MAX_FILE_BYTES
+    from paralayer.config.untrusted import BadInput, read_yaml, show
+
+    prof = read_yaml(path, "--profile", MAX_FILE_BYTES)
+    if not isinstance(prof, dict):
+        raise BadInput("--profile", f"{show(path)}: must hold a mapping of cluster keys, got "
+                       f"{type(prof).__name__ if prof is not None else 'nothing'}")
+    cluster = prof["cluster"] if isinstance(prof.get("cluster"), dict) else prof
+    with tempfile.TemporaryDirectory() as tmp:  # the schema's check, as cluster=FILE gets it
+        f = os.path.join(tmp, "profile.yaml")
+        with open(f, "w", encoding="utf-8") as out:
+            yaml.safe_dump(cluster, out)
+        try:
+            config_mod.load_config(["recipe=tiny", f"cluster={f}"])
+        except ConfigError as exc:
+            raise BadInput("--profile", f"{show(path)}: {exc.field}: {exc.message}".replace(f, show(path))) from None
+    return cluster
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from paralayer.config.untrusted import ArgParser, BadInput, check_dir, check_file
+
+    ap = ArgParser(prog="python -m paralayer.dispatch.slurm", description=main.__doc__)
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     ap.add_argument("--profile", required=True, help="cluster profile YAML (its top level or its 'cluster:' key)")
     ap.add_argument("--folder", default=None)
     ap.add_argument("--entry", default=DEFAULT_ENTRY)
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=None)
     a = ap.parse_args(argv)
-    import yaml
-
-    with open(a.profile) as f:
-        prof = yaml.safe_load(f) or {}
-    cluster = prof["cluster"] if isinstance(prof.get("cluster"), dict) else prof
+    cluster = load_profile(a.profile)
+    for d in a.run_dirs:
+        check_dir(d, "RUN_DIR")
+        for name in ("resolved.yaml", "plan.json"):
+            check_file(os.path.join(d, name), "RUN_DIR", 16 << 20)
+    if a.timeout_s is not None and not (0 < a.timeout_s < 10 ** 7):
+        raise BadInput("--timeout-s", f"must be a number of seconds in (0, 1e7), got {a.timeout_s}")
     try:
         res = submit(a.run_dirs, cluster, a.folder, wait=a.wait, entry=a.entry, timeout_s=a.timeout_s)
     except DispatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return res.status or 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m paralayer.dispatch.slurm RUN_DIR... --profile cluster/profiles/local-slurm.yaml``"""
+    from paralayer.config.untrusted import guard
+
+    return guard("resubmit", lambda: _main(argv))
 
 
 if __name__ == "__main__":

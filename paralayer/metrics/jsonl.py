@@ -87,25 +87,37 @@ def strict_json_record(record: Dict[str, Any]) -> Dict[str, Any]:
 
 class JsonlWriter:
     """Appends records to ``run_dir/metrics.jsonl``, one flushed line each. Opened for append: a
-    resumed run continues the file (call :func:`truncate_after` first), starting on a fresh line
-    when a crash left the last one cut short."""
+    resumed run continues the file, starting on a fresh line when a crash left the last one cut
+    short. ``keep_through``: the records after that step are dropped (:func:`truncate_after`) when
+    the first record is written, not before: a run that fails before its first step leaves the
+    file it found byte for byte."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, keep_through: Optional[int] = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a+", encoding="utf-8")
-        self._file.seek(0, os.SEEK_END)
-        if self._file.tell() > 0:
-            self._file.seek(self._file.tell() - 1)
-            last = self._file.read(1)
-            self._file.seek(0, os.SEEK_END)
+        self._keep_through = keep_through
+        self._file = None
+
+    def _open(self):
+        if self._keep_through is not None and os.path.exists(self.path):
+            truncate_after(self.path, self._keep_through)
+        f = open(self.path, "a+", encoding="utf-8")
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(f.tell() - 1)
+            last = f.read(1)
+            f.seek(0, os.SEEK_END)
             if last != "\n":
-                self._file.write("\n")
-                self._file.flush()
+                f.write("\n")
+                f.flush()
+        return f
 
     def write(self, record: Dict[str, Any]) -> None:
+        if self._file is None:
+            self._file = self._open()
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

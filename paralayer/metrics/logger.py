@@ -26,7 +26,8 @@ class MetricsLogger:
                  is_logging_rank: bool, wandb_mode: str = "offline",
                  wandb_project: str = "paralayer", wandb_group: Optional[str] = None,
                  total_steps: int = 0, progress: bool = True, run_name: Optional[str] = None,
-                 peak_source: Optional[str] = None, console: Any = None, log_every: int = 1):
+                 peak_source: Optional[str] = None, console: Any = None, log_every: int = 1,
+                 keep_through: Optional[int] = None):
         self.enabled = bool(is_logging_rank)
         self.log_every = max(1, int(log_every))
         self.run_dir = run_dir
@@ -37,7 +38,7 @@ class MetricsLogger:
         self._wandb_run = None
         if not self.enabled:
             return
-        self._jsonl = JsonlWriter(run_dir)
+        self._jsonl = JsonlWriter(run_dir, keep_through)  # cut back at the first record, not before
         self.path = self._jsonl.path
         self._console = ConsoleProgress(self.total_steps, progress, console, every=self.log_every)
         self.console = self._console.console

@@ -38,7 +38,7 @@ def _entries(data_cfg: Any) -> tuple[list, list]:
             errors.append(Issue(f"data.blend[{i}].path", "needs a path (each entry is {path: P, weight: W})"))
             continue
         try:
-            w = float(weight)
+            w = float("nan") if isinstance(weight, bool) else float(weight)  # true is no weight
         except (TypeError, ValueError):
             w = float("nan")
         if not math.isfinite(w) or w <= 0:

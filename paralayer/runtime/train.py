@@ -198,14 +198,12 @@ def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progr
     from paralayer import metrics as metrics_mod
 
     cfg = run.cfg
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if run.rank == 0 and os.path.exists(metrics_path):
-        metrics_mod.truncate_after(metrics_path, start_step - 1)
-    return metrics_mod.MetricsLogger(
+    return metrics_mod.MetricsLogger(  # metrics.jsonl is cut back to start_step - 1 at its first record
         run_dir, config_mod.to_dict(cfg), run.plan.to_dict(), run.rank == 0, cfg.logging.wandb.mode,
         cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
         progress=log_progress and cfg.logging.progress, peak_source=run.peak_source,
-        run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)), log_every=cfg.train.log_every)
+        run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)), log_every=cfg.train.log_every,
+        keep_through=start_step - 1)
 
 
 # ------------------------------------------------------------------ one step

@@ -23,11 +23,13 @@ The parts: ``runs`` (finding and reading the runs), ``table`` (CSV, markdown, th
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from paralayer.config.untrusted import ArgParser, check_out, guard
 from paralayer.metrics.report.runs import (  # noqa: F401 - the report's API
     ERROR_FILE,
     QUANTITIES,
@@ -85,6 +87,8 @@ def write(paths: Sequence[str], out_dir: Optional[str] = None, show: bool = True
     ``out_dir`` (default: the folder given, or the runs' common parent); print it when ``show``."""
     from paralayer.metrics.report.plot import plot
 
+    if out_dir is not None:
+        check_out(out_dir, "--out")
     rows = build(paths)
     if out_dir is None:
         out_dir = os.path.abspath(paths[0]) if len(paths) == 1 and not is_run(paths[0]) else \
@@ -92,10 +96,18 @@ def write(paths: Sequence[str], out_dir: Optional[str] = None, show: bool = True
     os.makedirs(out_dir, exist_ok=True)
     rep = Report(rows, out_dir)
     rep.files = {k: os.path.join(out_dir, f"report.{k}") for k in ("csv", "md", "png")}
-    write_csv(rows, rep.files["csv"])
-    with open(rep.files["md"], "w", encoding="utf-8") as f:
-        f.write(markdown(rows))
-    plot(rows, rep.files["png"])
+    tmp = {k: os.path.join(out_dir, f".report.tmp-{os.getpid()}.{k}") for k in rep.files}
+    try:  # each file under a temporary name, renamed into place when whole
+        write_csv(rows, tmp["csv"])
+        with open(tmp["md"], "w", encoding="utf-8") as f:
+            f.write(markdown(rows))
+        plot(rows, tmp["png"])
+        for k in rep.files:
+            os.replace(tmp[k], rep.files[k])
+    finally:
+        for t in tmp.values():
+            with contextlib.suppress(OSError):
+                os.unlink(t)
     if show:
         print_table(rows, file)
         print(f"report: {rep.files['md']}, {rep.files['csv']}, {rep.files['png']}", file=file or sys.stdout)
@@ -125,22 +137,21 @@ def log_to_wandb(rep: Report, mode: str, project: str, group: Optional[str], fol
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m paralayer.report DIR [DIR ...] [--out DIR] [--wandb MODE]``: exit 0 when every
-    run completed, 1 when one did not, 2 when there is nothing to report on."""
-    import argparse
+    run completed, 1 when one did not, 2 for bad input (nothing to report on, or a run folder whose
+    files cannot be trusted: paralayer/config/untrusted.py), one line naming the folder or file."""
+    return guard("report", lambda: _main(argv))
 
-    ap = argparse.ArgumentParser(prog="python -m paralayer.report",
-                                 description="predicted against measured, one row per run of a sweep")
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    ap = ArgParser(prog="python -m paralayer.report",
+                   description="predicted against measured, one row per run of a sweep")
     ap.add_argument("dirs", nargs="+", help="a sweep folder, a SLURM sweep's folder, or run folders")
     ap.add_argument("--out", default=None, help="where report.{csv,md,png} go (default: the folder given, "
                                                 "or the runs' common parent)")
     ap.add_argument("--wandb", default="disabled", choices=("disabled", "offline", "online"),
                     help="also log the report to a summary run of the runs' W&B group")
     a = ap.parse_args(argv)
-    try:
-        rep = write(a.dirs, a.out)
-    except ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    rep = write(a.dirs, a.out)
     if a.wandb != "disabled":
         cfg = read_yaml(os.path.join(rep.rows[0].run_dir, "resolved.yaml"))
         wb = (cfg.get("logging") or {}).get("wandb") or {}

@@ -11,7 +11,9 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from paralayer.metrics.jsonl import read_records
+from paralayer.config import untrusted
+from paralayer.config.echo import one_line
+from paralayer.config.untrusted import BadInput, show
 from paralayer.metrics.throughput import summarize
 
 #: (key, what) of each quantity set side by side; the CSV has predicted_KEY, measured_KEY, ratio_KEY
@@ -21,8 +23,12 @@ SWEEP_FILE = "sweep.json"
 ERROR_FILE = "error.txt"
 
 
-class ReportError(ValueError):
-    """Nothing to report on: a folder that does not exist or holds no run."""
+class ReportError(BadInput):
+    """Nothing to report on (a folder that does not exist or holds no run), or a run folder whose
+    files cannot be trusted (paralayer/config/untrusted.py): exit 2, naming the folder or file."""
+
+    def __init__(self, message: str, field: str = "DIR"):
+        super().__init__(field, message)
 
 
 @dataclass
@@ -61,12 +67,72 @@ def is_run(path: str) -> bool:
 
 
 def _load_json(path: str) -> Dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    """A run's JSON file (plan.json, sweep.json) as untrusted input: missing is {}; a link out of
+    the folder to /proc, a FIFO, a huge, deep or broken file is ReportError naming it."""
+    if not os.path.lexists(path):
         return {}
+    return untrusted.read_json(path, "DIR")
+
+
+def _typed(obj: Dict[str, Any], key: str, kinds: tuple, where: str, what: str) -> Any:
+    """``obj[key]`` when it is missing, None or of ``kinds`` (a bool is no number); else ReportError."""
+    v = obj.get(key)
+    if v is None or (isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)):
+        return v
+    raise ReportError(f"{where}: {key} must be {what}, got {show(repr(v), 60)}")
+
+
+_NUMBER = (int, float)
+
+
+def _check_sweep(meta: Dict[str, Any], path: str) -> Dict[str, Any]:
+    where = show(path)
+    _typed(meta, "index", (int,), where, "an integer")
+    _typed(meta, "name", (str,), where, "text")
+    for key in ("runs", "overrides"):
+        _typed(meta, key, (list,), where, "a list")
+    for r in meta.get("runs") or []:
+        if not isinstance(r, dict) or not isinstance(r.get("dir"), str):
+            raise ReportError(f"{where}: runs must list objects with a 'dir' text, got {show(repr(r), 60)}")
+    if not all(isinstance(o, str) for o in meta.get("overrides") or []):
+        raise ReportError(f"{where}: overrides must list texts")
+    slurm = _typed(meta, "slurm", (dict,), where, "an object") or {}
+    _typed(slurm, "job_id", (str, int), f"{where} slurm", "a job id")
+    _typed(slurm, "state", (str,), f"{where} slurm", "text")
+    logs = _typed(slurm, "stderr", (list,), f"{where} slurm", "a list of log files") or []
+    if not all(isinstance(x, str) for x in logs):
+        raise ReportError(f"{where}: slurm.stderr must list file names")
+    return meta
+
+
+def _check_plan(plan: Dict[str, Any], path: str) -> Dict[str, Any]:
+    where = show(path)
+    for key in ("bubble_fraction", "step_time_s", "tokens_per_s", "mfu"):
+        _typed(plan, key, _NUMBER, where, "a number")
+    _typed(plan, "device", (str,), where, "text")
+    mem = _typed(plan, "memory_per_device_bytes", (dict,), where, "an object") or {}
+    _typed(mem, "total", _NUMBER, f"{where} memory_per_device_bytes", "a number")
+    return plan
+
+
+#: metrics.jsonl keys the report computes with: numbers (or null)
+_RECORD_NUMBERS = ("loss", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "bubble_measured")
+
+
+def read_records(path: str) -> List[Dict[str, Any]]:
+    """metrics.jsonl as untrusted input: the records with an integer ``step`` (a line cut short by
+    a crash skipped); a binary, non-UTF-8 or deeply nested line, or a record whose numbers are
+    not numbers, is ReportError naming the file, line and key."""
+    if not os.path.lexists(path):
+        return []
+    out = []
+    for n, rec in untrusted.jsonl_records(path, "DIR"):
+        if not isinstance(rec, dict) or isinstance(rec.get("step"), bool) or not isinstance(rec.get("step"), int):
+            continue
+        for key in _RECORD_NUMBERS:
+            _typed(rec, key, _NUMBER, f"{show(path)} line {n}", "a number")
+        out.append(rec)
+    return out
 
 
 def find_runs(paths: Sequence[str]) -> List[str]:
@@ -77,12 +143,14 @@ in name order). Raises ReportError when none is found."""
     found: List[str] = []
     for p in paths:
         p = os.path.abspath(p)
-        if not os.path.isdir(p):
-            raise ReportError(f"{p}: no such folder")
+        untrusted.check_dir(p, "DIR")
         if is_run(p):
             found.append(p)
             continue
-        listed = [os.path.join(p, r["dir"]) for r in _load_json(os.path.join(p, SWEEP_FILE)).get("runs", [])]
+        sweep_file = os.path.join(p, SWEEP_FILE)
+        listed = [os.path.join(p, r["dir"]) for r in _check_sweep(_load_json(sweep_file), sweep_file).get("runs") or []]
+        for d in listed:
+            untrusted.check_dir(d, f"{show(sweep_file)} runs")
         if listed:
             found.extend(os.path.abspath(d) for d in listed)
             continue
@@ -95,8 +163,9 @@ in name order). Raises ReportError when none is found."""
                 dirs[:] = []
     runs = list(dict.fromkeys(found))
     if not runs:
-        raise ReportError(f"{', '.join(paths)}: no run folder (one holding plan.json) found")
-    index = {d: _load_json(os.path.join(d, SWEEP_FILE)).get("index") for d in runs}
+        raise ReportError(f"{show(', '.join(paths))}: no run folder (one holding plan.json) found")
+    index = {d: _check_sweep(_load_json(os.path.join(d, SWEEP_FILE)), os.path.join(d, SWEEP_FILE)).get("index")
+             for d in runs}
     if all(isinstance(i, int) for i in index.values()):
         return sorted(runs, key=lambda d: (index[d], d))
     return runs
@@ -138,14 +207,15 @@ def _show_value(v: Any) -> str:
 
 
 def read_yaml(path: str) -> Dict[str, Any]:
-    try:
-        import yaml
-
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-        return data if isinstance(data, dict) else {}
-    except Exception:  # noqa: BLE001 - unreadable or broken YAML: reported as a missing resolved.yaml
+    """resolved.yaml as untrusted input: missing is {}; unreadable or not a mapping, ReportError."""
+    if not os.path.lexists(path):
         return {}
+    data = untrusted.read_yaml(path, "DIR")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ReportError(f"{show(path)}: must hold a mapping (the resolved recipe), got {type(data).__name__}")
+    return data
 
 
 def _predicted(run_dir: str, plan: Dict[str, Any]) -> tuple:
@@ -169,22 +239,27 @@ def _predicted(run_dir: str, plan: Dict[str, Any]) -> tuple:
 
 def read_run(run_dir: str, index: int = 0) -> Row:
     """One run folder as a report row (whatever state it is in)."""
-    plan = _load_json(os.path.join(run_dir, "plan.json"))
+    plan = _check_plan(_load_json(os.path.join(run_dir, "plan.json")), os.path.join(run_dir, "plan.json"))
     cfg = read_yaml(os.path.join(run_dir, "resolved.yaml"))
-    meta = _load_json(os.path.join(run_dir, SWEEP_FILE))
+    meta = _check_sweep(_load_json(os.path.join(run_dir, SWEEP_FILE)), os.path.join(run_dir, SWEEP_FILE))
     records = read_records(os.path.join(run_dir, "metrics.jsonl"))
     s = summarize(records)
     train = cfg.get("train") or {}
-    planned = int(train.get("stop_at_step") or train.get("steps") or 0)
+    where = f"{show(os.path.join(run_dir, 'resolved.yaml'))} train"
+    if not isinstance(train, dict):
+        raise ReportError(f"{show(os.path.join(run_dir, 'resolved.yaml'))}: train must be a mapping")
+    planned = int(_typed(train, "stop_at_step", (int,), where, "an integer") or
+                  _typed(train, "steps", (int,), where, "an integer") or 0)
     pred, source = _predicted(run_dir, plan)
-    row = Row(index=int(meta.get("index", index)), name=str(meta.get("name", "")), run_dir=run_dir,
-              overrides=list(meta.get("overrides", [])), state="", steps_logged=len(records),
+    row = Row(index=int(meta.get("index", index)), name=one_line(meta.get("name") or "", 200), run_dir=run_dir,
+              overrides=[one_line(o, 200) for o in meta.get("overrides") or []], state="", steps_logged=len(records),
               steps_planned=planned, predicted=pred, final_loss=s["last_loss"], predicted_by=source,
               device=str(plan.get("device") or ""))
     row.measured = {"step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
                     "memory_bytes": s["peak_memory_bytes"], "bubble": s["bubble_measured"]}
     last_step = max((r["step"] for r in records), default=0)
     row.state, row.error = run_state(run_dir, meta, last_step, planned)
+    row.error = one_line(row.error, 500)
     return row
 
 
@@ -208,13 +283,11 @@ def last_error_line(text: str) -> str:
 
 
 def _read_text(path: str, tail_bytes: int = 65536) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - tail_bytes))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
+    """The tail of a log as untrusted input: missing is ""; a link to /proc/self/environ (secrets),
+    a FIFO or a device is ReportError naming it, never read."""
+    if not os.path.lexists(path):
         return ""
+    return untrusted.read_tail(path, "DIR", tail_bytes)
 
 
 def _slurm_state(job_id: str) -> Optional[str]:

@@ -7,6 +7,7 @@ import csv
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from paralayer.config.echo import one_line
 from paralayer.metrics.report.runs import QUANTITIES, Row
 
 
@@ -95,7 +96,7 @@ def markdown(rows: Sequence[Row], title: str = "Sweep report") -> str:
     if bad:
         out += ["", "## Runs that did not complete", ""]
         out += [f"- **{_md_escape(r.label)}** ({r.state}, {r.steps_logged}/{r.steps_planned} steps): "
-                f"`{_md_escape(r.error) or 'no error recorded'}` — {r.run_dir}" for r in bad]
+                f"`{_md_escape(r.error) or 'no error recorded'}` — {_md_escape(one_line(r.run_dir))}" for r in bad]
     out += ["", "Predicted: the run's plan.json (memory: the most loaded device; time: " +
             "; ".join(sorted({r.predicted_by for r in rows})) + "). Measured: medians of metrics.jsonl "
             "(first step left out when there are 3 or more); memory is rank 0's peak (on CPU the whole "
