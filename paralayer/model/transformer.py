@@ -157,7 +157,19 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    return cfg.moe.num_experts > 0 and (layer_id + 1) % cfg.moe.every == 0
+    """Layers 0 … first_k_dense−1 stay dense (DeepSeek-V3's first_k_dense_replace); of the rest,
+    every ``every``-th (1-based, Qwen3-MoE's decoder_sparse_step) is MoE."""
+    m = cfg.moe
+    return m.num_experts > 0 and layer_id >= m.first_k_dense and (layer_id + 1) % m.every == 0
+
+
+def router_spec(cfg: ModelConfig):
+    """The router of ``model.moe`` (paralayer/model/routing.py)."""
+    from paralayer.model.routing import RouterSpec
+
+    m = cfg.moe
+    return RouterSpec(kind=m.router, top_k=m.top_k, n_group=m.n_group, topk_group=m.topk_group,
+                      routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob)
 
 
 class TransformerBlock(nn.Module):
@@ -174,7 +186,8 @@ class TransformerBlock(nn.Module):
             m = cfg.moe
             self.feed_forward = MoEFeedForward(
                 cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
-                router=m.router, shared_ffn_hidden=m.shared_ffn_hidden)
+                router=m.router, shared_ffn_hidden=m.shared_ffn_hidden, spec=router_spec(cfg),
+                seq_aux=m.seq_aux_loss_coef > 0)
         else:
             self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_hidden)
         self.recompute_full = False
@@ -234,6 +247,15 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             ff = layer.feed_forward
             a = getattr(ff, "aux_loss", None)
+            if a is not None:
+                total = a if total is None else total + a
+        return total
+
+    def seq_aux_loss(self) -> Optional[torch.Tensor]:
+        """Sum of the MoE layers' sequence-wise balance losses (None when off or dense)."""
+        total = None
+        for layer in self.layers.values():
+            a = getattr(layer.feed_forward, "seq_aux_loss", None)
             if a is not None:
                 total = a if total is None else total + a
         return total

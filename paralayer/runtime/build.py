@@ -254,6 +254,7 @@ def build_runner(run: Any):
                             microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
                             loss_parallel=d["tp"] > 1,
                             aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
+                            seq_aux_loss_coef=moe.seq_aux_loss_coef if moe.num_experts > 0 else 0.0,
                             scale_grads=run.scaling.schedule_scales,
                             # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
                             reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),

@@ -228,8 +228,10 @@ def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -
                     shared_weight_casts([model] if dtype is not None else []), run.comm.region("forward"):
                 logits = model(mb_tokens)
                 loss = run.loss_fn(logits, mb_labels)
-            aux = model.aux_loss()
+            aux, seq_aux = model.aux_loss(), model.seq_aux_loss()
             total = loss if aux is None else loss + run.cfg.model.moe.aux_loss_coef * aux
+            if seq_aux is not None:  # DeepSeek-V3's sequence-wise balance loss
+                total = total + run.cfg.model.moe.seq_aux_loss_coef * seq_aux
             run.comm.at(run.comm.step, "backward", i)
             with run.comm.region("backward"):
                 (total / run.scaling.loss_divisor).backward()
