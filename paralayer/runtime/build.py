@@ -77,6 +77,11 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     plan = as_plan(plan)
     d = plan.degrees
     tp, pp, cp, ep = (int(d[k]) for k in ("tp", "pp", "cp", "ep"))
+    if cp > 1 and cfg.model.moe.num_experts > 0 and cfg.model.moe.seq_aux_loss_coef > 0:
+        # a sequence's balance loss needs its whole sequence's counts; under cp each rank holds a
+        # zigzag shard of it (not built: refused rather than computed per shard)
+        raise ValueError("model.moe.seq_aux_loss_coef > 0 is not built under parallel.cp > 1; "
+                         "set parallel.cp=1 or model.moe.seq_aux_loss_coef=0")
     with torch.device("meta"):
         model = Transformer(cfg.model, plan.padded_vocab_size)
     if pp > 1:
