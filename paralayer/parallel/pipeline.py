@@ -185,6 +185,9 @@ def split_model(model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         if c != n_chunks - 1:
             chunk.norm = None
             chunk.output = None
+            chunk.mtp = None
+        elif getattr(chunk, "mtp", None) is not None:
+            chunk.mtp.add_embedding_copy()  # MTP reads the embedding on the last stage (model/mtp.py)
         chunk.pp_chunk = c
         chunks.append(chunk)
     return chunks

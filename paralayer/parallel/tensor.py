@@ -114,6 +114,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         fused = SpGemms(tp_mesh.get_group())
     for block in model.layers.values():
         _parallelize_block(block, tp_mesh, sp, stream, fused)
+    if getattr(model, "mtp", None) is not None:
+        _parallelize_mtp(model.mtp, tp_mesh, sp, stream, fused)
 
     model.tp_mesh = tp_mesh
     model.tp_sequence_parallel = sp
@@ -140,6 +142,26 @@ def _parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream) -
                                               use_local_output=False)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+
+
+def _parallelize_mtp(mtp: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, fused) -> None:
+    """The MTP depths (model/mtp.py): each block as the others; the norms and the (d, 2d)
+    projection M_k replicated (d×2d is small beside the block; splitting it would add a
+    collective per depth), sequence-parallel under SP like the norms (their weight grads come
+    out Partial and are summed by :func:`align_grad`). The head norm hands the head a Shard(1)
+    DTensor, as the final norm does. The last stage's embedding copy is split as the embedding."""
+    for layer in mtp.layers.values():
+        if sp:
+            parallelize_module(layer, tp_mesh, {"enorm": SequenceParallel(use_local_output=True),
+                                                "hnorm": SequenceParallel(use_local_output=True),
+                                                "eh_proj": SequenceParallel(use_local_output=True),
+                                                "norm": SequenceParallel()})
+        else:
+            for part in (layer.enorm, layer.hnorm, layer.eh_proj, layer.norm):
+                _replicate(part, tp_mesh)
+        _parallelize_block(layer.block, tp_mesh, sp, stream, fused)
+    if mtp.embed is not None:
+        parallelize_module(mtp, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)})
 
 
 def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, fused) -> None:

@@ -82,6 +82,10 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         # zigzag shard of it (not built: refused rather than computed per shard)
         raise ValueError("model.moe.seq_aux_loss_coef > 0 is not built under parallel.cp > 1; "
                          "set parallel.cp=1 or model.moe.seq_aux_loss_coef=0")
+    if cfg.model.mtp.depth > 0 and (cp > 1 or (pp > 1 and cfg.model.tie_embeddings)):
+        # MTP reads t_{i+k}, on another context rank under cp; tied + MTP under pp = three copies
+        raise ValueError("model.mtp.depth > 0 is not built with parallel.cp > 1, nor with "
+                         "model.tie_embeddings under parallel.pp > 1")
     with torch.device("meta"):
         model = Transformer(cfg.model, plan.padded_vocab_size)
     if pp > 1:
@@ -184,11 +188,13 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
 
 
 # ------------------------------------------------------------------ loss
-def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: int):
+def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: int,
+                 mtp_chunk: Optional[torch.nn.Module] = None):
     """Per-microbatch loss whose average over the dp·cp ranks is the global mean CE.
 
     Context ranks hold unequal numbers of valid labels (the sequence's last position has none),
     so the local mean is re-weighted (``cp_loss_weight``, the gradient-scaling contract).
+    ``mtp_chunk``: the chunk holding the MTP depths (the last), whose loss joins the gradient.
     """
     plan = as_plan(plan)
     tp = int(plan.degrees["tp"])
@@ -196,20 +202,45 @@ def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: i
     vocab = cfg.model.vocab_size
     ce = compile_loss(lm_loss, cfg.train.compile_backend) if cfg.train.compile and tp == 1 else lm_loss
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        n_local = (labels != -100).sum()
-        n_global = labels.shape[0] * n_valid_global_per_seq
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if tp > 1:
             from paralayer.parallel.tensor import tp_loss
 
-            mean = tp_loss(logits, labels, vocab)
-        else:
-            mean = ce(logits, labels, vocab)  # cross_entropy ignores the -100 labels
+            return tp_loss(logits, labels, vocab)
+        return ce(logits, labels, vocab)  # cross_entropy ignores the -100 labels
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n_local = (labels != -100).sum()
+        n_global = labels.shape[0] * n_valid_global_per_seq
+        mean = cross_entropy(logits, labels)
+        if mtp_chunk is not None and mtp_chunk.mtp_input is not None:
+            # value: the next-token CE alone (what ``loss`` logs); gradient: also L_MTP's
+            extra = mtp_objective(mtp_chunk, labels, cross_entropy, cfg.model.moe)
+            mean = mean + (extra - extra.detach())
         if cp == 1:
             return mean
         return mean * cp_loss_weight(n_local.to(mean.dtype), n_global, cp)
 
     return loss_fn
+
+
+def mtp_objective(chunk: torch.nn.Module, labels: torch.Tensor, cross_entropy, moe) -> torch.Tensor:
+    """L_MTP = λ/D·Σ_k CE_k (model/mtp.py), plus the balance losses of the MTP depths' MoE blocks
+    (they run here, after the stage's aux-loss hook); L_MTP is added to the step's ``mtp_loss``."""
+    from paralayer.model.mtp import moe_blocks
+
+    mtp = chunk.mtp
+    ces = [cross_entropy(logits, targets) for logits, targets in chunk.mtp_outputs(labels)]
+    l_mtp = (mtp.loss_weight / mtp.depth) * torch.stack([c.float().reshape(()) for c in ces]).sum()
+    mtp.loss_sum += float(l_mtp.detach())
+    mtp.forwards += 1
+    total = l_mtp
+    for ff in moe_blocks(mtp):
+        if ff.aux_loss is not None and moe.aux_loss_coef:
+            total = total + moe.aux_loss_coef * ff.aux_loss
+        if ff.seq_aux_loss is not None:
+            total = total + moe.seq_aux_loss_coef * ff.seq_aux_loss
+    return total
 
 
 # ------------------------------------------------------------------ the rest of a rank's setup
@@ -232,7 +263,8 @@ def build_reducer(scaling: GradScaling, built: Built, meshes: Meshes):
 def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
     """Tied embeddings under pp: the (first, last) pipeline pair that sums the embedding and head
     grads; None when they sit on one rank (pp = 1, or the V schedules keep both on pp rank 0)."""
-    if not (cfg.model.tie_embeddings and int(plan.degrees["pp"]) > 1 and plan.schedule not in ("zbv", "dualpipev")):
+    pp = int(plan.degrees["pp"])
+    if not (tied.shares_embedding(cfg.model, pp) and pp > 1 and plan.schedule not in ("zbv", "dualpipev")):
         return None
     w = meshes.world.mesh
     return tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), dist.get_rank())
