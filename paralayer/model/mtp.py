@@ -57,8 +57,8 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.depth = cfg.mtp.depth
         self.loss_weight = cfg.mtp.loss_weight
+        self.register_module("embed", None)  # pp > 1: this stage's copy (see the module doc)
         self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, cfg.n_layers + k) for k in range(self.depth)})
-        self.embed: Optional[nn.Embedding] = None  # pp > 1: this stage's copy (see the module doc)
         self.vocab_padded = vocab_padded
         self.d_model = cfg.d_model
         self.reset_step_stats()
@@ -77,11 +77,24 @@ class MultiTokenPrediction(nn.Module):
         """[(logits of depth k, its targets)] for k = 1 … D; ``labels`` (b, s) with −100 at the end."""
         out = []
         h = h0
+        anchor = _zero_anchor(h0) if self.embed is not None else None
         for k, layer in enumerate(self.layers.values(), start=1):
             ids = _shift(labels, k - 1).clamp(min=0)  # t_{i+k}; the tail (no token) reads id 0
-            h = layer(h, embedding(ids), cos, sin)
+            e = embedding(ids)
+            h = layer(h, e if anchor is None else e + anchor, cos, sin)
             out.append((head(h), _shift(labels, k)))  # targets t_{i+k+1}, −100 past the end
         return out
+
+
+def _zero_anchor(h0: Tensor) -> Tensor:
+    """0·Σh0: adds exactly nothing, but ties each depth's embedding to the stage input in the
+    autograd graph. The split backward of the V schedules (torch.distributed.pipelining, weight
+    pass) starts a parameter's gradient from where its path first meets the input's; without
+    this, the embedding copy's path meets it at every depth, and the pass from depth 2 walks back
+    through depth 1's block, freeing it before that block's own weight pass (seen: D=2 under
+    dualpipev, "backward through the graph a second time")."""
+    local = h0.to_local() if hasattr(h0, "to_local") else h0
+    return local.sum() * 0.0
 
 
 def _shift(labels: Tensor, k: int) -> Tensor:
