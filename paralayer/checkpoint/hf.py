@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
-from paralayer.checkpoint.hf_families import QWEN3_NAMES, family_config, family_of, rope_parameters
+from paralayer.checkpoint.hf_families import (QWEN3_NAMES, family_config, family_of, qwen3_moe_config,
+                                              rope_parameters)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -57,22 +58,30 @@ _DENSE.update(QWEN3_NAMES)  # the families' additions (checkpoint/hf_families.py
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
+QWEN3_MOE_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Qwen3-MoE's per-expert names
+_HF_QWEN3_MOE_EXPERT = {v: k for k, v in QWEN3_MOE_EXPERT.items()}
 
 
-def ours_to_hf(name: str, expert: Optional[int] = None) -> str:
+def ours_to_hf(name: str, expert: Optional[int] = None, family: str = "mixtral") -> str:
     """Our parameter name → the Hugging Face key. Stacked experts (``layers.{i}.feed_forward.w1``)
-    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight``."""
+    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral), or
+    with ``family="qwen3_moe"`` ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (and the
+    router ``mlp.gate.weight``)."""
     if name in _TOP:
         return _TOP[name]
     m = _LAYER.match(name)
     if m:
         i, rest = m.groups()
+        if family == "qwen3_moe" and rest == "feed_forward.gate.weight":
+            return f"model.layers.{i}.mlp.gate.weight"
         if rest in _DENSE:
             return f"model.layers.{i}.{_DENSE[rest]}"
         ff = re.match(r"^feed_forward\.(w[123])$", rest)
         if ff:
             if expert is None:
                 raise KeyError(f"{name}: a stacked expert weight; pass expert=j")
+            if family == "qwen3_moe":
+                return f"model.layers.{i}.mlp.experts.{expert}.{QWEN3_MOE_EXPERT[ff.group(1)]}.weight"
             return f"model.layers.{i}.block_sparse_moe.experts.{expert}.{ff.group(1)}.weight"
     raise KeyError(f"{name}: no Hugging Face equivalent")
 
@@ -94,6 +103,9 @@ def hf_to_ours(key: str) -> tuple[str, Optional[int]]:
         e = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
         if e:
             return f"layers.{i}.feed_forward.{e.group(2)}", int(e.group(1))
+        q = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+        if q:
+            return f"layers.{i}.feed_forward.{_HF_QWEN3_MOE_EXPERT[q.group(2)]}", int(q.group(1))
     raise KeyError(f"{key}: not a Llama/Mixtral weight we know")
 
 
@@ -177,6 +189,8 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
         i, w = m.groups()
         start, count = experts if experts else (0, shape[0])
         per = f"model.layers.{i}.block_sparse_moe.experts.{{j}}.{w}.weight"
+        if per.format(j=start) not in reader:  # Qwen3-MoE's per-expert names
+            per = f"model.layers.{i}.mlp.experts.{{j}}.{QWEN3_MOE_EXPERT[w]}.weight"
         if per.format(j=start) in reader:
             return torch.stack([reader.get(per.format(j=j)) for j in range(start, start + count)])
         fused_gu = f"model.layers.{i}.mlp.experts.gate_up_proj"
@@ -189,9 +203,7 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
             return (gu[:, :f] if w == "w1" else gu[:, f:]).contiguous()
         raise HFFormatError(f"{reader.path}: expert weights for {name} not found "
                             f"(looked for {per.format(j=start)} and {fused_gu})")
-    if name == "output.weight" and "lm_head.weight" not in reader:
-        return reader.get("model.embed_tokens.weight")  # tied embeddings
-    return reader.get(ours_to_hf(name))
+    return reader.get(_hf_key(reader, name))
 
 
 # ------------------------------------------------------------------ import
@@ -253,7 +265,10 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
 def _hf_key(reader: _Reader, name: str) -> str:
     if name == "output.weight" and "lm_head.weight" not in reader:
         return "model.embed_tokens.weight"  # tied embeddings
-    return ours_to_hf(name)
+    key = ours_to_hf(name)
+    if key not in reader and name.endswith("feed_forward.gate.weight"):
+        return ours_to_hf(name, family="qwen3_moe")  # Qwen3-MoE's router: mlp.gate.weight
+    return key
 
 
 def _local_region(param) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -385,8 +400,10 @@ def hf_config_dict(cfg) -> dict:
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
-    if m.num_experts > 0:
-        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax":
+    if m.num_experts > 0 and family == "qwen3_moe":
+        base.update(qwen3_moe_config(cfg))
+    elif m.num_experts > 0:
+        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax" or m.first_k_dense:
             raise HFFormatError("model.moe: only Mixtral-style MoE exports (every=1, router=softmax, no shared "
                                 f"expert); got every={m.every}, router={m.router}, "
                                 f"shared_ffn_hidden={m.shared_ffn_hidden}")
@@ -402,12 +419,13 @@ def hf_config_dict(cfg) -> dict:
 
 def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    family = family_of(cfg)
     for name, t in full.items():
         if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", name):
             for j in range(t.shape[0]):
-                out[ours_to_hf(name, expert=j)] = t[j].contiguous()
+                out[ours_to_hf(name, expert=j, family=family)] = t[j].contiguous()
         else:
-            out[ours_to_hf(name)] = t.contiguous()
+            out[ours_to_hf(name, family=family)] = t.contiguous()
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -8,6 +8,7 @@ a family adds only what its block has more:
     mistral   MistralForCausalLM       - (sliding_window, uniform)
     qwen3     Qwen3ForCausalLM         self_attn.q_norm.weight, self_attn.k_norm.weight (per head)
     mixtral   MixtralForCausalLM       block_sparse_moe.gate / experts.{j}.w1|w2|w3
+    qwen3_moe Qwen3MoeForCausalLM      qwen3's + mlp.gate / mlp.experts.{j}.gate_proj|up_proj|down_proj
 
 Export picks the family from the config: MoE → mixtral; qk_norm → qwen3 (its layer_types carry
 any window pattern); a uniform window → mistral; else llama. A config no family expresses
@@ -48,7 +49,10 @@ def family_of(cfg) -> str:
     kinds = set(layer_types(cfg))
     if cfg.moe.num_experts > 0:
         if cfg.qk_norm:
-            raise HFFormatError("model.qk_norm: q/k norms with MoE export as no family here (mixtral has none)")
+            if kinds != {"full"}:
+                raise HFFormatError("model.sliding_window: a window with q/k norms and MoE exports as no family "
+                                    "(qwen3_moe: full attention)")
+            return "qwen3_moe"
         if kinds == {"full", "sliding"}:
             raise HFFormatError("model.layer_types: an interleaved window with MoE exports as no family "
                                 "(mixtral: one window for every layer)")
@@ -59,6 +63,23 @@ def family_of(cfg) -> str:
         raise HFFormatError("model.layer_types: an interleaved window without model.qk_norm exports as no "
                             "family (qwen3 has q/k norms; mistral one window for every layer)")
     return "mistral" if kinds == {"sliding"} else "llama"
+
+
+def qwen3_moe_config(cfg) -> dict:
+    """Qwen3-MoE's config.json keys; what its block cannot say is refused (one line, the key)."""
+    m = cfg.moe
+    for bad, why in ((m.router != "softmax", "model.moe.router: qwen3_moe routes by softmax"),
+                     (m.shared_ffn_hidden, "model.moe.shared_ffn_hidden: qwen3_moe has no shared expert"),
+                     (m.n_group > 1, "model.moe.n_group: qwen3_moe has no routing by group"),
+                     (m.routed_scaling_factor != 1.0, "model.moe.routed_scaling_factor: qwen3_moe scales by 1")):
+        if bad:
+            raise HFFormatError(why)
+    renorm = True if m.norm_topk_prob is None else bool(m.norm_topk_prob)
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": cfg.ffn_hidden,
+            "moe_intermediate_size": m.ffn_hidden or cfg.ffn_hidden, "num_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k, "norm_topk_prob": renorm, "decoder_sparse_step": m.every,
+            "mlp_only_layers": list(range(m.first_k_dense)), "router_aux_loss_coef": m.aux_loss_coef,
+            "output_router_logits": False, "use_sliding_window": False, "sliding_window": None}
 
 
 def family_config(cfg, family: str) -> dict:

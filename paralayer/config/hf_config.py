@@ -70,9 +70,9 @@ def _rope_theta(hf: dict, fp: str) -> float:
     return read_rope(hf, fp)[0]
 
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
 # transformers' class defaults where config.json may leave a key out (they differ per family)
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "qwen3_moe": 128}
 _WINDOW_DEFAULT = {"mistral": 4096}
 _HF_LAYER = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -87,7 +87,16 @@ def _attention_fields(hf: dict, fp: str, mtype: str, d: int, heads: int) -> dict
     if hd % 2:
         raise HFFormatError(f"{fp}: head_dim={hd} must be even (RoPE rotates pairs)")
     out["head_dim"] = None if hd * heads == d else hd
-    out["qk_norm"] = mtype == "qwen3"
+    out["qk_norm"] = mtype in ("qwen3", "qwen3_moe")
+    if mtype == "qwen3_moe":
+        if hf.get("use_sliding_window", False):
+            raise HFFormatError(f"{fp}: use_sliding_window=true is not supported for qwen3_moe (full attention only)")
+        types = hf.get("layer_types")
+        if types is not None and any(t != "full_attention" for t in types):
+            raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} is not supported for qwen3_moe "
+                                f"(full attention only)")
+        out.update(head_dim=None if hd * heads == d else hd, sliding_window=None)
+        return out
     n = _int(hf, "num_hidden_layers", fp)
     window = hf.get("sliding_window", _WINDOW_DEFAULT.get(mtype))
     if mtype == "qwen3" and not hf.get("use_sliding_window", False):
@@ -149,7 +158,9 @@ def load_hf_config(path: str) -> dict:
     }
     if hf.get("max_position_embeddings"):
         out["seq_len"] = _int(hf, "max_position_embeddings", fp)
-    if mtype == "mixtral" or hf.get("num_local_experts"):
+    if mtype == "qwen3_moe":
+        out["moe"] = _qwen3_moe_fields(hf, fp, out["n_layers"])
+    elif mtype == "mixtral" or hf.get("num_local_experts"):
         out["moe"] = {
             "num_experts": _int(hf, "num_local_experts", fp),
             "top_k": _int(hf, "num_experts_per_tok", fp, 2),
@@ -161,6 +172,29 @@ def load_hf_config(path: str) -> dict:
             "shared_ffn_hidden": 0,
         }
     return out
+
+
+def _qwen3_moe_fields(hf: dict, fp: str, n_layers: int) -> dict:
+    """Qwen3-MoE's experts: softmax top-k, ``norm_topk_prob`` as given (Qwen3MoeConfig's default
+    false), no shared expert; its dense layers (``mlp_only_layers``, ``decoder_sparse_step``)
+    become first_k_dense + every, which express exactly "the first k dense, then every s-th"."""
+    step = _int(hf, "decoder_sparse_step", fp, 1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise HFFormatError(f"{fp}: mlp_only_layers={json.dumps(only)[:60]} must be a list of layer indices")
+    theirs = [i not in only and (i + 1) % step == 0 for i in range(n_layers)]
+    first = next((k for k in range(n_layers + 1)
+                  if [i >= k and (i + 1) % step == 0 for i in range(n_layers)] == theirs), None)
+    if first is None:
+        raise HFFormatError(f"{fp}: mlp_only_layers={json.dumps(only)[:60]} is not supported: only the first k "
+                            f"layers may be dense (model.moe.first_k_dense), with decoder_sparse_step={step}")
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
+    return {"num_experts": _int(hf, key, fp), "top_k": _int(hf, "num_experts_per_tok", fp, 8),
+            "ffn_hidden": _int(hf, "moe_intermediate_size", fp),
+            "aux_loss_coef": _float(hf, "router_aux_loss_coef", fp, 0.001), "capacity_factor": None,
+            "every": step, "first_k_dense": first, "router": "softmax", "shared_ffn_hidden": 0,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 1.0}
 
 
 def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
