@@ -191,7 +191,9 @@ def _qwen3_moe_fields(hf: dict, fp: str, n_layers: int) -> dict:
     key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
     return {"num_experts": _int(hf, key, fp), "top_k": _int(hf, "num_experts_per_tok", fp, 8),
             "ffn_hidden": _int(hf, "moe_intermediate_size", fp),
-            "aux_loss_coef": _float(hf, "router_aux_loss_coef", fp, 0.001), "capacity_factor": None,
+            # transformers adds the router loss only with output_router_logits (off in its saved configs)
+            "aux_loss_coef": _float(hf, "router_aux_loss_coef", fp, 0.001) if hf.get("output_router_logits") else 0.0,
+            "capacity_factor": None,
             "every": step, "first_k_dense": first, "router": "softmax", "shared_ffn_hidden": 0,
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "n_group": 1, "topk_group": 1,
             "routed_scaling_factor": 1.0}
