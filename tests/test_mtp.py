@@ -1,7 +1,8 @@
 """Multi-token prediction against a plain torch rewrite of the DeepSeek-V3 report's equations
 (§2.2, written here with shrinking sequences: depth k sees positions 0 … s−k−1), one process;
 our runtime's ``loss``, ``mtp_loss`` and every parameter's gradient must match it within 1e-5 on
-one rank, under tp2 (+SP) and pp2 (1f1b, dualpipev). A planted error (the concatenation
+one rank, under tp2 (+SP), pp2 (1f1b, dualpipev), dp2·ZeRO-2 with full recompute and dp2·ZeRO-1
+(ZeRO-3, cp and tied embeddings under pp are refused with MTP: tests/test_mtp.py::test_refused). A planted error (the concatenation
 [h; e] instead of [e; h], the embedding of t_{i+k+1} instead of t_{i+k}) must fail it."""
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ LAYOUTS = {
     "pp2_1f1b": (2, ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp2_dualpipev": (2, ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=dualpipev", "model.n_layers=4",
                           "train.global_batch=8"]),
-    "dp2": (2, ["parallel.dp=2"]),
+    "dp2_zero2_recompute": (2, ["parallel.dp=2", "parallel.zero=2", "parallel.recompute=full"]),
+    "dp2_zero1": (2, ["parallel.dp=2", "parallel.zero=1"]),
 }
 
 
@@ -163,3 +165,13 @@ def test_planted_errors_fail(oracle, plant):
     got = run_ranks(_worker, 1, ["parallel.dp=1"], plant)[0]
     errs = _errors([got], oracle["oracle"])
     assert errs[1] > 1e-4 or errs[2] > 1e-3, (plant, errs)
+
+
+@pytest.mark.parametrize("extra", [["parallel.dp=2", "parallel.zero=3"], ["parallel.dp=1", "parallel.cp=2"],
+                                   ["parallel.dp=1", "parallel.pp=2", "model.tie_embeddings=true"]])
+def test_refused(extra):
+    from paralayer.runtime.build import build_model
+
+    cfg, plan = cfg_and_plan(MTP + extra)
+    with pytest.raises(ValueError, match="model.mtp.depth"):
+        build_model(cfg, plan, None, torch.device("cpu"))

@@ -82,9 +82,10 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         # zigzag shard of it (not built: refused rather than computed per shard)
         raise ValueError("model.moe.seq_aux_loss_coef > 0 is not built under parallel.cp > 1; "
                          "set parallel.cp=1 or model.moe.seq_aux_loss_coef=0")
-    if cfg.model.mtp.depth > 0 and (cp > 1 or (pp > 1 and cfg.model.tie_embeddings)):
-        # MTP reads t_{i+k}, on another context rank under cp; tied + MTP under pp = three copies
-        raise ValueError("model.mtp.depth > 0 is not built with parallel.cp > 1, nor with "
+    if cfg.model.mtp.depth > 0 and (cp > 1 or (pp > 1 and cfg.model.tie_embeddings) or int(cfg.parallel.zero) >= 3):
+        # MTP reads t_{i+k}, on another context rank under cp; tied + MTP under pp = three copies;
+        # ZeRO-3 reshards the embedding and head after the stage's forward, before the loss runs MTP
+        raise ValueError("model.mtp.depth > 0 is not built with parallel.cp > 1, parallel.zero=3, nor "
                          "model.tie_embeddings under parallel.pp > 1")
     with torch.device("meta"):
         model = Transformer(cfg.model, plan.padded_vocab_size)
