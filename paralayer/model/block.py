@@ -40,12 +40,20 @@ def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
                           seq_aux=m.seq_aux_loss_coef > 0)
 
 
+def _attention(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    if cfg.mla.kv_lora_rank > 0:  # multi-head latent attention (DeepSeek-V3)
+        from paralayer.model.latent_attention import LatentAttention
+
+        return LatentAttention(cfg)
+    return Attention(cfg, window=layer_window(cfg, layer_id))
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, window=layer_window(cfg, layer_id))
+        self.attention = _attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.feed_forward = _feed_forward(cfg, layer_id)

@@ -44,7 +44,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: Optional[nn.RMSNorm] = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)
-        self.head_dim = head_dim_of(cfg)
+        # the dims RoPE rotates: a head's, or MLA's decoupled rope part
+        self.head_dim = cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0 else head_dim_of(cfg)
         # Global positions of the local tokens (set under context parallel: zigzag chunks).
         self.positions: Optional[torch.Tensor] = None
         # multi-token prediction (model/mtp.py): run in the loss from what the forward leaves here
