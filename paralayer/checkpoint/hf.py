@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
-from paralayer.checkpoint.hf_families import (QWEN3_NAMES, family_config, family_of, qwen3_moe_config,
+from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, family_config, family_of, qwen3_moe_config,
                                               rope_parameters)
 
 INDEX = "model.safetensors.index.json"
@@ -55,6 +55,7 @@ _DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
 _DENSE.update(QWEN3_NAMES)  # the families' additions (checkpoint/hf_families.py)
+_DENSE.update(DEEPSEEK_V3_NAMES)
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
@@ -128,6 +129,7 @@ class _Reader:
         self._open = safe_open
         self._handles: dict[str, Any] = {}
         self.bytes_read = 0  # bytes of the tensors and slices this reader returned
+        self.rope_rows: Optional[dict] = None  # rows to reorder on import (_rope_rows)
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
@@ -203,7 +205,40 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
             return (gu[:, :f] if w == "w1" else gu[:, f:]).contiguous()
         raise HFFormatError(f"{reader.path}: expert weights for {name} not found "
                             f"(looked for {per.format(j=start)} and {fused_gu})")
-    return reader.get(_hf_key(reader, name))
+    full = reader.get(_hf_key(reader, name))
+    return _deinterleave_rope(full, name, reader.rope_rows) if reader.rope_rows else full
+
+
+def _rope_rows(path: str) -> Optional[dict]:
+    """DeepSeek's checkpoints (``rope_interleave``) lay the rope dims of q and of the shared key out
+    in interleaved pairs; our RoPE is rotate-half: {our name: (row offset in a head, rope dims,
+    head width)} of the rows to reorder on import (None when nothing is to reorder)."""
+    hf = _read_config(path)
+    if hf.get("model_type") != "deepseek_v3" or not hf.get("rope_interleave", True):
+        return None
+    nope, rope, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["kv_lora_rank"]
+    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
+            "attention.kv_a.weight": (rank, rope, rank + rope)}
+
+
+def _reordered(reader: _Reader, name: str) -> bool:
+    m = _LAYER.match(name)
+    return bool(reader.rope_rows) and m is not None and m.group(2) in reader.rope_rows
+
+
+def _deinterleave_rope(t: torch.Tensor, name: str, rows: dict, inverse: bool = False) -> torch.Tensor:
+    m = _LAYER.match(name)
+    spec = rows.get(m.group(2)) if m else None
+    if spec is None:
+        return t
+    start, n, width = spec
+    perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+    if inverse:
+        perm = torch.argsort(perm)
+    heads = t.shape[0] // width
+    v = t.reshape(heads, width, *t.shape[1:]).clone()
+    v[:, start:start + n] = v[:, start:start + n][:, perm]
+    return v.reshape(t.shape)
 
 
 # ------------------------------------------------------------------ import
@@ -296,7 +331,7 @@ def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> N
     for name, param in model.named_parameters():
         clean = _clean(name)
         region = None if clean in owners else _local_region(param)
-        if clean in owners or (region is None and hasattr(param, "device_mesh")):
+        if clean in owners or (region is None and hasattr(param, "device_mesh")) or _reordered(reader, clean):
             rest.append(name)
             continue
         shape, offset = region if region is not None else (tuple(param.shape), (0,) * param.dim())
@@ -327,9 +362,22 @@ def load_hf_weights(model: nn.Module, path: str, cfg) -> int:
     ModelConfig (its shape must match config.json: use :func:`apply_hf_config` first).
     Returns the bytes this rank read."""
     reader = _Reader(path)
+    reader.rope_rows = _rope_rows(path)
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
     copy_sliced_tensors(model, reader, vocab)
+    _load_router_bias(model, reader)
     return reader.bytes_read
+
+
+def _load_router_bias(model: nn.Module, reader: _Reader) -> None:
+    """DeepSeek-V3's selection bias (``mlp.gate.e_score_correction_bias``) into each sigmoid
+    router's ``expert_bias`` buffer (a buffer, not a parameter: the loop above skips it)."""
+    for name, mod in model.named_modules():
+        m = re.match(r"^(?:.*\.)?layers\.(\d+)\.feed_forward$", _clean(name))
+        key = f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias" if m else None
+        if key is not None and getattr(mod, "router", None) == "sigmoid" and key in reader:
+            with torch.no_grad():
+                mod.expert_bias.copy_(reader.get(key).to(mod.expert_bias.dtype))
 
 
 # ------------------------------------------------------------------ export

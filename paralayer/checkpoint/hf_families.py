@@ -9,6 +9,8 @@ a family adds only what its block has more:
     qwen3     Qwen3ForCausalLM         self_attn.q_norm.weight, self_attn.k_norm.weight (per head)
     mixtral   MixtralForCausalLM       block_sparse_moe.gate / experts.{j}.w1|w2|w3
     qwen3_moe Qwen3MoeForCausalLM      qwen3's + mlp.gate / mlp.experts.{j}.gate_proj|up_proj|down_proj
+    deepseek_v3 (import only)          self_attn.q_a_proj … kv_b_proj (MLA), mlp.gate(.e_score_correction_bias),
+                                       mlp.experts.{j}.*, mlp.shared_experts.*
 
 Export picks the family from the config: MoE → mixtral; qk_norm → qwen3 (its layer_types carry
 any window pattern); a uniform window → mistral; else llama. A config no family expresses
@@ -23,6 +25,15 @@ from paralayer.config.layer_pattern import layer_types
 
 QWEN3_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight",
                "attention.k_norm.weight": "self_attn.k_norm.weight"}
+DEEPSEEK_V3_NAMES = {"attention.q_a.weight": "self_attn.q_a_proj.weight",
+                     "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                     "attention.q_b.weight": "self_attn.q_b_proj.weight",
+                     "attention.kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                     "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                     "attention.kv_b.weight": "self_attn.kv_b_proj.weight",
+                     "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+                     "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+                     "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight"}
 FAMILY_NAMES = {"llama": {}, "mistral": {}, "qwen3": QWEN3_NAMES}
 _HF_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
 

@@ -70,7 +70,7 @@ def _rope_theta(hf: dict, fp: str) -> float:
     return read_rope(hf, fp)[0]
 
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 # transformers' class defaults where config.json may leave a key out (they differ per family)
 _HEAD_DIM_DEFAULT = {"qwen3": 128, "qwen3_moe": 128}
 _WINDOW_DEFAULT = {"mistral": 4096}
@@ -88,6 +88,8 @@ def _attention_fields(hf: dict, fp: str, mtype: str, d: int, heads: int) -> dict
         raise HFFormatError(f"{fp}: head_dim={hd} must be even (RoPE rotates pairs)")
     out["head_dim"] = None if hd * heads == d else hd
     out["qk_norm"] = mtype in ("qwen3", "qwen3_moe")
+    if mtype == "deepseek_v3":  # MLA: its widths are in model.mla; head_dim is the rope part's
+        return {"layer_types": None, "head_dim": None, "qk_norm": False, "sliding_window": None}
     if mtype == "qwen3_moe":
         if hf.get("use_sliding_window", False):
             raise HFFormatError(f"{fp}: use_sliding_window=true is not supported for qwen3_moe (full attention only)")
@@ -160,6 +162,8 @@ def load_hf_config(path: str) -> dict:
         out["seq_len"] = _int(hf, "max_position_embeddings", fp)
     if mtype == "qwen3_moe":
         out["moe"] = _qwen3_moe_fields(hf, fp, out["n_layers"])
+    elif mtype == "deepseek_v3":
+        out["moe"], out["mla"] = _deepseek_v3_fields(hf, fp, out["n_layers"])
     elif mtype == "mixtral" or hf.get("num_local_experts"):
         out["moe"] = {
             "num_experts": _int(hf, "num_local_experts", fp),
@@ -172,6 +176,31 @@ def load_hf_config(path: str) -> dict:
             "shared_ffn_hidden": 0,
         }
     return out
+
+
+def _deepseek_v3_fields(hf: dict, fp: str, n_layers: int) -> tuple[dict, dict]:
+    """DeepSeek-V3's MoE (sigmoid router by groups, routed scaling, shared experts, the first
+    ``first_k_dense_replace`` layers dense) and MLA widths. ``num_nextn_predict_layers`` (MTP) is not
+    read: transformers' class has no MTP layers (model.mtp.depth stays the recipe's)."""
+    experts = _int(hf, "n_routed_experts", fp)
+    ffn = _int(hf, "moe_intermediate_size", fp)
+    n_group, topk_group = _int(hf, "n_group", fp, 1), _int(hf, "topk_group", fp, 1)
+    if experts % n_group or topk_group > n_group:
+        raise HFFormatError(f"{fp}: n_group={n_group}, topk_group={topk_group} must divide n_routed_experts="
+                            f"{experts} and not exceed n_group")
+    moe = {"num_experts": experts, "top_k": _int(hf, "num_experts_per_tok", fp, 8), "ffn_hidden": ffn,
+           "aux_loss_coef": 0.0, "capacity_factor": None, "every": 1,
+           "first_k_dense": _int(hf, "first_k_dense_replace", fp, 0, minimum=0), "router": "sigmoid",
+           "shared_ffn_hidden": ffn * _int(hf, "n_shared_experts", fp, 0, minimum=0),
+           "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "n_group": n_group, "topk_group": topk_group,
+           "routed_scaling_factor": _float(hf, "routed_scaling_factor", fp, 1.0)}
+    q_lora = hf.get("q_lora_rank")
+    mla = {"q_lora_rank": None if q_lora is None else _int(hf, "q_lora_rank", fp),
+           "kv_lora_rank": _int(hf, "kv_lora_rank", fp), "qk_nope_head_dim": _int(hf, "qk_nope_head_dim", fp),
+           "qk_rope_head_dim": _int(hf, "qk_rope_head_dim", fp), "v_head_dim": _int(hf, "v_head_dim", fp)}
+    if mla["qk_rope_head_dim"] % 2:
+        raise HFFormatError(f"{fp}: qk_rope_head_dim={mla['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    return moe, mla
 
 
 def _qwen3_moe_fields(hf: dict, fp: str, n_layers: int) -> dict:
@@ -204,6 +233,10 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
     fields = load_hf_config(path)
     moe = fields.pop("moe", None)
+    mla = fields.pop("mla", None)
+    from paralayer.config.schema import MLAConfig
+
+    model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()
     from paralayer.config.schema import RopeConfig
 
     model_cfg.rope = RopeConfig(**fields.pop("rope"))
