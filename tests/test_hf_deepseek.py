@@ -102,3 +102,44 @@ def test_planted_group_pick_by_max_fails(saved, monkeypatch):
     model, mcfg = _ours(path)
     err, _ = _errors(ref, model, mcfg, path)
     assert err > 1e-3, err
+
+
+LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"],
+           "pp2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[2,1]"],
+           "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"]}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    from tests.dist import write_tokens
+
+    return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 8, SEQ, VOCAB)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_deepseek_v3(saved, tokens, layout):
+    import json
+
+    from tests.dist import run_ranks
+    from tests.test_hf_moe import _grads_worker, _overrides
+
+    path, ref = saved
+    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:4])
+    ref.zero_grad(set_to_none=True)
+    out = ref(input_ids=x, labels=x)
+    out.loss.backward()
+    hf, rows = dict(ref.named_parameters()), hfmod._rope_rows(path)
+    _, mcfg = _ours(path)
+    res = run_ranks(_grads_worker, 2, _overrides(path, tokens, LAYOUTS[layout]))
+    grads = {}
+    for _, g in res:
+        for n, v in g.items():
+            grads.setdefault(n, []).append(torch.from_numpy(v))
+    errs = {}
+    for n, gs in grads.items():
+        g = torch.cat(gs) if layout == "ep2" and n.split(".")[-1] in ("w1", "w2", "w3") else gs[0]
+        want = _hf_grad(hf, n, mcfg, rows)
+        errs[n] = float((g - want).abs().max() / want.abs().max())
+    loss_err = max(abs(r[0] - out.loss.item()) / out.loss.item() for r in res)
+    print(f"deepseek_v3 {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} over {len(errs)}")
+    assert loss_err < TOL and max(errs.values()) < TOL, errs

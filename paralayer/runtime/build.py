@@ -139,15 +139,15 @@ def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
     """Weights for the meta model: a Hugging Face checkpoint or the layout-independent init."""
     for chunk in chunks:
         chunk.to_empty(device=device)
-        if cfg.model.init.startswith("hf:"):
+        for mod in chunk.modules():  # buffers to_empty left uninitialised (MoE router bias)
+            if hasattr(mod, "reset_buffers"):
+                mod.reset_buffers()
+        if cfg.model.init.startswith("hf:"):  # after: a DeepSeek-V3 checkpoint carries the router bias
             from paralayer.checkpoint.hf import load_hf_weights
 
             load_hf_weights(chunk, cfg.model.init[3:], cfg.model)
         else:
             init_weights(chunk, cfg.model, cfg.train.seed, device)
-        for mod in chunk.modules():  # buffers to_empty left uninitialised (MoE router bias)
-            if hasattr(mod, "reset_buffers"):
-                mod.reset_buffers()
         for buf_name, buf in chunk.named_buffers():
             if buf.is_meta:  # pragma: no cover - every buffer of ours is re-creatable
                 raise RuntimeError(f"buffer {buf_name} left on meta")
