@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
@@ -96,7 +97,8 @@ def test_planted_rope_on_the_nope_part_fails(monkeypatch):
     def core(self, q, k_nope, k_rot, v, cos, sin):  # RoPE over the whole q and k (nope included)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         full_cos, full_sin = rope_cos_sin(torch.arange(q.shape[2]), q.shape[-1], 5000.0, q.dtype)
-        return self.attn_fn(apply_rope(q, full_cos, full_sin) * self.q_gain, apply_rope(k, full_cos, full_sin), v)
+        return F.scaled_dot_product_attention(apply_rope(q, full_cos, full_sin), apply_rope(k, full_cos, full_sin), v,
+                                              is_causal=True, scale=self.scale)
 
     monkeypatch.setattr(la.LatentAttention, "_core", core)
     assert _errors(*_pair(QRANK)) > 1e-3
@@ -104,5 +106,5 @@ def test_planted_rope_on_the_nope_part_fails(monkeypatch):
 
 def test_planted_scale_without_mscale_fails():
     hf_cfg, cfg, hf, ours = _pair(QRANK)
-    ours.q_gain = 1.0  # 1/sqrt(nope + rope): YaRN's mscale² left out
+    ours.scale = (NOPE + ROPE) ** -0.5  # YaRN's mscale² left out
     assert _errors(hf_cfg, cfg, hf, ours) > 1e-3

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
-from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, family_config, family_of, qwen3_moe_config,
-                                              rope_parameters)
+from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
+                                              family_of, qwen3_moe_config, rope_parameters)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -73,15 +73,17 @@ def ours_to_hf(name: str, expert: Optional[int] = None, family: str = "mixtral")
     m = _LAYER.match(name)
     if m:
         i, rest = m.groups()
-        if family == "qwen3_moe" and rest == "feed_forward.gate.weight":
+        if family in ("qwen3_moe", "deepseek_v3") and rest == "feed_forward.gate.weight":
             return f"model.layers.{i}.mlp.gate.weight"
+        if rest == "feed_forward.expert_bias":  # DeepSeek-V3's selection bias (a buffer)
+            return f"model.layers.{i}.mlp.gate.e_score_correction_bias"
         if rest in _DENSE:
             return f"model.layers.{i}.{_DENSE[rest]}"
         ff = re.match(r"^feed_forward\.(w[123])$", rest)
         if ff:
             if expert is None:
                 raise KeyError(f"{name}: a stacked expert weight; pass expert=j")
-            if family == "qwen3_moe":
+            if family in ("qwen3_moe", "deepseek_v3"):
                 return f"model.layers.{i}.mlp.experts.{expert}.{QWEN3_MOE_EXPERT[ff.group(1)]}.weight"
             return f"model.layers.{i}.block_sparse_moe.experts.{expert}.{ff.group(1)}.weight"
     raise KeyError(f"{name}: no Hugging Face equivalent")
@@ -406,6 +408,9 @@ def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str,
             if clean in owners:
                 t = _gather_experts(t, owners[clean])
             local[clean] = t.detach().to("cpu", copy=True)
+        for name, mod in part.named_modules():  # the sigmoid router's selection bias (DeepSeek-V3)
+            if getattr(mod, "router", None) == "sigmoid" and hasattr(mod, "expert_bias"):
+                local[f"{_clean(name)}.expert_bias"] = mod.expert_bias.detach().to("cpu", copy=True)
         vocab = getattr(part, "vocab_size", None)
         for key in ("tok_embeddings.weight", "output.weight"):
             if key in local and vocab is not None:
@@ -448,7 +453,9 @@ def hf_config_dict(cfg) -> dict:
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
-    if m.num_experts > 0 and family == "qwen3_moe":
+    if family == "deepseek_v3":
+        base.update(deepseek_v3_config(cfg))
+    elif m.num_experts > 0 and family == "qwen3_moe":
         base.update(qwen3_moe_config(cfg))
     elif m.num_experts > 0:
         if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax" or m.first_k_dense:
@@ -468,7 +475,16 @@ def hf_config_dict(cfg) -> dict:
 def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     family = family_of(cfg)
+    rows = _export_rope_rows(cfg) if family == "deepseek_v3" else None
     for name, t in full.items():
+        if name.startswith("mtp."):
+            if family == "deepseek_v3":
+                out.update(_mtp_to_deepseek(name, t, cfg, rows))
+            continue  # other families have no MTP layers
+        if name.endswith("feed_forward.expert_bias") and family != "deepseek_v3":
+            continue
+        if rows:
+            t = _deinterleave_rope(t, name, rows, inverse=True)
         if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", name):
             for j in range(t.shape[0]):
                 out[ours_to_hf(name, expert=j, family=family)] = t[j].contiguous()
@@ -477,6 +493,35 @@ def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tens
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _export_rope_rows(cfg) -> dict:
+    a = cfg.mla
+    nope, rope, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
+            "attention.kv_a.weight": (rank, rope, rank + rope)}
+
+
+_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+              "norm.weight": "shared_head.norm.weight"}
+
+
+def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows) -> dict[str, torch.Tensor]:
+    """MTP depth k in DeepSeek's own naming, ``model.layers.{n_layers+k}.*`` (its block as a
+    decoder layer's, plus enorm, hnorm, eh_proj, shared_head.norm); the embedding copy of a pp run
+    is the model's and is not written twice. transformers' class does not read these layers."""
+    m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return {}
+    i = cfg.n_layers + int(m.group(1))
+    rest = m.group(2)
+    if rest in _MTP_PARTS:
+        return {f"model.layers.{i}.{_MTP_PARTS[rest]}": t.contiguous()}
+    inner = f"layers.{i}.{rest[len('block.'):]}"
+    t = _deinterleave_rope(t, inner, rows, inverse=True) if rows else t
+    if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", inner):
+        return {ours_to_hf(inner, expert=j, family="deepseek_v3"): t[j].contiguous() for j in range(t.shape[0])}
+    return {ours_to_hf(inner, family="deepseek_v3"): t.contiguous()}
 
 
 def export_hf(model_parts: Sequence[nn.Module], cfg, out_dir: str, group=None) -> Optional[str]:

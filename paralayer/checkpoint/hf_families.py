@@ -58,6 +58,16 @@ def rope_parameters(cfg) -> dict:
 def family_of(cfg) -> str:
     """llama | mistral | qwen3 | mixtral for export; HFFormatError when none expresses ``cfg``."""
     kinds = set(layer_types(cfg))
+    if cfg.mla.kv_lora_rank > 0:
+        m = cfg.moe
+        for bad, why in ((cfg.qk_norm, "model.qk_norm: deepseek_v3 has no q/k norms"),
+                         (kinds != {"full"}, "model.sliding_window: deepseek_v3 attends in full"),
+                         (m.num_experts > 0 and m.router != "sigmoid", "model.moe.router: deepseek_v3 routes by sigmoid"),
+                         (m.num_experts > 0 and m.every != 1, "model.moe.every: deepseek_v3 has MoE on every layer "
+                                                              "past first_k_dense")):
+            if bad:
+                raise HFFormatError(why)
+        return "deepseek_v3"
     if cfg.moe.num_experts > 0:
         if cfg.qk_norm:
             if kinds != {"full"}:
@@ -74,6 +84,26 @@ def family_of(cfg) -> str:
         raise HFFormatError("model.layer_types: an interleaved window without model.qk_norm exports as no "
                             "family (qwen3 has q/k norms; mistral one window for every layer)")
     return "mistral" if kinds == {"sliding"} else "llama"
+
+
+def deepseek_v3_config(cfg) -> dict:
+    """DeepSeek-V3's config.json keys (MLA, routing by group, shared experts, the dense first layers)."""
+    m, a = cfg.moe, cfg.mla
+    ffn = m.ffn_hidden or cfg.ffn_hidden
+    if m.shared_ffn_hidden % ffn:
+        raise HFFormatError(f"model.moe.shared_ffn_hidden={m.shared_ffn_hidden}: deepseek_v3 counts shared experts "
+                            f"of moe_intermediate_size={ffn}")
+    renorm = True if m.norm_topk_prob is None else bool(m.norm_topk_prob)
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": ffn,
+            "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "n_shared_experts": m.shared_ffn_hidden // ffn, "n_group": m.n_group, "topk_group": m.topk_group,
+            "routed_scaling_factor": m.routed_scaling_factor, "norm_topk_prob": renorm,
+            "first_k_dense_replace": m.first_k_dense if m.num_experts > 0 else cfg.n_layers,
+            "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+            "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "head_dim": a.qk_rope_head_dim,
+            "num_key_value_heads": cfg.n_heads, "rope_interleave": True,
+            "num_nextn_predict_layers": cfg.mtp.depth}
 
 
 def qwen3_moe_config(cfg) -> dict:

@@ -14,8 +14,9 @@ factor (positions.py). RoPE here is rotate-half on the rope dims: DeepSeek's che
 out in interleaved pairs (``rope_interleave``), the same rotation after a fixed permutation of
 q_rot's and k_rot's rows, which an importer applies to the weights (tests/test_latent_attention.py).
 
-The core takes (q, k, v) with v narrower than q and k, so the softmax scale is applied to q before
-it (the core's own scale is 1/sqrt(q width)). Tensor and context parallel are not built for MLA
+The plain causal core gets the softmax scale as SDPA's ``scale`` (as transformers passes it); a
+replaced core (context parallel's ring, when built) takes (q, k, v) with its own 1/sqrt(q width),
+so q is multiplied by ``q_gain`` before it. Tensor and context parallel are not built for MLA
 yet (refused at build).
 """
 from __future__ import annotations
@@ -23,11 +24,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paralayer.config import ModelConfig
-from paralayer.model.attention import AttnFn, core_for
+from paralayer.model.attention import AttnFn, core_for, sdpa_causal
 from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import apply_rope
 
@@ -72,7 +74,8 @@ class LatentAttention(nn.Module):
         self.kv_b = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, d, bias=False)
         # q is multiplied by this before the core, whose own scale is 1/sqrt(nope + rope)
-        self.q_gain = softmax_scale(cfg) * math.sqrt(qk)
+        self.scale = softmax_scale(cfg)
+        self.q_gain = self.scale * math.sqrt(qk)
         self.window = None
         self.attn_fn: AttnFn = core_for(None)
         self.recompute_core = False
@@ -94,7 +97,9 @@ class LatentAttention(nn.Module):
 
     def _core(self, q, k_nope, k_rot, v, cos, sin):
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1) * self.q_gain
+        q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
-        return self.attn_fn(q, k, v.contiguous())
+        if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.attn_fn(q * self.q_gain, k, v.contiguous())
