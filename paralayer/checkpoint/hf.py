@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
+from paralayer.checkpoint.hf_moe import (_deinterleave_rope, _export_rope_rows, _load_router_bias, _mtp_to_deepseek,
+                                         _reordered, _rope_rows)
 from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
                                               family_of, qwen3_moe_config, rope_parameters)
 
@@ -211,38 +213,6 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
     return _deinterleave_rope(full, name, reader.rope_rows) if reader.rope_rows else full
 
 
-def _rope_rows(path: str) -> Optional[dict]:
-    """DeepSeek's checkpoints (``rope_interleave``) lay the rope dims of q and of the shared key out
-    in interleaved pairs; our RoPE is rotate-half: {our name: (row offset in a head, rope dims,
-    head width)} of the rows to reorder on import (None when nothing is to reorder)."""
-    hf = _read_config(path)
-    if hf.get("model_type") != "deepseek_v3" or not hf.get("rope_interleave", True):
-        return None
-    nope, rope, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["kv_lora_rank"]
-    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
-            "attention.kv_a.weight": (rank, rope, rank + rope)}
-
-
-def _reordered(reader: _Reader, name: str) -> bool:
-    m = _LAYER.match(name)
-    return bool(reader.rope_rows) and m is not None and m.group(2) in reader.rope_rows
-
-
-def _deinterleave_rope(t: torch.Tensor, name: str, rows: dict, inverse: bool = False) -> torch.Tensor:
-    m = _LAYER.match(name)
-    spec = rows.get(m.group(2)) if m else None
-    if spec is None:
-        return t
-    start, n, width = spec
-    perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
-    if inverse:
-        perm = torch.argsort(perm)
-    heads = t.shape[0] // width
-    v = t.reshape(heads, width, *t.shape[1:]).clone()
-    v[:, start:start + n] = v[:, start:start + n][:, perm]
-    return v.reshape(t.shape)
-
-
 # ------------------------------------------------------------------ import
 def _clean(name: str) -> str:
     from paralayer.model.transformer import _clean_name
@@ -363,23 +333,15 @@ def load_hf_weights(model: nn.Module, path: str, cfg) -> int:
     model, under any tp / fsdp / ep layout), reading only what this rank holds. ``cfg``: the
     ModelConfig (its shape must match config.json: use :func:`apply_hf_config` first).
     Returns the bytes this rank read."""
+    if getattr(model, "mtp", None) is not None:
+        raise HFFormatError(f"model.mtp.depth={cfg.mtp.depth}: reading MTP weights from {path} is not built "
+                            f"(set model.mtp.depth=0 with model.init=hf:)")
     reader = _Reader(path)
     reader.rope_rows = _rope_rows(path)
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
     copy_sliced_tensors(model, reader, vocab)
     _load_router_bias(model, reader)
     return reader.bytes_read
-
-
-def _load_router_bias(model: nn.Module, reader: _Reader) -> None:
-    """DeepSeek-V3's selection bias (``mlp.gate.e_score_correction_bias``) into each sigmoid
-    router's ``expert_bias`` buffer (a buffer, not a parameter: the loop above skips it)."""
-    for name, mod in model.named_modules():
-        m = re.match(r"^(?:.*\.)?layers\.(\d+)\.feed_forward$", _clean(name))
-        key = f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias" if m else None
-        if key is not None and getattr(mod, "router", None) == "sigmoid" and key in reader:
-            with torch.no_grad():
-                mod.expert_bias.copy_(reader.get(key).to(mod.expert_bias.dtype))
 
 
 # ------------------------------------------------------------------ export
@@ -479,7 +441,7 @@ def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tens
     for name, t in full.items():
         if name.startswith("mtp."):
             if family == "deepseek_v3":
-                out.update(_mtp_to_deepseek(name, t, cfg, rows))
+                out.update(_mtp_to_deepseek(name, t, cfg, rows, ours_to_hf))
             continue  # other families have no MTP layers
         if name.endswith("feed_forward.expert_bias") and family != "deepseek_v3":
             continue
@@ -493,35 +455,6 @@ def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tens
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
-
-
-def _export_rope_rows(cfg) -> dict:
-    a = cfg.mla
-    nope, rope, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
-    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
-            "attention.kv_a.weight": (rank, rope, rank + rope)}
-
-
-_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-              "norm.weight": "shared_head.norm.weight"}
-
-
-def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows) -> dict[str, torch.Tensor]:
-    """MTP depth k in DeepSeek's own naming, ``model.layers.{n_layers+k}.*`` (its block as a
-    decoder layer's, plus enorm, hnorm, eh_proj, shared_head.norm); the embedding copy of a pp run
-    is the model's and is not written twice. transformers' class does not read these layers."""
-    m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
-    if m is None:
-        return {}
-    i = cfg.n_layers + int(m.group(1))
-    rest = m.group(2)
-    if rest in _MTP_PARTS:
-        return {f"model.layers.{i}.{_MTP_PARTS[rest]}": t.contiguous()}
-    inner = f"layers.{i}.{rest[len('block.'):]}"
-    t = _deinterleave_rope(t, inner, rows, inverse=True) if rows else t
-    if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", inner):
-        return {ours_to_hf(inner, expert=j, family="deepseek_v3"): t[j].contiguous() for j in range(t.shape[0])}
-    return {ours_to_hf(inner, family="deepseek_v3"): t.contiguous()}
 
 
 def export_hf(model_parts: Sequence[nn.Module], cfg, out_dir: str, group=None) -> Optional[str]:
