@@ -17,7 +17,8 @@ q_rot's and k_rot's rows, which an importer applies to the weights (tests/test_l
 The plain causal core gets the softmax scale as SDPA's ``scale`` (as transformers passes it); a
 replaced core (context parallel's ring, when built) takes (q, k, v) with its own 1/sqrt(q width),
 so q is multiplied by ``q_gain`` before it. Tensor and context parallel are not built for MLA
-yet (refused at build).
+Under tensor parallel (parallel/tensor.py ``_latent_plan``) the heads split; context parallel is
+not built for MLA yet (refused at build).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class LatentAttention(nn.Module):
         self.attn_fn: AttnFn = core_for(None)
         self.recompute_core = False
         self.tp_overlap = None
+        self.tp_mesh = None  # set by parallel/tensor.py (MLA under tp: the replicated down-projections)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
@@ -88,6 +90,10 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_a(x).split([self.rank, self.rope], dim=-1)
         kv = self.kv_b(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        if self.tp_mesh is not None:  # the shared rope key: each rank's heads give part of its grad
+            from torch.distributed.tensor import Partial
+
+            k_rot = k_rot.to_local(grad_placements=[Partial()])
         k_rot = k_rot.view(b, 1, s, self.rope)
         if self.recompute_core:
             out = checkpoint(self._core, q, k_nope, k_rot, v, cos, sin, use_reentrant=False)

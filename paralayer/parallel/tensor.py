@@ -168,13 +168,14 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     """One transformer block: attention and SwiGLU split Megatron-style, the norms sequence-
     parallel (or replicated), an MoE block run whole on the full sequence. ``fused``: the SP or
     overlap GEMMs the block calls instead of its linears' DTensor hooks (None without SP)."""
-    plan = {
+    latent = hasattr(block.attention, "kv_b")  # MLA (model/latent_attention.py)
+    plan = _latent_plan(block.attention, tp_mesh, stream) if latent else {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=stream),
     }
-    if fused is None:
+    if fused is None or latent:
         plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
                                                desired_input_layouts=(Replicate(), None, None))
     else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
@@ -208,6 +209,21 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
         else:
             block.feed_forward.tp_overlap = fused
     parallelize_module(block, tp_mesh, plan)
+
+
+def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream) -> dict:
+    """MLA: the heads split (wq / q_b and kv_b column-parallel, wo row-parallel); the down-
+    projections q_a, kv_a and their norms replicated, because their outputs (the latents, and the
+    one rope key every head shares) are per token, not per head. They stay Replicate DTensors up to
+    the column GEMMs, so the gradient each rank's heads send back arrives Partial and is summed; the
+    shared rope key leaves DTensor land declared Partial for the same reason (``att.tp_mesh``)."""
+    for part in (att.q_a, att.q_a_norm, att.kv_a, att.kv_a_norm):
+        if part is not None:
+            distribute_module(part, tp_mesh)
+    att.tp_mesh = tp_mesh
+    plan = {"attention.kv_b": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=stream)}
+    plan["attention.wq" if att.wq is not None else "attention.q_b"] = ColwiseParallel()
+    return plan
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
