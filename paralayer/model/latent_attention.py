@@ -59,6 +59,9 @@ class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.mla
+        for field, on in (("model.sliding_window", cfg.sliding_window is not None), ("model.qk_norm", cfg.qk_norm)):
+            if on:  # parts of the plain attention MLA has no place for: refused, never dropped
+                raise ValueError(f"{field} is not built with model.mla (latent attention)")
         d, heads = cfg.d_model, cfg.n_heads
         self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         qk = self.nope + self.rope
