@@ -128,6 +128,7 @@ def test_config_fields_and_both_rope_spellings(saved, tmp_path):
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
     ({"rope_parameters": {**fam.YARN, "truncate": False}}, "truncate=false"),
     ({"head_dim": 23}, "head_dim=23 must be even"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
 ])
 def test_what_we_cannot_build_is_refused(saved, tmp_path, edit, words):
     cfg = json.load(open(os.path.join(saved["qwen3"][0], "config.json")))
@@ -146,8 +147,9 @@ def _overrides(path: str, data: str, layout: list) -> list:
             "logging.wandb.mode=disabled"] + list(layout)
 
 
-def _grads_worker(rank, world, overrides):
-    """The runtime's step 1 on this rank: the global loss and this rank's full gradients."""
+def _grads_worker(rank, world, runs):
+    """For each overrides of ``runs``, the runtime's step 1 on this rank: the global loss and this
+    rank's full gradients (every run in this one forked world: one start-up for all families)."""
     from torch.distributed.tensor import DTensor
 
     from paralayer.model.transformer import _clean_name
@@ -155,17 +157,55 @@ def _grads_worker(rank, world, overrides):
     from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch
     from tests.dist import cfg_and_plan
 
-    cfg, plan = cfg_and_plan(overrides)
-    run = setup(cfg, as_plan(plan), None)
-    tokens, labels = step_batch(run, 1)
-    loss, _ = reduce_and_clip_tensors(run, forward_backward(run, tokens, labels))
-    grads = {}
-    for chunk in run.built.chunks:
-        for n, p in chunk.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            name = _clean_name(n)
-            grads[name] = (g[: fam.VOCAB] if name in ("tok_embeddings.weight", "output.weight") else g).numpy().copy()
-    return float(loss), grads
+    out = []
+    for overrides in runs:
+        cfg, plan = cfg_and_plan(overrides)
+        run = setup(cfg, as_plan(plan), None)
+        tokens, labels = step_batch(run, 1)
+        loss, _ = reduce_and_clip_tensors(run, forward_backward(run, tokens, labels))
+        grads = {}
+        for chunk in run.built.chunks:
+            for n, p in chunk.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                name = _clean_name(n)
+                grads[name] = (g[: fam.VOCAB] if name in ("tok_embeddings.weight", "output.weight") else g).numpy().copy()
+        out.append((float(loss), grads))
+    return out
+
+
+#: planted into a copy of the window family's checkpoint (its config.json edited), run under cp2:
+#: the window ring and the zigzag positions must not hide them
+CP_PLANTS = {"window_off_by_one": lambda c: c.update(sliding_window=c["sliding_window"] + 1),
+             "rope_factor_x2": lambda c: c["rope_parameters"].update(factor=c["rope_parameters"]["factor"] * 2)}
+
+
+def _planted_copy(src: str, dst: str, edit) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    edit(cfg)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def layout_results(saved, tokens, tmp_path_factory):
+    """{(family, layout): [(loss, grads) per rank]}: one 2-rank world per layout, the families in turn
+    (cp2 also runs the planted copies, keyed ("window", "cp2", plant))."""
+    root = tmp_path_factory.mktemp("planted")
+    planted = {k: _planted_copy(saved["window"][0], str(root / k), e) for k, e in CP_PLANTS.items()}
+    out = {}
+    for layout, extra in LAYOUTS.items():
+        keys = [(f, layout) for f in fam.FAMILIES]
+        paths = [saved[f][0] for f in fam.FAMILIES]
+        if layout == "cp2":
+            keys += [("window", layout, k) for k in planted]
+            paths += list(planted.values())
+        res = run_ranks(_grads_worker, 2, [_overrides(p, tokens, extra) for p in paths], timeout_s=300)
+        for i, key in enumerate(keys):
+            out[key] = [r[i] for r in res]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -175,23 +215,32 @@ def tokens(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", fam.FAMILIES)
-def test_layouts_match_transformers(saved, tokens, family, layout):
+def test_layouts_match_transformers(saved, tokens, layout_results, family, layout):
     path, ref = saved[family]
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
     ref.zero_grad(set_to_none=True)
     out = ref(input_ids=x, labels=x)
     out.loss.backward()
     hf = dict(ref.named_parameters())
-    res = run_ranks(_grads_worker, 2, _overrides(path, tokens, LAYOUTS[layout]))
+    loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf)
+    print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
+          f"({max(errs, key=errs.get)}) over {len(errs)}")
+    assert loss_err < TOL and max(errs.values()) < TOL, errs
+    if (family, layout) == ("window", "cp2"):
+        for plant in CP_PLANTS:
+            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf)
+            print(f"window cp2 planted {plant}: loss rel err {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
+            assert max(p_errs.values()) > 100 * TOL, (plant, p_errs)
+
+
+def _layout_errors(res, want_loss: float, hf: dict) -> tuple[float, dict]:
+    """(loss rel err, {our name: grad rel err}) of the ranks' results against transformers'."""
     grads = {}
     for _, g in res:
         grads.update(g)
     assert len(grads) == len(hf), (sorted(grads), len(hf))
     errs = {n: _rel(torch.from_numpy(g), hf[ours_to_hf(n)].grad) for n, g in grads.items()}
-    loss_err = max(abs(r[0] - out.loss.item()) / out.loss.item() for r in res)
-    print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
-          f"({max(errs, key=errs.get)}) over {len(errs)}")
-    assert loss_err < TOL and max(errs.values()) < TOL, errs
+    return max(abs(r[0] - want_loss) / want_loss for r in res), errs
 
 
 # ------------------------------------------------------------------ round trip: import → 2 steps → export

@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mixtral format: config, weight import into any layout, export.
+"""Hugging Face format (Llama, Mistral, Qwen3, Mixtral: checkpoint/hf_families.py): config, weight
+import into any layout, export.
 
 Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`load_hf_config`,
 :func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
@@ -13,6 +14,7 @@ Names (ours ← Hugging Face)::
 
     tok_embeddings.weight                       model.embed_tokens.weight
     layers.{i}.attention.wq|wk|wv|wo.weight     model.layers.{i}.self_attn.q_proj|k_proj|v_proj|o_proj.weight
+    layers.{i}.attention.q_norm|k_norm.weight   model.layers.{i}.self_attn.q_norm|k_norm.weight        (Qwen3)
     layers.{i}.attention_norm.weight            model.layers.{i}.input_layernorm.weight
     layers.{i}.ffn_norm.weight                  model.layers.{i}.post_attention_layernorm.weight
     layers.{i}.feed_forward.w1|w3|w2.weight     model.layers.{i}.mlp.gate_proj|up_proj|down_proj.weight   (dense)

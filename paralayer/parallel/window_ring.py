@@ -23,53 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from paralayer.config.cp_window import blocks, chunk_sends, needed  # noqa: F401 - chunk_sends: callers import it here
 from paralayer.parallel.context import RingStats, _backend_for, _block_bwd, _block_fwd, _expand, _merge, _reduce
 
 _WKV_TAG, _WDKV_TAG = 21, 22
-
-
-def block_kind(a: int, b: int, c: int, w: int) -> Optional[str]:
-    """How query chunk ``a`` sees key chunk ``b`` (chunks of ``c`` tokens, window ``w``):
-    None (not at all), "causal" (the diagonal, w ≥ c), "full", or "mask" (partly)."""
-    if b > a or (a - b) * c - (c - 1) >= w:
-        return None
-    if a == b:
-        return "causal" if w >= c else "mask"
-    return "full" if (a - b) * c + (c - 1) < w else "mask"
-
-
-def chunks_of(cp: int, rank: int) -> tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
-
-
-def needed(cp: int, dst: int, c: int, w: int) -> dict[int, list[int]]:
-    """{src rank: its chunk slots (0 = first, 1 = second) that rank ``dst``'s queries see}, src != dst."""
-    out: dict[int, list[int]] = {}
-    for src in range(cp):
-        if src == dst:
-            continue
-        slots = [s for s, b in enumerate(chunks_of(cp, src))
-                 if any(block_kind(a, b, c, w) for a in chunks_of(cp, dst))]
-        if slots:
-            out[src] = slots
-    return out
-
-
-def blocks(cp: int, rank: int, c: int, w: int) -> list[tuple[int, int, int, str, int, int]]:
-    """(src rank, key slot, query slot, kind, a, b) for every visible block, own diagonals first."""
-    out = []
-    for q_slot, a in enumerate(chunks_of(cp, rank)):
-        for src in range(cp):
-            for k_slot, b in enumerate(chunks_of(cp, src)):
-                kind = block_kind(a, b, c, w)
-                if kind:
-                    out.append((src, k_slot, q_slot, kind, a, b))
-    return sorted(out, key=lambda t: (t[4] != t[5], t[0] != rank))
-
-
-def chunk_sends(cp: int, c: int, w: int) -> int:
-    """K/V chunks sent per layer call over all ranks (the forward; backward returns as many dK/dV)."""
-    return sum(len(s) for dst in range(cp) for s in needed(cp, dst, c, w).values())
 
 
 def _mask(a: int, b: int, c: int, w: int, device) -> Tensor:
