@@ -32,6 +32,7 @@ def fault_env(tmp_dir, spec: str, base: dict | None = None) -> dict:
     (folder / "sitecustomize.py").write_text(
         f"from tests.fault_hook import install_on_import\ninstall_on_import({spec!r})\n")
     env = dict(os.environ if base is None else base)
+    env["PARALAYER_FAULT_DIR"] = str(folder)  # where a once-only fault (kill1) marks that it fired
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
@@ -43,12 +44,21 @@ def make_hooks(module, spec: str):
     done: set = set()
 
     class FaultHooks(module.StepHooks):
+        def before_save(self, rank: int, step: int) -> None:
+            if kind == "stopsave" and (rank, step) == (at_rank, at_step):
+                _freeze(rank, step, "inside the save of")
+
         def before_forward(self, rank: int, step: int) -> None:
             if kind == "slow" and rank == at_rank and step >= at_step:
                 time.sleep(0.2)
                 return
-            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow"):
+            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "stopsave"):
                 return
+            if kind == "kill1":  # once in the run's life: a restarted attempt runs this step again unharmed
+                mark = Path(os.environ.get("PARALAYER_FAULT_DIR", ".")) / f"fired-{rank}-{step}"
+                if mark.exists():
+                    return
+                mark.write_text(str(time.time()))
             if kind == "stop":
                 import signal
                 import tempfile
@@ -59,7 +69,7 @@ def make_hooks(module, spec: str):
                 os.kill(os.getpid(), signal.SIGSTOP)
                 return
             when = f"at unix time {time.time():.3f}"
-            if kind == "kill":
+            if kind in ("kill", "kill1"):
                 print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr,
                       flush=True)
                 os.kill(os.getpid(), 9)
@@ -74,6 +84,16 @@ def make_hooks(module, spec: str):
             return loss
 
     return FaultHooks()
+
+
+def _freeze(rank: int, step: int, where: str) -> None:
+    import signal
+    import tempfile
+
+    Path(tempfile.gettempdir(), "stopped-pid").write_text(str(os.getpid()))
+    print(f"paralayer: injecting SIGSTOP on rank {rank} {where} step {step} at unix time {time.time():.3f}",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class _InstallOnImport(importlib.abc.MetaPathFinder):

@@ -86,6 +86,9 @@ class StepHooks:
         """This rank's share of the loss, before it is averaged over the data ranks."""
         return loss
 
+    def before_save(self, rank: int, step: int) -> None:
+        """Called inside a checkpoint save, before its collectives (a rank frozen mid-save)."""
+
 
 @dataclass
 class RankRun:
@@ -456,6 +459,7 @@ def _save(run: RankRun, step: int) -> None:
 
     extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),
              "stability": run.stability.state_dict()}
+    run.hooks.before_save(run.rank, step)
     checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 
 
@@ -487,6 +491,9 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
     launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
+    from paralayer.runtime.orphans import die_with_launcher
+
+    die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
     cfg, plan = load_run(run_dir, overrides)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task
