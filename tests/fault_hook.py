@@ -54,12 +54,17 @@ def make_hooks(module, spec: str):
                 return
             if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "stopsave"):
                 return
-            if kind == "kill1":  # once in the run's life: a restarted attempt runs this step again unharmed
+            if kind == "exit2":  # bad data found mid-run
+                from paralayer.data.errors import DataError
+
+                raise DataError(f"the batch of step {step} holds a token id past model.vocab_size "
+                                f"(injected on rank {rank})")
+            if kind in ("kill1", "stop1"):  # once in the run's life: a restarted attempt runs this step again unharmed
                 mark = Path(os.environ.get("PARALAYER_FAULT_DIR", ".")) / f"fired-{rank}-{step}"
                 if mark.exists():
                     return
                 mark.write_text(str(time.time()))
-            if kind == "stop":
+            if kind in ("stop", "stop1"):
                 import signal
                 import tempfile
 

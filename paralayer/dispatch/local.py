@@ -72,7 +72,9 @@ def run_local(run_dir: str, plan: dict, max_restarts: Optional[int] = None, sinc
         attempt, start = attempt + 1, end
     totals = goodput.read_totals(run_dir)
     if totals and attempt > 1:
-        print(goodput.summary_line(totals), flush=True)
+        line = goodput.summary_line(totals).replace("paralayer: goodput", "paralayer: goodput of every attempt "
+                                                                          "(the launcher's clock)", 1)
+        print(line, flush=True)
     if rc == 0:
         print(f"paralayer: done; metrics in {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return rc

@@ -86,6 +86,8 @@ class Goodput:
     def saved(self, step: int) -> None:
         for s in [s for s in self.unsaved if s <= step]:
             self.t["steps"] += self.unsaved.pop(s)
+        self._written = 0.0  # written now: a save is what a dead attempt's account starts from
+        self.maybe_write()
 
     def rolled_back(self, from_step: int, seconds: float) -> None:
         lost = [s for s in self.unsaved if s > from_step]
