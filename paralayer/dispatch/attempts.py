@@ -18,7 +18,6 @@ import socket
 from typing import Any, Optional
 
 FILE = "attempts.jsonl"
-ATTEMPT_ENV = "PARALAYER_ATTEMPT"  # the attempt number, as each rank sees it (goodput.json records it)
 
 #: exit status of a rank that found bad input (data, checkpoints): never restarted
 EXIT_BAD_INPUT = 2

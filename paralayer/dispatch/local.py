@@ -15,9 +15,6 @@ import time
 import uuid
 from typing import Optional
 
-#: the launcher's pid, for each rank's parent-death signal (paralayer/runtime/orphans.py)
-LAUNCHER_PID_ENV = "PARALAYER_LAUNCHER_PID"
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -94,8 +91,6 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from paralayer.dispatch.attempts import ATTEMPT_ENV
-
     world = int(plan["world_size"])
     env_cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, env_cores // world)))
@@ -104,8 +99,6 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.environ.get("PYTHONPATH", "").startswith(repo_root + os.pathsep):
         os.environ["PYTHONPATH"] = repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    os.environ[ATTEMPT_ENV] = str(attempt)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this launcher (no orphans)
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"paralayer-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,

@@ -52,7 +52,6 @@ class Goodput:
         self._written = 0.0
         self.previous = self._read_previous()
         self.first_attempt = not self.previous
-        self.attempt_no = _attempt_number()
 
     def _read_previous(self) -> list[dict]:
         if not self.path or not os.path.isfile(self.path):
@@ -100,7 +99,7 @@ class Goodput:
         wall = time.time() - self.t0
         t["other"] = max(0.0, wall - sum(v for k, v in t.items() if k != "other"))
         now = time.time()
-        return {"attempt": self.attempt_no, "start_step": self.start_step, "last_step": self.last_step,
+        return {"attempt": None, "start_step": self.start_step, "last_step": self.last_step,
                 "wall_s": wall, "buckets_s": t, "unsaved": {str(k): v for k, v in self.unsaved.items()},
                 "finished": final, "t0_unix": self.t0, "written_unix": now}
 
@@ -114,12 +113,6 @@ class Goodput:
         self._written = time.monotonic()
         attempts = self.previous + [self.attempt(final)]
         _write(self.path, attempts)
-
-
-def _attempt_number() -> Optional[int]:
-    """The launcher's attempt number (paralayer/dispatch/attempts.py sets it), if any."""
-    v = os.environ.get("PARALAYER_ATTEMPT", "")
-    return int(v) if v.isdigit() else None
 
 
 def _write(path: str, attempts: list[dict]) -> None:
@@ -182,8 +175,9 @@ def account_attempt(run_dir: str, attempt: int, start: float, end: float, finish
             attempts = list(json.load(f).get("attempts", []))
     except (OSError, ValueError):
         pass
-    entry = next((a for a in reversed(attempts) if a.get("attempt") == attempt
-                  and a.get("t0_unix", 0.0) >= start - 1.0), None)  # not an earlier launch's attempt 1
+    # rank 0's entry of this attempt: the one its process started within this attempt's window
+    entry = next((a for a in reversed(attempts) if a.get("attempt") is None
+                  and a.get("t0_unix", 0.0) >= start - 1.0), None)
     wall = max(0.0, end - start)
     boot = "startup" if attempt == 1 else "restart"
     if entry is None or entry.get("start_step") is None:
@@ -207,7 +201,7 @@ def account_attempt(run_dir: str, attempt: int, start: float, end: float, finish
         t["other"] = max(0.0, wall - rest)
         entry["wall_s"] = max(wall, rest)
         entry["finished"] = bool(finished)
-    entry.update(launcher_start_unix=start, launcher_end_unix=end)
+    entry.update(attempt=attempt, launcher_start_unix=start, launcher_end_unix=end)
     _write(path, attempts)
     return entry
 
