@@ -44,7 +44,7 @@ CLUSTER_KEYS = (
     "nodes", "devices_per_node", "device", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
     "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
     "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf", "network_interface",
-    "min_nodes",
+    "min_nodes", "max_restarts",
 )
 from paralayer.dispatch.errors import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
@@ -342,7 +342,7 @@ def _ensure_slurm(cluster: Mapping[str, Any]) -> None:
 def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: str | None = None,
            wait: bool = False, *, entry: str | Callable[[str], Any] = DEFAULT_ENTRY,
            timeout_s: float | None = None, env: Mapping[str, str] | None = None,
-           verbose: bool = True) -> SubmitResult:
+           verbose: bool = True, since: float | None = None) -> SubmitResult:
     """Submit prepared run directories (each holding resolved.yaml and plan.json).
 
     One run -> one job; several -> one job array. ``cluster`` is a dict (see CLUSTER_KEYS; the
@@ -352,8 +352,11 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     submitit recognises results by job id and a wiped SLURM reuses ids from 1.
     ``entry`` is ``"module:function"``, called with the run directory in every task. ``env`` is
     exported in every task. With ``wait=True`` the jobs are followed to the end (``timeout_s``
-    caps the wait) and ``.status`` is set.
+    caps the wait) and ``.status`` is set. With ``wait``, one run and ``cluster.slurm.max_restarts``
+    > 0, a failed attempt is submitted again (paralayer/dispatch/slurm_restart.py); ``since`` is
+    when the first attempt began for goodput (the launcher's start; default: now).
     """
+    since = since or time.time()
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [str(run_dirs)]
     dirs = _check_run_dirs(run_dirs)
@@ -407,6 +410,32 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
         res.elastic = (int(cluster["min_nodes"]), params["nodes"], params["tasks_per_node"])
     if verbose:
         print(res.hint, flush=True)
+    limit = int(cluster.get("max_restarts") or 0)
+    if wait and limit > 0 and len(dirs) == 1:
+        from paralayer.dispatch import slurm_restart
+
+        def resubmit(attempt: int, exclude: list[str]) -> SubmitResult:
+            p = dict(params)
+            extra = dict(p.get("slurm_additional_parameters") or {})
+            if exclude:
+                extra["exclude"] = ",".join(exclude)
+            if extra:
+                p["slurm_additional_parameters"] = extra
+            ex = submitit.AutoExecutor(folder=os.path.join(folder, f"attempt-{attempt}"), cluster="slurm",
+                                       slurm_max_num_timeout=max_num_timeout)
+            ex.update_parameters(**p)
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                job = ex.submit(RankTask(dirs[0], entry_str, resume="auto", env=env))
+            subs = getattr(job, "_sub_jobs", None) or [job]
+            r = SubmitResult(job_ids=[str(job.job_id)], run_dirs=dirs, folder=str(ex.folder),
+                             stdout=[[str(s.paths.stdout) for s in subs]], stderr=[[str(s.paths.stderr) for s in subs]],
+                             array=False, jobs=[job], elastic=res.elastic)
+            if verbose:
+                print(f"paralayer: attempt {attempt}: submitted job {r.job_ids[0]}; logs in {r.folder}", flush=True)
+            return r
+
+        return slurm_restart.follow_with_restarts(
+            res, dirs[0], limit, resubmit, lambda r: follow(r, timeout_s=timeout_s, verbose=verbose), since)
     if wait:
         follow(res, timeout_s=timeout_s, verbose=verbose)
     return res
