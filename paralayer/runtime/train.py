@@ -86,6 +86,9 @@ class StepHooks:
         """This rank's share of the loss, before it is averaged over the data ranks."""
         return loss
 
+    def on_batch(self, rank: int, step: int, tokens: torch.Tensor) -> None:
+        """This rank's tokens of the step (a test sees which data a step read)."""
+
     def before_save(self, rank: int, step: int) -> None:
         """Called inside a checkpoint save, before its collectives (a rank frozen mid-save)."""
 
@@ -302,6 +305,7 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     t_data = time.perf_counter()
     tokens, labels = step_batch(run, step)
     run.comm.data_s = time.perf_counter() - t_data
+    run.hooks.on_batch(run.rank, step, tokens)
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
