@@ -353,8 +353,7 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     ``entry`` is ``"module:function"``, called with the run directory in every task. ``env`` is
     exported in every task. With ``wait=True`` the jobs are followed to the end (``timeout_s``
     caps the wait) and ``.status`` is set. With ``wait``, one run and ``cluster.slurm.max_restarts``
-    > 0, a failed attempt is submitted again (paralayer/dispatch/slurm_restart.py); ``since`` is
-    when the first attempt began for goodput (the launcher's start; default: now).
+    > 0, a failed attempt is submitted again (dispatch/slurm_restart.py; ``since``: the launcher's start).
     """
     since = since or time.time()
     if isinstance(run_dirs, (str, os.PathLike)):
@@ -414,26 +413,7 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     if wait and limit > 0 and len(dirs) == 1:
         from paralayer.dispatch import slurm_restart
 
-        def resubmit(attempt: int, exclude: list[str]) -> SubmitResult:
-            p = dict(params)
-            extra = dict(p.get("slurm_additional_parameters") or {})
-            if exclude:
-                extra["exclude"] = ",".join(exclude)
-            if extra:
-                p["slurm_additional_parameters"] = extra
-            ex = submitit.AutoExecutor(folder=os.path.join(folder, f"attempt-{attempt}"), cluster="slurm",
-                                       slurm_max_num_timeout=max_num_timeout)
-            ex.update_parameters(**p)
-            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                job = ex.submit(RankTask(dirs[0], entry_str, resume="auto", env=env))
-            subs = getattr(job, "_sub_jobs", None) or [job]
-            r = SubmitResult(job_ids=[str(job.job_id)], run_dirs=dirs, folder=str(ex.folder),
-                             stdout=[[str(s.paths.stdout) for s in subs]], stderr=[[str(s.paths.stderr) for s in subs]],
-                             array=False, jobs=[job], elastic=res.elastic)
-            if verbose:
-                print(f"paralayer: attempt {attempt}: submitted job {r.job_ids[0]}; logs in {r.folder}", flush=True)
-            return r
-
+        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout, dirs[0], entry_str, env, res, verbose)
         return slurm_restart.follow_with_restarts(
             res, dirs[0], limit, resubmit, lambda r: follow(r, timeout_s=timeout_s, verbose=verbose), since)
     if wait:

@@ -125,3 +125,39 @@ def follow_with_restarts(res: Any, run_dir: str, limit: int, resubmit: Callable[
         print(att.restart_line(attempt, limit, what), file=stream, flush=True)
         attempt, start = attempt + 1, end
         res = resubmit(attempt, exclude)
+
+
+def resubmitter(params: dict, folder: str, max_num_timeout: int, run_dir: str, entry: str, env: Any,
+                first: Any, verbose: bool) -> Callable[[int, list[str]], Any]:
+    """``resubmit(attempt, exclude)`` for :func:`follow_with_restarts`: the run as a new job with
+    ``train.resume=auto``, its submitit files in ``folder/attempt-N``, ``exclude`` as
+    ``sbatch --exclude``."""
+    import contextlib
+    import io
+
+    import submitit
+
+    from paralayer.dispatch.slurm import RankTask
+    from paralayer.dispatch.slurm_jobs import SubmitResult
+
+    def resubmit(attempt: int, exclude: list[str]) -> Any:
+        p = dict(params)
+        extra = dict(p.get("slurm_additional_parameters") or {})
+        if exclude:
+            extra["exclude"] = ",".join(exclude)
+        if extra:
+            p["slurm_additional_parameters"] = extra
+        ex = submitit.AutoExecutor(folder=os.path.join(folder, f"attempt-{attempt}"), cluster="slurm",
+                                   slurm_max_num_timeout=max_num_timeout)
+        ex.update_parameters(**p)
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            job = ex.submit(RankTask(run_dir, entry, resume="auto", env=env))
+        subs = getattr(job, "_sub_jobs", None) or [job]
+        r = SubmitResult(job_ids=[str(job.job_id)], run_dirs=[run_dir], folder=str(ex.folder),
+                         stdout=[[str(s.paths.stdout) for s in subs]], stderr=[[str(s.paths.stderr) for s in subs]],
+                         array=False, jobs=[job], elastic=first.elastic)
+        if verbose:
+            print(f"paralayer: attempt {attempt}: submitted job {r.job_ids[0]}; logs in {r.folder}", flush=True)
+        return r
+
+    return resubmit
