@@ -42,13 +42,17 @@ def process_start_time() -> Optional[float]:
 
 
 class Goodput:
-    def __init__(self, run_dir: Optional[str], enabled: bool, start_step: int, start_time: Optional[float] = None):
+    def __init__(self, run_dir: Optional[str], enabled: bool, start_step: int, start_time: Optional[float] = None,
+                 marks: Optional[dict] = None):
         self.path = os.path.join(run_dir, FILE) if (run_dir and enabled) else None
         self.t0 = start_time or process_start_time() or time.time()
         self.t = {b: 0.0 for b in BUCKETS}
         self.unsaved: dict[int, float] = {}  # step -> seconds, steps after the last checkpoint
         self.start_step = start_step
         self.last_step = start_step - 1
+        # unix times at which start-up parts ended (train_start: imports and process group done,
+        # setup, loaded: the checkpoint; first_step: the first step finished): benchmarks/recovery.py
+        self.marks = dict(marks or {})
         self._written = 0.0
         self.previous = self._read_previous()
         self.first_attempt = not self.previous
@@ -75,6 +79,7 @@ class Goodput:
             self.t[bucket] += time.perf_counter() - t
 
     def step(self, step: int, seconds: float, counted: bool = True) -> None:
+        self.marks.setdefault("first_step", time.time())
         if counted:
             self.unsaved[step] = seconds
         else:
@@ -101,7 +106,7 @@ class Goodput:
         now = time.time()
         return {"attempt": None, "start_step": self.start_step, "last_step": self.last_step,
                 "wall_s": wall, "buckets_s": t, "unsaved": {str(k): v for k, v in self.unsaved.items()},
-                "finished": final, "t0_unix": self.t0, "written_unix": now}
+                "finished": final, "t0_unix": self.t0, "written_unix": now, "marks": self.marks}
 
     def totals(self, final: bool = False) -> dict:
         """Summed over every attempt: ``goodput`` and ``goodput_<bucket>_s``."""

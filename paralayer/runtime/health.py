@@ -26,7 +26,8 @@ def hang_timeout(train_cfg: Any) -> float:
 
 
 class RunHealth:
-    def __init__(self, run: Any, run_dir: Optional[str], start_step: int, stop: int):
+    def __init__(self, run: Any, run_dir: Optional[str], start_step: int, stop: int,
+                 marks: Optional[dict] = None):
         cfg, rank = run.cfg, dist.get_rank()
         self.run, self.stop_step, self.rank = run, stop, rank
         self.log_every = max(1, int(cfg.train.log_every))
@@ -39,7 +40,7 @@ class RunHealth:
         announce = "TORCHELASTIC_ERROR_FILE" not in os.environ
         self.watchdog = Watchdog(timeout, run_dir, rank, dist.get_world_size(), run.comm, announce=announce,
                                  cuda=run.device.type == "cuda") if (run_dir and timeout > 0) else None
-        self.goodput = Goodput(run_dir, rank == 0, start_step)
+        self.goodput = Goodput(run_dir, rank == 0, start_step, marks=marks)
         self.goodput.started()
         self._t_step = time.perf_counter()
         if self.watchdog is not None:

@@ -378,12 +378,15 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
     from paralayer.runtime.health import RunHealth
 
+    marks = {"train_start": time.time()}  # when each start-up part ended (goodput.json: recovery time)
     run = setup(cfg, as_plan(plan), run_dir, hooks)
+    marks["setup"] = time.time()
     start_step = resume(run)
+    marks["loaded"] = time.time()
     stop = cfg.train.stop_at_step or cfg.train.steps
     validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
     logger = open_logger(run, run_dir, start_step, log_progress)
-    health = RunHealth(run, run_dir, start_step, stop)  # profiler, rank timing, watchdog, goodput
+    health = RunHealth(run, run_dir, start_step, stop, marks)  # profiler, rank timing, watchdog, goodput
     records: list[dict] = []
     preempt = PreemptSave()
     finished = False
