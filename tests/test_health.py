@@ -70,8 +70,11 @@ def _train_pp(rank, world, overrides, run_dir):
 
 
 # ------------------------------------------------------------------ stragglers
-def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd):
-    out = run_ranks(_train, 2, ["train.steps=5"], str(tmp_path), "slow:1:1")
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, zero):
+    """Under ZeRO-2/3 the peer waits in FSDP2's all-gather for the slowed rank: that time must be
+    waiting (parallel/collective_timing.py), or both ranks look equally busy."""
+    out = run_ranks(_train, 2, ["train.steps=5", f"parallel.zero={zero}"], str(tmp_path), "slow:1:1")
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     assert [r["slowest_rank"] for r in recs] == [1] * 5

@@ -149,6 +149,9 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
                   hooks=hooks or StepHooks())
     run.comm.rank = dist.get_rank()
+    from paralayer.parallel.collective_timing import time_fsdp
+
+    time_fsdp(built.chunks, run.comm)  # ZeRO-2/3: waiting in FSDP's collectives is not compute
     run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)
     run.runner = build_runner(run)
