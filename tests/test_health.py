@@ -77,7 +77,9 @@ def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, zer
     out = run_ranks(_train, 2, ["train.steps=5", f"parallel.zero={zero}"], str(tmp_path), "slow:1:1")
     err = capfd.readouterr()
     recs = _lines(tmp_path)
-    assert [r["slowest_rank"] for r in recs] == [1] * 5
+    named = [r["slowest_rank"] for r in recs]
+    # step 1 (FSDP's lazy init and first all-gathers on both ranks) may name either at ZeRO-2/3
+    assert named[1:] == [1] * 4 and (zero > 0 or named[0] == 1), named
     # (step 1 warms up both ranks: the 0.2 s sleep is a smaller share of it)
     assert all(r["rank_time_spread"] > 1.2 for r in recs[1:]), [r["rank_time_spread"] for r in recs]
     assert recs[0]["slowest_host"] == os.uname().nodename
