@@ -70,11 +70,16 @@ def _train_pp(rank, world, overrides, run_dir):
 
 
 # ------------------------------------------------------------------ stragglers
-@pytest.mark.parametrize("zero", [0, 2, 3])
-def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, zero):
+LAYOUTS = {"zero0": ["parallel.zero=0"], "zero2": ["parallel.zero=2"], "zero3": ["parallel.zero=3"],
+           "tp2": ["parallel.tp=2", "parallel.dp=1"], "pp2": ["parallel.pp=2", "parallel.dp=1"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, layout):
     """Under ZeRO-2/3 the peer waits in FSDP2's all-gather for the slowed rank: that time must be
     waiting (parallel/collective_timing.py), or both ranks look equally busy."""
-    out = run_ranks(_train, 2, ["train.steps=5", f"parallel.zero={zero}"], str(tmp_path), "slow:1:1")
+    zero = 0 if layout != "zero2" and layout != "zero3" else int(layout[-1])
+    out = run_ranks(_train, 2, ["train.steps=5"] + LAYOUTS[layout], str(tmp_path), "slow:1:1")
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     named = [r["slowest_rank"] for r in recs]

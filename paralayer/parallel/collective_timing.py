@@ -11,8 +11,9 @@ collectives and their results are torch's own: the numbers do not change.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch.distributed as dist
 from torch import nn
@@ -75,3 +76,30 @@ def time_fsdp(chunks: Iterable[nn.Module], trace: Any) -> int:
                     continue
                 n += 1
     return n
+
+
+@contextlib.contextmanager
+def tensor_parallel_waits(trace: Any, on: bool) -> Iterator[None]:
+    """While a step's forward and backward run (``on``: tp > 1), the waits on DTensor's
+    collectives count as waiting. DTensor issues them as functional collectives whose result is
+    an AsyncCollectiveTensor, waited on at first use through the module's ``wait_tensor``: that
+    function is timed for the step and put back after it (the same op, the same result)."""
+    if not on:
+        yield
+        return
+    import torch.distributed._functional_collectives as funcol
+
+    plain = funcol.wait_tensor
+
+    def timed(tensor):
+        t = time.perf_counter()
+        try:
+            return plain(tensor)
+        finally:
+            trace.blocked_s += time.perf_counter() - t
+
+    funcol.wait_tensor = timed
+    try:
+        yield
+    finally:
+        funcol.wait_tensor = plain

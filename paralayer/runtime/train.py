@@ -39,6 +39,7 @@ from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
+from paralayer.parallel.collective_timing import tensor_parallel_waits, time_fsdp
 from paralayer.parallel.comm_trace import CommTrace
 from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
@@ -149,8 +150,6 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
                   hooks=hooks or StepHooks())
     run.comm.rank = dist.get_rank()
-    from paralayer.parallel.collective_timing import time_fsdp
-
     time_fsdp(built.chunks, run.comm)  # ZeRO-2/3: waiting in FSDP's collectives is not compute
     run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)
@@ -312,7 +311,8 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
-    local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
+    with tensor_parallel_waits(run.comm, run.degree["tp"] > 1):  # DTensor's waits are not compute
+        local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
     loss, grad_norm = reduce_and_clip(run, local_loss)
     verdict = bad_step(run, step, loss, grad_norm)
     if verdict is not None:
