@@ -15,7 +15,7 @@ Each step runs through :func:`run_step` (health: timing, watchdog, profiler; eva
 stability verdict and :func:`roll_back`).
 
 Why this file is long: it is the step loop and every named step of it, read top to bottom in one
-place (~530 lines); what is not the loop lives beside it: building the model, optimizer, data and
+place (~545 lines); what is not the loop lives beside it: building the model, optimizer, data and
 pipeline (runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), run
 health (runtime/health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
 """
