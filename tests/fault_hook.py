@@ -38,7 +38,10 @@ def fault_env(tmp_dir, spec: str, base: dict | None = None) -> dict:
 
 
 def make_hooks(module, spec: str):
-    """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``."""
+    """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``; several faults joined by
+    commas (``kill1:1:3,stop1:1:6``) apply in turn, so that one run can hold two failures."""
+    if "," in spec:
+        return _joined(module, [make_hooks(module, s) for s in spec.split(",")])
     kind, rank_s, step_s = spec.split(":")
     at_rank, at_step = int(rank_s), int(step_s)
     done: set = set()
@@ -89,6 +92,25 @@ def make_hooks(module, spec: str):
             return loss
 
     return FaultHooks()
+
+
+def _joined(module, parts: list):
+    """The hooks of several faults, called in order."""
+    class Joined(module.StepHooks):
+        def before_save(self, rank: int, step: int) -> None:
+            for p in parts:
+                p.before_save(rank, step)
+
+        def before_forward(self, rank: int, step: int) -> None:
+            for p in parts:
+                p.before_forward(rank, step)
+
+        def local_loss(self, rank: int, step: int, loss):
+            for p in parts:
+                loss = p.local_loss(rank, step, loss)
+            return loss
+
+    return Joined()
 
 
 def _freeze(rank: int, step: int, where: str) -> None:
