@@ -1,6 +1,6 @@
 """Front door: ``python launch.py recipe=NAME [key=value ...] [--dry-run] [--json] [-m]``."""
 import sys
 
-from paralayer.cli import main
+from paralayer.cli import exit_process, main
 
-sys.exit(main(sys.argv[1:]))
+exit_process(main(sys.argv[1:]))

@@ -415,4 +415,18 @@ def print_sweep(rows: list) -> None:
 
 def entry() -> None:
     """Console script (pyproject: paralayer = paralayer.cli:entry)."""
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))
+
+
+def exit_process(rc: int) -> None:
+    """End the front door's process with ``rc``. After a run on this machine (torch imported) the
+    interpreter's teardown of torch takes 0.5-1.5 s on a loaded machine after goodput.json's last
+    account: everything is written and flushed by then, so skip it."""
+    if "torch" in sys.modules:
+        import logging
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(int(rc or 0))
+    sys.exit(rc)

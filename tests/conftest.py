@@ -152,7 +152,7 @@ def local_slurm_2node():
 
 #: Test files that submit to the real SLURM clusters: one xdist worker runs all of them, one after
 #: another, so two files never compete for the clusters' task slots (their deadlines assume that).
-SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py"}
+SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py", "test_recovery_slurm.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -32,24 +32,42 @@ def fault_env(tmp_dir, spec: str, base: dict | None = None) -> dict:
     (folder / "sitecustomize.py").write_text(
         f"from tests.fault_hook import install_on_import\ninstall_on_import({spec!r})\n")
     env = dict(os.environ if base is None else base)
+    env["PARALAYER_FAULT_DIR"] = str(folder)  # where a once-only fault (kill1) marks that it fired
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
 def make_hooks(module, spec: str):
-    """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``."""
+    """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``; several faults joined by
+    commas (``kill1:1:3,stop1:1:6``) apply in turn, so that one run can hold two failures."""
+    if "," in spec:
+        return _joined(module, [make_hooks(module, s) for s in spec.split(",")])
     kind, rank_s, step_s = spec.split(":")
     at_rank, at_step = int(rank_s), int(step_s)
     done: set = set()
 
     class FaultHooks(module.StepHooks):
+        def before_save(self, rank: int, step: int) -> None:
+            if kind == "stopsave" and (rank, step) == (at_rank, at_step):
+                _freeze(rank, step, "inside the save of")
+
         def before_forward(self, rank: int, step: int) -> None:
             if kind == "slow" and rank == at_rank and step >= at_step:
                 time.sleep(0.2)
                 return
-            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow"):
+            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "stopsave"):
                 return
-            if kind == "stop":
+            if kind == "exit2":  # bad data found mid-run
+                from paralayer.data.errors import DataError
+
+                raise DataError(f"the batch of step {step} holds a token id past model.vocab_size "
+                                f"(injected on rank {rank})")
+            if kind in ("kill1", "stop1"):  # once in the run's life: a restarted attempt runs this step again unharmed
+                mark = Path(os.environ.get("PARALAYER_FAULT_DIR", ".")) / f"fired-{rank}-{step}"
+                if mark.exists():
+                    return
+                mark.write_text(str(time.time()))
+            if kind in ("stop", "stop1"):
                 import signal
                 import tempfile
 
@@ -59,7 +77,7 @@ def make_hooks(module, spec: str):
                 os.kill(os.getpid(), signal.SIGSTOP)
                 return
             when = f"at unix time {time.time():.3f}"
-            if kind == "kill":
+            if kind in ("kill", "kill1"):
                 print(f"paralayer: injecting kill -9 on rank {rank} at step {step} {when}", file=sys.stderr,
                       flush=True)
                 os.kill(os.getpid(), 9)
@@ -74,6 +92,35 @@ def make_hooks(module, spec: str):
             return loss
 
     return FaultHooks()
+
+
+def _joined(module, parts: list):
+    """The hooks of several faults, called in order."""
+    class Joined(module.StepHooks):
+        def before_save(self, rank: int, step: int) -> None:
+            for p in parts:
+                p.before_save(rank, step)
+
+        def before_forward(self, rank: int, step: int) -> None:
+            for p in parts:
+                p.before_forward(rank, step)
+
+        def local_loss(self, rank: int, step: int, loss):
+            for p in parts:
+                loss = p.local_loss(rank, step, loss)
+            return loss
+
+    return Joined()
+
+
+def _freeze(rank: int, step: int, where: str) -> None:
+    import signal
+    import tempfile
+
+    Path(tempfile.gettempdir(), "stopped-pid").write_text(str(os.getpid()))
+    print(f"paralayer: injecting SIGSTOP on rank {rank} {where} step {step} at unix time {time.time():.3f}",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class _InstallOnImport(importlib.abc.MetaPathFinder):

@@ -60,6 +60,8 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "cluster.slurm.cpus_per_task": (1, 1024),
     "cluster.slurm.gpus_per_node": (0, 1024),
     "cluster.slurm.max_requeues": (0, 1000),
+    "cluster.slurm.max_restarts": (0, 1000),
+    "cluster.max_restarts": (0, 1000),
     "checkpoint.every": (0, 10 ** 9),
     "checkpoint.keep": (1, 10 ** 6),
     "train.spike.window": (1, 10 ** 6),

@@ -208,6 +208,8 @@ class SlurmConfig:
     srun_args: List[str] = field(default_factory=list)
     setup: List[str] = field(default_factory=list)
     max_requeues: int = 3
+    # restarts after a rank died (not bad input, exit 2): apart from preemption's max_requeues
+    max_restarts: int = 0
     folder: Optional[str] = None  # submitit logs; default run.dir/../slurm-logs
     min_nodes: Optional[int] = None  # sbatch --nodes=MIN-nodes: a requeued job may come back on fewer (dp=auto)
     slurm_conf: Optional[str] = None  # the cluster's slurm.conf (wins over $SLURM_CONF); null = the environment's
@@ -227,6 +229,9 @@ class ClusterConfig:
     memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels
     price_per_device_hour: Optional[float] = None  # cost of a device-hour (any currency): the plan's train_cost
     network_interface: Optional[str] = None  # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME of every task (e.g. eth0)
+    # the local launcher restarts a run whose rank died (not bad input, exit 2) this many times,
+    # each attempt from the newest verified checkpoint (dispatch/local.py); 0 = never
+    max_restarts: int = 0
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 

@@ -105,12 +105,16 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
     if cfg.cluster.backend == "slurm":
         from paralayer.dispatch import slurm
 
+        from paralayer.metrics.goodput import process_start_time
+
         res = slurm.submit([run_dir], _slurm_settings(cfg, [plan]), folder=_slurm_folder(cfg, run_dir),
-                           wait=bool(getattr(args, "wait", False)))
+                           wait=bool(getattr(args, "wait", False)), since=process_start_time())
         return _slurm_rc(res)
     from paralayer.dispatch.local import run_local
+    from paralayer.metrics.goodput import process_start_time
 
-    return run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan)
+    # goodput counts from the launcher's own start (its imports and the resolve included)
+    return run_local(run_dir, plan.to_dict() if hasattr(plan, "to_dict") else plan, since=process_start_time())
 
 
 def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:

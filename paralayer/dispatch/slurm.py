@@ -44,7 +44,7 @@ CLUSTER_KEYS = (
     "nodes", "devices_per_node", "device", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
     "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
     "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf", "network_interface",
-    "min_nodes",
+    "min_nodes", "max_restarts",
 )
 from paralayer.dispatch.errors import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
@@ -342,7 +342,7 @@ def _ensure_slurm(cluster: Mapping[str, Any]) -> None:
 def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: str | None = None,
            wait: bool = False, *, entry: str | Callable[[str], Any] = DEFAULT_ENTRY,
            timeout_s: float | None = None, env: Mapping[str, str] | None = None,
-           verbose: bool = True) -> SubmitResult:
+           verbose: bool = True, since: float | None = None) -> SubmitResult:
     """Submit prepared run directories (each holding resolved.yaml and plan.json).
 
     One run -> one job; several -> one job array. ``cluster`` is a dict (see CLUSTER_KEYS; the
@@ -352,8 +352,10 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     submitit recognises results by job id and a wiped SLURM reuses ids from 1.
     ``entry`` is ``"module:function"``, called with the run directory in every task. ``env`` is
     exported in every task. With ``wait=True`` the jobs are followed to the end (``timeout_s``
-    caps the wait) and ``.status`` is set.
+    caps the wait) and ``.status`` is set. With ``wait``, one run and ``cluster.slurm.max_restarts``
+    > 0, a failed attempt is submitted again (dispatch/slurm_restart.py; ``since``: the launcher's start).
     """
+    since = since or time.time()
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [str(run_dirs)]
     dirs = _check_run_dirs(run_dirs)
@@ -407,6 +409,13 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
         res.elastic = (int(cluster["min_nodes"]), params["nodes"], params["tasks_per_node"])
     if verbose:
         print(res.hint, flush=True)
+    limit = int(cluster.get("max_restarts") or 0)
+    if wait and limit > 0 and len(dirs) == 1:
+        from paralayer.dispatch import slurm_restart
+
+        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout, dirs[0], entry_str, env, res, verbose)
+        return slurm_restart.follow_with_restarts(
+            res, dirs[0], limit, resubmit, lambda r: follow(r, timeout_s=timeout_s, verbose=verbose), since)
     if wait:
         follow(res, timeout_s=timeout_s, verbose=verbose)
     return res

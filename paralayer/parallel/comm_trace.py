@@ -13,8 +13,8 @@ That costs one dict and two clock reads per collective, and buys three things:
   ``record_function`` range named ``comm.<axis>.<op>`` (or the region's name); otherwise a region
   is a no-op (no profiler overhead when it is off).
 
-DTensor's tensor-parallel collectives are torch's own: they appear in a trace as c10d ops, and
-their time counts as compute here.
+Torch's own collectives are timed into ``blocked_s`` too (paralayer/parallel/collective_timing.py):
+FSDP2's all-gathers and reduce-scatters, and the waits on DTensor's tensor-parallel ones.
 """
 from __future__ import annotations
 

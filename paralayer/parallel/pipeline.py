@@ -516,7 +516,8 @@ class PipelineRunner:
         if self.early_recv is not None:
             self.early_recv.reset()
         if self.measure:
-            dist.barrier(group=self.group)
+            with optional_collective(self.trace, "pp", "measure_barrier"):  # waiting for a late stage
+                dist.barrier(group=self.group)
             if self.clock.cuda:
                 torch.cuda.synchronize(self.device)  # the origin is when this rank's GPU is idle
         self.clock.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -25,7 +26,8 @@ def hang_timeout(train_cfg: Any) -> float:
 
 
 class RunHealth:
-    def __init__(self, run: Any, run_dir: Optional[str], start_step: int, stop: int):
+    def __init__(self, run: Any, run_dir: Optional[str], start_step: int, stop: int,
+                 marks: Optional[dict] = None):
         cfg, rank = run.cfg, dist.get_rank()
         self.run, self.stop_step, self.rank = run, stop, rank
         self.log_every = max(1, int(cfg.train.log_every))
@@ -38,11 +40,15 @@ class RunHealth:
         announce = "TORCHELASTIC_ERROR_FILE" not in os.environ
         self.watchdog = Watchdog(timeout, run_dir, rank, dist.get_world_size(), run.comm, announce=announce,
                                  cuda=run.device.type == "cuda") if (run_dir and timeout > 0) else None
-        self.goodput = Goodput(run_dir, rank == 0, start_step)
+        self.goodput = Goodput(run_dir, rank == 0, start_step, marks=marks)
         self.goodput.started()
+        self._t_step = time.perf_counter()
+        if self.watchdog is not None:
+            self.watchdog.beat()  # armed from the first step on: a rank frozen in step 1 is named too
 
     def before_step(self, step: int) -> None:
         self.profiler.before(step)
+        self._t_step = time.perf_counter()
 
     def beat(self, step: Optional[int] = None) -> None:
         if self.watchdog is not None:
@@ -52,7 +58,8 @@ class RunHealth:
         """The step finished (rec None: its update was skipped): the rank-timing fields to log."""
         self.beat(step)
         self.profiler.after(step)
-        seconds = rec["step_time_s"] if rec is not None else 0.0
+        # a skipped update still took its step's time (goodput's ``skipped``)
+        seconds = rec["step_time_s"] if rec is not None else time.perf_counter() - self._t_step
         self.goodput.step(step, seconds, counted=rec is not None)
         if rec is None or not (step % self.log_every == 0 or step == self.stop_step):
             return {}
@@ -81,9 +88,15 @@ class RunHealth:
     @contextlib.contextmanager
     def timed(self, bucket: str) -> Iterator[None]:
         """``with health.timed("eval"):`` (the evaluation pass), or "checkpoint", "rollback": the
-        time goes to that goodput bucket, and the watchdog waits (those have their own timeouts)."""
+        time goes to that goodput bucket. The watchdog waits during an evaluation; a save is
+        watched like a step (its clock restarts as the save begins): a rank frozen inside a save
+        is named within ``train.hang_timeout_s``, not left to checkpoint.timeout_s."""
         if self.watchdog is not None:
-            self.watchdog.pause()
+            if bucket == "checkpoint":
+                self.run.comm.at(self.run.comm.step, "checkpoint")
+                self.watchdog.beat()
+            else:
+                self.watchdog.pause()
         try:
             with self.goodput.timed(bucket):
                 yield

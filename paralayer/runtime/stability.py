@@ -10,11 +10,13 @@ decides the same without a collective) before the update is applied:
   ``train.spike.action`` (warn | skip | rollback | stop; ``threshold_sigma`` 0 = off).
 
 skip: the update is not applied (the schedule still advances). rollback: :func:`rollback` loads
-the newest verified checkpoint taken before the bad step, and the data batches from that
-checkpoint's next step to the bad step (plus ``train.rollback_skip_margin``) are skipped: the
-mapping from training step to data batch is :meth:`Stability.batch_for`, a pure function of
-``skips``, which each checkpoint stores (with the spike window), so a resumed run and a rerun
-read exactly the same batches.
+the newest verified checkpoint taken before the bad step, and the bad step's data batch and the
+``train.rollback_skip_margin`` batches after it are skipped; the good batches between the
+checkpoint and the bad step are read again. The mapping from training step to data batch is
+:meth:`Stability.batch_for` (step s reads the s-th batch that is not skipped), a pure function of
+``skipped``, which each checkpoint stores (with the spike window), so a resumed run and a rerun
+read exactly the same batches. A second rollback, to a checkpoint older than the first's, keeps
+the first's skips and drops nothing else (the batches are identified, not counted).
 """
 from __future__ import annotations
 
@@ -47,13 +49,18 @@ class Stability:
         self.spike_action = t.spike.action
         self.margin = int(t.rollback_skip_margin)
         self.history: deque = deque(maxlen=self.window)
-        self.skips: list[list[int]] = []  # [after_step, batches skipped]: steps > after_step read later batches
+        self.skipped: list[int] = []  # the data batches no step reads (sorted)
         self.rollbacks = 0
 
     # ---- the data a step reads
     def batch_for(self, step: int) -> int:
-        """The data batch training step ``step`` reads (the step itself unless batches were skipped)."""
-        return step + sum(n for after, n in self.skips if step > after)
+        """The data batch training step ``step`` reads: the step-th batch that is not skipped."""
+        b = step
+        for x in self.skipped:
+            if x > b:
+                break
+            b += 1
+        return b
 
     # ---- the verdict on a step
     def check(self, step: int, loss: float, grad_norm: float) -> Optional[Verdict]:
@@ -72,7 +79,7 @@ class Stability:
 
     # ---- what a checkpoint keeps
     def state_dict(self) -> dict:
-        return {"skips": [list(s) for s in self.skips], "history": list(self.history), "rollbacks": self.rollbacks}
+        return {"skipped": list(self.skipped), "history": list(self.history), "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: Optional[dict], rolling_back: bool = False) -> None:
         """A checkpoint's state. Rolling back keeps the skips made so far (the checkpoint predates
@@ -80,17 +87,31 @@ class Stability:
         state = state or {}
         self.history = deque((float(x) for x in state.get("history", [])), maxlen=self.window)
         if not rolling_back:
-            self.skips = [[int(a), int(n)] for a, n in state.get("skips", [])]
+            self.skipped = sorted(int(b) for b in state.get("skipped", _from_ranges(state.get("skips", []))))
             self.rollbacks = int(state.get("rollbacks", 0))
 
     def skip_after(self, from_step: int, bad_step: int) -> list[int]:
         """Record the skip of a rollback from ``bad_step`` to the checkpoint at ``from_step``; the
-        data batches skipped (those steps from_step+1 … bad_step would have read, plus the margin)."""
-        first = self.batch_for(from_step + 1)
-        last = self.batch_for(bad_step) + self.margin
-        self.skips.append([from_step, last - first + 1])
+        data batches skipped: the one ``bad_step`` read and the ``margin`` unskipped ones after it."""
+        new = [self.batch_for(bad_step)]
+        b = new[0] + 1
+        while len(new) < 1 + self.margin:
+            if b not in self.skipped:
+                new.append(b)
+            b += 1
+        self.skipped = sorted(set(self.skipped) | set(new))
         self.rollbacks += 1
-        return list(range(first, last + 1))
+        return new
+
+
+def _from_ranges(skips: list) -> list[int]:
+    """An older checkpoint's ``skips`` ([after_step, n]: steps > after_step read n batches later)
+    as the batch ids they skipped."""
+    out: list[int] = []
+    for i, (after, n) in enumerate(skips):
+        first = int(after) + 1 + sum(int(m) for a, m in skips[:i] if int(after) + 1 > int(a))
+        out += range(first, first + int(n))
+    return out
 
 
 def rollback(run: Any, bad_step: int, group: Any, load_extra) -> dict:

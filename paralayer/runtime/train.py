@@ -15,7 +15,7 @@ Each step runs through :func:`run_step` (health: timing, watchdog, profiler; eva
 stability verdict and :func:`roll_back`).
 
 Why this file is long: it is the step loop and every named step of it, read top to bottom in one
-place (~530 lines); what is not the loop lives beside it: building the model, optimizer, data and
+place (~545 lines); what is not the loop lives beside it: building the model, optimizer, data and
 pipeline (runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), run
 health (runtime/health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
 """
@@ -39,6 +39,7 @@ from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
+from paralayer.parallel.collective_timing import tensor_parallel_waits, time_fsdp
 from paralayer.parallel.comm_trace import CommTrace
 from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
@@ -86,6 +87,12 @@ class StepHooks:
     def local_loss(self, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss, before it is averaged over the data ranks."""
         return loss
+
+    def on_batch(self, rank: int, step: int, tokens: torch.Tensor) -> None:
+        """This rank's tokens of the step (a test sees which data a step read)."""
+
+    def before_save(self, rank: int, step: int) -> None:
+        """Called inside a checkpoint save, before its collectives (a rank frozen mid-save)."""
 
 
 @dataclass
@@ -148,6 +155,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
         for layer in chunk.layers.values():
             if getattr(layer.attention, "ring_stats", None) is not None:
                 layer.attention.ring_stats.trace = run.comm
+    time_fsdp(built.chunks, run.comm)  # ZeRO-2/3: waiting in FSDP's collectives is not compute
     run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)
     run.runner = build_runner(run)
@@ -304,11 +312,13 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     t_data = time.perf_counter()
     tokens, labels = step_batch(run, step)
     run.comm.data_s = time.perf_counter() - t_data
+    run.hooks.on_batch(run.rank, step, tokens)
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
     mtp_step.reset(run.built.chunks)
-    local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
+    with tensor_parallel_waits(run.comm, run.degree["tp"] > 1):  # DTensor's waits are not compute
+        local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
     loss, grad_norm = reduce_and_clip(run, local_loss)
     verdict = bad_step(run, step, loss, grad_norm)
     if verdict is not None:
@@ -378,12 +388,15 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
     from paralayer.runtime.health import RunHealth
 
+    marks = {"train_start": time.time()}  # when each start-up part ended (goodput.json: recovery time)
     run = setup(cfg, as_plan(plan), run_dir, hooks)
+    marks["setup"] = time.time()
     start_step = resume(run)
+    marks["loaded"] = time.time()
     stop = cfg.train.stop_at_step or cfg.train.steps
     validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
     logger = open_logger(run, run_dir, start_step, log_progress)
-    health = RunHealth(run, run_dir, start_step, stop)  # profiler, rank timing, watchdog, goodput
+    health = RunHealth(run, run_dir, start_step, stop, marks)  # profiler, rank timing, watchdog, goodput
     records: list[dict] = []
     preempt = PreemptSave()
     finished = False
@@ -463,6 +476,7 @@ def _save(run: RankRun, step: int) -> None:
 
     extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),
              "stability": run.stability.state_dict()}
+    run.hooks.before_save(run.rank, step)
     checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 
 
@@ -494,6 +508,9 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
     launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
+    from paralayer.runtime.orphans import die_with_launcher
+
+    die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
     cfg, plan = load_run(run_dir, overrides)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task

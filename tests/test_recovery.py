@@ -1,0 +1,185 @@
+"""Runs that recover by themselves (issue 36), on the local launcher: a rank SIGKILLed at a random
+step restarts the run from the newest verified checkpoint and its losses equal an uninterrupted
+run's bit for bit; each attempt is a line of run.dir/attempts.jsonl; goodput.json's wall time is
+the launcher's wall clock (within 5%) and shows the lost steps; bad input (exit 2) never restarts;
+restarts stop at the limit with one line; a launcher killed with SIGKILL leaves no rank behind;
+a rank frozen in step 1 or inside a save is named within the watchdog's time.
+
+Every launch is 2 ranks of a 2-layer d_model 32, seq 16 model, at most 6 steps, one thread each. The
+SIGKILL and the hang share one run (attempt 1 killed, attempt 2 hung, attempt 3 done): one launch
+less, and every check of both is still made on it."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fault_hook import fault_env
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS, EVERY, HUNG = 6, 2, 6  # the hung step: step 5 runs after the checkpoint of step 4, then again
+TINY = ["recipe=tiny", "parallel.tp=1", "model.n_layers=2", "model.seq_len=16", "model.d_model=32",
+        "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.init_std=0.2", "train.threads=1", "logging.wandb.mode=disabled",
+        "train.collective_timeout_s=30"]
+
+
+def _launch(tmp_path, name: str, spec: str | None, extra: list[str], timeout: float = 240):
+    run_dir = tmp_path / name
+    env = fault_env(tmp_path / f"fault-{name}", spec) if spec else dict(os.environ)
+    env["TMPDIR"] = str(tmp_path)
+    t = time.time()
+    try:
+        res = subprocess.run([sys.executable, "launch.py", *TINY, f"run.dir={run_dir}", *extra], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    finally:
+        _unfreeze(tmp_path)
+    return res, time.time() - t, run_dir
+
+
+def _unfreeze(tmp_path) -> None:
+    pid_file = tmp_path / "stopped-pid"
+    if pid_file.exists():  # never leave a frozen rank behind, whatever happened
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _losses(run_dir) -> list[tuple[int, float]]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [(x["step"], x["loss"]) for x in lines if "event" not in x]
+
+
+def _attempts(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same run, never interrupted."""
+    tmp = tmp_path_factory.mktemp("plain")
+    res, _, run_dir = _launch(tmp, "plain", None, [f"train.steps={STEPS}", f"checkpoint.every={EVERY}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _losses(run_dir)
+
+
+def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    """Attempt 1: rank 1 SIGKILLed at a random step. Attempt 2: rank 1 SIGSTOPped at step 6 until
+    the watchdog (4 s) fires. Attempt 3 finishes; the losses are the uninterrupted run's."""
+    step = random.Random().randint(2, HUNG - 1)  # a random step; printed for a rerun
+    print(f"SIGKILL of rank 1 before the forward of step {step}, SIGSTOP before step {HUNG}")
+    res, wall, run_dir = _launch(tmp_path, "r", f"kill1:1:{step},stop1:1:{HUNG}",
+                                 [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "cluster.max_restarts=2",
+                                  "train.hang_timeout_s=4"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _losses(run_dir) == uninterrupted  # bit for bit, every step once
+    a = _attempts(run_dir)
+    assert [x["attempt"] for x in a] == [1, 2, 3] and [x["cause"] for x in a] == ["rank_died", "hang", "done"]
+    assert a[0]["ranks"] == [1] and a[0]["signal"] == "SIGKILL" and a[0]["exit_code"] is None and a[0]["restart"]
+    assert a[1]["ranks"] == [1] and a[1]["restart"]
+    assert a[0]["host"] and a[2]["exit_code"] == 0 and not a[2]["restart"]
+    assert a[1]["start_unix"] == a[0]["end_unix"] and a[2]["start_unix"] == a[1]["end_unix"]
+    ended = [x for x in res.stderr.splitlines() if x.startswith("paralayer: attempt ")]
+    assert [x.split(" ended")[0] for x in ended if " ended" in x] == ["paralayer: attempt 1", "paralayer: attempt 2"]
+    ckpt = (step - 1) // EVERY * EVERY  # the newest checkpoint before the kill
+    assert f"resumed from {run_dir / 'checkpoints'}/step-{ckpt:08d} at step {ckpt + 1}" in res.stdout or ckpt == 0
+    hung_ckpt = (HUNG - 1) // EVERY * EVERY
+    assert f"resumed from {run_dir / 'checkpoints'}/step-{hung_ckpt:08d} at step {hung_ckpt + 1}" in res.stdout
+    g = json.loads((run_dir / "goodput.json").read_text())
+    t = g["totals"]
+    assert t["goodput_attempts"] == 3 and abs(t["goodput_wall_s"] - wall) <= 0.05 * wall, (t, wall)
+    lost = list(range(ckpt + 1, step))  # ran by attempt 1 after its last checkpoint, ran again by attempt 2
+    hung_lost = list(range(hung_ckpt + 1, HUNG))  # step 5: ran by the hung attempt, again by attempt 3
+    assert g["attempts"][0]["lost_steps"] == lost and g["attempts"][1]["lost_steps"] == hung_lost
+    assert t["goodput_lost_steps"] == len(lost) + len(hung_lost)
+    assert (g["attempts"][0]["lost_s"] > 0) == bool(lost) and g["attempts"][1]["lost_s"] > 0
+    fail = [x["buckets_s"]["failure"] for x in g["attempts"]]
+    assert fail[0] > 0 and fail[1] >= 4.0 and t["goodput_failure_s"] == pytest.approx(sum(fail))  # the watchdog's 4 s
+    assert t["goodput_wall_s"] >= sum(x["wall_s"] for x in a) - 1e-6  # the hung attempt's whole wall time
+    buckets = sum(v for k, v in t.items() if k.endswith("_s") and k != "goodput_wall_s")
+    assert buckets == pytest.approx(t["goodput_wall_s"], rel=1e-6)
+    print(f"wall {wall:.1f} s, goodput wall {t['goodput_wall_s']:.1f} s, lost steps {lost} + {hung_lost}")
+
+
+def test_bad_input_mid_run_never_restarts(tmp_path):
+    res, _, run_dir = _launch(tmp_path, "b", "exit2:1:3", ["train.steps=3", "cluster.max_restarts=3"])
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert errors == ["error: data.path: the batch of step 3 holds a token id past model.vocab_size "
+                      "(injected on rank 1)"], res.stderr[-3000:]
+    assert "restarting" not in res.stderr
+    a = _attempts(run_dir)
+    assert len(a) == 1 and a[0]["cause"] == "bad_input" and a[0]["exit_code"] == 2 and not a[0]["restart"]
+
+
+def test_restarts_stop_at_the_limit(tmp_path):
+    res, _, run_dir = _launch(tmp_path, "l", "kill:1:2", ["train.steps=2", "cluster.max_restarts=1"])
+    assert res.returncode == 1
+    limit = [x for x in res.stderr.splitlines() if "restart limit" in x]
+    assert limit == ["paralayer: attempt 2 failed and the restart limit is reached (cluster.max_restarts=1, "
+                     "1 restart(s) made); not restarting"], res.stderr[-3000:]
+    a = _attempts(run_dir)
+    assert [(x["cause"], x["restart"], x["signal"]) for x in a] == [("rank_died", True, "SIGKILL"),
+                                                                   ("rank_died", False, "SIGKILL")]
+
+
+def _rank_pids(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "paralayer.runtime.train" in cmd and marker in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_launcher_killed_with_sigkill_takes_its_ranks(tmp_path):
+    run_dir = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "launch.py", *TINY, f"run.dir={run_dir}", "train.steps=100000"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        assert len(_rank_pids(str(run_dir))) == 2, "the ranks did not start"
+        proc.send_signal(signal.SIGKILL)
+        killed = time.time()
+        proc.wait(timeout=10)
+        left = _rank_pids(str(run_dir))
+        while left and time.time() - killed < 10:
+            time.sleep(0.1)
+            left = _rank_pids(str(run_dir))
+        gone = time.time() - killed
+        assert not left, f"ranks {left} still running {gone:.1f} s after the launcher's SIGKILL"
+        print(f"every rank gone {gone:.1f} s after the launcher's SIGKILL")
+    finally:
+        for pid in _rank_pids(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("spec,where", [("stop:1:1", "at step 1"), ("stopsave:1:2", "inside the save of step 2")])
+def test_rank_frozen_in_step_1_or_a_save_is_named(tmp_path, spec, where):
+    hang = 4
+    res, _, run_dir = _launch(tmp_path, "f", spec, ["train.steps=4", "checkpoint.every=2",
+                                                    f"train.hang_timeout_s={hang}"], timeout=150)
+    stopped_at = float(re.search(rf"SIGSTOP on rank 1 {where} at unix time (\d+\.\d+)", res.stderr).group(1))
+    detected = time.time() - stopped_at  # the launcher returned: every rank is gone
+    assert res.returncode == 1
+    lines = [x for x in res.stderr.splitlines() if x.startswith("paralayer: hang:")]
+    assert len(lines) == 1 and "rank 1 never entered" in lines[0], res.stderr[-3000:]
+    assert detected < hang + 30, detected
+    assert not _rank_pids(str(run_dir))
+    assert _attempts(run_dir)[0]["cause"] == "hang"
+    print(f"{spec}: named and every rank gone {detected:.1f} s after the SIGSTOP (watchdog {hang} s)")
