@@ -1,5 +1,5 @@
-"""Blends: greedy largest-deficit draws (every source within one sequence of its share after every
-step), per-source counts in metrics.jsonl, a source that runs out wraps with a warning naming it,
+"""Blends: Tijdeman's draws (every source within 1 − 1/(2S−2) sequences of its share after every
+draw; the plain largest-deficit rule does not hold it), per-source counts in metrics.jsonl, a source that runs out wraps with a warning naming it,
 and train() resumed mid-epoch and across an epoch boundary equals the straight run bit for bit."""
 from __future__ import annotations
 
@@ -47,15 +47,57 @@ def _sources(tmp) -> list:
     return out
 
 
-@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1, 1], [7, 0.01, 2.5], [1e-3, 1.0]])
-def test_every_source_within_one_sequence_of_its_share(weights):
+#: a vector that separates the rules (issue #37): the plain largest-deficit rule drifts to 1.067
+#: sequences from a share (position 15), Tijdeman's stays within 0.867 <= 1 - 1/(2·5-2) = 0.875
+SEPARATING = [1, 1, 1, 21, 21]
+POSITIONS = list(range(1, 400)) + [10_000, 20_001]
+
+
+class _PlainDeficit:
+    """A planted copy of the rule Tijdeman's replaced: draw t goes to the largest deficit
+    ``w_s·t − c_s`` (ties to the first source), with no threshold and no deadline."""
+
+    def __init__(self, weights):
+        self.w = np.asarray(weights, float) / sum(weights)
+        self.c, self.pos = np.zeros(len(self.w), dtype=np.int64), 0
+
+    def counts_at(self, pos):
+        for p in range(self.pos, pos):
+            self.c[int(np.argmax(self.w * (p + 1) - self.c))] += 1
+        self.pos = pos
+        return self.c.tolist()
+
+
+def _worst(schedule, weights) -> float:
+    """The largest |c_s − w_s·pos| over POSITIONS (the counts must sum to pos)."""
     w = np.asarray(weights, float) / sum(weights)
+    worst = 0.0
+    for pos in POSITIONS:
+        c = np.asarray(schedule.counts_at(pos))
+        assert c.sum() == pos
+        worst = max(worst, float(np.abs(c - w * pos).max()))
+    return worst
+
+
+def _bound(weights) -> float:
+    return 1.0 - 1.0 / (2 * len(weights) - 2) + 1e-9  # Tijdeman: 1 − δ, δ = 1/(2S − 2)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1, 1], [7, 0.01, 2.5], [1e-3, 1.0], SEPARATING])
+def test_every_source_within_one_minus_delta_of_its_share(weights):
     s = _Schedule(weights)
-    for pos in list(range(1, 400)) + [10_000, 20_001]:
-        c = np.asarray(s.counts_at(pos))
-        assert c.sum() == pos and np.all(np.abs(c - w * pos) < 1.0 + 1e-9), (pos, c, w * pos)
+    assert _worst(s, weights) <= _bound(weights)
     # replayed cold (a resumed process) it gives the same counts
     assert _Schedule(weights).counts_at(20_001) == s.counts_at(20_001)
+
+
+def test_the_plain_largest_deficit_rule_fails_the_bound():
+    """The oracle separates the rules: the planted old rule passes the gentle vectors and breaks
+    even the one-sequence bound on SEPARATING."""
+    assert _worst(_PlainDeficit([0.5, 0.3, 0.2]), [0.5, 0.3, 0.2]) <= _bound([0.5, 0.3, 0.2])
+    worst = _worst(_PlainDeficit(SEPARATING), SEPARATING)
+    assert worst > 1.0 > _bound(SEPARATING), worst
+    assert abs(worst - 1.0667) < 1e-3 and abs(_worst(_Schedule(SEPARATING), SEPARATING) - 0.8667) < 1e-3
 
 
 def test_blend_batches_counts_and_wrap_warning(tmp_path, capsys):
