@@ -100,6 +100,42 @@ def test_the_plain_largest_deficit_rule_fails_the_bound():
     assert abs(worst - 1.0667) < 1e-3 and abs(_worst(_Schedule(SEPARATING), SEPARATING) - 0.8667) < 1e-3
 
 
+class _Counting(_Schedule):
+    """The schedule, counting its draws (a replay from 0 to position P draws P times)."""
+    draws = 0
+
+    def _pick(self, t):
+        self.draws += 1
+        return super()._pick(t)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], SEPARATING, [7, 0.01, 2.5]])
+def test_a_resume_from_the_stored_counts_equals_the_replay_without_replaying(weights):
+    for pos in (0, 1, 999, 12_345, 100_003):
+        before = _Schedule(weights)
+        before.counts_at(pos)  # the run that saved its checkpoint at ``pos``
+        state = before.state_dict()
+        resumed, replay = _Counting(weights), _Counting(weights)
+        assert resumed.load_state_dict(state)
+        a, b = resumed.assign(pos, 64), replay.assign(pos, 64)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+        assert resumed.counts_at(pos + 64) == replay.counts_at(pos + 64)
+        assert resumed.draws == 64 and replay.draws == pos + 64  # O(batch), not O(position)
+        assert resumed.counts_at(pos // 2) == _Schedule(weights).counts_at(pos // 2)  # before it: replays
+
+
+def test_a_stored_state_of_another_blend_is_not_taken():
+    s = _Schedule([0.5, 0.3, 0.2])
+    s.counts_at(100)
+    state = s.state_dict()
+    assert not _Schedule([0.5, 0.2, 0.3]).load_state_dict(state)  # other weights
+    assert not _Schedule([0.5, 0.3, 0.2]).load_state_dict(dict(state, pos=101))  # counts do not sum to pos
+    assert not _Schedule([0.5, 0.3, 0.2]).load_state_dict(None)
+    fresh = _Schedule([0.5, 0.3, 0.2])
+    assert not fresh.load_state_dict(dict(state, counts=[100, 0]))
+    assert fresh.counts_at(100) == state["counts"]  # it replays instead
+
+
 def test_blend_batches_counts_and_wrap_warning(tmp_path, capsys):
     src = _sources(str(tmp_path))
     blend = [{"path": p, "weight": w} for p, w in zip(src, [0.5, 0.3, 0.2])]
@@ -163,5 +199,11 @@ def test_blend_resume_is_bit_identical(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [ln["source_sequences"][src[0]] for ln in lines] == [4, 8, 12, 16, 20]
     assert all(sum(ln["source_sequences"].values()) == 8 * ln["step"] for ln in lines)
+    import glob
+    extras = [torch.load(f) for f in glob.glob(os.path.join(tmp, "ckpt-r1", "**", "extra-rank00000.pt"), recursive=True)]
+    assert extras  # each checkpoint holds the schedule's counts at its step (a resume takes them: no replay)
+    for extra in extras:
+        state = extra["data"]["blend_schedule"]
+        assert state["pos"] == 8 * extra["step"] and state["counts"] == _Schedule([0.5, 0.3, 0.2]).counts_at(state["pos"])
     assert [s["tokens"] for s in plan["data"]["sources"]] == [10 * SEQ + 3, 30 * SEQ + 3, 20 * SEQ + 3]
     assert plan["data"]["sources"][0]["epochs"] == pytest.approx(2.0)
