@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, depth, interpolation, recipes
+from paralayer.config import bounds, depth, interpolation, model_checks, recipes
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -377,6 +377,7 @@ def validate_values(cfg: Config) -> None:
     if m.moe.capacity_factor is not None and m.moe.capacity_factor <= 0:
         raise ConfigError("model.moe.capacity_factor", f"must be > 0 or null (dropless), got {m.moe.capacity_factor}")
     _choice("model.moe.router", m.moe.router, ROUTERS)
+    model_checks.check_model_keys(cfg)  # the family keys (head_dim, RoPE kinds, windows, MLA, MTP, groups)
     if not (m.init == "random" or m.init.startswith("hf:")):
         raise ConfigError("model.init", f"'{m.init}' is not one of: random, hf:PATH")
     for name in ("tp", "pp", "vpp", "cp", "ep"):

@@ -10,6 +10,7 @@ bytes of a particular algorithm: a ring all-reduce moves 2(n−1)/n of the paylo
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import (
     attn_params,
     expert_params,
@@ -23,6 +24,7 @@ from paralayer.resolve.memory import (
     rank_params,
     routed_rows_per_token,
 )
+from paralayer.resolve.memory_states import rank_layers
 from paralayer.resolve.rules import Layout, chunk_rank
 
 
@@ -57,17 +59,31 @@ def recompute_fraction(cfg: Config, mode: str, every: int = 1, flops_per_tok: fl
     m = cfg.model
     fpt = float(flops_per_tok or flops_per_token(cfg))
     swiglu = 5.0 * m.n_layers * m.ffn_hidden / fpt
-    core = 4.0 * m.n_layers * m.d_model * m.seq_len / fpt
+    core = attn_core_flops_per_token(cfg) / 3.0 / fpt
     if mode == "full":
         return (1.0 / 3.0) * len(range(0, m.n_layers, max(every, 1))) / m.n_layers
     return {"none": 0.0, "swiglu": swiglu, "core_attn": core, "selective": core + swiglu}[mode]
 
 
 def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token: 6·N + 12·L·h·s (torchtitan / PaLM convention; attention not halved
-    for the causal mask). N = active matmul parameters (MoE: top_k of E experts)."""
+    """Training FLOPs per token: 6·N + the attention core, 12·L·h·s for plain full attention
+    (torchtitan / PaLM convention; not halved for the causal mask). N = active matmul parameters
+    (MoE: top_k of E experts; MTP: its blocks, projections and extra head passes). The core per
+    layer is :func:`attn_core_flops_per_token`'s: head widths, MLA's qk/v widths, and a window's
+    keys (model_parts.core_keys), so a windowed layer is never counted as full."""
+    return int(6 * matmul_params(cfg) + attn_core_flops_per_token(cfg))
+
+
+def layer_core_flops(cfg: Config, i: int) -> float:
+    """Training FLOPs per token of layer i's attention core: 3 × forward, the forward
+    2·n_heads·(d_qk + d_v) per key (4·h for a plain block) × the keys counted (model_parts.core_keys)."""
+    return 3.0 * parts.core_fwd_flops_per_key(cfg) * parts.core_keys(cfg, i)
+
+
+def attn_core_flops_per_token(cfg: Config) -> float:
+    """The attention core's training FLOPs per token over every layer and MTP block."""
     m = cfg.model
-    return int(6 * matmul_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len)
+    return sum(layer_core_flops(cfg, i) for i in list(range(m.n_layers)) + parts.mtp_layers(cfg))
 
 
 def _entry(collective: str, message: float, count: float, group: int) -> dict:
@@ -115,8 +131,9 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = F
     grad waits for the weight pass)."""
     m = cfg.model
     h, f = m.d_model, m.ffn_hidden
-    qkv = 2.0 * h * (h + 2 * h * m.n_kv_heads / m.n_heads) / tp
-    wo = 2.0 * h * h / tp
+    hd = parts.head_dim(cfg)
+    qkv = 2.0 * h * hd * (m.n_heads + 2 * m.n_kv_heads) / tp
+    wo = 2.0 * h * m.n_heads * hd / tp
     w13 = 2.0 * h * 2 * f / tp
     w2 = 2.0 * f * h / tp
     again = 2 if recompute == "full" else 1
@@ -152,13 +169,13 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
     dense, expert, n_layers = rank_params(cfg, lay, r)
-    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c]]
+    layers = rank_layers(cfg, lay, r)
     n_moe = sum(1 for i in layers if is_moe_layer(cfg, i))
     n_full = sum(1 for i in layers if layer_recompute(lay, i) == "full")  # full: every k-th layer
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
             "pp": _pp_comm(lay, act_msg, r),
-            "cp": _cp_comm(cfg, lay, tokens, ab, n_layers, n_full),
+            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
             "dp": _dp_comm(lay, dense, expert, n_layers)}
 
@@ -177,7 +194,11 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if _autocast(lay) else 1
         pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        return _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+        e = _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+        # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
+        # truncated count would make them non-affine in m, which the planner's lines assume)
+        e["bytes_per_step"] = int(act_msg * pairs * mm)
+        return e
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
         return _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm, lay.tp)
@@ -245,22 +266,61 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
                   transfers * lay.microbatches, lay.pp)
 
 
-def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, n_layers: int, n_full: int) -> dict:
-    """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV."""
+def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int) -> dict:
+    """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV. K is
+    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim); a windowed layer
+    sends only the zigzag chunks some query of the receiving rank can see
+    (:func:`window_ring_fraction`, the busiest cp rank)."""
     if lay.cp == 1:
         return _entry("none", 0, 0, 1)
     m = cfg.model
-    kv_elems = 2 * tokens * m.d_model * m.n_kv_heads / m.n_heads / lay.tp
+    kv_elems = tokens * parts.kv_heads(cfg) * (parts.qk_head_dim(cfg) + parts.v_head_dim(cfg)) / lay.tp
     # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
     kv = kv_elems * (4 if _autocast(lay) else ab)
     # core_attn / selective recompute rerun the attention core (the ring) as full recompute
     # does on its layers
-    reruns = n_layers if lay.recompute in ("core_attn", "selective") else n_full
-    kv_sends = 2 * (lay.cp - 1) * n_layers + (lay.cp - 1) * reruns  # forward (+ rerun), backward
-    dkv_sends = lay.cp * n_layers                                   # partial dK/dV in fp32: cp hops home
+    rerun_all = lay.recompute in ("core_attn", "selective")
+    kv_sends = dkv_sends = 0.0
+    for i in layers:
+        f = window_ring_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
+        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+        kv_sends += f * (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
+        dkv_sends += f * lay.cp                      # partial dK/dV in fp32: cp hops home
     e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
     e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
     return e
+
+
+def _needed_chunks(cp: int, window: int | None, c: int) -> list[int]:
+    """Per cp rank: the other ranks' zigzag chunks (c tokens each) some query of its own two
+    chunks can see: chunk kj is seen by chunk qi > kj when the nearest pair, query qi·c and key
+    (kj+1)·c − 1, lies within the window: (qi − kj − 1)·c + 1 < W (always without a window)."""
+    owner = {}
+    for r in range(cp):
+        owner[r], owner[2 * cp - 1 - r] = r, r
+    out = []
+    for r in range(cp):
+        mine = (r, 2 * cp - 1 - r)
+        need = 0
+        for kj in range(2 * cp):
+            if owner[kj] == r:
+                continue
+            if any(kj < qi and (window is None or (qi - kj - 1) * c + 1 < window) for qi in mine):
+                need += 1
+        out.append(need)
+    return out
+
+
+def window_ring_fraction(seq: int, cp: int, window: int | None) -> float:
+    """Share of the full ring's K/V traffic a layer sends: 1 for full attention (every step
+    carries the whole 2-chunk block, as parallel/context.py's ring does); with a window, the
+    chunks the busiest cp rank needs over the 2·(cp−1) the full ring brings it — blocks wholly
+    outside every query's window are not sent (zigzag kept: each rank still holds chunks r and
+    2·cp−1−r)."""
+    if cp <= 1 or window is None or window >= seq:
+        return 1.0
+    c = seq // (2 * cp)
+    return max(_needed_chunks(cp, window, c)) / (2 * (cp - 1))
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
@@ -270,7 +330,33 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
         return _entry("none", 0, 0, 1)
     rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
     n_moe_full = sum(1 for i in layers if is_moe_layer(cfg, i) and layer_recompute(lay, i) == "full")
-    return _entry("all-to-all", rows * m.d_model * ab, (4 * n_moe + 2 * n_moe_full) * lay.microbatches, lay.ep)
+    count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches
+    e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+    e.update(group_routing_bound(cfg, lay, tokens, ab, count))
+    return e
+
+
+def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, count: float) -> dict:
+    """Node-limited routing (model.moe.n_group, topk_group; DeepSeek-V3 §2.1.2): the experts are
+    in n_group groups, and with the ep group spread over N nodes each node holds n_group/N whole
+    groups when N divides n_group. A token then reaches at most min(topk_group, N) nodes, and
+    inter-node dispatch is bounded by one copy of its row per node reached (DeepSeek's dispatch
+    sends a token once per node and forwards it over NVLink); without groups that bound is
+    min(top_k, N) nodes. ``inter_node_bytes_per_step_bound`` is that bound on this rank's
+    inter-node all-to-all payload (dispatch, combine, forward, backward: ``count`` as the entry's);
+    our all-to-all sends each of the top_k rows (``bytes_per_step``), so the bound is what a
+    deduplicating dispatch would move, and ``nodes_per_token_max`` the figure routing by group
+    guarantees. Empty when the ep group stays inside one node."""
+    m = cfg.model
+    mo = m.moe
+    nodes = -(-lay.ep // max(lay.devices_per_node, 1))
+    if nodes <= 1:
+        return {}
+    grouped = mo.n_group > 1 and mo.n_group % nodes == 0
+    reach = min(mo.topk_group if grouped else mo.top_k, nodes)
+    return {"ep_nodes": nodes, "nodes_per_token_max": reach,
+            "inter_node_message_bytes_bound": int(tokens * reach * m.d_model * ab),
+            "inter_node_bytes_per_step_bound": int(tokens * reach * m.d_model * ab * count)}
 
 
 def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
@@ -329,35 +415,61 @@ def cp_core_fraction(cp: int) -> float:
     return 1.0 if cp <= 1 else (2 * cp + 1) / (4 * cp)
 
 
+def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
+    """:func:`cp_core_fraction` for a windowed layer under cp: the c×c blocks (each counted whole)
+    the busiest rank computes — its own 3 and the others' chunks it needs (:func:`_needed_chunks`,
+    one block per needing query chunk) — over the 4·cp·c² of a full row-slice. Without cp the
+    kernel runs the whole masked S×S (one SDPA call with the window's mask): 1."""
+    if cp <= 1 or window is None or window >= seq:
+        return cp_core_fraction(cp)
+    c = seq // (2 * cp)
+    best = 0
+    for r in range(cp):
+        mine = (r, 2 * cp - 1 - r)
+        blocks = 0
+        for qi in mine:
+            for kj in range(qi + 1):
+                if kj == qi or (qi - kj - 1) * c + 1 < window:
+                    blocks += 1
+        best = max(best, blocks)
+    return best / (4 * cp)
+
+
 def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
 
-    Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights)/tp, + 2·(3·h·f)/tp
-    for an MLP or, for an MoE block (whole on every tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S); the
-    attention core 4·s·h/tp (not halved for the mask). Backward: twice the matmuls, 2.5 times the
-    core (the flash-attention backward recomputes the scores: 5 matmuls to the forward's 2).
-    Recompute adds the core's forward (selective) or the layer's forward (full). The last chunk
-    adds the head, 2·h·V_padded/tp per token, times 3. Under cp the ring computes only the blocks
-    the causal mask leaves (:func:`cp_core_fraction`); model FLOPs (:func:`flops_per_token`, MFU)
-    keep the whole S×S core."""
+    Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights: split /tp,
+    MLA's down-projections whole), + 2·(3·h·f)/tp for an MLP or, for an MoE block (whole on every
+    tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S); the attention core 2·a·(d_qk + d_v)·s/tp (4·s·h/tp
+    for a plain block; not halved for the mask). Backward: twice the matmuls, 2.5 times the core
+    (the flash-attention backward recomputes the scores: 5 matmuls to the forward's 2). Recompute
+    adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
+    head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
+    its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
+    causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`);
+    model FLOPs (:func:`flops_per_token`, MFU) keep the convention of :func:`layer_core_flops`."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     tokens = lay.microbatches * lay.micro_batch * m.seq_len / lay.cp
-    core = 4.0 * m.seq_len * h / t * cp_core_fraction(lay.cp)
+    core_full = parts.core_fwd_flops_per_key(cfg) * m.seq_len / t
+    split_w, rep_w = parts.attn_weights(cfg)
+    attn_mat = 2.0 * (split_w / t + rep_w)
     total = 0.0
-    for c in rank_chunks(lay, r):
-        for i in lay.stage_layers[c]:
-            mat = 2.0 * attn_params(cfg) / t
-            if is_moe_layer(cfg, i):
-                mo = m.moe
-                mat += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
-                              + 3 * h * mo.shared_ffn_hidden)
-            else:
-                mat += 2.0 * 3 * h * m.ffn_hidden / t
-            mode = layer_recompute(lay, i)
-            again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
-            total += 3.0 * mat + 3.5 * core + again
-        if c == lay.chunks - 1:
-            total += 3.0 * 2.0 * h * lay.padded_vocab / t
+    last = (lay.chunks - 1) in rank_chunks(lay, r)
+    for i in rank_layers(cfg, lay, r):
+        core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
+        mat = attn_mat
+        if is_moe_layer(cfg, i):
+            mo = m.moe
+            mat += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
+                          + 3 * h * mo.shared_ffn_hidden)
+        else:
+            mat += 2.0 * 3 * h * m.ffn_hidden / t
+        mode = layer_recompute(lay, i)
+        again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
+        total += 3.0 * mat + 3.5 * core + again
+    if last:
+        total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
+        total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth
     return total * tokens

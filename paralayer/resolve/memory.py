@@ -41,6 +41,7 @@ from paralayer.resolve.memory_states import (  # noqa: F401 - re-exported: the m
     parameter_counts,
     precision_mode,
     rank_chunks,
+    rank_layers,
     rank_params,
     state_bytes,
 )

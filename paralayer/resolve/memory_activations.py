@@ -33,7 +33,15 @@ fragmentation, temporary buffers and communication buffers are not counted; Mega
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.memory_states import ACT_BYTES, is_moe_layer, layer_recompute, precision_mode, rank_chunks
+from paralayer.resolve import model_parts as parts
+from paralayer.resolve.memory_states import (
+    ACT_BYTES,
+    is_moe_layer,
+    layer_recompute,
+    precision_mode,
+    rank_chunks,
+    rank_layers,
+)
 from paralayer.resolve.rules import Layout
 
 
@@ -80,13 +88,8 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
-    if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
-        shard = 3 * h + 2 * h * g / a
-    else:
-        shard = 5 * h + a
-        if lay.cp > 1:
-            # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
-            shard -= 2 * h * (1 - g / a)
+    shard = attn_saved_elems(cfg, lay, mode)
+    rep += attn_replicated_elems(cfg, mode)
     # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not
     ffn_mult = 3 if mode in ("swiglu", "selective") else 4
     moe_whole = 0.0
@@ -107,6 +110,45 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
         return gathered + (rep - 2 * h) / t + shard / t + moe_whole
     # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
     return rep + shard / t + (h - h / t) + moe_whole
+
+
+def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
+    """The attention's tp-split saved set per token (before /tp). GQA, measured with
+    head_dim = h/a (module docstring) and written in the attention's own widths q = a·hd,
+    kv = g·hd (DERIVED, not yet measured, for head_dim ≠ h/a and qk_norm): none 5q + a (q, the
+    expanded k and v, the output, wo's input, the lse), ring attention under cp saving k/v
+    unexpanded (−2(q − kv)); core_attn/selective 3q + 2kv; qk_norm adds each norm's input and
+    1/rms while the core is kept. MLA (DERIVED from its forward, to be measured once the model
+    lands): none: q and k of a·d_qk, v a·d_v, the output and wo's input a·d_v each, the lse a,
+    kv_b's output a·(nope + d_v); core_attn/selective: q, kv_b's output and wo's input."""
+    m = cfg.model
+    a = m.n_heads
+    if parts.attention_kind(cfg) == "mla":
+        dqk, dv, nope = parts.qk_head_dim(cfg), parts.v_head_dim(cfg), cfg.model.mla.qk_nope_head_dim
+        if mode in ("core_attn", "selective"):
+            return a * dqk + a * (nope + dv) + a * dv
+        return 2 * a * dqk + 3 * a * dv + a + a * (nope + dv)
+    hd, g = parts.head_dim(cfg), m.n_kv_heads
+    q, kv = a * hd, g * hd
+    if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
+        return 3 * q + 2 * kv
+    shard = 5 * q + a
+    if lay.cp > 1:
+        # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
+        shard -= 2 * (q - kv)
+    if m.qk_norm:
+        shard += q + kv + a + g
+    return shard
+
+
+def attn_replicated_elems(cfg: Config, mode: str) -> float:
+    """MLA's down-projections run replicated over tp: the latent q and c_kv, their norms' inputs
+    and 1/rms, and the decoupled k_pe (DERIVED); nothing for GQA."""
+    if parts.attention_kind(cfg) != "mla":
+        return 0.0
+    ml = cfg.model.mla
+    ql = ml.q_lora_rank or 0
+    return 2 * ql + (1 if ql else 0) + 2 * ml.kv_lora_rank + 1 + ml.qk_rope_head_dim
 
 
 def routed_rows_per_token(cfg: Config) -> float:
@@ -162,7 +204,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     chunks = rank_chunks(lay, r)
-    layers = [i for c in chunks for i in lay.stage_layers[c]]
+    layers = rank_layers(cfg, lay, r)
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
                  for i in layers) * tokens * ab
     inf = in_flight(lay, r)
@@ -172,6 +214,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
         mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
         head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
+        head *= 1 + m.mtp.depth  # each MTP depth's own pass through the shared head
         extra += head * last_in_flight
     saved = inf * per_mb + extra
     return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
@@ -182,7 +225,7 @@ def rope_bytes(cfg: Config, lay: Layout) -> float:
     residual stream's dtype (fp32 but under FSDP's bf16) and its layers save them (RoPE's product,
     the checkpoints' inputs)."""
     m = cfg.model
-    return rope_bytes_for(m.d_model // m.n_heads, m.seq_len / lay.cp,
+    return rope_bytes_for(parts.rope_dim(cfg), m.seq_len / lay.cp,
                           precision_mode(lay.precision, lay.zero, lay.dp * lay.cp))
 
 
@@ -216,7 +259,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """
     if lay.recompute != "full":
         return 0
-    layers = [i for c in rank_chunks(lay, r) for i in lay.stage_layers[c] if layer_recompute(lay, i) == "full"]
+    layers = [i for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) == "full"]
     if not layers:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp

@@ -8,6 +8,7 @@ when (sequence parallel, full recompute, the head) are their own.
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts
 from paralayer.resolve.memory_states import (
     attn_params,
     expert_params,
@@ -15,6 +16,7 @@ from paralayer.resolve.memory_states import (
     layer_recompute,
     precision_mode,
     rank_chunks,
+    rank_layers,
 )
 from paralayer.resolve.rules import Layout
 
@@ -39,7 +41,8 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     and tests/test_precision.py."""
     m = cfg.model
     h, t = m.d_model, lay.tp
-    split = 0.0 if lay.sequence_parallel else attn_params(cfg) / t
+    split_w, rep_w = model_parts.attn_weights(cfg)  # MLA's down-projections are not tp-split
+    split = 0.0 if lay.sequence_parallel else split_w / t + rep_w
     dense = split + (0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t)
     moe = 0.0
     if m.moe.num_experts:
@@ -56,13 +59,12 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     head, dense, moe = autocast_copy_terms(cfg, lay)
     chunks = rank_chunks(lay, r)
     n, transient = 0.0, 0.0
-    for c in chunks:
-        for i in lay.stage_layers[c]:
-            if layer_recompute(lay, i) != "full":
-                n += moe if is_moe_layer(cfg, i) else dense
-            else:
-                # a fully recomputed layer casts again in backward: its copies live while its
-                # backward runs, after the same microbatch's head backward freed the head's copy
-                transient = max(transient, moe if is_moe_layer(cfg, i) else dense)
+    for i in rank_layers(cfg, lay, r):  # the MTP blocks too, on the last chunk's rank
+        if layer_recompute(lay, i) != "full":
+            n += moe if is_moe_layer(cfg, i) else dense
+        else:
+            # a fully recomputed layer casts again in backward: its copies live while its
+            # backward runs, after the same microbatch's head backward freed the head's copy
+            transient = max(transient, moe if is_moe_layer(cfg, i) else dense)
     return n + max(head if (lay.chunks - 1) in chunks else 0.0, transient)
 

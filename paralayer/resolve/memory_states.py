@@ -8,6 +8,7 @@ planner's fast path all read these rules, and each states term has one place to 
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 #: Bytes per parameter (weights, grads, optimizer) before ZeRO sharding.
@@ -34,8 +35,9 @@ def precision_mode(precision: str, zero: int, d_dense: int) -> str:
 
 
 def is_moe_layer(cfg: Config, i: int) -> bool:
-    """Same rule as paralayer.model.transformer.is_moe_layer (copied: that module imports torch)."""
-    return cfg.model.moe.num_experts > 0 and (i + 1) % cfg.model.moe.every == 0
+    """Same rule as paralayer.model's block (model_parts.is_moe_layer: that module imports torch):
+    past model.moe.first_k_dense, every k-th layer."""
+    return parts.is_moe_layer(cfg, i)
 
 
 def layer_recompute(lay: Layout, i: int) -> str:
@@ -47,10 +49,9 @@ def layer_recompute(lay: Layout, i: int) -> str:
 
 
 def attn_params(cfg: Config) -> int:
-    """q, k, v, o of a GQA layer: h·hd·(2a + 2g) = 2h²(1 + g/a)."""
-    m = cfg.model
-    hd = m.d_model // m.n_heads
-    return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
+    """The attention's matmul weights (model_parts: GQA q, k, v, o: h·hd·(2a + 2g); MLA's
+    projections); its inner norms are :func:`model_parts.attn_norm_params`."""
+    return parts.attn_matmul_params(cfg)
 
 
 def expert_params(cfg: Config) -> int:
@@ -63,7 +64,7 @@ def layer_params(cfg: Config, i: int, active: bool = False) -> int:
     """Parameters of layer i: attention + 2 norms + (SwiGLU 3hf | router hE + experts + shared)."""
     m = cfg.model
     h = m.d_model
-    n = attn_params(cfg) + 2 * h
+    n = attn_params(cfg) + parts.attn_norm_params(cfg) + 2 * h
     if is_moe_layer(cfg, i):
         e = m.moe.top_k if active else m.moe.num_experts
         n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
@@ -73,12 +74,20 @@ def layer_params(cfg: Config, i: int, active: bool = False) -> int:
 
 
 def parameter_counts(cfg: Config) -> dict:
-    """Total and active (MoE: top_k of E experts) parameters, with the published (unpadded) vocab."""
+    """Total and active (MoE: top_k of E experts) parameters, with the published (unpadded) vocab.
+    ``total``/``active`` are the main model, as published counts are (DeepSeek-V3's 671B/37B);
+    with MTP on, ``mtp``/``mtp_active`` are its D blocks with their norms and projections (they
+    share the embedding and the head, so neither is counted again), held on the last stage."""
     m = cfg.model
     emb = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     total = sum(layer_params(cfg, i) for i in range(m.n_layers)) + emb + m.d_model
     active = sum(layer_params(cfg, i, True) for i in range(m.n_layers)) + emb + m.d_model
-    return {"total": total, "active": active}
+    out = {"total": total, "active": active}
+    if m.mtp.depth:
+        out["mtp"] = sum(layer_params(cfg, i) + parts.mtp_extra_params(cfg) for i in parts.mtp_layers(cfg))
+        out["mtp_active"] = sum(layer_params(cfg, i, True) + parts.mtp_extra_params(cfg)
+                                for i in parts.mtp_layers(cfg))
+    return out
 
 
 def matmul_params(cfg: Config) -> int:
@@ -87,13 +96,14 @@ def matmul_params(cfg: Config) -> int:
     m = cfg.model
     h = m.d_model
     n = 0
-    for i in range(m.n_layers):
+    for i in list(range(m.n_layers)) + parts.mtp_layers(cfg):
         n += attn_params(cfg)
         if is_moe_layer(cfg, i):
             n += m.moe.top_k * expert_params(cfg) + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
         else:
             n += 3 * h * m.ffn_hidden
-    return n + h * m.vocab_size
+    # each MTP depth: its 2h → h projection and one more pass through the shared head
+    return n + h * m.vocab_size + m.mtp.depth * (2 * h * h + h * m.vocab_size)
 
 
 def rank_chunks(lay: Layout, r: int) -> list[int]:
@@ -119,7 +129,7 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     dense = 0.0
     expert = 0.0
     # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
-    attn = attn_params(cfg) / t + 2 * h
+    attn = parts.attn_rank_params(cfg, t) + 2 * h
     moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
     moe_expert = (m.moe.num_experts / lay.ep) * expert_params(cfg) if m.moe.num_experts else 0.0
     mlp = 3 * h * m.ffn_hidden / t
@@ -138,7 +148,25 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
         # final norm and the head (tied embeddings keep a copy on the head's rank too, even when it
         # is the embedding's: paralayer/parallel/tied_embeddings.py)
         dense += h + vocab
-    return dense, expert, len(layers)
+        # the MTP blocks live on the last chunk (its own norms and projection, replicated over tp)
+        for i in parts.mtp_layers(cfg):
+            dense += attn + parts.mtp_extra_params(cfg)
+            if is_moe_layer(cfg, i):
+                dense += moe_dense
+                expert += moe_expert
+            else:
+                dense += mlp
+    return dense, expert, len(layers) + (cfg.model.mtp.depth if last else 0)
+
+
+def rank_layers(cfg: Config, lay: Layout, r: int) -> list[int]:
+    """Global indices of the blocks pipeline rank r runs: its chunks' layers, and on the last
+    chunk's rank the MTP blocks (model_parts.mtp_layers) after them."""
+    chunks = rank_chunks(lay, r)
+    layers = [i for c in chunks for i in lay.stage_layers[c]]
+    if cfg.model.mtp.depth and (lay.chunks - 1) in chunks:
+        layers += parts.mtp_layers(cfg)
+    return layers
 
 
 def _shard(n: float, d: int, zero: int, stage: int) -> float:

@@ -37,7 +37,7 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
     for r in sorted({0, 1, pp - 2, pp - 1} & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
-        layers = [i for c in chunks for i in lay.stage_layers[c]]
+        layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
@@ -65,7 +65,7 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
 
 
 def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
-               rope: float, mode: str) -> list[tuple]:
+               rope: float, mode: str, head_passes: int = 1) -> list[tuple]:
     """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
     RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
     stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
@@ -77,6 +77,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
         if rk.last:
             lif = mm if (schedule == "gpipe" and pp > 1) else 1
             head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
+            head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
             extra += head * lif
         out.append((inf, extra, head))
     return out

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts
 from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -416,7 +417,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
         states = state_table(ranks, lay, zero, tot, copy_terms)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
-        rope = mem_mod.rope_bytes_for(tot.h // cfg.model.n_heads, tot.seq / lay.cp, mode)
+        rope = mem_mod.rope_bytes_for(model_parts.rope_dim(cfg), tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
@@ -432,7 +433,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode)
+            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()

@@ -237,7 +237,9 @@ def check_tensor_parallel(cfg: Config, lay: Layout) -> None:
         vt_msg = f"valid tp for this model: {_fmt(valid_tp(cfg, max(8, tp)))}"
     else:
         vt_msg = f"valid tp for this model within a node of {dpn}: {_fmt(valid_tp(cfg, dpn))}"
-    if m.d_model % m.n_heads:
+    if m.head_dim is not None or m.mla.kv_lora_rank > 0:
+        pass  # the head width is model.head_dim or MLA's (config/model_checks.py checks them), not d_model/n_heads
+    elif m.d_model % m.n_heads:
         _error(lay, "model.n_heads", f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; valid "
                f"n_heads: {_fmt(nearest(divisors(m.d_model), m.n_heads))}")
     elif (m.d_model // m.n_heads) % 2:

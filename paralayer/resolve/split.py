@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from paralayer.config import Config
+from paralayer.resolve import cost, model_parts
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve.rules import chunk_rank
 
@@ -50,8 +51,14 @@ def layer_work(cfg: Config) -> tuple[list[float], float]:
                  + 3 * h * m.moe.shared_ffn_hidden)
         else:
             n = attn + 3 * h * m.ffn_hidden
-        out.append(6.0 * n + 12.0 * h * m.seq_len)
-    return out, 6.0 * h * m.vocab_size
+        out.append(6.0 * n + cost.layer_core_flops(cfg, i))
+    # the head, and per MTP depth (on the last chunk) its block, projection and head pass
+    head = 6.0 * h * m.vocab_size
+    for i in model_parts.mtp_layers(cfg):
+        n = attn + (m.moe.top_k * mem_mod.expert_params(cfg) + h * m.moe.num_experts
+                    + 3 * h * m.moe.shared_ffn_hidden if mem_mod.is_moe_layer(cfg, i) else 3 * h * m.ffn_hidden)
+        head += 6.0 * (n + 2 * h * h + h * m.vocab_size) + cost.layer_core_flops(cfg, i)
+    return out, head
 
 
 def rank_work(work: list[float], head: float, split: list[int], pp: int, schedule: str) -> list[float]:

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts
 from paralayer.resolve.machine import (
     Machine,
     comm_seconds,
@@ -52,6 +53,8 @@ def step_shape(cfg: Config, plan) -> StepShape:
     for r in range(g["pp"]):
         layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
                   for i in plan.stage_layers[c]]
+        if chunk_rank(len(plan.stage_layers) - 1, g["pp"], plan.schedule) == r:
+            layers += model_parts.mtp_layers(cfg)  # the MTP blocks run on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         kinds.append((len(layers) - n_moe, n_moe))
     split = plan.schedule in V_SCHEDULES and g["pp"] > 1
@@ -64,7 +67,7 @@ def compute_seconds(flops_step: float, tokens_step: float, cfg: Config, mach: Ma
     core (12·L·h·s per token) at ``attention_efficiency``, plus the non-matmul kernels' HBM time."""
     m = cfg.model
     peak = mach.world * mach.peak_tflops * 1e12
-    attn = 12.0 * m.n_layers * m.d_model * m.seq_len * tokens_step
+    attn = cost_mod.attn_core_flops_per_token(cfg) * tokens_step  # windows, head widths, MLA, MTP
     att_eff = mach.attention_efficiency or mach.efficiency
     return ((flops_step - attn) / (peak * mach.efficiency) + attn / (peak * att_eff)
             + mach.elementwise_seconds(tokens_step, m.n_layers, m.d_model))

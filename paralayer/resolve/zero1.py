@@ -8,24 +8,48 @@ plan, exactly: this replays the deal on the parameter sizes the layout gives a p
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts
 from paralayer.resolve.memory import is_moe_layer, rank_chunks
 from paralayer.resolve.rules import Layout
 
 
+def attn_sizes(cfg: Config, t: int) -> list[int]:
+    """Element counts of one attention block's parameters on a tp rank (model_parts' widths):
+    GQA q, k, v, o (+ the q and k norms of head_dim under qk_norm); MLA q_a, its norm, q_b (or one
+    q), kv_a, its norm, kv_b, o — the down-projections and norms whole, the rest split by heads."""
+    m = cfg.model
+    h = m.d_model
+    if model_parts.attention_kind(cfg) == "mla":
+        a = m.mla
+        n, dqk = m.n_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        out = [a.q_lora_rank * h, a.q_lora_rank, n * dqk * a.q_lora_rank // t] if a.q_lora_rank \
+            else [n * dqk * h // t]
+        return out + [(a.kv_lora_rank + a.qk_rope_head_dim) * h, a.kv_lora_rank,
+                      n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank // t, h * n * a.v_head_dim // t]
+    hd = model_parts.head_dim(cfg)
+    out = [m.n_heads * hd * h // t, m.n_kv_heads * hd * h // t, m.n_kv_heads * hd * h // t, h * m.n_heads * hd // t]
+    return out + ([hd, hd] if m.qk_norm else [])
+
+
 def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
     """Element counts of the parameters pipeline rank ``r`` deals out (after tp sharding); experts
-    only when ep = 1 (under ep each rank keeps its own experts' states)."""
+    only when ep = 1 (under ep each rank keeps its own experts' states). The last chunk's rank
+    also holds the MTP blocks with their two input norms, projection and head norm."""
     m = cfg.model
     h, t = m.d_model, lay.tp
-    hd = h // m.n_heads
     vocab = lay.padded_vocab * h // t
+    attn = attn_sizes(cfg, t)
     out: list[int] = []
     for c in rank_chunks(lay, r):
         if c == 0:
             out.append(vocab)
-        for i in lay.stage_layers[c]:
-            out += [h, m.n_heads * hd * h // t, m.n_kv_heads * hd * h // t, m.n_kv_heads * hd * h // t,
-                    h * m.n_heads * hd // t, h]
+        layers = list(lay.stage_layers[c])
+        if c == lay.chunks - 1:
+            layers += model_parts.mtp_layers(cfg)
+        for i in layers:
+            out += [h] + attn + [h]
+            if i >= m.n_layers:  # an MTP block's own norms and projection
+                out += [h, h, 2 * h * h, h]
             if is_moe_layer(cfg, i):
                 mo = m.moe
                 fe = mo.ffn_hidden or m.ffn_hidden

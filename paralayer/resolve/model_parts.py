@@ -1,0 +1,175 @@
+"""The parts of a layer the resolver counts, one function per part and attention kind: widths,
+parameters, the attention core's FLOPs (windows included), and where MoE layers and the MTP
+blocks sit. Memory, cost, the split and the planner read these; a new attention kind is one
+branch of :func:`attention_kind` and one entry in each ``_ATTN_*`` table below.
+
+Why here and not in each formula: the same widths feed parameters, FLOPs, activations and the
+cp ring's bytes; one place keeps them equal (issues #33, #34). Kinds:
+
+    gqa  q, k, v, o of width n_heads·head_dim / n_kv_heads·head_dim (head_dim may differ from
+         d_model/n_heads, Qwen3); qk_norm adds an RMSNorm gain of head_dim on q and one on k
+         (replicated over tp)
+    mla  DeepSeek-V2/V3 latent attention: q = q_b(norm(q_a(x))) (or one q projection when
+         q_lora_rank is null), [c_kv; k_pe] = kv_a(x), [k_nope; v] = kv_b(norm(c_kv)), o; per
+         head qk width nope+rope, v width v_head_dim. Under tp the heads split (q_b or q, kv_b,
+         o); the down-projections q_a, kv_a and their norms are replicated (their outputs are
+         shared by every head)
+
+Imports no torch.
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+
+
+# ------------------------------------------------------------------ attention widths
+def attention_kind(cfg: Config) -> str:
+    """'mla' when model.mla.kv_lora_rank > 0, else 'gqa' (plain, or with head_dim and qk_norm)."""
+    return "mla" if cfg.model.mla.kv_lora_rank > 0 else "gqa"
+
+
+def head_dim(cfg: Config) -> int:
+    """GQA's per-head width: model.head_dim, or d_model // n_heads when it is null."""
+    m = cfg.model
+    return m.head_dim if m.head_dim else m.d_model // m.n_heads
+
+
+def qk_head_dim(cfg: Config) -> int:
+    """Per-head width of q and k (the scores' contraction)."""
+    a = cfg.model.mla
+    return a.qk_nope_head_dim + a.qk_rope_head_dim if attention_kind(cfg) == "mla" else head_dim(cfg)
+
+
+def v_head_dim(cfg: Config) -> int:
+    a = cfg.model.mla
+    return a.v_head_dim if attention_kind(cfg) == "mla" else head_dim(cfg)
+
+
+def rope_dim(cfg: Config) -> int:
+    """Width RoPE rotates per head (its cos/sin tables): the decoupled key under MLA."""
+    return cfg.model.mla.qk_rope_head_dim if attention_kind(cfg) == "mla" else head_dim(cfg)
+
+
+def kv_heads(cfg: Config) -> int:
+    """Heads of the K/V the attention core (and the cp ring) sees: MLA expands one per head."""
+    m = cfg.model
+    return m.n_heads if attention_kind(cfg) == "mla" else m.n_kv_heads
+
+
+# ------------------------------------------------------------------ attention parameters
+def _gqa_weights(cfg: Config) -> tuple[int, int]:
+    m = cfg.model
+    hd = head_dim(cfg)
+    return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads), 0
+
+
+def _mla_weights(cfg: Config) -> tuple[int, int]:
+    m, a = cfg.model, cfg.model.mla
+    h, n = m.d_model, m.n_heads
+    dqk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    if a.q_lora_rank:
+        split, rep = a.q_lora_rank * n * dqk, h * a.q_lora_rank
+    else:
+        split, rep = h * n * dqk, 0
+    split += a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim) + n * a.v_head_dim * h
+    rep += h * (a.kv_lora_rank + a.qk_rope_head_dim)
+    return split, rep
+
+
+def _gqa_norms(cfg: Config) -> int:
+    return 2 * head_dim(cfg) if cfg.model.qk_norm else 0
+
+
+def _mla_norms(cfg: Config) -> int:
+    a = cfg.model.mla
+    return (a.q_lora_rank or 0) + a.kv_lora_rank
+
+
+_ATTN_WEIGHTS = {"gqa": _gqa_weights, "mla": _mla_weights}
+_ATTN_NORMS = {"gqa": _gqa_norms, "mla": _mla_norms}
+
+
+def attn_weights(cfg: Config) -> tuple[int, int]:
+    """(matmul weights split over tp, matmul weights replicated over tp) of one attention block."""
+    return _ATTN_WEIGHTS[attention_kind(cfg)](cfg)
+
+
+def attn_norm_params(cfg: Config) -> int:
+    """Norm gains inside the attention (qk_norm's two head_dim gains; MLA's latent norms),
+    replicated over tp; the layer's own two norms are counted by the layer."""
+    return _ATTN_NORMS[attention_kind(cfg)](cfg)
+
+
+def attn_matmul_params(cfg: Config) -> int:
+    """Matmul weights of one attention block (the N of 6·N)."""
+    split, rep = attn_weights(cfg)
+    return split + rep
+
+
+def attn_rank_params(cfg: Config, tp: int) -> float:
+    """One attention block's parameters on one tp rank: the split weights /tp, the rest whole."""
+    split, rep = attn_weights(cfg)
+    return split / tp + rep + attn_norm_params(cfg)
+
+
+# ------------------------------------------------------------------ windows and the core
+def layer_window(cfg: Config, i: int) -> int | None:
+    """Layer i's window (tokens a query sees, itself included) or None for full attention:
+    model.layer_types when given, else every full_attention_every-th layer full (0: all sliding)."""
+    m = cfg.model
+    w = m.sliding_window
+    if w is None:
+        return None
+    if m.layer_types is not None:
+        return w if m.layer_types[i] == "sliding" else None
+    k = m.full_attention_every
+    return None if (k and (i + 1) % k == 0) else w
+
+
+def mean_keys(s: int, window: int | None) -> float:
+    """Exact mean keys a causal query attends over a sequence of s: (s+1)/2 for full attention;
+    the mean of min(W, i+1) over i < s for a window W, = (W(W+1)/2 + (s−W)·W)/s when W < s."""
+    if window is None or window >= s:
+        return (s + 1) / 2
+    return (window * (window + 1) / 2 + (s - window) * window) / s
+
+
+def core_keys(cfg: Config, i: int) -> float:
+    """Keys per query the model-FLOPs convention counts for layer i: s for full attention (the
+    PaLM/torchtitan convention the plans have always used: the causal mask not halved), and a
+    window's exact share of that, s · mean_keys(s, W) / mean_keys(s, s): equal to s when W ≥ s,
+    and the window's real work otherwise (never a windowed layer counted as full: torchtitan #4300)."""
+    s = cfg.model.seq_len
+    w = layer_window(cfg, i)
+    if w is None or w >= s:
+        return float(s)
+    return s * mean_keys(s, w) / mean_keys(s, None)
+
+
+def core_fwd_flops_per_key(cfg: Config) -> float:
+    """Forward FLOPs of the attention core per token per key: q·k (2·n_heads·d_qk) and the
+    weighted sum of v (2·n_heads·d_v); 4·h for a plain block."""
+    m = cfg.model
+    return 2.0 * m.n_heads * (qk_head_dim(cfg) + v_head_dim(cfg))
+
+
+# ------------------------------------------------------------------ layer placement
+def is_moe_layer(cfg: Config, i: int) -> bool:
+    """Layer i is MoE: experts on, past the first_k_dense dense layers, and (i+1) % every == 0
+    (the rule paralayer/model's block applies; the MTP blocks count as layers n_layers…)."""
+    mo = cfg.model.moe
+    return mo.num_experts > 0 and i >= mo.first_k_dense and (i + 1) % mo.every == 0
+
+
+def mtp_layers(cfg: Config) -> list[int]:
+    """Layer indices of the MTP blocks: n_layers … n_layers+depth−1 (as DeepSeek-V3 numbers its
+    MTP module layer 61); they sit on the last pipeline chunk."""
+    m = cfg.model
+    return list(range(m.n_layers, m.n_layers + m.mtp.depth))
+
+
+def mtp_extra_params(cfg: Config) -> int:
+    """Per MTP depth, besides its block: the norms of h and of the next token's embedding, the
+    projection of their concatenation 2h → h, and the norm before the shared head."""
+    h = cfg.model.d_model
+    return 3 * h + 2 * h * h
