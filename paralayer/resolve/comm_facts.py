@@ -8,13 +8,15 @@ The values are the same functions' (``memory.rank_params``, ``rank_layers``), so
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from paralayer.config import Config
-from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_params
+from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
 from paralayer.resolve.memory_states import rank_layers
-from paralayer.resolve.rules import Layout
+from paralayer.resolve.rules import Layout, chunk_rank
 
 
-def layout_cache(cfg: Config, lay: Layout, key: tuple) -> tuple[dict, tuple]:
+def layout_cache(cfg: Optional[Config], lay: Layout, key: tuple) -> tuple[dict, tuple]:
     """The per-layout cache of :func:`cost.comm`'s structure facts: the planner calls comm ~10⁴ times
     per ``--plan`` on a few hundred layouts, varying only what these facts do not depend on
     (micro-batch, microbatches, recompute, ZeRO). Valid while the layout keeps its split and
@@ -47,4 +49,22 @@ def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     full = [i for i in layers if layer_recompute(lay, i) == "full"]
     facts = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
     cache[key] = (lay.stage_layers, cfg, facts)
+    return facts
+
+
+def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:
+    """(holds the first chunk, holds the last, pp transfers per microbatch: 2 across each boundary
+    of its chunks with a neighbour chunk on another rank) of pipeline rank r, once per layout."""
+    cache, key = layout_cache(None, lay, ("chunks", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers:
+        return hit[2]
+    chunks = rank_chunks(lay, r)
+    transfers = 0
+    for c in chunks:
+        for nb in (c - 1, c + 1):
+            if 0 <= nb < lay.chunks and chunk_rank(nb, lay.pp, lay.schedule) != r:
+                transfers += 2
+    facts = (0 in chunks, (lay.chunks - 1) in chunks, transfers)
+    cache[key] = (lay.stage_layers, None, facts)
     return facts

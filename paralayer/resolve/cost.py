@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.comm_facts import layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
 from paralayer.resolve.memory import (
     attn_params,
     expert_params,
@@ -241,7 +241,7 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
         act_msg *= 4 / ACT_BYTES[lay.precision]
     m = cfg.model
     mm = lay.microbatches
-    first, last = 0 in rank_chunks(lay, r), lay.chunks - 1 in rank_chunks(lay, r)
+    first, last, _ = chunk_facts(lay, r)
     ends = (int(first) + int(last)) * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
@@ -276,11 +276,7 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
     schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
     if lay.pp == 1:
         return _entry("none", 0, 0, 1)
-    transfers = 0
-    for c in rank_chunks(lay, r):
-        for nb in (c - 1, c + 1):
-            if 0 <= nb < lay.chunks and chunk_rank(nb, lay.pp, lay.schedule) != r:
-                transfers += 2
+    transfers = chunk_facts(lay, r)[2]
     return _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
                   transfers * lay.microbatches, lay.pp)
 
