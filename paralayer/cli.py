@@ -186,6 +186,8 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     t.add_column("value", justify="right")
     p = d["parameters"]
     t.add_row("parameters (total / active)", f"{p['total'] / 1e9:.3f} B / {p['active'] / 1e9:.3f} B")
+    if "mtp" in p:  # the MTP blocks, on the last pipeline stage (embedding and head shared)
+        t.add_row("MTP parameters (total / active)", f"{p['mtp'] / 1e9:.3f} B / {p['mtp_active'] / 1e9:.3f} B")
     t.add_row("microbatches per pipeline (m)", str(d["microbatches"]))
     t.add_row("pipeline bubble", f"{d['bubble_fraction']:.4f}")
     t.add_row("FLOPs per token", f"{d['flops_per_token']:.4g}")

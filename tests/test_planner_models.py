@@ -328,8 +328,11 @@ def _plan_in_budget(ov, n_sample=6):
 
 @pytest.mark.parametrize("ov,world", [(["recipe=deepseek-v3", "parallel.schedule=dualpipev"], 2048),
                                       (["recipe=qwen3-235b-a22b", "parallel.schedule=dualpipev"], 256),
-                                      (["recipe=deepseek-v3"], 2048)],
-                         ids=["deepseek-v3-2048-h800", "qwen3-235b-256-h100", "deepseek-v3-any-schedule"])
+                                      (["recipe=deepseek-v3"], 2048),
+                                      (["recipe=qwen3-32b", "model.sliding_window=1024",
+                                        "model.full_attention_every=4"], 64)],
+                         ids=["deepseek-v3-2048-h800", "qwen3-235b-256-h100", "deepseek-v3-any-schedule",
+                              "qwen3-32b-window-64-h100"])
 def test_plan_ranks_dualpipe_layouts_with_time_and_device_hours(ov, world):
     """--plan within the CPU budget; the listed memory and step time are the resolver's (the odd
     count of MoE blocks with MTP once made the tp bytes non-affine in m: 0.1% off)."""
@@ -337,5 +340,15 @@ def test_plan_ranks_dualpipe_layouts_with_time_and_device_hours(ov, world):
     assert plans and all(d["world_size"] == world for d in plans)
     if "parallel.schedule=dualpipev" in ov:
         assert all(d["schedule"] == "dualpipev" for d in plans)
+    cfg = load_config(list(ov))
+    assert all(d["flops_per_token"] == cost.flops_per_token(cfg) for d in plans if "flops_per_token" in d)
     assert all(d["device_hours"] > 0 and d["train_days"] > 0 for d in plans)
     assert [d["step_time_s"] for d in plans] == sorted(d["step_time_s"] for d in plans)
+
+
+def test_tp_overlap_is_refused_for_mla_and_never_planned():
+    rc, out, err = _main(["recipe=deepseek-v3", "parallel.tp=2", "parallel.tp_overlap=true", "--dry-run"])
+    assert rc == 2 and "error: parallel.tp_overlap: " in err and "not built for MLA" in err, err
+    cfg = load_config(["recipe=deepseek-v3-tiny"])
+    plans = planner.plan_layouts(cfg, top=200)
+    assert plans and not any(d["tp_overlap"] for d in plans)

@@ -9,6 +9,8 @@ bytes of a particular algorithm: a ring all-reduce moves 2(n−1)/n of the paylo
 """
 from __future__ import annotations
 
+import functools
+
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
@@ -317,6 +319,7 @@ def _needed_chunks(cp: int, window: int | None, c: int) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def window_ring_fraction(seq: int, cp: int, window: int | None) -> float:
     """Share of the full ring's K/V traffic a layer sends: 1 for full attention (every step
     carries the whole 2-chunk block, as parallel/context.py's ring does); with a window, the
@@ -421,6 +424,7 @@ def cp_core_fraction(cp: int) -> float:
     return 1.0 if cp <= 1 else (2 * cp + 1) / (4 * cp)
 
 
+@functools.lru_cache(maxsize=4096)
 def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
     """:func:`cp_core_fraction` for a windowed layer under cp: the c×c blocks (each counted whole)
     the busiest rank computes — its own 3 and the others' chunks it needs (:func:`_needed_chunks`,

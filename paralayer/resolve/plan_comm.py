@@ -26,12 +26,13 @@ def recompute_key(recompute: str, every: int) -> str:
     return recompute if every == 1 else f"{recompute}/{every}"
 
 
-def tp_overlap_options(lay: Layout, mach: Machine) -> tuple:
+def tp_overlap_options(lay: Layout, mach: Machine, mla: bool = False) -> tuple:
     """tp_overlap variants to list: both where the runtime can fuse (tp > 1 with SP, not V: the
     runtime runs each ring once under V too, parallel/backward_pass.py, but listing the pair moves
     picks, e.g. 70B at tp_overlap ≤ 0.5 to zbv tp 4 × pp 4, and waits on the planner's memory
     agreeing with the resolver's for the layouts it would then list)."""
-    ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0
+    ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0 \
+        and not mla  # not built for MLA (rules.check_sequence_parallel)
     return (False, True) if ok else (False,)
 
 

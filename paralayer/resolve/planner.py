@@ -370,7 +370,7 @@ def _refined_bound(ctx: _Context, st: Structure) -> float:
     pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
     setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
     st.first_pts = comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", first_zero(st.lay))
-    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach)
+    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach, ctx.cfg.model.mla.kv_lora_rank > 0)
     comm = 0.0
     for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
         fixed, per_m = affine_line(st.first_pts, ax)
@@ -395,7 +395,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
     ranks = candidate_ranks(cfg, lay)
-    overlaps = tp_overlap_options(lay, mach)
+    overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)

@@ -284,6 +284,9 @@ def check_sequence_parallel(cfg: Config, lay: Layout) -> None:
         _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses the sequence-parallel all-gathers and "
                "reduce-scatters into the GEMMs: it needs parallel.sequence_parallel=true (or tp_overlap=false)")
     lay.tp_overlap = bool(p.tp_overlap) and tp > 1
+    if lay.tp_overlap and cfg.model.mla.kv_lora_rank > 0:
+        _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true fuses GQA's q/k/v and o GEMMs with their "
+               "collectives; it is not built for MLA (model.mla.kv_lora_rank > 0): use tp_overlap=false")
 
 
 def check_pipeline_split(cfg: Config, lay: Layout) -> None:
