@@ -147,6 +147,18 @@ COMMANDS: dict[str, tuple[str, Callable[[list], int]]] = {
 }
 
 
+def run_old_spelling(module: str, argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m paralayer.report`` / ``paralayer.export`` (paralayer/__init__.py OLD_SPELLINGS):
+    the command they spell; export also names its new spelling once on stderr."""
+    from paralayer import OLD_SPELLINGS
+
+    verb = OLD_SPELLINGS[module]
+    if verb == "export":
+        print("note: `python -m paralayer.export` is now `paralayer export` (or `python -m paralayer export`)",
+              file=sys.stderr)
+    return run([verb, *(sys.argv[1:] if argv is None else argv)])
+
+
 def is_command(argv: Sequence[str]) -> bool:
     return bool(argv) and argv[0] in COMMANDS
 

@@ -12,7 +12,12 @@ when the planner's output or the schema's ``parallel`` section grows a knob this
 
 A pair of values that cannot run together is DISALLOWED (:func:`disallowed`): the array does not
 need to cover it, and the test asserts that the resolver refuses a layout holding it, naming the
-field. Torch-free.
+field. A pair counts as covered only in a row where both values take effect (:data:`ENABLED_BY`):
+``recompute_every`` acts only under ``recompute=full``, ``pp_layout`` only with a pipeline, ``ep``
+only with experts; so ``recompute_every=2`` trains under every schedule (issue #37).
+
+What the suite covers: every effective pair of the features below, on at most MAX_WORLD = 4 gloo
+ranks (degrees of 2), 2 steps each, against one rank. Torch-free.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ MICROBATCHES = {"dualpipev": 4}
 MAX_WORLD = 4
 #: ``pp_layout=uneven``: layers per chunk for 2 chunks (gpipe/1f1b) and for 4 (interleaved, V)
 UNEVEN = {2: [1, 3], 4: [1, 3, 3, 1]}
-TP, PP, CP, EP = 2, 2, 2, 2  # the degree a feature's "on" value uses (8 ranks at most)
+TP, PP, CP, EP = 2, 2, 2, 2  # the degree a feature's "on" value uses (MAX_WORLD ranks at most)
 
 
 def feature_values() -> dict[str, tuple]:
@@ -117,6 +122,20 @@ REFUSED_SETTINGS = [
 ]
 
 
+#: feature -> (the feature that switches it on, the test on that feature's value): where the test
+#: fails, the first feature's value has no effect in the row, and its pairs do not count
+ENABLED_BY = {
+    "recompute_every": ("recompute", lambda v: v == "full"),  # full recompute on layers i % k == 0
+    "pp_layout": ("pipe", lambda v: v != "none"),             # layers per pipeline chunk
+    "ep": ("moe", lambda v: v != "dense"),                    # experts over ranks
+}
+
+
+def inert(row: dict) -> set:
+    """The features of ``row`` whose value has no effect there (their switch is set and off)."""
+    return {f for f, (g, on) in ENABLED_BY.items() if f in row and g in row and not on(row[g])}
+
+
 def _row_ok(row: dict, first: dict) -> bool:
     """No disallowed pair, and at most MAX_WORLD ranks with the features not yet set at their
     ``first`` (cheapest) value."""
@@ -127,28 +146,38 @@ def _row_ok(row: dict, first: dict) -> bool:
 
 
 def allowed_pairs(features: dict) -> set:
-    """Every pair ((f, a), (g, b)) with f before g in ``features`` that may run together."""
+    """Every pair ((f, a), (g, b)) with f before g in ``features`` that may run together and can
+    take effect together (a pair of a value with its switch off, e.g. recompute_every=2 with
+    recompute=none, is never required)."""
     names = list(features)
     out = set()
     for i, j in itertools.combinations(range(len(names)), 2):
         f, g = names[i], names[j]
         for a in features[f]:
             for b in features[g]:
-                if disallowed(f, a, g, b) is None:
+                if disallowed(f, a, g, b) is None and not inert({f: a, g: b}):
                     out.add(((f, a), (g, b)))
     return out
 
 
-def row_pairs(row: dict, features: dict) -> set:
+def all_pairs(row: dict, features: dict) -> set:
+    """Every pair of values in ``row``, effective or not."""
     names = [n for n in features if n in row]
     return {((f, row[f]), (g, row[g])) for f, g in itertools.combinations(names, 2)}
+
+
+def row_pairs(row: dict, features: dict) -> set:
+    """The pairs ``row`` covers: those whose two values both take effect in it."""
+    dead = inert(row)
+    return {p for p in all_pairs(row, features) if p[0][0] not in dead and p[1][0] not in dead}
 
 
 def covering_array(features: Optional[dict] = None, tries: int = 12) -> list[dict]:
     """A pairwise covering array over ``features`` (greedy, AETG-style, deterministic): each row
     starts from one of the first ``tries`` uncovered pairs, fills the other features one at a time
     with the value that covers the most uncovered pairs (ties: the first value, the cheapest), and
-    the row that covers the most pairs per rank is kept. Every row holds only allowed pairs."""
+    the row that covers the most pairs per rank is kept. Every row holds only allowed pairs, and
+    the seed pair's switches are set on (so each row covers its seed)."""
     features = features or feature_values()
     names = list(features)
     first = {n: v[0] for n, v in features.items()}
@@ -165,12 +194,14 @@ def covering_array(features: Optional[dict] = None, tries: int = 12) -> list[dic
                 scored = []
                 for v in features[n]:
                     cand = dict(row, **{n: v})
-                    if _row_ok(cand, first):
+                    if _row_ok(cand, first) and not inert(cand) & {f, g}:
                         scored.append((len(row_pairs(cand, features) & uncovered), -features[n].index(v), v))
                 row[n] = max(scored)[2]
             gain = len(row_pairs(row, features) & uncovered) / world_size(row)
             if gain > best_gain:
                 best, best_gain = row, gain
+        if best_gain <= 0:
+            raise ValueError(f"no row within MAX_WORLD covers {sorted(uncovered, key=repr)[:3]}")
         rows.append({n: best[n] for n in names})
         uncovered -= row_pairs(best, features)
     return rows

@@ -1,5 +1,5 @@
-"""Blends: greedy largest-deficit draws (every source within one sequence of its share after every
-step), per-source counts in metrics.jsonl, a source that runs out wraps with a warning naming it,
+"""Blends: Tijdeman's draws (every source within 1 − 1/(2S−2) sequences of its share after every
+draw; the plain largest-deficit rule does not hold it), per-source counts in metrics.jsonl, a source that runs out wraps with a warning naming it,
 and train() resumed mid-epoch and across an epoch boundary equals the straight run bit for bit."""
 from __future__ import annotations
 
@@ -47,15 +47,93 @@ def _sources(tmp) -> list:
     return out
 
 
-@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1, 1], [7, 0.01, 2.5], [1e-3, 1.0]])
-def test_every_source_within_one_sequence_of_its_share(weights):
+#: a vector that separates the rules (issue #37): the plain largest-deficit rule drifts to 1.067
+#: sequences from a share (position 15), Tijdeman's stays within 0.867 <= 1 - 1/(2·5-2) = 0.875
+SEPARATING = [1, 1, 1, 21, 21]
+POSITIONS = list(range(1, 400)) + [10_000, 20_001]
+
+
+class _PlainDeficit:
+    """A planted copy of the rule Tijdeman's replaced: draw t goes to the largest deficit
+    ``w_s·t − c_s`` (ties to the first source), with no threshold and no deadline."""
+
+    def __init__(self, weights):
+        self.w = np.asarray(weights, float) / sum(weights)
+        self.c, self.pos = np.zeros(len(self.w), dtype=np.int64), 0
+
+    def counts_at(self, pos):
+        for p in range(self.pos, pos):
+            self.c[int(np.argmax(self.w * (p + 1) - self.c))] += 1
+        self.pos = pos
+        return self.c.tolist()
+
+
+def _worst(schedule, weights) -> float:
+    """The largest |c_s − w_s·pos| over POSITIONS (the counts must sum to pos)."""
     w = np.asarray(weights, float) / sum(weights)
+    worst = 0.0
+    for pos in POSITIONS:
+        c = np.asarray(schedule.counts_at(pos))
+        assert c.sum() == pos
+        worst = max(worst, float(np.abs(c - w * pos).max()))
+    return worst
+
+
+def _bound(weights) -> float:
+    return 1.0 - 1.0 / (2 * len(weights) - 2) + 1e-9  # Tijdeman: 1 − δ, δ = 1/(2S − 2)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1, 1], [7, 0.01, 2.5], [1e-3, 1.0], SEPARATING])
+def test_every_source_within_one_minus_delta_of_its_share(weights):
     s = _Schedule(weights)
-    for pos in list(range(1, 400)) + [10_000, 20_001]:
-        c = np.asarray(s.counts_at(pos))
-        assert c.sum() == pos and np.all(np.abs(c - w * pos) < 1.0 + 1e-9), (pos, c, w * pos)
+    assert _worst(s, weights) <= _bound(weights)
     # replayed cold (a resumed process) it gives the same counts
     assert _Schedule(weights).counts_at(20_001) == s.counts_at(20_001)
+
+
+def test_the_plain_largest_deficit_rule_fails_the_bound():
+    """The oracle separates the rules: the planted old rule passes the gentle vectors and breaks
+    even the one-sequence bound on SEPARATING."""
+    assert _worst(_PlainDeficit([0.5, 0.3, 0.2]), [0.5, 0.3, 0.2]) <= _bound([0.5, 0.3, 0.2])
+    worst = _worst(_PlainDeficit(SEPARATING), SEPARATING)
+    assert worst > 1.0 > _bound(SEPARATING), worst
+    assert abs(worst - 1.0667) < 1e-3 and abs(_worst(_Schedule(SEPARATING), SEPARATING) - 0.8667) < 1e-3
+
+
+class _Counting(_Schedule):
+    """The schedule, counting its draws (a replay from 0 to position P draws P times)."""
+    draws = 0
+
+    def _pick(self, t):
+        self.draws += 1
+        return super()._pick(t)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], SEPARATING, [7, 0.01, 2.5]])
+def test_a_resume_from_the_stored_counts_equals_the_replay_without_replaying(weights):
+    for pos in (0, 1, 999, 12_345, 100_003):
+        before = _Schedule(weights)
+        before.counts_at(pos)  # the run that saved its checkpoint at ``pos``
+        state = before.state_dict()
+        resumed, replay = _Counting(weights), _Counting(weights)
+        assert resumed.load_state_dict(state)
+        a, b = resumed.assign(pos, 64), replay.assign(pos, 64)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+        assert resumed.counts_at(pos + 64) == replay.counts_at(pos + 64)
+        assert resumed.draws == 64 and replay.draws == pos + 64  # O(batch), not O(position)
+        assert resumed.counts_at(pos // 2) == _Schedule(weights).counts_at(pos // 2)  # before it: replays
+
+
+def test_a_stored_state_of_another_blend_is_not_taken():
+    s = _Schedule([0.5, 0.3, 0.2])
+    s.counts_at(100)
+    state = s.state_dict()
+    assert not _Schedule([0.5, 0.2, 0.3]).load_state_dict(state)  # other weights
+    assert not _Schedule([0.5, 0.3, 0.2]).load_state_dict(dict(state, pos=101))  # counts do not sum to pos
+    assert not _Schedule([0.5, 0.3, 0.2]).load_state_dict(None)
+    fresh = _Schedule([0.5, 0.3, 0.2])
+    assert not fresh.load_state_dict(dict(state, counts=[100, 0]))
+    assert fresh.counts_at(100) == state["counts"]  # it replays instead
 
 
 def test_blend_batches_counts_and_wrap_warning(tmp_path, capsys):
@@ -121,5 +199,11 @@ def test_blend_resume_is_bit_identical(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [ln["source_sequences"][src[0]] for ln in lines] == [4, 8, 12, 16, 20]
     assert all(sum(ln["source_sequences"].values()) == 8 * ln["step"] for ln in lines)
+    import glob
+    extras = [torch.load(f) for f in glob.glob(os.path.join(tmp, "ckpt-r1", "**", "extra-rank00000.pt"), recursive=True)]
+    assert extras  # each checkpoint holds the schedule's counts at its step (a resume takes them: no replay)
+    for extra in extras:
+        state = extra["data"]["blend_schedule"]
+        assert state["pos"] == 8 * extra["step"] and state["counts"] == _Schedule([0.5, 0.3, 0.2]).counts_at(state["pos"])
     assert [s["tokens"] for s in plan["data"]["sources"]] == [10 * SEQ + 3, 30 * SEQ + 3, 20 * SEQ + 3]
     assert plan["data"]["sources"][0]["epochs"] == pytest.approx(2.0)

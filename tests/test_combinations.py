@@ -2,8 +2,9 @@
 
 tests/combos.py generates a pairwise covering array over the features the planner searches
 (schedules, ZeRO, recompute, tp/SP/tp_overlap, cp, ep with both routers and capacity, tied
-embeddings, uneven pp_layout, micro-batch). Each row trains 2 steps at init std 0.2 on at most 8
-gloo ranks; its loss and grad norm must equal the one-rank run of the same model and batch every
+embeddings, uneven pp_layout, micro-batch); a pair counts only where both values take effect
+(recompute_every under recompute=full, pp_layout with a pipeline, ep with experts). Each row trains
+2 steps at init std 0.2 on at most ``combos.MAX_WORLD`` = 4 gloo ranks; its loss and grad norm must equal the one-rank run of the same model and batch every
 step (1e-5 / 3e-5 relative). The rows of one world size run one after another inside ONE forked
 world, and each one-rank reference is computed once. Pairs that cannot run together must be
 refused by the resolver, naming the field; the planner must offer nothing outside the array.
@@ -39,14 +40,44 @@ def rows():
 
 
 # ------------------------------------------------------------------ torch-free: the array itself
-def test_array_covers_every_allowed_pair_on_at_most_8_ranks(rows):
+def test_array_covers_every_allowed_pair_on_at_most_4_ranks(rows):
     feats = C.feature_values()
     want = C.allowed_pairs(feats)
     got = set().union(*(C.row_pairs(r, feats) for r in rows))
     assert want - got == set()
-    assert all(C.disallowed(f, a, g, b) is None for r in rows for (f, a), (g, b) in C.row_pairs(r, feats))
-    assert max(C.world_size(r) for r in rows) <= 8
+    assert all(C.disallowed(f, a, g, b) is None for r in rows for (f, a), (g, b) in C.all_pairs(r, feats))
+    assert max(C.world_size(r) for r in rows) <= C.MAX_WORLD == 4
     print(f"{len(rows)} layouts cover {len(want)} pairs; ranks {sorted(C.world_size(r) for r in rows)}")
+
+
+def test_recompute_every_2_trains_under_every_schedule(rows):
+    pipes = {r["pipe"] for r in rows if r["recompute"] == "full" and r["recompute_every"] == 2}
+    assert pipes == set(C.feature_values()["pipe"]), pipes
+
+
+def test_inert_pairs_do_not_count():
+    feats = C.feature_values()
+    row = dict(C.default_row(), recompute="none", recompute_every=2, pipe="gpipe", moe="dense")
+    got = C.row_pairs(row, feats)
+    assert (("pipe", "gpipe"), ("recompute_every", 2)) not in got
+    assert not any("ep" in (p[0][0], p[1][0]) for p in got)  # ep without experts
+    assert (("pipe", "gpipe"), ("recompute_every", 2)) in C.row_pairs(dict(row, recompute="full"), feats)
+    assert not any("pp_layout" in (p[0][0], p[1][0]) for p in C.row_pairs(dict(row, pipe="none"), feats))
+    want = C.allowed_pairs(feats)
+    assert (("recompute", "none"), ("recompute_every", 2)) not in want  # never effective: not required
+    assert (("recompute", "full"), ("recompute_every", 2)) in want
+
+
+def test_the_old_count_misses_effective_pairs(monkeypatch):
+    """A planted copy of the old count (every pair counts, effective or not): its array leaves
+    recompute_every=2 untrained under most schedules, and the effective count sees it."""
+    feats = C.feature_values()
+    monkeypatch.setattr(C, "inert", lambda row: set())
+    old = C.covering_array()
+    monkeypatch.undo()
+    missing = C.allowed_pairs(feats) - set().union(*(C.row_pairs(r, feats) for r in old))
+    every2 = {b for (f, a), (g, b) in missing if f == "pipe" and g == "recompute_every" and b == 2}
+    assert every2 and len(missing) >= 10, missing
 
 
 def test_generator_knows_every_planner_and_schema_knob():
@@ -156,8 +187,9 @@ def test_planner_offers_nothing_outside_the_array(rows):
         assert set(row) == set(feats)
         for pair in C.row_pairs(row, feats):
             (f, a), (g, b) = pair
-            assert C.disallowed(f, a, g, b) is None, (ov, lay["overrides"], pair)
             assert pair in covered, (ov, lay["overrides"], pair)
+        for (f, a), (g, b) in C.all_pairs(row, feats):
+            assert C.disallowed(f, a, g, b) is None, (ov, lay["overrides"], (f, a), (g, b))
     assert n > 50
 
 

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),
     ("rehearse",),
     ("dispatch",),
-    ("cli", "commands", "report", "export", "__main__"),
+    ("cli", "commands", "__main__"),
 ]
 
 
@@ -185,3 +185,22 @@ def test_resolve_never_reaches_torch():
                     parent[d] = m
                     todo.append(d)
     assert not bad, "resolve/ imports torch:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_the_package_root_holds_only_what_stands_there():
+    """No re-export modules at the root (issue #37): the old module paths python -m still runs
+    (``paralayer.report``, ``paralayer.export``) are spellings of commands, found by
+    paralayer/__init__.py, and their code is the command table's."""
+    import importlib.util
+
+    import paralayer
+
+    root = {p.stem for p in PKG.glob("*.py")}
+    assert root == {"__init__", "__main__", "cli", "clock", "commands", "compat"}, root
+    for name, verb in paralayer.OLD_SPELLINGS.items():
+        spec = importlib.util.find_spec(name)
+        code = spec.loader.get_code(name)
+        assert spec.loader is paralayer._CommandSpelling and name in code.co_consts, name
+        assert "run_old_spelling" in code.co_names
+        from paralayer.commands import COMMANDS
+        assert verb in COMMANDS

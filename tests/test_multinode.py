@@ -76,6 +76,48 @@ def test_placement_refusal_names_axis_hosts_and_fix():
     assert refusal(plan, good) is None  # dp is planned across nodes
 
 
+def test_placement_checks_ep_and_every_axis_the_plan_places():
+    """ep (the expert grid) is checked and refused by name, as tp is; so is any axis plan.json
+    places inside a node. A planted copy of the old check (tp, cp, pp, dp only) lets it through."""
+    from paralayer.runtime.placement import refusal
+
+    plan = {"spans": {"tp": "intra-node", "pp": "intra-node", "cp": "intra-node", "ep": "intra-node",
+                      "dp": "inter-node"}, "degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "dp": 4}}
+    cyclic = {"ep": {"spans": "inter-node", "hosts": ["n1", "n2"], "ranks": [0, 1]},
+              "dp": {"spans": "inter-node", "hosts": ["n1", "n2"], "ranks": [0, 1, 2, 3]}}
+    why = refusal(plan, cyclic)
+    assert why and why.startswith("placement: ep (degree 2) is planned inside a node but its ranks [0, 1] run on "
+                                  "hosts n1, n2"), why
+    assert refusal(plan, dict(cyclic, ep={"spans": "intra-node", "hosts": []})) is None
+
+    def old_refusal(plan, real):  # the planted copy: the axes the check looked at before
+        return next((a for a in ("tp", "cp", "pp", "dp") if plan["degrees"].get(a, 1) > 1
+                     and plan["spans"].get(a) == "intra-node" and real.get(a, {}).get("spans") == "inter-node"), None)
+    assert old_refusal(plan, cyclic) is None
+    plan2 = {"spans": dict(plan["spans"], edp="intra-node"), "degrees": dict(plan["degrees"], edp=2)}
+    edp = {"edp": {"spans": "inter-node", "hosts": ["n1", "n2"], "ranks": [0, 2]}}
+    assert refusal(plan2, edp).startswith("placement: edp (degree 2)")  # any axis the plan places
+
+
+def test_real_spans_see_the_expert_grid():
+    """The ep groups of the mesh (consecutive data ranks) against hosts: cyclic spans them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paralayer.runtime.placement import real_spans
+
+    grid = lambda t, names: SimpleNamespace(mesh=t, mesh_dim_names=names)  # noqa: E731 - a DeviceMesh's view
+    world = grid(torch.arange(4).view(1, 4, 1, 1), ("pp", "dp", "cp", "tp"))
+    expert = grid(torch.arange(4).view(1, 2, 2, 1), ("pp", "edp", "ep", "tp"))
+    meshes = SimpleNamespace(world=world, expert=expert)
+    block = {r: {"host": f"n{r // 2 + 1}"} for r in range(4)}
+    cyclic = {r: {"host": f"n{r % 2 + 1}"} for r in range(4)}
+    assert real_spans(meshes, block)["ep"]["spans"] == "intra-node"
+    got = real_spans(meshes, cyclic)["ep"]
+    assert got["spans"] == "inter-node" and got["ranks"] == [0, 1] and got["hosts"] == ["n1", "n2"]
+
+
 # ----------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
 def env2(local_slurm_2node):
@@ -206,6 +248,28 @@ def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
                      r".*cluster\.network_interface", logs["lo"]), logs["lo"][-3000:]
     assert not _records(lo) and not (lo / "placement.json").exists()
     print(f"batch of 5 launches: {took:.0f}s; parity {'bitwise' if bitwise else '<= 1e-6'}")
+
+
+@pytest.mark.timeout(600)  # a ceiling for a loaded machine; ~1 min on an idle 2-core one
+def test_two_node_ep_across_nodes_is_refused_by_name(env2, tmp_path):
+    """tiny-moe with ep 2 over dp 4 on 2 nodes x 2: the plan keeps each expert group on one node;
+    --distribution=cyclic puts ranks 0 and 1 on n1 and n2, and the job stops before step 1 naming ep
+    (the check before issue #37 looked at tp, cp, pp and dp only, and this job trained)."""
+    run, log = tmp_path / "ep", tmp_path / "ep.log"
+    moe = [a.replace("recipe=tiny", "recipe=tiny-moe") for a in TWO]
+    proc = _popen([*moe, "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "parallel.ep=2", "train.steps=2",
+                   "cluster.slurm.srun_args=[--distribution=cyclic]", f"run.dir={run}", "--no-rehearse", "--wait"],
+                  log, env2, tmp_path)
+    try:
+        rc = proc.wait(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    assert re.search(r"error: placement: ep \(degree 2\) is planned inside a node but its ranks \[0, 1\] run on "
+                     r"hosts n1, n2; .*--distribution=cyclic", text), text[-3000:]
+    assert not _records(run) and json.loads((run / "placement.json").read_text())["1"]["host"] == "n2"
 
 
 def _python_pids(ns: str) -> set[int]:

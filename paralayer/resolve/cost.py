@@ -13,6 +13,7 @@ import functools
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
+from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
 from paralayer.resolve.memory import (
     attn_params,
     expert_params,
@@ -23,7 +24,6 @@ from paralayer.resolve.memory import (
     precision_mode,
     matmul_params,
     rank_chunks,
-    rank_params,
     routed_rows_per_token,
 )
 from paralayer.resolve.memory_states import rank_layers
@@ -170,16 +170,35 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
-    dense, expert, n_layers = rank_params(cfg, lay, r)
-    layers = rank_layers(cfg, lay, r)
-    n_moe = sum(1 for i in layers if is_moe_layer(cfg, i))
-    n_full = sum(1 for i in layers if layer_recompute(lay, i) == "full")  # full: every k-th layer
+    dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
+    n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
             "pp": _pp_comm(lay, act_msg, r),
             "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
             "dp": _dp_comm(lay, dense, expert, n_layers)}
+
+
+def _ring_sends(cfg: Config, lay: Layout, layers: list) -> tuple[float, float]:
+    """(K/V block sends, dK/dV sends) per microbatch of :func:`_cp_comm`'s ring over ``layers``,
+    once per (layout, recompute, k): the same loop, the same order, so the same floats."""
+    cache, key = layout_cache(cfg, lay, ("ring", tuple(layers), lay.cp, lay.recompute, lay.recompute_every))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    m = cfg.model
+    # core_attn / selective recompute rerun the attention core (the ring) as full recompute
+    # does on its layers
+    rerun_all = lay.recompute in ("core_attn", "selective")
+    kv_sends = dkv_sends = 0.0
+    for i in layers:
+        f = window_ring_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
+        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+        kv_sends += f * (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
+        dkv_sends += f * lay.cp                      # partial dK/dV in fp32: cp hops home
+    cache[key] = (lay.stage_layers, cfg, (kv_sends, dkv_sends))
+    return kv_sends, dkv_sends
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
@@ -224,7 +243,7 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
         act_msg *= 4 / ACT_BYTES[lay.precision]
     m = cfg.model
     mm = lay.microbatches
-    first, last = 0 in rank_chunks(lay, r), lay.chunks - 1 in rank_chunks(lay, r)
+    first, last, _ = chunk_facts(lay, r)
     ends = (int(first) + int(last)) * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
@@ -259,11 +278,7 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
     schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
     if lay.pp == 1:
         return _entry("none", 0, 0, 1)
-    transfers = 0
-    for c in rank_chunks(lay, r):
-        for nb in (c - 1, c + 1):
-            if 0 <= nb < lay.chunks and chunk_rank(nb, lay.pp, lay.schedule) != r:
-                transfers += 2
+    transfers = chunk_facts(lay, r)[2]
     return _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
                   transfers * lay.microbatches, lay.pp)
 
@@ -275,19 +290,10 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     (:func:`window_ring_fraction`, the busiest cp rank)."""
     if lay.cp == 1:
         return _entry("none", 0, 0, 1)
-    m = cfg.model
     kv_elems = tokens * parts.kv_heads(cfg) * (parts.qk_head_dim(cfg) + parts.v_head_dim(cfg)) / lay.tp
     # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
     kv = kv_elems * (4 if _autocast(lay) else ab)
-    # core_attn / selective recompute rerun the attention core (the ring) as full recompute
-    # does on its layers
-    rerun_all = lay.recompute in ("core_attn", "selective")
-    kv_sends = dkv_sends = 0.0
-    for i in layers:
-        f = window_ring_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
-        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-        kv_sends += f * (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-        dkv_sends += f * lay.cp                      # partial dK/dV in fp32: cp hops home
+    kv_sends, dkv_sends = _ring_sends(cfg, lay, layers)
     e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
     e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
     return e
@@ -332,7 +338,7 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     if lay.ep == 1 or m.moe.num_experts == 0:
         return _entry("none", 0, 0, 1)
     rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
-    n_moe_full = sum(1 for i in layers if is_moe_layer(cfg, i) and layer_recompute(lay, i) == "full")
+    n_moe_full = recompute_facts(cfg, lay, layers)[1]
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches
     e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))

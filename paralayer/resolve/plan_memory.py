@@ -88,7 +88,7 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
     """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
     ed, em = act[recompute]
     nd_none, nm_none = act["none"]
-    best: Optional[MemPick] = None
+    best: Optional[tuple] = None
     for rk, st, (inf, extra, head) in zip(ranks, states, flight):
         a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
         if recompute == "full" and (rk.n_dense + rk.n_moe):
@@ -102,30 +102,45 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         # same microbatch's head copy: memory.autocast_copy_params)
         copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
                      else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
-        if best is None or st[3] + copies + a > best.total:
-            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
+        if best is None or st[3] + copies + a > best[0]:
+            best = (st[3] + copies + a, rk, st, copies, a)  # the MemPick is made once, for the winner
     assert best is not None
-    return best
+    total, rk, st, copies, a = best
+    return MemPick(total, rk.rank, st[0] + copies, st[1], st[2], a)
 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                      every: int, tab: float, layer_sums: Optional[dict] = None) -> MemPick:
+                      every: int, tab: float, layer_sums: Optional[dict] = None,
+                      shared_sums: Optional[dict] = None) -> MemPick:
     """``peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
     "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
     ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
-    but not on the micro-batch (the caller keys it so; same sums, same order, same bytes)."""
-    best: Optional[MemPick] = None
+    but not on the micro-batch (the caller keys it so; same sums, same order, same bytes).
+    ``shared_sums``: a cache for one plan (its ``act`` tables live as long) of each rank's sums by
+    its layers, act table, copy terms and ``every``: structures that share a split share them."""
     sums = None if layer_sums is None else layer_sums.get(every)
     if sums is None:
-        sums = [rank_layer_sums(rk, st, act, every) for rk, st in zip(ranks, states)]
+        sums = [_shared_layer_sums(rk, st, act, every, shared_sums) for rk, st in zip(ranks, states)]
         if layer_sums is not None:
             layer_sums[every] = sums
+    best: Optional[tuple] = None
     for rk, st, (inf, extra, head), (per, live, copies) in zip(ranks, states, flight, sums):
         a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
-        if best is None or st[3] + copies + a > best.total:
-            best = MemPick(st[3] + copies + a, rk.rank, st[0] + copies, st[1], st[2], a)
+        if best is None or st[3] + copies + a > best[0]:
+            best = (st[3] + copies + a, rk, st, copies, a)
     assert best is not None
-    return best
+    total, rk, st, copies, a = best
+    return MemPick(total, rk.rank, st[0] + copies, st[1], st[2], a)
+
+
+def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: Optional[dict]) -> tuple:
+    if shared is None:
+        return rank_layer_sums(rk, st, act, every)
+    key = (every, id(act), st[4], st[5], st[6], rk.layers)
+    got = shared.get(key)
+    if got is None:
+        got = shared[key] = rank_layer_sums(rk, st, act, every)
+    return got
 
 
 def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:

@@ -58,6 +58,7 @@ from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
+from paralayer.resolve.gc_pause import gc_paused
 from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -155,6 +156,13 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
     the search (each layout also says its ``recompute_every``: k > 1 for full on every k-th layer).
     ``stats`` (a dict) receives ``considered``, ``dropped`` {reason: count}, ``machine``,
     ``listed`` (layouts that fit), ``unexplored`` (structures left out) and ``seconds`` (CPU)."""
+    with gc_paused():
+        return _plan_layouts(cfg, calibration, stats, top, fixed)
+
+
+def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict], top: Optional[int],
+                  fixed: Optional[dict]) -> list[dict]:
+    """:func:`plan_layouts`, with the collector paused."""
     t0 = time.process_time()
     fixed = dict(fixed or {})
     mach = machine_for(cfg, calibration)
@@ -169,7 +177,7 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
     unexplored = max(0, len(structs) - MAX_STRUCTURES)
     structs = structs[:MAX_STRUCTURES]
     recs: list[Candidate] = []
-    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0])
+    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {})
     considered = 0
     capped = unexplored > 0
     best: list[float] = []  # max-heap (negated) of the best ``top`` step times so far
@@ -308,6 +316,7 @@ class _Context(NamedTuple):
     drop: Any
     act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards) -> act_elems_per_token table
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
+    layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
 
 
 def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> list[int]:
@@ -342,7 +351,7 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.rc_frac[rk] >= bar:
             return None  # k descends, so the fraction only grows from here
         ctx.weighed[0] += 1
-        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums)
+        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums, ctx.layer_sums)
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue

@@ -7,6 +7,8 @@ The scheduler decides where tasks really land: SLURM's cyclic distribution, a ho
 and tp (planned on the fast intra-node links) silently crosses the network. At start-up every
 rank gathers (hostname, local rank) of every rank once; an axis the plan calls intra-node whose
 group spans hosts stops the job before step 1 with one line naming the axis, the hosts and the fix.
+Every axis the plan places is checked: the world mesh's (tp, cp, pp, dp) and the expert grid's ep
+(issue #37: a cyclic placement put every expert-parallel group across two nodes, unrefused).
 Rank 0 writes ``run.dir/placement.json`` ({rank: {host, local_rank}}).
 """
 from __future__ import annotations
@@ -34,19 +36,27 @@ def gather(world_size: int) -> dict[int, dict]:
     return {r: out[r] for r in range(world_size)}
 
 
+def _grids(meshes: Meshes) -> list:
+    """The device meshes whose axes the plan places: the world mesh, and the expert grid under ep."""
+    return [meshes.world] + ([meshes.expert] if meshes.expert is not None else [])
+
+
 def axis_groups(meshes: Meshes, axis: str) -> list[list[int]]:
-    """Every group (global ranks) of ``axis`` of the world mesh (pp, dp, cp, tp)."""
-    mesh = meshes.world.mesh
-    dim = meshes.world.mesh_dim_names.index(axis)
+    """Every group (global ranks) of ``axis``: of the world mesh (pp, dp, cp, tp) or, for ep and
+    edp, of the expert grid (pp, edp, ep, tp)."""
+    grid = next(g for g in _grids(meshes) if axis in g.mesh_dim_names)
+    mesh = grid.mesh
+    dim = grid.mesh_dim_names.index(axis)
     moved = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim])
     return [row.tolist() for row in moved]
 
 
 def real_spans(meshes: Meshes, where: dict[int, dict]) -> dict[str, dict]:
-    """Per mesh axis: 'intra-node' when every one of its groups lies on one host, else 'inter-node',
-    with the hosts of the first group that spans (``hosts``)."""
+    """Per mesh axis (the world's and the expert grid's): 'intra-node' when every one of its groups
+    lies on one host, else 'inter-node', with the hosts of the first group that spans (``hosts``)."""
     out = {}
-    for axis in meshes.world.mesh_dim_names:
+    axes = [a for g in _grids(meshes) for a in g.mesh_dim_names]
+    for axis in dict.fromkeys(axes):
         spans = {"spans": "intra-node", "hosts": []}
         for group in axis_groups(meshes, axis):
             hosts = sorted({where[r]["host"] for r in group})
@@ -58,10 +68,11 @@ def real_spans(meshes: Meshes, where: dict[int, dict]) -> dict[str, dict]:
 
 
 def refusal(plan: Any, real: dict[str, dict]) -> Optional[str]:
-    """The one line for the first axis the plan keeps inside a node that really spans hosts."""
+    """The one line for the first axis the plan keeps inside a node that really spans hosts (every
+    axis of plan.json ``spans``, tp first)."""
     planned = plan_field(plan, "spans")
     degrees = plan_field(plan, "degrees")
-    for axis in ("tp", "cp", "pp", "dp"):
+    for axis in dict.fromkeys(("tp", "cp", "ep", "pp", "dp", *planned)):
         r = real.get(axis)
         if not r or int(degrees.get(axis, 1)) <= 1:
             continue

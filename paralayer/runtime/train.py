@@ -198,6 +198,8 @@ def restore_extra(run: RankRun, extra: dict, rolling_back: bool = False) -> None
     run.sched.load_state_dict(extra["scheduler"])
     ckpt.set_rng_state(extra["rng"])
     run.stability.load_state_dict(extra.get("stability"), rolling_back)
+    if extra.get("data") and hasattr(run.dataset, "load_state_dict"):  # a blend's schedule, O(sources)
+        run.dataset.load_state_dict(extra["data"])
 
 
 def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progress: bool):
@@ -475,7 +477,8 @@ def _save(run: RankRun, step: int) -> None:
     from paralayer.checkpoint import dcp as ckpt
 
     extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),
-             "stability": run.stability.state_dict()}
+             "stability": run.stability.state_dict(),
+             "data": run.dataset.state_dict() if hasattr(run.dataset, "state_dict") else None}
     run.hooks.before_save(run.rank, step)
     checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 

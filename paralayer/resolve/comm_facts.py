@@ -1,0 +1,70 @@
+"""What ``cost.comm`` reads of a layout's structure, computed once per layout object.
+
+Why its own module: the planner calls ``cost.comm`` ~10⁴ times per ``--plan`` on a few hundred
+layouts, changing only the micro-batch, the microbatch count, recompute and ZeRO between calls;
+the parameters a pipeline rank holds, its layers and how many of them are MoE or fully recomputed
+do not depend on those, and were the per-layer sums that cost the planner its margin (issue #37).
+The values are the same functions' (``memory.rank_params``, ``rank_layers``), so the bytes are too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from paralayer.config import Config
+from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
+from paralayer.resolve.memory_states import rank_layers
+from paralayer.resolve.rules import Layout, chunk_rank
+
+
+def layout_cache(cfg: Optional[Config], lay: Layout, key: tuple) -> tuple[dict, tuple]:
+    """The per-layout cache of :func:`cost.comm`'s structure facts: the planner calls comm ~10⁴ times
+    per ``--plan`` on a few hundred layouts, varying only what these facts do not depend on
+    (micro-batch, microbatches, recompute, ZeRO). Valid while the layout keeps its split and
+    config (checked by identity; the entries hold both)."""
+    cache = lay.__dict__.setdefault("_comm_facts", {})
+    return cache, (id(cfg), lay.tp, lay.ep, lay.pp, lay.vpp, lay.schedule, lay.padded_vocab) + key
+
+
+def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
+    """(dense params, expert params, layers held, their indices, MoE layers among them) of pipeline
+    rank r: ``rank_params``, ``rank_layers`` and the MoE count, computed once per layout."""
+    cache, key = layout_cache(cfg, lay, ("rank", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    dense, expert, n_layers = rank_params(cfg, lay, r)
+    layers = rank_layers(cfg, lay, r)
+    facts = (dense, expert, n_layers, layers, sum(1 for i in layers if is_moe_layer(cfg, i)))
+    cache[key] = (lay.stage_layers, cfg, facts)
+    return facts
+
+
+def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
+    """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
+    and recompute_every, once per (layout, layers, recompute, k)."""
+    cache, key = layout_cache(cfg, lay, ("full", tuple(layers), lay.recompute, lay.recompute_every))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    full = [i for i in layers if layer_recompute(lay, i) == "full"]
+    facts = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
+    cache[key] = (lay.stage_layers, cfg, facts)
+    return facts
+
+
+def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:
+    """(holds the first chunk, holds the last, pp transfers per microbatch: 2 across each boundary
+    of its chunks with a neighbour chunk on another rank) of pipeline rank r, once per layout."""
+    cache, key = layout_cache(None, lay, ("chunks", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers:
+        return hit[2]
+    chunks = rank_chunks(lay, r)
+    transfers = 0
+    for c in chunks:
+        for nb in (c - 1, c + 1):
+            if 0 <= nb < lay.chunks and chunk_rank(nb, lay.pp, lay.schedule) != r:
+                transfers += 2
+    facts = (0 in chunks, (lay.chunks - 1) in chunks, transfers)
+    cache[key] = (lay.stage_layers, None, facts)
+    return facts
