@@ -352,9 +352,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     submitit recognises results by job id and a wiped SLURM reuses ids from 1.
     ``entry`` is ``"module:function"``, called with the run directory in every task. ``env`` is
     exported in every task. With ``wait=True`` the jobs are followed to the end (``timeout_s``
-    caps the wait) and ``.status`` is set. With ``wait``, one run and ``cluster.slurm.max_restarts``
-    > 0, a failed attempt is submitted again (dispatch/slurm_restart.py; ``since``: the launcher's start).
-    """
+    caps the wait) and ``.status`` is set; with one run and ``cluster.slurm.max_restarts`` > 0 a
+    failed attempt is submitted again (dispatch/slurm_restart.py; ``since``: the launcher's start)."""
     since = since or time.time()
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [str(run_dirs)]
@@ -413,7 +412,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     if wait and limit > 0 and len(dirs) == 1:
         from paralayer.dispatch import slurm_restart
 
-        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout, dirs[0], entry_str, env, res, verbose)
+        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout,
+                                             RankTask(dirs[0], entry_str, resume="auto", env=env), dirs[0], res, verbose)
         return slurm_restart.follow_with_restarts(
             res, dirs[0], limit, resubmit, lambda r: follow(r, timeout_s=timeout_s, verbose=verbose), since)
     if wait:

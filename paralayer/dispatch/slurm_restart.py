@@ -127,17 +127,16 @@ def follow_with_restarts(res: Any, run_dir: str, limit: int, resubmit: Callable[
         res = resubmit(attempt, exclude)
 
 
-def resubmitter(params: dict, folder: str, max_num_timeout: int, run_dir: str, entry: str, env: Any,
+def resubmitter(params: dict, folder: str, max_num_timeout: int, task: Any, run_dir: str,
                 first: Any, verbose: bool) -> Callable[[int, list[str]], Any]:
-    """``resubmit(attempt, exclude)`` for :func:`follow_with_restarts`: the run as a new job with
-    ``train.resume=auto``, its submitit files in ``folder/attempt-N``, ``exclude`` as
-    ``sbatch --exclude``."""
+    """``resubmit(attempt, exclude)`` for :func:`follow_with_restarts`: ``task`` (slurm.RankTask
+    with ``train.resume=auto``, handed in so this module never imports slurm.py) as a new job, its
+    submitit files in ``folder/attempt-N``, ``exclude`` as ``sbatch --exclude``."""
     import contextlib
     import io
 
     import submitit
 
-    from paralayer.dispatch.slurm import RankTask
     from paralayer.dispatch.slurm_jobs import SubmitResult
 
     def resubmit(attempt: int, exclude: list[str]) -> Any:
@@ -151,7 +150,7 @@ def resubmitter(params: dict, folder: str, max_num_timeout: int, run_dir: str, e
                                    slurm_max_num_timeout=max_num_timeout)
         ex.update_parameters(**p)
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            job = ex.submit(RankTask(run_dir, entry, resume="auto", env=env))
+            job = ex.submit(task)
         subs = getattr(job, "_sub_jobs", None) or [job]
         r = SubmitResult(job_ids=[str(job.job_id)], run_dirs=[run_dir], folder=str(ex.folder),
                          stdout=[[str(s.paths.stdout) for s in subs]], stderr=[[str(s.paths.stderr) for s in subs]],
