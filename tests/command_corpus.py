@@ -217,10 +217,9 @@ GENERATORS: dict[str, Callable[[random.Random], Case]] = {
 
 
 def cases(n: int, seed: int = 0, kinds: list[str] | None = None) -> Iterator[Case]:
-    r = random.Random(seed)
-    names = kinds or list(GENERATORS)
-    for i in range(n):
-        yield GENERATORS[names[i % len(names)]](r)
+    from front_door_corpus import cases as drawn  # the tests folder is on sys.path for both corpora
+
+    return drawn(n, seed, kinds, GENERATORS)
 
 
 # ------------------------------------------------------------------ running one case

@@ -161,3 +161,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("slurm" if name in SLURM_FILES else name))
+
+
+@pytest.fixture(scope="module")
+def env2(local_slurm_2node):
+    """The environment of a launch onto the two-node SLURM: its slurm.conf, this checkout first on
+    PYTHONPATH, no torch.distributed variables of ours."""
+    import submitit  # noqa: F401 - a dependency: missing is a failure, not a skip
+
+    env = dict(os.environ, SLURM_CONF=local_slurm_2node)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        env.pop(k, None)
+    return env

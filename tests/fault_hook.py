@@ -37,6 +37,17 @@ def fault_env(tmp_dir, spec: str, base: dict | None = None) -> dict:
     return env
 
 
+def unfreeze(tmp_dir) -> None:
+    """SIGKILL the rank a ``stop`` fault froze (its pid in ``tmp_dir/stopped-pid``): a test never
+    leaves a frozen rank behind, whatever happened."""
+    pid_file = Path(tmp_dir, "stopped-pid")
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 9)
+        except OSError:
+            pass
+
+
 def make_hooks(module, spec: str):
     """A ``module.StepHooks`` subclass instance for ``KIND:RANK:STEP``; several faults joined by
     commas (``kill1:1:3,stop1:1:6``) apply in turn, so that one run can hold two failures."""

@@ -234,11 +234,13 @@ GENERATORS: dict[str, Callable[[random.Random], Case]] = {
 }
 
 
-def cases(n: int, seed: int = 0, kinds: list[str] | None = None) -> Iterator[Case]:
+def cases(n: int, seed: int = 0, kinds: list[str] | None = None, generators: dict | None = None) -> Iterator:
+    """``n`` cases drawn in turn from each kind of ``generators`` (the front door's by default)."""
+    gens = generators or GENERATORS
     r = random.Random(seed)
-    names = kinds or list(GENERATORS)
+    names = kinds or list(gens)
     for i in range(n):
-        yield GENERATORS[names[i % len(names)]](r)
+        yield gens[names[i % len(names)]](r)
 
 
 def run_case(case: Case, tmp: str) -> dict:

@@ -3,15 +3,13 @@ watchdog (train.hang_timeout_s=5) of the other writes its stack and last collect
 names the stopped rank in one line and ends the job."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.fault_hook import fault_env
+from tests.fault_hook import fault_env, unfreeze
 
 REPO = Path(__file__).resolve().parent.parent
 HANG_S = 5
@@ -27,12 +25,7 @@ def test_stopped_rank_is_named_and_every_rank_ends(tmp_path):
     try:
         res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     finally:
-        pid_file = tmp_path / "stopped-pid"
-        if pid_file.exists():  # never leave a frozen rank behind, whatever happened
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except OSError:
-                pass
+        unfreeze(tmp_path)
     stopped_at = float(re.search(r"SIGSTOP on rank 1 at step 3 at unix time (\d+\.\d+)", res.stderr).group(1))
     detected = time.time() - stopped_at
     assert res.returncode != 0

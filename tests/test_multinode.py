@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
@@ -119,17 +118,6 @@ def test_real_spans_see_the_expert_grid():
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def env2(local_slurm_2node):
-    import submitit  # noqa: F401 - a dependency: missing is a failure, not a skip
-
-    env = dict(os.environ, SLURM_CONF=local_slurm_2node)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        env.pop(k, None)
-    return env
-
-
 def _popen(args, log: Path, env, cwd):
     return subprocess.Popen([sys.executable, LAUNCH, *args], cwd=cwd, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, text=True)

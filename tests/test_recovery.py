@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_hook import fault_env
+from tests.fault_hook import fault_env, unfreeze
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY, HUNG = 6, 2, 6  # the hung step: step 5 runs after the checkpoint of step 4, then again
@@ -40,17 +40,8 @@ def _launch(tmp_path, name: str, spec: str | None, extra: list[str], timeout: fl
         res = subprocess.run([sys.executable, "launch.py", *TINY, f"run.dir={run_dir}", *extra], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=timeout)
     finally:
-        _unfreeze(tmp_path)
+        unfreeze(tmp_path)
     return res, time.time() - t, run_dir
-
-
-def _unfreeze(tmp_path) -> None:
-    pid_file = tmp_path / "stopped-pid"
-    if pid_file.exists():  # never leave a frozen rank behind, whatever happened
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:

@@ -7,7 +7,6 @@ sbatch script), which then runs on n1 alone (``cluster.slurm.min_nodes=1``, ``pa
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -24,17 +23,6 @@ STEPS = 4
 SMALL = ["recipe=tiny", "model.d_model=32", "model.seq_len=16", "model.n_heads=2", "model.n_kv_heads=2",
          "model.ffn_hidden=64", "model.n_layers=2", "model.init_std=0.2", "logging.wandb.mode=disabled",
          "train.collective_timeout_s=30", f"train.steps={STEPS}", "checkpoint.every=2"]
-
-
-@pytest.fixture(scope="module")
-def env2(local_slurm_2node):
-    import submitit  # noqa: F401 - a dependency: missing is a failure, not a skip
-
-    env = dict(os.environ, SLURM_CONF=local_slurm_2node)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        env.pop(k, None)
-    return env
 
 
 def _losses(run_dir) -> list:
