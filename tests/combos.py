@@ -59,7 +59,35 @@ def feature_values() -> dict[str, tuple]:
         "tied": (False, True),
         "pp_layout": ("even", "uneven"),
         "micro_batch": (1, 2),
+        "family": tuple(FAMILY),                  # the model's attention parts (issue #33)
     }
+
+
+#: the model families' parts a layout must keep exact (issue #33), as overrides of BASE's model:
+#: Qwen3's head_dim (12, not 32 / 4), per-head q/k norms and Llama 3.1's RoPE with positions past its
+#: original 8; a sliding window of 6 (across cp's 4-token zigzag chunks) on layers 0 and 2, full on 1 and 3
+FAMILY = {"plain": [],
+          "qwen3": ["model.head_dim=12", "model.qk_norm=true", "model.rope.type=llama3", "model.rope.factor=8",
+                    "model.rope.original_max_position=8"],
+          "window": ["model.sliding_window=6", "model.full_attention_every=2"]}
+#: every key of the schema's model section: the feature that varies it, or None (fixed by BASE: the
+#: shape, the init; or a part not yet in the array — models-moe (#34) gives mla/mtp/routing theirs)
+MODEL_FIELDS = {
+    **{k: None for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len",
+                         "rope_theta", "norm_eps", "init", "init_std")},
+    "tie_embeddings": "tied", "head_dim": "family", "qk_norm": "family", "sliding_window": "family",
+    "layer_types": "family", "full_attention_every": "family",
+    **{f"rope.{k}": "family" for k in ("type", "factor", "original_max_position")},
+    **{f"rope.{k}": None for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                                   "mscale_all_dim", "attention_factor")},
+    **{f"moe.{k}": "moe" for k in ("num_experts", "router", "capacity_factor", "bias_update_rate")},
+    **{f"moe.{k}": None for k in ("top_k", "ffn_hidden", "aux_loss_coef", "every", "shared_ffn_hidden",
+                                  "first_k_dense", "n_group", "topk_group", "routed_scaling_factor",
+                                  "norm_topk_prob", "seq_aux_loss_coef")},
+    **{f"mla.{k}": None for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                  "v_head_dim")},
+    **{f"mtp.{k}": None for k in ("depth", "loss_weight")},
+}
 
 
 def disallowed(f: str, a, g: str, b) -> Optional[str]:
@@ -167,7 +195,7 @@ def model_overrides(row: dict) -> list[str]:
     d = degrees(row)
     gb = row["micro_batch"] * MICROBATCHES.get(row["pipe"], 2) * d["dp"]
     ov = [f"model.n_layers={n_layers(row)}", f"model.tie_embeddings={str(row['tied']).lower()}",
-          f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"]
+          f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"] + FAMILY[row.get("family", "plain")]
     if moe == "dense":
         return ov + ["model.moe.num_experts=0"]
     router = moe.replace("_cap", "")
@@ -237,4 +265,5 @@ def planner_row(layout: dict, model) -> dict:
             "recompute_every": 1 if int(layout.get("recompute_every", 1)) == 1 else 2,
             "cp": 1 if d["cp"] == 1 else CP, "ep": 1 if d["ep"] == 1 else EP, "tied": bool(model.tie_embeddings),
             "pp_layout": "uneven" if layout.get("pp_layout") else "even",
-            "micro_batch": 1 if int(layout["micro_batch"]) == 1 else 2}
+            "micro_batch": 1 if int(layout["micro_batch"]) == 1 else 2,
+            "family": "window" if model.sliding_window is not None else "qwen3" if model.qk_norm else "plain"}

@@ -71,6 +71,27 @@ def test_generator_knows_every_planner_and_schema_knob():
         assert set(lay["degrees"]) == {"tp", "pp", "vpp", "cp", "ep", "dp"}
 
 
+def test_generator_knows_every_model_key():
+    """A new key of the schema's model section must join the generator (issue #33): each one is
+    varied by a feature (the family's parts, tied, moe) or named as fixed by the base model."""
+    import dataclasses
+
+    from paralayer.config.schema import ModelConfig
+
+    def flat(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if sub is not None and dataclasses.is_dataclass(sub):
+                yield from flat(sub, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    keys = set(flat(ModelConfig))
+    assert keys == set(C.MODEL_FIELDS), keys ^ set(C.MODEL_FIELDS)
+    assert {v for v in C.MODEL_FIELDS.values() if v} <= set(C.feature_values())
+    assert set(C.FAMILY) == set(C.feature_values()["family"])
+
+
 def _refused(row: dict, extra: list = ()) -> list:
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve

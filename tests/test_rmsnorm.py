@@ -1,4 +1,4 @@
-"""RMSNorm's hand-written backward (model/transformer.py ``_RMSNormFn``) against two outside oracles:
+"""RMSNorm's hand-written backward (model/norms.py ``_RMSNormFn``) against two outside oracles:
 fp64 autograd of the formula y = x / sqrt(mean(x²) + eps) · w, and ``torch.nn.functional.rms_norm``
 (forward and backward). Norm weights are drawn away from 1 and the input is not centred, so a
 backward that drops a term, or sums the weight's gradient wrongly, shows; planted errors must fail."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralayer.model.transformer import RMSNorm, _RMSNormFn
+from paralayer.model.norms import RMSNorm, _RMSNormFn
 
 D, EPS = 64, 1e-6
 

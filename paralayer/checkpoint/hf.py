@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mixtral format: config, weight import into any layout, export.
+"""Hugging Face format (Llama, Mistral, Qwen3, Mixtral: checkpoint/hf_families.py): config, weight
+import into any layout, export.
 
 Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`load_hf_config`,
 :func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
@@ -13,6 +14,7 @@ Names (ours ← Hugging Face)::
 
     tok_embeddings.weight                       model.embed_tokens.weight
     layers.{i}.attention.wq|wk|wv|wo.weight     model.layers.{i}.self_attn.q_proj|k_proj|v_proj|o_proj.weight
+    layers.{i}.attention.q_norm|k_norm.weight   model.layers.{i}.self_attn.q_norm|k_norm.weight        (Qwen3)
     layers.{i}.attention_norm.weight            model.layers.{i}.input_layernorm.weight
     layers.{i}.ffn_norm.weight                  model.layers.{i}.post_attention_layernorm.weight
     layers.{i}.feed_forward.w1|w3|w2.weight     model.layers.{i}.mlp.gate_proj|up_proj|down_proj.weight   (dense)
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
+from paralayer.checkpoint.hf_families import QWEN3_NAMES, family_config, family_of, rope_parameters
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -52,6 +55,7 @@ _DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
+_DENSE.update(QWEN3_NAMES)  # the families' additions (checkpoint/hf_families.py)
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
@@ -369,14 +373,17 @@ def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str,
 
 
 def hf_config_dict(cfg) -> dict:
-    """Our ModelConfig → a transformers config.json (LlamaForCausalLM or MixtralForCausalLM)."""
+    """Our ModelConfig → a transformers config.json (the family of checkpoint/hf_families.py)."""
+    from paralayer.model.attention import head_dim_of
+
     m = cfg.moe
+    family = family_of(cfg)
     base = {
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
         "tie_word_embeddings": bool(cfg.tie_embeddings), "max_position_embeddings": cfg.seq_len,
-        "hidden_act": "silu", "head_dim": cfg.d_model // cfg.n_heads, "attention_bias": False,
+        "hidden_act": "silu", "head_dim": head_dim_of(cfg), "attention_bias": False,
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
@@ -388,10 +395,10 @@ def hf_config_dict(cfg) -> dict:
         base.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                      "intermediate_size": m.ffn_hidden or cfg.ffn_hidden, "num_local_experts": m.num_experts,
                      "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
-                     "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None})
+                     "router_jitter_noise": 0.0, "output_router_logits": False,
+                     "sliding_window": cfg.sliding_window if family_config(cfg, "mistral")["sliding_window"] else None})
     else:
-        base.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                     "intermediate_size": cfg.ffn_hidden, "mlp_bias": False, "pretraining_tp": 1})
+        base.update(family_config(cfg, family))
     return base
 
 

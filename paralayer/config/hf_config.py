@@ -65,40 +65,77 @@ def _float(hf: dict, key: str, fp: str, default: float) -> float:
 
 
 def _rope_theta(hf: dict, fp: str) -> float:
-    rp = hf.get("rope_parameters") or {}
-    rs = hf.get("rope_scaling") or {}
-    for key, val in (("rope_parameters", rp), ("rope_scaling", rs)):
-        if not isinstance(val, dict):
-            raise HFFormatError(f"{fp}: '{key}' must be an object (or null), got {json.dumps(val)[:40]}")
-    rtype = rp.get("rope_type") or rp.get("type") or rs.get("rope_type") or rs.get("type") or "default"
-    if rtype != "default":
-        raise HFFormatError(f"{fp}: rope type '{rtype}' is not supported (only the default RoPE)")
-    theta = _float(rp if "rope_theta" in rp else hf, "rope_theta", fp, 10000.0)
-    if theta <= 0:
-        raise HFFormatError(f"{fp}: 'rope_theta' must be > 0, got {theta}")
-    return theta
+    from paralayer.config.hf_rope import read_rope
+
+    return read_rope(hf, fp)[0]
+
+
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3")
+# transformers' class defaults where config.json may leave a key out (they differ per family)
+_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_WINDOW_DEFAULT = {"mistral": 4096}
+_HF_LAYER = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _attention_fields(hf: dict, fp: str, mtype: str, d: int, heads: int) -> dict:
+    """head_dim, qk_norm and the sliding window / layer pattern, as the family's class reads them."""
+    out: dict[str, Any] = {"layer_types": None}
+    hd = hf.get("head_dim")
+    if hd is None:
+        hd = _HEAD_DIM_DEFAULT.get(mtype, d // heads)
+    hd = _int({"head_dim": hd}, "head_dim", fp)
+    if hd % 2:
+        raise HFFormatError(f"{fp}: head_dim={hd} must be even (RoPE rotates pairs)")
+    out["head_dim"] = None if hd * heads == d else hd
+    out["qk_norm"] = mtype == "qwen3"
+    n = _int(hf, "num_hidden_layers", fp)
+    window = hf.get("sliding_window", _WINDOW_DEFAULT.get(mtype))
+    if mtype == "qwen3" and not hf.get("use_sliding_window", False):
+        window = None  # Qwen3Config drops the window unless use_sliding_window
+    if mtype == "llama":
+        window = None  # LlamaForCausalLM reads no window
+    types = hf.get("layer_types")
+    if types is not None and mtype != "qwen3":
+        raise HFFormatError(f"{fp}: layer_types is not supported for model_type {mtype} (qwen3 only)")
+    if window is not None:
+        window = _int({"sliding_window": window}, "sliding_window", fp)
+    if mtype == "qwen3":
+        if types is None:
+            mwl = _int(hf, "max_window_layers", fp, 28, minimum=0)
+            types = ["sliding_attention" if window is not None and i >= mwl else "full_attention" for i in range(n)]
+        if not isinstance(types, list) or len(types) != n or any(t not in _HF_LAYER for t in types):
+            raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} must list {n} of "
+                                f"{', '.join(_HF_LAYER)}")
+        ours = [_HF_LAYER[t] for t in types]
+        if window is None or "sliding" not in ours:
+            window, ours = None, None  # no layer slides
+        out["layer_types"] = ours
+    out["sliding_window"] = window
+    return out
 
 
 def load_hf_config(path: str) -> dict:
-    """``config.json`` of a Llama or Mixtral checkpoint → ModelConfig fields (a dict; ``moe`` is a
-    dict of MoEConfig fields, present for Mixtral). ``seq_len`` comes from
+    """``config.json`` of a Llama, Mistral, Mixtral or Qwen3 checkpoint → ModelConfig fields (a dict;
+    ``rope`` is a dict of RopeConfig fields; ``moe`` one of MoEConfig fields, present for Mixtral). ``seq_len`` comes from
     ``max_position_embeddings``: use it only if the recipe did not give one. Any malformed
     setting raises HFFormatError naming the file and the setting."""
     hf = _read_config(path)
     fp = os.path.join(path, "config.json")
     mtype = hf.get("model_type", "llama")
-    if mtype not in ("llama", "mixtral", "mistral"):
-        raise HFFormatError(f"{fp}: model_type {json.dumps(mtype)[:40]} is not supported (llama, mistral, mixtral)")
+    if mtype not in MODEL_TYPES:
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({', '.join(MODEL_TYPES)})")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise HFFormatError(f"{fp}: {key}=true is not supported (our layers have no biases)")
+    if hf.get("attention_dropout") not in (None, 0, 0.0):
+        raise HFFormatError(f"{fp}: attention_dropout={json.dumps(hf['attention_dropout'])[:40]} is not supported "
+                            "(0: our attention has no dropout)")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{fp}: hidden_act {json.dumps(hf.get('hidden_act'))[:40]} is not supported (silu)")
     d, heads = _int(hf, "hidden_size", fp), _int(hf, "num_attention_heads", fp)
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or head_dim != d // heads):
-        raise HFFormatError(f"{fp}: head_dim={json.dumps(head_dim)[:40]} differs from "
-                            f"hidden_size/num_attention_heads={d // heads}")
+    from paralayer.config.hf_rope import read_rope
+
+    theta, rope = read_rope(hf, fp)
     out: dict[str, Any] = {
         "d_model": d,
         "n_layers": _int(hf, "num_hidden_layers", fp),
@@ -107,9 +144,11 @@ def load_hf_config(path: str) -> dict:
         else heads,
         "ffn_hidden": _int(hf, "intermediate_size", fp),
         "vocab_size": _int(hf, "vocab_size", fp),
-        "rope_theta": _rope_theta(hf, fp),
+        "rope_theta": theta,
+        "rope": rope,
         "norm_eps": _float(hf, "rms_norm_eps", fp, 1e-6),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **_attention_fields(hf, fp, mtype, d, heads),
     }
     if hf.get("max_position_embeddings"):
         out["seq_len"] = _int(hf, "max_position_embeddings", fp)
@@ -132,6 +171,10 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
     fields = load_hf_config(path)
     moe = fields.pop("moe", None)
+    from paralayer.config.schema import RopeConfig
+
+    model_cfg.rope = RopeConfig(**fields.pop("rope"))
+    model_cfg.full_attention_every = 0
     seq = fields.pop("seq_len", None)
     for k, v in fields.items():
         setattr(model_cfg, k, v)

@@ -1,4 +1,5 @@
-"""The plain Llama-style decoder every layout starts from.
+"""The decoder every layout starts from: embedding, the blocks (paralayer/model/block.py, built
+from the parts: positions, norms, attention, mlp, moe), the final norm and the head.
 
 Built on the meta device, split and sharded by ``paralayer.parallel``, then materialised by
 :func:`init_weights`, which draws each parameter's FULL tensor from (seed, parameter name) and
@@ -10,184 +11,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from paralayer.config import ModelConfig
-
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on (b, heads, s, d); GQA by repeating K/V heads to the query heads."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin for the given positions (s,) or (b, s): rotate-half layout, shape (..., s, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, s, d); cos/sin: (s, d) or (b, s, d)."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """y = x / rms(x) · w, computed in fp32; saves x (in its own dtype) and the per-token 1/rms."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd).to(x.dtype) * weight
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd  # recomputed: one elementwise pass instead of a saved fp32 copy
-        gf = g.float()
-        gw = (gf * xhat).sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype) \
-            if ctx.needs_input_grad[1] else None
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gy = gf * weight.float()
-            gx = (rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return gx, gw, None
-
-
-class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` that keeps less for backward: its input and the per-token 1/rms, not the
-    fp32 copy of the input and the fp32 normalised input torch's composite keeps (4h + 2 bytes
-    per token in bf16, 8h + 4 in fp32, where this keeps 2h + 4 and 4h + 4). What Megatron's and
-    Apex's fused norms save; same parameter, same result (tests/test_recompute.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _RMSNormFn.apply(x, self.weight, eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
-        # Replaced by ring attention under context parallel; wrapped by selective recompute.
-        self.attn_fn: AttnFn = sdpa_causal
-        self.recompute_core = False
-        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tp_overlap.py)
-        self.tp_overlap = None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.tp_overlap is not None:  # x: this rank's s/tp tokens; q, k, v: the whole sequence
-            q, k, v = self.tp_overlap.gather_matmul(x, (self.wq.weight, self.wk.weight, self.wv.weight))
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        b, s = q.shape[:2]
-        # -1 heads: under tensor parallel each rank holds n_heads/tp of them.
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        if self.recompute_core:
-            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
-        else:
-            out = self._core(q, k, v, cos, sin)
-        out = out.transpose(1, 2).reshape(b, s, -1)
-        if self.tp_overlap is not None:
-            return self.tp_overlap.matmul_scatter(out, self.wo.weight)
-        return self.wo(out)
-
-    def _core(self, q, k, v, cos, sin):
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        return self.attn_fn(q, k, v)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_model, bias=False)
-        self.recompute_act = False
-        self.tp_overlap = None  # as Attention.tp_overlap
-        self.act_fn = _swiglu  # compiled in place under train.compile with tp (model/compile.py)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_overlap is not None:
-            gate, up = self.tp_overlap.gather_matmul(x, (self.w1.weight, self.w3.weight))
-        else:
-            gate, up = self.w1(x), self.w3(x)
-        if self.recompute_act:
-            act = checkpoint(self.act_fn, gate, up, use_reentrant=False)
-        else:
-            act = self.act_fn(gate, up)
-        if self.tp_overlap is not None:
-            return self.tp_overlap.matmul_scatter(act, self.w2.weight)
-        return self.w2(act)
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    return cfg.moe.num_experts > 0 and (layer_id + 1) % cfg.moe.every == 0
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.is_moe = is_moe_layer(cfg, layer_id)
-        if self.is_moe:
-            from paralayer.model.moe import MoEFeedForward
-
-            m = cfg.moe
-            self.feed_forward = MoEFeedForward(
-                cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
-                router=m.router, shared_ffn_hidden=m.shared_ffn_hidden)
-        else:
-            self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_hidden)
-        self.recompute_full = False
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.recompute_full:
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
-
-    def _forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
+from paralayer.model.attention import head_dim_of
+from paralayer.model.block import TransformerBlock, is_moe_layer
+from paralayer.model.norms import RMSNorm
+from paralayer.model.positions import rope_cos_sin
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Vocab rounded up to a multiple of tp (the padding rows never count in the loss)."""
@@ -209,7 +43,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: Optional[nn.RMSNorm] = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = head_dim_of(cfg)
         # Global positions of the local tokens (set under context parallel: zigzag chunks).
         self.positions: Optional[torch.Tensor] = None
 
@@ -219,7 +53,7 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(h)
         s = h.shape[1]
         pos = self.positions.to(h.device) if self.positions is not None else torch.arange(s, device=h.device)
-        cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
@@ -331,7 +165,7 @@ def _clean_name(name: str) -> str:
 def count_matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (embedding lookup excluded)."""
     h, f = cfg.d_model, cfg.ffn_hidden
-    hd = h // cfg.n_heads
+    hd = head_dim_of(cfg)
     attn = h * hd * (cfg.n_heads * 2 + cfg.n_kv_heads * 2)
     dense_mlp = 3 * h * f
     total = 0

@@ -37,6 +37,12 @@ class CommTrace:
         self.blocked_s = 0.0
         self.data_s = 0.0  # the step loop's time reading its batch
         self.profiling = False
+        self.bytes_sent: dict[str, int] = {}  # "axis.kind" -> bytes of our point-to-point sends (cp K/V)
+
+    def sent(self, axis: str, kind: str, nbytes: int) -> None:
+        """Count bytes this rank sent point-to-point (the cp ring's K/V and dK/dV), since the start."""
+        key = f"{axis}.{kind}"
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + int(nbytes)
 
     def at(self, step: int, phase: str, microbatch: Optional[int] = None) -> None:
         """The loop's position: ``phase`` is data | forward | backward | reduce | optimizer | ..."""

@@ -230,9 +230,22 @@ class RingStats:
     time_bwd_s: float = 0.0
     last_step_times_fwd_s: list[float] = field(default_factory=list)
     last_step_times_bwd_s: list[float] = field(default_factory=list)
+    kv_bytes_sent: int = 0      # K/V bytes this rank sent in forward (the window ring sends fewer)
+    dkv_bytes_sent: int = 0     # partial dK/dV bytes sent in backward
+    trace: object = None        # the rank's CommTrace (runtime/train.py links it): counts the bytes too
+
+    def add_sent(self, kind: str, nbytes: int) -> None:
+        """``kind`` kv | dkv: bytes this rank sent, here and in the comm trace."""
+        if kind == "kv":
+            self.kv_bytes_sent += nbytes
+        else:
+            self.dkv_bytes_sent += nbytes
+        if self.trace is not None:
+            self.trace.sent("cp", kind, nbytes)
 
     def reset(self) -> None:
         self.pairs_fwd = self.pairs_bwd = self.calls = 0
+        self.kv_bytes_sent = self.dkv_bytes_sent = 0
         self.time_fwd_s = self.time_bwd_s = 0.0
         self.last_step_times_fwd_s = []
         self.last_step_times_bwd_s = []
@@ -283,6 +296,8 @@ class _RingAttnFn(torch.autograd.Function):
             works = None
             if step < cp - 1:
                 nxt, works = ring.exchange(kv, _KV_TAG)
+                if stats is not None:
+                    stats.add_sent("kv", kv.numel() * kv.element_size())
             t0 = time.perf_counter()
             kb, vb = kv[0], kv[1]
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
@@ -355,6 +370,8 @@ class _RingAttnFn(torch.autograd.Function):
             if cp > 1:
                 # the partial dK/dV follows its K/V block one hop; after cp hops it is home
                 dkv_next, dkv_works = ring.exchange(dkv_acc, _DKV_TAG)
+                if stats is not None:
+                    stats.add_sent("dkv", dkv_acc.numel() * dkv_acc.element_size())
             if kv_works is not None:
                 ring.wait(kv_works)
                 kv = kv_next
@@ -437,5 +454,11 @@ def apply_context_parallel(model, group: dist.ProcessGroup, seq_len: int) -> Non
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     model.positions = zigzag_indices(seq_len, cp, rank)
     for layer in model.layers.values():
-        layer.attention.ring_stats = RingStats()
-        layer.attention.attn_fn = make_ring_attention(group, layer.attention.ring_stats)
+        att = layer.attention
+        att.ring_stats = RingStats()
+        if getattr(att, "window", None) is not None:  # sliding window: only the chunks it sees move
+            from paralayer.parallel.window_ring import make_window_ring_attention
+
+            att.attn_fn = make_window_ring_attention(group, att.window, att.ring_stats)
+        else:
+            att.attn_fn = make_ring_attention(group, att.ring_stats)

@@ -164,6 +164,9 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     else:
         _replicate(block.attention_norm, tp_mesh)
         _replicate(block.ffn_norm, tp_mesh)
+    for head_norm in (getattr(block.attention, "q_norm", None), getattr(block.attention, "k_norm", None)):
+        if head_norm is not None:
+            _replicate_over_heads(head_norm, tp_mesh)
     if getattr(block, "is_moe", False):
         # The expert block runs replicated on the full sequence (plain tensors in and out).
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
@@ -194,6 +197,21 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     def input_fn(mod, inputs, mesh):
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def output_fn(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, tp_mesh, None, input_fn, output_fn)
+
+
+def _replicate_over_heads(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Qwen3's q/k norms: one (head_dim,) weight shared by every head, each rank holding n_heads/tp
+    heads of its input (b, s, heads, head_dim). The input is declared Shard(2) (the heads), so the
+    weight's gradient comes out Partial over tp and :func:`align_grad` sums it (all-reduce)."""
+
+    def input_fn(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Shard(2)], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     def output_fn(mod, out, mesh):

@@ -143,6 +143,10 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
                   hooks=hooks or StepHooks())
     run.comm.rank = dist.get_rank()
+    for chunk in built.chunks:  # the cp ring counts its K/V bytes in the comm trace
+        for layer in chunk.layers.values():
+            if getattr(layer.attention, "ring_stats", None) is not None:
+                layer.attention.ring_stats.trace = run.comm
     run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)
     run.runner = build_runner(run)

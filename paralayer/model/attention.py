@@ -1,0 +1,120 @@
+"""Self-attention: projections, optional per-head q/k RMSNorm (Qwen3), RoPE, and the core.
+
+The core is one of two variants, chosen once per layer from the config (``model.sliding_window``
+and the layer pattern of paralayer/config/layer_pattern.py):
+
+    causal_attention         every earlier key (SDPA's causal kernel)
+    WindowAttention(w)       the key j of query i counts when 0 <= i - j < w (transformers'
+                             sliding_window: the query itself and the w-1 before it)
+
+Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context.py), which reads
+``window`` to mask its blocks and skip those outside every local query's window.
+``head_dim`` is ``model.head_dim`` (default d_model / n_heads); q_norm / k_norm weights are
+(head_dim,), shared by every head, so under tensor parallel they are replicated.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paralayer.config import ModelConfig
+from paralayer.model.norms import RMSNorm
+from paralayer.model.positions import apply_rope
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """GQA: K/V heads repeated to the query heads."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention on (b, heads, s, d); GQA by repeating K/V heads to the query heads."""
+    k, v = _repeat_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """(len(q_pos), len(k_pos)) bool: key j visible to query i (causal, and within the window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    keep = diff >= 0
+    return keep & (diff < window) if window is not None else keep
+
+
+class WindowAttention:
+    """Sliding-window causal attention on (b, heads, s, d): query i sees keys i-w+1 … i."""
+
+    def __init__(self, window: int):
+        self.window = int(window)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = _repeat_kv(q, k, v)
+        pos = torch.arange(q.shape[2], device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos, pos, self.window))
+
+
+def core_for(window: Optional[int]) -> AttnFn:
+    """The attention core of a layer with this window (None: full causal)."""
+    return sdpa_causal if window is None else WindowAttention(window)
+
+
+def head_dim_of(cfg: ModelConfig) -> int:
+    return int(cfg.head_dim) if cfg.head_dim else cfg.d_model // cfg.n_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: Optional[int] = None):
+        super().__init__()
+        self.head_dim = head_dim_of(cfg)
+        self.rope_theta = cfg.rope_theta
+        self.window = window
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        if cfg.qk_norm:  # Qwen3: per head, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        # Replaced by ring attention under context parallel; wrapped by selective recompute.
+        self.attn_fn: AttnFn = core_for(window)
+        self.recompute_core = False
+        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tp_overlap.py)
+        self.tp_overlap = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.tp_overlap is not None:  # x: this rank's s/tp tokens; q, k, v: the whole sequence
+            q, k, v = self.tp_overlap.gather_matmul(x, (self.wq.weight, self.wk.weight, self.wv.weight))
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[:2]
+        # -1 heads: under tensor parallel each rank holds n_heads/tp of them.
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.recompute_core:
+            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, cos, sin)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.tp_overlap is not None:
+            return self.tp_overlap.matmul_scatter(out, self.wo.weight)
+        return self.wo(out)
+
+    def _core(self, q, k, v, cos, sin):
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        return self.attn_fn(q, k, v)

@@ -1,0 +1,48 @@
+"""One decoder block, assembled from the config: pre-norm attention (plain or windowed, by the
+layer pattern of paralayer/config/layer_pattern.py), pre-norm SwiGLU or MoE feed-forward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paralayer.config import ModelConfig
+from paralayer.config.layer_pattern import layer_window
+from paralayer.model.attention import Attention
+from paralayer.model.mlp import FeedForward
+from paralayer.model.norms import RMSNorm
+
+
+def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    return cfg.moe.num_experts > 0 and (layer_id + 1) % cfg.moe.every == 0
+
+
+def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    if not is_moe_layer(cfg, layer_id):
+        return FeedForward(cfg.d_model, cfg.ffn_hidden)
+    from paralayer.model.moe import MoEFeedForward
+
+    m = cfg.moe
+    return MoEFeedForward(cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
+                          router=m.router, shared_ffn_hidden=m.shared_ffn_hidden)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention = Attention(cfg, window=layer_window(cfg, layer_id))
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.is_moe = is_moe_layer(cfg, layer_id)
+        self.feed_forward = _feed_forward(cfg, layer_id)
+        self.recompute_full = False
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute_full:
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
