@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from paralayer.config import Config
+from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import (
     attn_params,
@@ -145,9 +145,10 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = F
     return dense, moe
 
 
-def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
+def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> dict:
     """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
-    is for; the rehearsal asks for each rank it steps).
+    is for; the rehearsal asks for each rank it steps). ``cp_rank``: the cp ring's figure for that
+    cp rank (windowed layers move different chunks per rank); None, the busiest cp rank's.
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
@@ -177,7 +178,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
             "pp": _pp_comm(lay, act_msg, r),
-            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full),
+            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
             "dp": _dp_comm(lay, dense, expert, n_layers)}
 
@@ -268,11 +269,15 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
                   transfers * lay.microbatches, lay.pp)
 
 
-def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int) -> dict:
+def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int,
+             cp_rank: int | None = None) -> dict:
     """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV. K is
-    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim); a windowed layer
-    sends only the zigzag chunks some query of the receiving rank can see
-    (:func:`window_ring_fraction`, the busiest cp rank)."""
+    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim). A windowed layer
+    runs parallel/window_ring.py, not the ring: each rank sends its own chunks once per forward
+    (again when recompute reruns it) straight to the ranks whose queries see them, and in
+    backward the partial dK/dV of every chunk it received goes home in fp32; no K/V moves in
+    backward (:func:`window_sends`, config/cp_window.py's definition). The figure is ``cp_rank``'s,
+    or the busiest cp rank's (the ranks differ under a window)."""
     if lay.cp == 1:
         return _entry("none", 0, 0, 1)
     m = cfg.model
@@ -282,48 +287,37 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     # core_attn / selective recompute rerun the attention core (the ring) as full recompute
     # does on its layers
     rerun_all = lay.recompute in ("core_attn", "selective")
-    kv_sends = dkv_sends = 0.0
-    for i in layers:
-        f = window_ring_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
-        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-        kv_sends += f * (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-        dkv_sends += f * lay.cp                      # partial dK/dV in fp32: cp hops home
+    best = None
+    for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
+        kv_sends = dkv_sends = 0.0  # in K/V blocks of the rank's 2 chunks
+        for i in layers:
+            reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+            w = parts.layer_window(cfg, i)
+            if w is None or w >= m.seq_len:
+                kv_sends += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
+                dkv_sends += lay.cp                      # partial dK/dV in fp32: cp hops home
+            else:
+                sent, got = window_sends(m.seq_len, lay.cp, w, cr)
+                kv_sends += sent / 2 * (1 + reruns)  # forward (+ rerun); chunks are half a block
+                dkv_sends += got / 2                 # the received chunks' dK/dV, fp32
+        got_bytes = (kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches
+        if best is None or got_bytes > best[0]:
+            best = (got_bytes, kv_sends, dkv_sends)
+    _, kv_sends, dkv_sends = best
     e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
     e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
     return e
 
 
-def _needed_chunks(cp: int, window: int | None, c: int) -> list[int]:
-    """Per cp rank: the other ranks' zigzag chunks (c tokens each) some query of its own two
-    chunks can see: chunk kj is seen by chunk qi > kj when the nearest pair, query qi·c and key
-    (kj+1)·c − 1, lies within the window: (qi − kj − 1)·c + 1 < W (always without a window)."""
-    owner = {}
-    for r in range(cp):
-        owner[r], owner[2 * cp - 1 - r] = r, r
-    out = []
-    for r in range(cp):
-        mine = (r, 2 * cp - 1 - r)
-        need = 0
-        for kj in range(2 * cp):
-            if owner[kj] == r:
-                continue
-            if any(kj < qi and (window is None or (qi - kj - 1) * c + 1 < window) for qi in mine):
-                need += 1
-        out.append(need)
-    return out
-
-
 @functools.lru_cache(maxsize=4096)
-def window_ring_fraction(seq: int, cp: int, window: int | None) -> float:
-    """Share of the full ring's K/V traffic a layer sends: 1 for full attention (every step
-    carries the whole 2-chunk block, as parallel/context.py's ring does); with a window, the
-    chunks the busiest cp rank needs over the 2·(cp−1) the full ring brings it — blocks wholly
-    outside every query's window are not sent (zigzag kept: each rank still holds chunks r and
-    2·cp−1−r)."""
-    if cp <= 1 or window is None or window >= seq:
-        return 1.0
+def window_sends(seq: int, cp: int, window: int, cp_rank: int) -> tuple[int, int]:
+    """(chunks cp rank ``cp_rank`` sends per forward call of a windowed layer, chunks it receives
+    = the dK/dV chunks it returns in backward), from config/cp_window.py's ``needed`` (the
+    runtime's own plan of the sends)."""
     c = seq // (2 * cp)
-    return max(_needed_chunks(cp, window, c)) / (2 * (cp - 1))
+    sent = sum(len(cp_window.needed(cp, dst, c, window).get(cp_rank, ())) for dst in range(cp) if dst != cp_rank)
+    got = sum(len(v) for v in cp_window.needed(cp, cp_rank, c, window).values())
+    return sent, got
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
@@ -419,16 +413,16 @@ def cp_core_fraction(cp: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
+def window_core_fraction(seq: int, cp: int, window: int | None, cp_rank: int | None = None) -> float:
     """:func:`cp_core_fraction` for a windowed layer under cp: the c×c blocks (each counted whole)
-    the busiest rank computes — its own 3 and the others' chunks it needs (:func:`_needed_chunks`,
+    the busiest rank computes — its own 3 and the others' chunks it needs (config/cp_window.py,
     one block per needing query chunk) — over the 4·cp·c² of a full row-slice. Without cp the
     kernel runs the whole masked S×S (one SDPA call with the window's mask): 1."""
     if cp <= 1 or window is None or window >= seq:
         return cp_core_fraction(cp)
     c = seq // (2 * cp)
     best = 0
-    for r in range(cp):
+    for r in (range(cp) if cp_rank is None else (cp_rank,)):
         mine = (r, 2 * cp - 1 - r)
         blocks = 0
         for qi in mine:
@@ -439,7 +433,7 @@ def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
     return best / (4 * cp)
 
 
-def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
+def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
 
@@ -451,7 +445,8 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
     head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
     its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
-    causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`);
+    causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`:
+    cp rank ``cp_rank``'s blocks, or the busiest's when None);
     model FLOPs (:func:`flops_per_token`, MFU) keep the convention of :func:`layer_core_flops`."""
     m = cfg.model
     h, t = m.d_model, lay.tp
@@ -462,7 +457,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     total = 0.0
     last = (lay.chunks - 1) in rank_chunks(lay, r)
     for i in rank_layers(cfg, lay, r):
-        core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
+        core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)
         mat = attn_mat
         if is_moe_layer(cfg, i):
             mo = m.moe

@@ -115,10 +115,11 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
 def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     """The attention's tp-split saved set per token (before /tp). GQA, measured with
     head_dim = h/a (module docstring) and written in the attention's own widths q = a·hd,
-    kv = g·hd (DERIVED, not yet measured, for head_dim ≠ h/a and qk_norm): none 5q + a (q, the
-    expanded k and v, the output, wo's input, the lse), ring attention under cp saving k/v
-    unexpanded (−2(q − kv)); core_attn/selective 3q + 2kv; qk_norm adds each norm's input and
-    1/rms while the core is kept. MLA (DERIVED from its forward, to be measured once the model
+    kv = g·hd (rehearsed for head_dim ≠ h/a and qk_norm, tests/test_rehearse_models.py): none
+    5q + a (q, the expanded k and v, the output, wo's input, the lse), ring attention under cp
+    saving k/v unexpanded (−2(q − kv)); core_attn/selective 3q + 2kv; qk_norm adds each norm's
+    input and 1/rms, q + kv + a + g, in every mode but full (the norms sit outside the
+    recomputed core). MLA (DERIVED from its forward, to be measured once the model
     lands): none: q and k of a·d_qk, v a·d_v, the output and wo's input a·d_v each, the lse a,
     kv_b's output a·(nope + d_v); core_attn/selective: q, kv_b's output and wo's input."""
     m = cfg.model
@@ -130,15 +131,16 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
         return 2 * a * dqk + 3 * a * dv + a + a * (nope + dv)
     hd, g = parts.head_dim(cfg), m.n_kv_heads
     q, kv = a * hd, g * hd
+    # qk_norm: each norm's input (wq's and wk's outputs) and its 1/rms per head; the norms run
+    # before the recomputed core (model/attention.py), so they are kept in every mode but full
+    norms = q + kv + a + g if m.qk_norm else 0
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
-        return 3 * q + 2 * kv
+        return 3 * q + 2 * kv + norms
     shard = 5 * q + a
     if lay.cp > 1:
         # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
         shard -= 2 * (q - kv)
-    if m.qk_norm:
-        shard += q + kv + a + g
-    return shard
+    return shard + norms
 
 
 def attn_replicated_elems(cfg: Config, mode: str) -> float:
