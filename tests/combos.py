@@ -46,11 +46,11 @@ def feature_values() -> dict[str, tuple]:
     from paralayer.config.schema import RECOMPUTE, ROUTERS
     from paralayer.resolve.planner import SCHEDULES_PP
 
-    moe = ("dense",) + tuple(f"{r}{cap}" for r in ROUTERS for cap in ("", "_cap"))
+    moe = ("dense",) + tuple(f"{r}{cap}" for r in ROUTERS for cap in ("", "_cap")) + ("group",)
     return {
         "pipe": ("none",) + tuple(SCHEDULES_PP),   # none: pp = 1; else pp 2 (vpp 2 where it applies)
         "recompute": tuple(RECOMPUTE),
-        "moe": moe,                                # router × capacity (dropless or capacity_factor)
+        "moe": moe,                                # router × capacity (dropless or capacity_factor); group: GROUP
         "tp": ("1", "sp", "nosp", "overlap"),      # tp 2 with sequence parallel / without / + tp_overlap
         "zero": (0, 1, 2, 3),
         "recompute_every": (1, 2),
@@ -62,6 +62,12 @@ def feature_values() -> dict[str, tuple]:
         "family": tuple(FAMILY),                  # the model's attention parts (issue #33)
     }
 
+
+#: DeepSeek-V3's routing (issue #34): the sigmoid router by groups (2 groups of 2 experts, one
+#: chosen per token, so a token's top-2 lie in one group), routed scaling, the first layer dense;
+#: dropless. (MTP and the sequence-wise loss are refused under cp, so they are not in the array.)
+GROUP = ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=1",
+         "model.moe.routed_scaling_factor=2.5", "model.moe.first_k_dense=1", "model.moe.capacity_factor=null"]
 
 #: the model families' parts a layout must keep exact (issue #33), as overrides of BASE's model:
 #: Qwen3's head_dim (12, not 32 / 4), per-head q/k norms and Llama 3.1's RoPE with positions past its
@@ -80,9 +86,9 @@ MODEL_FIELDS = {
     **{f"rope.{k}": "family" for k in ("type", "factor", "original_max_position")},
     **{f"rope.{k}": None for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
                                    "mscale_all_dim", "attention_factor")},
-    **{f"moe.{k}": "moe" for k in ("num_experts", "router", "capacity_factor", "bias_update_rate")},
+    **{f"moe.{k}": "moe" for k in ("num_experts", "router", "capacity_factor", "bias_update_rate",
+                                   "first_k_dense", "n_group", "topk_group", "routed_scaling_factor")},
     **{f"moe.{k}": None for k in ("top_k", "ffn_hidden", "aux_loss_coef", "every", "shared_ffn_hidden",
-                                  "first_k_dense", "n_group", "topk_group", "routed_scaling_factor",
                                   "norm_topk_prob", "seq_aux_loss_coef")},
     **{f"mla.{k}": None for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                   "v_head_dim")},
@@ -198,6 +204,8 @@ def model_overrides(row: dict) -> list[str]:
           f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"] + FAMILY[row.get("family", "plain")]
     if moe == "dense":
         return ov + ["model.moe.num_experts=0"]
+    if moe == "group":
+        return ov + [f"model.moe.num_experts={EXPERTS}", "model.moe.bias_update_rate=0.01"] + GROUP
     router = moe.replace("_cap", "")
     cap = CAPACITY if moe.endswith("_cap") else "null"
     return ov + [f"model.moe.num_experts={EXPERTS}", f"model.moe.router={router}", f"model.moe.capacity_factor={cap}",
@@ -256,6 +264,8 @@ def planner_row(layout: dict, model) -> dict:
     moe = model.moe
     if moe.num_experts == 0:
         moe_v = "dense"
+    elif moe.n_group > 1:
+        moe_v = "group"
     else:
         moe_v = moe.router + ("_cap" if moe.capacity_factor is not None else "")
     tp = "1" if d["tp"] == 1 else ("overlap" if layout["tp_overlap"] else "sp" if layout["sequence_parallel"]

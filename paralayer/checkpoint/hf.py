@@ -39,7 +39,10 @@ import torch
 from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
-from paralayer.checkpoint.hf_families import QWEN3_NAMES, family_config, family_of, rope_parameters
+from paralayer.checkpoint.hf_moe import (_deinterleave_rope, _export_rope_rows, _load_router_bias, _mtp_to_deepseek,
+                                         _reordered, _rope_rows)
+from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
+                                              family_of, qwen3_moe_config, rope_parameters)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -56,25 +59,36 @@ _DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
 _DENSE.update(QWEN3_NAMES)  # the families' additions (checkpoint/hf_families.py)
+_DENSE.update(DEEPSEEK_V3_NAMES)
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
+QWEN3_MOE_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Qwen3-MoE's per-expert names
+_HF_QWEN3_MOE_EXPERT = {v: k for k, v in QWEN3_MOE_EXPERT.items()}
 
 
-def ours_to_hf(name: str, expert: Optional[int] = None) -> str:
+def ours_to_hf(name: str, expert: Optional[int] = None, family: str = "mixtral") -> str:
     """Our parameter name → the Hugging Face key. Stacked experts (``layers.{i}.feed_forward.w1``)
-    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight``."""
+    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral), or
+    with ``family="qwen3_moe"`` ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (and the
+    router ``mlp.gate.weight``)."""
     if name in _TOP:
         return _TOP[name]
     m = _LAYER.match(name)
     if m:
         i, rest = m.groups()
+        if family in ("qwen3_moe", "deepseek_v3") and rest == "feed_forward.gate.weight":
+            return f"model.layers.{i}.mlp.gate.weight"
+        if rest == "feed_forward.expert_bias":  # DeepSeek-V3's selection bias (a buffer)
+            return f"model.layers.{i}.mlp.gate.e_score_correction_bias"
         if rest in _DENSE:
             return f"model.layers.{i}.{_DENSE[rest]}"
         ff = re.match(r"^feed_forward\.(w[123])$", rest)
         if ff:
             if expert is None:
                 raise KeyError(f"{name}: a stacked expert weight; pass expert=j")
+            if family in ("qwen3_moe", "deepseek_v3"):
+                return f"model.layers.{i}.mlp.experts.{expert}.{QWEN3_MOE_EXPERT[ff.group(1)]}.weight"
             return f"model.layers.{i}.block_sparse_moe.experts.{expert}.{ff.group(1)}.weight"
     raise KeyError(f"{name}: no Hugging Face equivalent")
 
@@ -96,6 +110,9 @@ def hf_to_ours(key: str) -> tuple[str, Optional[int]]:
         e = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
         if e:
             return f"layers.{i}.feed_forward.{e.group(2)}", int(e.group(1))
+        q = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+        if q:
+            return f"layers.{i}.feed_forward.{_HF_QWEN3_MOE_EXPERT[q.group(2)]}", int(q.group(1))
     raise KeyError(f"{key}: not a Llama/Mixtral weight we know")
 
 
@@ -118,6 +135,7 @@ class _Reader:
         self._open = safe_open
         self._handles: dict[str, Any] = {}
         self.bytes_read = 0  # bytes of the tensors and slices this reader returned
+        self.rope_rows: Optional[dict] = None  # rows to reorder on import (_rope_rows)
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
@@ -179,6 +197,8 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
         i, w = m.groups()
         start, count = experts if experts else (0, shape[0])
         per = f"model.layers.{i}.block_sparse_moe.experts.{{j}}.{w}.weight"
+        if per.format(j=start) not in reader:  # Qwen3-MoE's per-expert names
+            per = f"model.layers.{i}.mlp.experts.{{j}}.{QWEN3_MOE_EXPERT[w]}.weight"
         if per.format(j=start) in reader:
             return torch.stack([reader.get(per.format(j=j)) for j in range(start, start + count)])
         fused_gu = f"model.layers.{i}.mlp.experts.gate_up_proj"
@@ -191,9 +211,8 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
             return (gu[:, :f] if w == "w1" else gu[:, f:]).contiguous()
         raise HFFormatError(f"{reader.path}: expert weights for {name} not found "
                             f"(looked for {per.format(j=start)} and {fused_gu})")
-    if name == "output.weight" and "lm_head.weight" not in reader:
-        return reader.get("model.embed_tokens.weight")  # tied embeddings
-    return reader.get(ours_to_hf(name))
+    full = reader.get(_hf_key(reader, name))
+    return _deinterleave_rope(full, name, reader.rope_rows) if reader.rope_rows else full
 
 
 # ------------------------------------------------------------------ import
@@ -255,7 +274,10 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
 def _hf_key(reader: _Reader, name: str) -> str:
     if name == "output.weight" and "lm_head.weight" not in reader:
         return "model.embed_tokens.weight"  # tied embeddings
-    return ours_to_hf(name)
+    key = ours_to_hf(name)
+    if key not in reader and name.endswith("feed_forward.gate.weight"):
+        return ours_to_hf(name, family="qwen3_moe")  # Qwen3-MoE's router: mlp.gate.weight
+    return key
 
 
 def _local_region(param) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -283,7 +305,7 @@ def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> N
     for name, param in model.named_parameters():
         clean = _clean(name)
         region = None if clean in owners else _local_region(param)
-        if clean in owners or (region is None and hasattr(param, "device_mesh")):
+        if clean in owners or (region is None and hasattr(param, "device_mesh")) or _reordered(reader, clean):
             rest.append(name)
             continue
         shape, offset = region if region is not None else (tuple(param.shape), (0,) * param.dim())
@@ -313,9 +335,14 @@ def load_hf_weights(model: nn.Module, path: str, cfg) -> int:
     model, under any tp / fsdp / ep layout), reading only what this rank holds. ``cfg``: the
     ModelConfig (its shape must match config.json: use :func:`apply_hf_config` first).
     Returns the bytes this rank read."""
+    if getattr(model, "mtp", None) is not None:
+        raise HFFormatError(f"model.mtp.depth={cfg.mtp.depth}: reading MTP weights from {path} is not built "
+                            f"(set model.mtp.depth=0 with model.init=hf:)")
     reader = _Reader(path)
+    reader.rope_rows = _rope_rows(path)
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
     copy_sliced_tensors(model, reader, vocab)
+    _load_router_bias(model, reader)
     return reader.bytes_read
 
 
@@ -345,6 +372,9 @@ def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str,
             if clean in owners:
                 t = _gather_experts(t, owners[clean])
             local[clean] = t.detach().to("cpu", copy=True)
+        for name, mod in part.named_modules():  # the sigmoid router's selection bias (DeepSeek-V3)
+            if getattr(mod, "router", None) == "sigmoid" and hasattr(mod, "expert_bias"):
+                local[f"{_clean(name)}.expert_bias"] = mod.expert_bias.detach().to("cpu", copy=True)
         vocab = getattr(part, "vocab_size", None)
         for key in ("tok_embeddings.weight", "output.weight"):
             if key in local and vocab is not None:
@@ -387,8 +417,12 @@ def hf_config_dict(cfg) -> dict:
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
-    if m.num_experts > 0:
-        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax":
+    if family == "deepseek_v3":
+        base.update(deepseek_v3_config(cfg))
+    elif m.num_experts > 0 and family == "qwen3_moe":
+        base.update(qwen3_moe_config(cfg))
+    elif m.num_experts > 0:
+        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax" or m.first_k_dense:
             raise HFFormatError("model.moe: only Mixtral-style MoE exports (every=1, router=softmax, no shared "
                                 f"expert); got every={m.every}, router={m.router}, "
                                 f"shared_ffn_hidden={m.shared_ffn_hidden}")
@@ -404,12 +438,22 @@ def hf_config_dict(cfg) -> dict:
 
 def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    family = family_of(cfg)
+    rows = _export_rope_rows(cfg) if family == "deepseek_v3" else None
     for name, t in full.items():
+        if name.startswith("mtp."):
+            if family == "deepseek_v3":
+                out.update(_mtp_to_deepseek(name, t, cfg, rows, ours_to_hf))
+            continue  # other families have no MTP layers
+        if name.endswith("feed_forward.expert_bias") and family != "deepseek_v3":
+            continue
+        if rows:
+            t = _deinterleave_rope(t, name, rows, inverse=True)
         if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", name):
             for j in range(t.shape[0]):
-                out[ours_to_hf(name, expert=j)] = t[j].contiguous()
+                out[ours_to_hf(name, expert=j, family=family)] = t[j].contiguous()
         else:
-            out[ours_to_hf(name)] = t.contiguous()
+            out[ours_to_hf(name, family=family)] = t.contiguous()
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -70,9 +70,9 @@ def _rope_theta(hf: dict, fp: str) -> float:
     return read_rope(hf, fp)[0]
 
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 # transformers' class defaults where config.json may leave a key out (they differ per family)
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "qwen3_moe": 128}
 _WINDOW_DEFAULT = {"mistral": 4096}
 _HF_LAYER = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -87,7 +87,18 @@ def _attention_fields(hf: dict, fp: str, mtype: str, d: int, heads: int) -> dict
     if hd % 2:
         raise HFFormatError(f"{fp}: head_dim={hd} must be even (RoPE rotates pairs)")
     out["head_dim"] = None if hd * heads == d else hd
-    out["qk_norm"] = mtype == "qwen3"
+    out["qk_norm"] = mtype in ("qwen3", "qwen3_moe")
+    if mtype == "deepseek_v3":  # MLA: its widths are in model.mla; head_dim is the rope part's
+        return {"layer_types": None, "head_dim": None, "qk_norm": False, "sliding_window": None}
+    if mtype == "qwen3_moe":
+        if hf.get("use_sliding_window", False):
+            raise HFFormatError(f"{fp}: use_sliding_window=true is not supported for qwen3_moe (full attention only)")
+        types = hf.get("layer_types")
+        if types is not None and any(t != "full_attention" for t in types):
+            raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} is not supported for qwen3_moe "
+                                f"(full attention only)")
+        out.update(head_dim=None if hd * heads == d else hd, sliding_window=None)
+        return out
     n = _int(hf, "num_hidden_layers", fp)
     window = hf.get("sliding_window", _WINDOW_DEFAULT.get(mtype))
     if mtype == "qwen3" and not hf.get("use_sliding_window", False):
@@ -152,7 +163,11 @@ def load_hf_config(path: str) -> dict:
     }
     if hf.get("max_position_embeddings"):
         out["seq_len"] = _int(hf, "max_position_embeddings", fp)
-    if mtype == "mixtral" or hf.get("num_local_experts"):
+    if mtype == "qwen3_moe":
+        out["moe"] = _qwen3_moe_fields(hf, fp, out["n_layers"])
+    elif mtype == "deepseek_v3":
+        out["moe"], out["mla"] = _deepseek_v3_fields(hf, fp, out["n_layers"])
+    elif mtype == "mixtral" or hf.get("num_local_experts"):
         out["moe"] = {
             "num_experts": _int(hf, "num_local_experts", fp),
             "top_k": _int(hf, "num_experts_per_tok", fp, 2),
@@ -166,11 +181,65 @@ def load_hf_config(path: str) -> dict:
     return out
 
 
+def _deepseek_v3_fields(hf: dict, fp: str, n_layers: int) -> tuple[dict, dict]:
+    """DeepSeek-V3's MoE (sigmoid router by groups, routed scaling, shared experts, the first
+    ``first_k_dense_replace`` layers dense) and MLA widths. ``num_nextn_predict_layers`` (MTP) is not
+    read: transformers' class has no MTP layers (model.mtp.depth stays the recipe's)."""
+    experts = _int(hf, "n_routed_experts", fp)
+    ffn = _int(hf, "moe_intermediate_size", fp)
+    n_group, topk_group = _int(hf, "n_group", fp, 1), _int(hf, "topk_group", fp, 1)
+    if experts % n_group or topk_group > n_group:
+        raise HFFormatError(f"{fp}: n_group={n_group}, topk_group={topk_group} must divide n_routed_experts="
+                            f"{experts} and not exceed n_group")
+    moe = {"num_experts": experts, "top_k": _int(hf, "num_experts_per_tok", fp, 8), "ffn_hidden": ffn,
+           "aux_loss_coef": 0.0, "capacity_factor": None, "every": 1,
+           "first_k_dense": _int(hf, "first_k_dense_replace", fp, 0, minimum=0), "router": "sigmoid",
+           "shared_ffn_hidden": ffn * _int(hf, "n_shared_experts", fp, 0, minimum=0),
+           "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "n_group": n_group, "topk_group": topk_group,
+           "routed_scaling_factor": _float(hf, "routed_scaling_factor", fp, 1.0)}
+    q_lora = hf.get("q_lora_rank")
+    mla = {"q_lora_rank": None if q_lora is None else _int(hf, "q_lora_rank", fp),
+           "kv_lora_rank": _int(hf, "kv_lora_rank", fp), "qk_nope_head_dim": _int(hf, "qk_nope_head_dim", fp),
+           "qk_rope_head_dim": _int(hf, "qk_rope_head_dim", fp), "v_head_dim": _int(hf, "v_head_dim", fp)}
+    if mla["qk_rope_head_dim"] % 2:
+        raise HFFormatError(f"{fp}: qk_rope_head_dim={mla['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    return moe, mla
+
+
+def _qwen3_moe_fields(hf: dict, fp: str, n_layers: int) -> dict:
+    """Qwen3-MoE's experts: softmax top-k, ``norm_topk_prob`` as given (Qwen3MoeConfig's default
+    false), no shared expert; its dense layers (``mlp_only_layers``, ``decoder_sparse_step``)
+    become first_k_dense + every, which express exactly "the first k dense, then every s-th"."""
+    step = _int(hf, "decoder_sparse_step", fp, 1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise HFFormatError(f"{fp}: mlp_only_layers={json.dumps(only)[:60]} must be a list of layer indices")
+    theirs = [i not in only and (i + 1) % step == 0 for i in range(n_layers)]
+    first = next((k for k in range(n_layers + 1)
+                  if [i >= k and (i + 1) % step == 0 for i in range(n_layers)] == theirs), None)
+    if first is None:
+        raise HFFormatError(f"{fp}: mlp_only_layers={json.dumps(only)[:60]} is not supported: only the first k "
+                            f"layers may be dense (model.moe.first_k_dense), with decoder_sparse_step={step}")
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
+    return {"num_experts": _int(hf, key, fp), "top_k": _int(hf, "num_experts_per_tok", fp, 8),
+            "ffn_hidden": _int(hf, "moe_intermediate_size", fp),
+            # transformers adds the router loss only with output_router_logits (off in its saved configs)
+            "aux_loss_coef": _float(hf, "router_aux_loss_coef", fp, 0.001) if hf.get("output_router_logits") else 0.0,
+            "capacity_factor": None,
+            "every": step, "first_k_dense": first, "router": "softmax", "shared_ffn_hidden": 0,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 1.0}
+
+
 def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     """Set the shape fields of a ModelConfig from ``path``/config.json, in place. ``seq_len`` is
     replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
     fields = load_hf_config(path)
     moe = fields.pop("moe", None)
+    mla = fields.pop("mla", None)
+    from paralayer.config.schema import MLAConfig
+
+    model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()
     from paralayer.config.schema import RopeConfig
 
     model_cfg.rope = RopeConfig(**fields.pop("rope"))

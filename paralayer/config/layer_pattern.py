@@ -22,4 +22,7 @@ def layer_types(cfg) -> List[str]:
 
 def layer_window(cfg, layer_id: int) -> Optional[int]:
     """The window of layer ``layer_id`` (keys it sees: itself and window-1 before), None = full."""
-    return int(cfg.sliding_window) if layer_types(cfg)[layer_id] == "sliding" else None
+    types = layer_types(cfg)
+    if layer_id >= len(types):  # an MTP depth's block (model/mtp.py, ids n_layers…): full attention
+        return None
+    return int(cfg.sliding_window) if types[layer_id] == "sliding" else None

@@ -14,7 +14,19 @@ from paralayer.model.norms import RMSNorm
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    return cfg.moe.num_experts > 0 and (layer_id + 1) % cfg.moe.every == 0
+    """Layers 0 … first_k_dense−1 stay dense (DeepSeek-V3's first_k_dense_replace); of the rest,
+    every ``every``-th (1-based, Qwen3-MoE's decoder_sparse_step) is MoE."""
+    m = cfg.moe
+    return m.num_experts > 0 and layer_id >= m.first_k_dense and (layer_id + 1) % m.every == 0
+
+
+def router_spec(cfg: ModelConfig):
+    """The router of ``model.moe`` (paralayer/model/routing.py)."""
+    from paralayer.model.routing import RouterSpec
+
+    m = cfg.moe
+    return RouterSpec(kind=m.router, top_k=m.top_k, n_group=m.n_group, topk_group=m.topk_group,
+                      routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob)
 
 
 def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
@@ -24,7 +36,16 @@ def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
 
     m = cfg.moe
     return MoEFeedForward(cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
-                          router=m.router, shared_ffn_hidden=m.shared_ffn_hidden)
+                          router=m.router, shared_ffn_hidden=m.shared_ffn_hidden, spec=router_spec(cfg),
+                          seq_aux=m.seq_aux_loss_coef > 0)
+
+
+def _attention(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    if cfg.mla.kv_lora_rank > 0:  # multi-head latent attention (DeepSeek-V3)
+        from paralayer.model.latent_attention import LatentAttention
+
+        return LatentAttention(cfg)
+    return Attention(cfg, window=layer_window(cfg, layer_id))
 
 
 class TransformerBlock(nn.Module):
@@ -32,7 +53,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, window=layer_window(cfg, layer_id))
+        self.attention = _attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.feed_forward = _feed_forward(cfg, layer_id)

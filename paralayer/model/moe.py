@@ -20,6 +20,9 @@ Buffer:
 
 Each forward sets
     self.aux_loss  scalar with grad: Switch load-balancing loss E·Σ_i f_i·P_i over this rank's tokens
+    self.seq_aux_loss  scalar with grad (``seq_aux=True`` only, else None): DeepSeek-V3's
+                   sequence-wise balance loss, the mean over this rank's sequences
+                   (paralayer/model/routing.py; the runtime weighs it by ``seq_aux_loss_coef``)
     self.stats     {"tokens_per_expert": LongTensor(E), routed token-slots (before drops), summed
                     over the expert-parallel group; "dropped": int, token-slots dropped, summed over
                     the expert-parallel group}
@@ -45,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from paralayer.model import routing
+
 
 class SharedExpert(nn.Module):
     """A plain SwiGLU feed-forward: w2 · (silu(w1 x) * (w3 x))."""
@@ -61,12 +66,13 @@ class SharedExpert(nn.Module):
 
 class MoEFeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_hidden: int, num_experts: int, top_k: int,
-                 capacity_factor: float | None, router: str = "softmax", shared_ffn_hidden: int = 0):
+                 capacity_factor: float | None, router: str = "softmax", shared_ffn_hidden: int = 0,
+                 spec: routing.RouterSpec | None = None, seq_aux: bool = False):
         super().__init__()
-        if router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        spec = spec or routing.RouterSpec(kind=router, top_k=top_k)
+        if (spec.kind, spec.top_k) != (router, top_k):
+            raise ValueError(f"spec {spec} disagrees with router={router!r}, top_k={top_k}")
+        spec.check(num_experts)
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
         self.d_model = d_model
@@ -75,6 +81,8 @@ class MoEFeedForward(nn.Module):
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.router = router
+        self.spec = spec
+        self.seq_aux = seq_aux
 
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
@@ -107,6 +115,7 @@ class MoEFeedForward(nn.Module):
         self.weight_cache: dict | None = None
 
         self.aux_loss: Tensor | None = None
+        self.seq_aux_loss: Tensor | None = None
         self.stats: dict = {}
         # False while a forward must not count (a pipeline stage's shape inference runs one on
         # uninitialised tensors before the first real microbatch; the trainer toggles this)
@@ -132,23 +141,10 @@ class MoEFeedForward(nn.Module):
 
     # ---------------------------------------------------------------- routing
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (T, d) → (expert ids (T, k) long, weights (T, k) fp32, router probs (T, E) fp32).
-
-        softmax: probs = softmax(logits); pick top-k; weights = renormalised top-k probs (Mixtral).
-        sigmoid: scores = sigmoid(logits); pick top-k of scores + expert_bias (bias only selects);
-                 weights = chosen scores / their sum (DeepSeek-V3); probs = scores / row sum.
-        """
-        logits = self.gate(x).float()
-        if self.router == "softmax":
-            probs = logits.softmax(dim=-1)
-            weights, experts = probs.topk(self.top_k, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
-            weights = scores.gather(-1, experts)
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights, probs
+        """x (T, d) → (expert ids (T, k) long, weights (T, k) fp32, router probs (T, E) fp32);
+        the routers are in paralayer/model/routing.py."""
+        bias = self.expert_bias if self.router == "sigmoid" else None
+        return routing.route(self.gate(x).float(), self.spec, bias)
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -213,6 +209,7 @@ class MoEFeedForward(nn.Module):
         # aux loss (this rank's tokens): E · Σ_i f_i · P_i; f has no gradient, P does
         f = routed.float() / (T * k)
         self.aux_loss = E * (f * probs.mean(dim=0)).sum()
+        self.seq_aux_loss = routing.sequence_loss(experts, probs, shape[0]) if self.seq_aux else None
 
         # sort slots by expert (stable → token order inside an expert), then apply capacity
         order = torch.argsort(slot_expert, stable=True)
@@ -249,6 +246,7 @@ class MoEFeedForward(nn.Module):
             counts = [min(c, cap) for c in counts]
         routed = torch.tensor(counts, dtype=torch.long, device=x.device)
         self.aux_loss = E * ((routed.float() / (T * k)) * probs.mean(dim=0)).sum()
+        self.seq_aux_loss = (E * (routed.float() / (T * k)) * probs.mean(dim=0)).sum() if self.seq_aux else None
         order = torch.cat([torch.arange(e, e + E * c, E, device=x.device) for e, c in enumerate(counts) if c]) \
             if any(counts) else torch.zeros(0, dtype=torch.long, device=x.device)
         tokens = slot_token[order]
@@ -322,12 +320,14 @@ class MoEFeedForward(nn.Module):
         # aux_loss is a graph node from the last forward: not copyable/picklable, and not state
         state = dict(super().__getstate__())
         state["aux_loss"] = None
+        state["seq_aux_loss"] = None
         return state
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
                 f"(local {self.num_local_experts} from {self.expert_offset}), top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, router={self.router}")
+                f"capacity_factor={self.capacity_factor}, router={self.router}, n_group={self.spec.n_group}, "
+                f"topk_group={self.spec.topk_group}, scaling={self.spec.routed_scaling_factor}")
 
 
 def _combine(x: Tensor, tokens: Tensor, ys: Tensor, weights: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from paralayer.config import ModelConfig
 from paralayer.model.attention import head_dim_of
 from paralayer.model.block import TransformerBlock, is_moe_layer
+from paralayer.model.mtp import MultiTokenPrediction
 from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import rope_cos_sin
 
@@ -43,9 +44,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: Optional[nn.RMSNorm] = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)
-        self.head_dim = head_dim_of(cfg)
+        # the dims RoPE rotates: a head's, or MLA's decoupled rope part
+        self.head_dim = cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0 else head_dim_of(cfg)
         # Global positions of the local tokens (set under context parallel: zigzag chunks).
         self.positions: Optional[torch.Tensor] = None
+        # multi-token prediction (model/mtp.py): run in the loss from what the forward leaves here
+        self.mtp: Optional[MultiTokenPrediction] = (
+            MultiTokenPrediction(cfg, self.vocab_padded) if cfg.mtp.depth > 0 else None)
+        self.mtp_input: Optional[tuple] = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """tokens (b, s) on the first stage, hidden (b, s, d) elsewhere → logits or hidden."""
@@ -58,9 +64,18 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
+        if self.mtp is not None and self.output is not None:
+            self.mtp_input = (h, cos, sin)
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def mtp_outputs(self, labels: torch.Tensor) -> list:
+        """[(logits, targets)] of each MTP depth, from the last forward's final hidden (model/mtp.py)."""
+        h0, cos, sin = self.mtp_input
+        self.mtp_input = None
+        emb = self.mtp.embed if self.mtp.embed is not None else self.tok_embeddings
+        return self.mtp(h0, labels, cos, sin, emb, self.output)
 
     def aux_loss(self) -> Optional[torch.Tensor]:
         """Sum of the MoE layers' load-balancing losses from the last forward (None if dense)."""
@@ -68,6 +83,15 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             ff = layer.feed_forward
             a = getattr(ff, "aux_loss", None)
+            if a is not None:
+                total = a if total is None else total + a
+        return total
+
+    def seq_aux_loss(self) -> Optional[torch.Tensor]:
+        """Sum of the MoE layers' sequence-wise balance losses (None when off or dense)."""
+        total = None
+        for layer in self.layers.values():
+            a = getattr(layer.feed_forward, "seq_aux_loss", None)
             if a is not None:
                 total = a if total is None else total + a
         return total
@@ -90,6 +114,8 @@ def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) ->
     """The full (unsharded) initial value of a parameter, from its name alone."""
     if cfg.tie_embeddings and name == "output.weight":
         name = "tok_embeddings.weight"  # one matrix, two copies (paralayer/parallel/tied_embeddings.py)
+    if name == "mtp.embed.weight":
+        name = "tok_embeddings.weight"  # the last stage's copy of the embedding (model/mtp.py)
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if name.endswith("norm.weight"):
@@ -134,7 +160,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
             shp[dim] = full_len
             global_shape = tuple(shp)
         logical = list(global_shape)
-        if clean.startswith("tok_embeddings.") or clean.startswith("output."):
+        if clean.startswith(("tok_embeddings.", "output.", "mtp.embed.")):
             logical[0] = vocab
         full = full_init(clean, tuple(logical), cfg, seed)
         if tuple(logical) != global_shape and clean not in owners:

@@ -185,6 +185,9 @@ def split_model(model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
         if c != n_chunks - 1:
             chunk.norm = None
             chunk.output = None
+            chunk.mtp = None
+        elif getattr(chunk, "mtp", None) is not None:
+            chunk.mtp.add_embedding_copy()  # MTP reads the embedding on the last stage (model/mtp.py)
         chunk.pp_chunk = c
         chunks.append(chunk)
     return chunks
@@ -207,9 +210,9 @@ class _AttachAux(torch.autograd.Function):
         return grad_h, torch.full(ctx.aux_shape, ctx.coef, dtype=grad_h.dtype, device=grad_h.device), None
 
 
-def _aux_hook(coef: float):
+def _aux_hook(coef: float, attr: str = "aux_loss"):
     def hook(module, inputs, output):
-        aux_fn = getattr(module, "aux_loss", None)
+        aux_fn = getattr(module, attr, None)
         aux = aux_fn() if aux_fn is not None else None
         if aux is None or not torch.is_grad_enabled():
             return output
@@ -365,6 +368,8 @@ class PipelineRunner:
         loss_parallel: run the step under ``loss_parallel()`` (vocab-sharded logits under TP).
         aux_loss_coef: if > 0, each chunk's ``aux_loss()`` (MoE) is added to the objective with
             this weight (gradient only; the returned loss is the LM loss alone).
+        seq_aux_loss_coef: the same for each chunk's ``seq_aux_loss()`` (DeepSeek-V3's
+            sequence-wise balance loss).
         measure: record the timeline and compute ``bubble_measured`` every step.
 
     ``scale_grads``: see paralayer/parallel/grad_scaling.py (GradScaling.schedule_scales).
@@ -381,7 +386,7 @@ class PipelineRunner:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
                  microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
-                 aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None,
+                 aux_loss_coef: float = 0.0, seq_aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None,
                  scale_grads: bool = True, reduce_each_microbatch: Optional[str] = None,
                  rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None):
         from torch.distributed.pipelining import PipelineStage
@@ -413,6 +418,8 @@ class PipelineRunner:
         for mod in self.chunks:
             if aux_loss_coef:
                 mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
+            if seq_aux_loss_coef:
+                mod.register_forward_hook(_aux_hook(float(seq_aux_loss_coef), "seq_aux_loss"))
             if split_backward:
                 mod.register_forward_hook(_unview_hook)
         if autocast_dtype is not None:

@@ -114,6 +114,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         fused = SpGemms(tp_mesh.get_group())
     for block in model.layers.values():
         _parallelize_block(block, tp_mesh, sp, stream, fused)
+    if getattr(model, "mtp", None) is not None:
+        _parallelize_mtp(model.mtp, tp_mesh, sp, stream, fused)
 
     model.tp_mesh = tp_mesh
     model.tp_sequence_parallel = sp
@@ -142,17 +144,38 @@ def _parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream) -
         parallelize_module(model, tp_mesh, root_plan)
 
 
+def _parallelize_mtp(mtp: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, fused) -> None:
+    """The MTP depths (model/mtp.py): each block as the others; the norms and the (d, 2d)
+    projection M_k replicated (d×2d is small beside the block; splitting it would add a
+    collective per depth), sequence-parallel under SP like the norms (their weight grads come
+    out Partial and are summed by :func:`align_grad`). The head norm hands the head a Shard(1)
+    DTensor, as the final norm does. The last stage's embedding copy is split as the embedding."""
+    for layer in mtp.layers.values():
+        if sp:
+            parallelize_module(layer, tp_mesh, {"enorm": SequenceParallel(use_local_output=True),
+                                                "hnorm": SequenceParallel(use_local_output=True),
+                                                "eh_proj": SequenceParallel(use_local_output=True),
+                                                "norm": SequenceParallel()})
+        else:
+            for part in (layer.enorm, layer.hnorm, layer.eh_proj, layer.norm):
+                _replicate(part, tp_mesh)
+        _parallelize_block(layer.block, tp_mesh, sp, stream, fused)
+    if mtp.embed is not None:
+        parallelize_module(mtp, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)})
+
+
 def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, fused) -> None:
     """One transformer block: attention and SwiGLU split Megatron-style, the norms sequence-
     parallel (or replicated), an MoE block run whole on the full sequence. ``fused``: the SP or
     overlap GEMMs the block calls instead of its linears' DTensor hooks (None without SP)."""
-    plan = {
+    latent = hasattr(block.attention, "kv_b")  # MLA (model/latent_attention.py)
+    plan = _latent_plan(block.attention, tp_mesh, stream) if latent else {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=stream),
     }
-    if fused is None:
+    if fused is None or latent:
         plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
                                                desired_input_layouts=(Replicate(), None, None))
     else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
@@ -186,6 +209,21 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
         else:
             block.feed_forward.tp_overlap = fused
     parallelize_module(block, tp_mesh, plan)
+
+
+def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream) -> dict:
+    """MLA: the heads split (wq / q_b and kv_b column-parallel, wo row-parallel); the down-
+    projections q_a, kv_a and their norms replicated, because their outputs (the latents, and the
+    one rope key every head shares) are per token, not per head. They stay Replicate DTensors up to
+    the column GEMMs, so the gradient each rank's heads send back arrives Partial and is summed; the
+    shared rope key leaves DTensor land declared Partial for the same reason (``att.tp_mesh``)."""
+    for part in (att.q_a, att.q_a_norm, att.kv_a, att.kv_a_norm):
+        if part is not None:
+            distribute_module(part, tp_mesh)
+    att.tp_mesh = tp_mesh
+    plan = {"attention.kv_b": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=stream)}
+    plan["attention.wq" if att.wq is not None else "attention.q_b"] = ColwiseParallel()
+    return plan
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:

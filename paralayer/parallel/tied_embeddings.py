@@ -7,6 +7,8 @@ rank a local add; across the first and last pipeline ranks an all-reduce over th
 start, same gradient, same AdamW update: the copies stay equal, bit for bit, and train exactly
 like one shared matrix. The gradient norm counts the pair once (the head's copy is left out).
 Works under tp (both are split over the vocabulary the same way) and FSDP (same shards).
+Multi-token prediction under pp keeps a copy of the embedding on the last stage (model/mtp.py):
+the same pairing, the same sum (MTP with tied embeddings under pp would make three copies: refused).
 """
 from __future__ import annotations
 
@@ -25,9 +27,17 @@ def tied_params(chunks: Sequence[nn.Module]) -> tuple[Optional[nn.Parameter], Op
     for c in chunks:
         if getattr(c, "tok_embeddings", None) is not None:
             emb = c.tok_embeddings.weight
-        if getattr(c, "output", None) is not None:
+        mtp = getattr(c, "mtp", None)
+        if mtp is not None and mtp.embed is not None:
+            out = mtp.embed.weight  # MTP's copy on the last stage (model/mtp.py): the same pairing
+        elif getattr(c, "output", None) is not None and getattr(getattr(c, "cfg", None), "tie_embeddings", True):
             out = c.output.weight
     return emb, out
+
+
+def shares_embedding(model_cfg, pp: int) -> bool:
+    """Two copies of the embedding to keep equal: tied embeddings, or MTP's copy under pp > 1."""
+    return bool(model_cfg.tie_embeddings) or (model_cfg.mtp.depth > 0 and pp > 1)
 
 
 def pair_group(pp_ranks: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:

@@ -77,6 +77,18 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     plan = as_plan(plan)
     d = plan.degrees
     tp, pp, cp, ep = (int(d[k]) for k in ("tp", "pp", "cp", "ep"))
+    if cp > 1 and cfg.model.moe.num_experts > 0 and cfg.model.moe.seq_aux_loss_coef > 0:
+        # a sequence's balance loss needs its whole sequence's counts; under cp each rank holds a
+        # zigzag shard of it (not built: refused rather than computed per shard)
+        raise ValueError("model.moe.seq_aux_loss_coef > 0 is not built under parallel.cp > 1; "
+                         "set parallel.cp=1 or model.moe.seq_aux_loss_coef=0")
+    if cfg.model.mtp.depth > 0 and (cp > 1 or (pp > 1 and cfg.model.tie_embeddings) or int(cfg.parallel.zero) >= 3):
+        # MTP reads t_{i+k}, on another context rank under cp; tied + MTP under pp = three copies;
+        # ZeRO-3 reshards the embedding and head after the stage's forward, before the loss runs MTP
+        raise ValueError("model.mtp.depth > 0 is not built with parallel.cp > 1, parallel.zero=3, nor "
+                         "model.tie_embeddings under parallel.pp > 1")
+    if cfg.model.mla.kv_lora_rank > 0 and (cp > 1 or (tp > 1 and cfg.parallel.tp_overlap)):
+        raise ValueError("model.mla (latent attention) is not built with parallel.cp > 1 or parallel.tp_overlap")
     with torch.device("meta"):
         model = Transformer(cfg.model, plan.padded_vocab_size)
     if pp > 1:
@@ -127,15 +139,15 @@ def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
     """Weights for the meta model: a Hugging Face checkpoint or the layout-independent init."""
     for chunk in chunks:
         chunk.to_empty(device=device)
-        if cfg.model.init.startswith("hf:"):
+        for mod in chunk.modules():  # buffers to_empty left uninitialised (MoE router bias)
+            if hasattr(mod, "reset_buffers"):
+                mod.reset_buffers()
+        if cfg.model.init.startswith("hf:"):  # after: a DeepSeek-V3 checkpoint carries the router bias
             from paralayer.checkpoint.hf import load_hf_weights
 
             load_hf_weights(chunk, cfg.model.init[3:], cfg.model)
         else:
             init_weights(chunk, cfg.model, cfg.train.seed, device)
-        for mod in chunk.modules():  # buffers to_empty left uninitialised (MoE router bias)
-            if hasattr(mod, "reset_buffers"):
-                mod.reset_buffers()
         for buf_name, buf in chunk.named_buffers():
             if buf.is_meta:  # pragma: no cover - every buffer of ours is re-creatable
                 raise RuntimeError(f"buffer {buf_name} left on meta")
@@ -179,11 +191,13 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
 
 
 # ------------------------------------------------------------------ loss
-def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: int):
+def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: int,
+                 mtp_chunk: Optional[torch.nn.Module] = None):
     """Per-microbatch loss whose average over the dp·cp ranks is the global mean CE.
 
     Context ranks hold unequal numbers of valid labels (the sequence's last position has none),
     so the local mean is re-weighted (``cp_loss_weight``, the gradient-scaling contract).
+    ``mtp_chunk``: the chunk holding the MTP depths (the last), whose loss joins the gradient.
     """
     plan = as_plan(plan)
     tp = int(plan.degrees["tp"])
@@ -191,20 +205,45 @@ def make_loss_fn(cfg: Config, plan: Union[Plan, dict], n_valid_global_per_seq: i
     vocab = cfg.model.vocab_size
     ce = compile_loss(lm_loss, cfg.train.compile_backend) if cfg.train.compile and tp == 1 else lm_loss
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        n_local = (labels != -100).sum()
-        n_global = labels.shape[0] * n_valid_global_per_seq
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if tp > 1:
             from paralayer.parallel.tensor import tp_loss
 
-            mean = tp_loss(logits, labels, vocab)
-        else:
-            mean = ce(logits, labels, vocab)  # cross_entropy ignores the -100 labels
+            return tp_loss(logits, labels, vocab)
+        return ce(logits, labels, vocab)  # cross_entropy ignores the -100 labels
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n_local = (labels != -100).sum()
+        n_global = labels.shape[0] * n_valid_global_per_seq
+        mean = cross_entropy(logits, labels)
+        if mtp_chunk is not None and mtp_chunk.mtp_input is not None:
+            # value: the next-token CE alone (what ``loss`` logs); gradient: also L_MTP's
+            extra = mtp_objective(mtp_chunk, labels, cross_entropy, cfg.model.moe)
+            mean = mean + (extra - extra.detach())
         if cp == 1:
             return mean
         return mean * cp_loss_weight(n_local.to(mean.dtype), n_global, cp)
 
     return loss_fn
+
+
+def mtp_objective(chunk: torch.nn.Module, labels: torch.Tensor, cross_entropy, moe) -> torch.Tensor:
+    """L_MTP = λ/D·Σ_k CE_k (model/mtp.py), plus the balance losses of the MTP depths' MoE blocks
+    (they run here, after the stage's aux-loss hook); L_MTP is added to the step's ``mtp_loss``."""
+    from paralayer.model.mtp import moe_blocks
+
+    mtp = chunk.mtp
+    ces = [cross_entropy(logits, targets) for logits, targets in chunk.mtp_outputs(labels)]
+    l_mtp = (mtp.loss_weight / mtp.depth) * torch.stack([c.float().reshape(()) for c in ces]).sum()
+    mtp.loss_sum += float(l_mtp.detach())
+    mtp.forwards += 1
+    total = l_mtp
+    for ff in moe_blocks(mtp):
+        if ff.aux_loss is not None and moe.aux_loss_coef:
+            total = total + moe.aux_loss_coef * ff.aux_loss
+        if ff.seq_aux_loss is not None:
+            total = total + moe.seq_aux_loss_coef * ff.seq_aux_loss
+    return total
 
 
 # ------------------------------------------------------------------ the rest of a rank's setup
@@ -227,7 +266,8 @@ def build_reducer(scaling: GradScaling, built: Built, meshes: Meshes):
 def build_tied_group(cfg: Config, plan: Plan, meshes: Meshes):
     """Tied embeddings under pp: the (first, last) pipeline pair that sums the embedding and head
     grads; None when they sit on one rank (pp = 1, or the V schedules keep both on pp rank 0)."""
-    if not (cfg.model.tie_embeddings and int(plan.degrees["pp"]) > 1 and plan.schedule not in ("zbv", "dualpipev")):
+    pp = int(plan.degrees["pp"])
+    if not (tied.shares_embedding(cfg.model, pp) and pp > 1 and plan.schedule not in ("zbv", "dualpipev")):
         return None
     w = meshes.world.mesh
     return tied.pair_group(w.permute(1, 2, 3, 0).reshape(-1, w.shape[0]).tolist(), dist.get_rank())
@@ -254,6 +294,7 @@ def build_runner(run: Any):
                             microbatch_shape=(cfg.train.micro_batch, cfg.model.seq_len // d["cp"]),
                             loss_parallel=d["tp"] > 1,
                             aux_loss_coef=moe.aux_loss_coef if moe.num_experts > 0 else 0.0,
+                            seq_aux_loss_coef=moe.seq_aux_loss_coef if moe.num_experts > 0 else 0.0,
                             scale_grads=run.scaling.schedule_scales,
                             # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
                             reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),

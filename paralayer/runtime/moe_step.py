@@ -13,16 +13,20 @@ from paralayer.config import Config
 from paralayer.parallel.mesh import Meshes
 
 
-def moe_layers(chunks: Sequence[nn.Module]) -> list:
-    """The MoE feed-forward blocks of this rank's model chunks."""
-    return [layer.feed_forward for c in chunks for layer in c.layers.values()
+def moe_layers(chunks: Sequence[nn.Module], mtp: bool = True) -> list:
+    """The MoE feed-forward blocks of this rank's model chunks (with the MTP depths' unless
+    ``mtp=False``: those run in the loss, outside the stage's forward)."""
+    from paralayer.model.mtp import moe_blocks
+
+    main = [layer.feed_forward for c in chunks for layer in c.layers.values()
             if hasattr(layer.feed_forward, "step_stats")]
+    return main + ([ff for c in chunks for ff in moe_blocks(getattr(c, "mtp", None))] if mtp else [])
 
 
 def count_real_forwards_only(runner, chunks: Sequence[nn.Module]) -> None:
     """MoE statistics count only the schedule's microbatch forwards, not the stages' one-off
     shape inference (a forward on uninitialised tensors at the first step)."""
-    layers = moe_layers(chunks)
+    layers = moe_layers(chunks, mtp=False)
     if not layers:
         return
     for ff in layers:

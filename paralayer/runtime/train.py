@@ -46,6 +46,7 @@ from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate, optimizer, placement, precision
 from paralayer.runtime import moe_step as moe_step
+from paralayer.runtime import mtp_step
 from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.batch import rank_batch
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
@@ -134,7 +135,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
     built = build_model(cfg, plan, meshes, device)
     opt, sched = build_optimizer(cfg, built, meshes)
     scaling = grad_scaling(plan, meshes)
-    loss_fn = make_loss_fn(cfg, plan, cfg.model.seq_len - 1)
+    loss_fn = make_loss_fn(cfg, plan, cfg.model.seq_len - 1, mtp_step.mtp_chunk(built.chunks))
     reducer = build_reducer(scaling, built, meshes)
     run = RankRun(cfg=cfg, plan=plan, device=device, meshes=meshes, built=built, opt=opt, sched=sched,
                   scaling=scaling, reducer=reducer, runner=None, dataset=None, loss_fn=loss_fn,
@@ -232,8 +233,10 @@ def forward_backward(run: RankRun, tokens: torch.Tensor, labels: torch.Tensor) -
                     shared_weight_casts([model] if dtype is not None else []), run.comm.region("forward"):
                 logits = model(mb_tokens)
                 loss = run.loss_fn(logits, mb_labels)
-            aux = model.aux_loss()
+            aux, seq_aux = model.aux_loss(), model.seq_aux_loss()
             total = loss if aux is None else loss + run.cfg.model.moe.aux_loss_coef * aux
+            if seq_aux is not None:  # DeepSeek-V3's sequence-wise balance loss
+                total = total + run.cfg.model.moe.seq_aux_loss_coef * seq_aux
             run.comm.at(run.comm.step, "backward", i)
             with run.comm.region("backward"):
                 (total / run.scaling.loss_divisor).backward()
@@ -251,7 +254,7 @@ def reduce_and_clip_tensors(run: RankRun, local_loss: torch.Tensor) -> tuple[tor
     """:func:`reduce_and_clip` without reading back to the host (the rehearsal's fake tensors have
     no values; a GPU is not made to wait): the loss and the grad norm as 0-d tensors."""
     built, meshes = run.built, run.meshes
-    tie = bool(run.cfg.model.tie_embeddings)
+    tie = tied.shares_embedding(run.cfg.model, run.degree["pp"])
     run.comm.at(run.comm.step, "reduce")
     with run.comm.collective("dp_cp", "grad_reduce"):
         finish_grads(run.scaling, run.reducer, built.expert_params,
@@ -306,6 +309,7 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
+    mtp_step.reset(run.built.chunks)
     local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
     loss, grad_norm = reduce_and_clip(run, local_loss)
     verdict = bad_step(run, step, loss, grad_norm)
@@ -333,6 +337,7 @@ def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: floa
         rec["bubble_measured"] = run.runner.bubble_measured
     rec.update(moe_step.step_stats(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.moe.num_experts,
                                    run.device) or {})
+    rec.update(mtp_step.step_loss(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.mtp.depth, run.device))
     if hasattr(run.dataset, "source_sequences"):  # {source: sequences drawn so far} (data/blend.py)
         batch = run.stability.batch_for(step) if run.stability is not None else step  # batches a rollback skipped count
         rec["source_sequences"] = run.dataset.source_sequences(batch, cfg.train.global_batch)

@@ -1,0 +1,90 @@
+"""The MoE families' extras to the Hugging Face import and export (paralayer/checkpoint/hf.py):
+DeepSeek-V3's interleaved rope rows (reordered into our rotate-half on import, back on export),
+its router's selection bias (a buffer the parameter copy skips), and its MTP depths in DeepSeek's
+own naming ``model.layers.{n_layers+k}.*``."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from paralayer.model.transformer import _clean_name
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def _rope_rows(path: str) -> Optional[dict]:
+    """DeepSeek's checkpoints (``rope_interleave``) lay the rope dims of q and of the shared key out
+    in interleaved pairs; our RoPE is rotate-half: {our name: (row offset in a head, rope dims,
+    head width)} of the rows to reorder on import (None when nothing is to reorder)."""
+    from paralayer.config.hf_config import _read_config
+
+    hf = _read_config(path)
+    if hf.get("model_type") != "deepseek_v3" or not hf.get("rope_interleave", True):
+        return None
+    nope, rope, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["kv_lora_rank"]
+    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
+            "attention.kv_a.weight": (rank, rope, rank + rope)}
+
+
+def _reordered(reader, name: str) -> bool:
+    m = _LAYER.match(name)
+    return bool(reader.rope_rows) and m is not None and m.group(2) in reader.rope_rows
+
+
+def _deinterleave_rope(t: torch.Tensor, name: str, rows: dict, inverse: bool = False) -> torch.Tensor:
+    m = _LAYER.match(name)
+    spec = rows.get(m.group(2)) if m else None
+    if spec is None:
+        return t
+    start, n, width = spec
+    perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+    if inverse:
+        perm = torch.argsort(perm)
+    heads = t.shape[0] // width
+    v = t.reshape(heads, width, *t.shape[1:]).clone()
+    v[:, start:start + n] = v[:, start:start + n][:, perm]
+    return v.reshape(t.shape)
+
+
+def _load_router_bias(model: nn.Module, reader) -> None:
+    """DeepSeek-V3's selection bias (``mlp.gate.e_score_correction_bias``) into each sigmoid
+    router's ``expert_bias`` buffer (a buffer, not a parameter: the loop above skips it)."""
+    for name, mod in model.named_modules():
+        m = re.match(r"^(?:.*\.)?layers\.(\d+)\.feed_forward$", _clean_name(name))
+        key = f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias" if m else None
+        if key is not None and getattr(mod, "router", None) == "sigmoid" and key in reader:
+            with torch.no_grad():
+                mod.expert_bias.copy_(reader.get(key).to(mod.expert_bias.dtype))
+
+
+def _export_rope_rows(cfg) -> dict:
+    a = cfg.mla
+    nope, rope, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
+            "attention.kv_a.weight": (rank, rope, rank + rope)}
+
+
+_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+              "norm.weight": "shared_head.norm.weight"}
+
+
+def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows, ours_to_hf) -> dict[str, torch.Tensor]:
+    """MTP depth k in DeepSeek's own naming, ``model.layers.{n_layers+k}.*`` (its block as a
+    decoder layer's, plus enorm, hnorm, eh_proj, shared_head.norm; ``ours_to_hf``: hf.py's name
+    table, passed in so the two modules do not import each other); the embedding copy of a pp run
+    is the model's and is not written twice. transformers' class does not read these layers."""
+    m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return {}
+    i = cfg.n_layers + int(m.group(1))
+    rest = m.group(2)
+    if rest in _MTP_PARTS:
+        return {f"model.layers.{i}.{_MTP_PARTS[rest]}": t.contiguous()}
+    inner = f"layers.{i}.{rest[len('block.'):]}"
+    t = _deinterleave_rope(t, inner, rows, inverse=True) if rows else t
+    if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", inner):
+        return {ours_to_hf(inner, expert=j, family="deepseek_v3"): t[j].contiguous() for j in range(t.shape[0])}
+    return {ours_to_hf(inner, family="deepseek_v3"): t.contiguous()}
