@@ -116,8 +116,9 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     """The attention's tp-split saved set per token (before /tp). GQA, measured with
     head_dim = h/a (module docstring) and written in the attention's own widths q = a·hd,
     kv = g·hd (rehearsed for head_dim ≠ h/a and qk_norm, tests/test_rehearse_models.py): none
-    5q + a (q, the expanded k and v, the output, wo's input, the lse), ring attention under cp
-    saving k/v unexpanded (−2(q − kv)); core_attn/selective 3q + 2kv; qk_norm adds each norm's
+    4q + h + a (q, the expanded k and v, wo's input, the lse, and one d_model-wide term: with
+    head_dim = h/a the fit's 5q + a), ring attention under cp saving k/v unexpanded
+    (−2(q − kv)); core_attn/selective 2q + h + 2kv; qk_norm adds each norm's
     input and 1/rms, q + kv + a + g, in every mode but full (the norms sit outside the
     recomputed core). MLA (DERIVED from its forward, to be measured once the model
     lands): none: q and k of a·d_qk, v a·d_v, the output and wo's input a·d_v each, the lse a,
@@ -134,9 +135,12 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     # qk_norm: each norm's input (wq's and wk's outputs) and its 1/rms per head; the norms run
     # before the recomputed core (model/attention.py), so they are kept in every mode but full
     norms = q + kv + a + g if m.qk_norm else 0
+    # one term of the fit is d_model wide, not q (its constants were fitted with q = h): measured
+    # with head_dim ≠ h/a (qwen3-32b, q = 8192 on h = 5120, tp8: none and selective, exact)
+    h = m.d_model
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
-        return 3 * q + 2 * kv + norms
-    shard = 5 * q + a
+        return 2 * q + h + 2 * kv + norms
+    shard = 4 * q + h + a
     if lay.cp > 1:
         # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
         shard -= 2 * (q - kv)
