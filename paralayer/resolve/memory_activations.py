@@ -120,16 +120,22 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     head_dim = h/a the fit's 5q + a), ring attention under cp saving k/v unexpanded
     (−2(q − kv)); core_attn/selective 2q + h + 2kv; qk_norm adds each norm's
     input and 1/rms, q + kv + a + g, in every mode but full (the norms sit outside the
-    recomputed core). MLA (DERIVED from its forward, to be measured once the model
-    lands): none: q and k of a·d_qk, v a·d_v, the output and wo's input a·d_v each, the lse a,
-    kv_b's output a·(nope + d_v); core_attn/selective: q, kv_b's output and wo's input."""
+    recomputed core). MLA (measured on model/latent_attention.py, one block, fp32, varying
+    every width and the sequence): none: q and k of a·d_qk, the output and wo's input a·d_v
+    each, the lse a, kv_b's output a·(nope + d_v) (v is a view of it) — the fused kernel's set
+    (CPU with d_v = d_qk, GPUs); on CPU with d_qk ≠ d_v SDPA runs its math path: 2a·d_qk +
+    2a·d_v + a·s (the probabilities); core_attn/selective: q, kv_b's output and wo's input."""
     m = cfg.model
     a = m.n_heads
     if parts.attention_kind(cfg) == "mla":
         dqk, dv, nope = parts.qk_head_dim(cfg), parts.v_head_dim(cfg), cfg.model.mla.qk_nope_head_dim
         if mode in ("core_attn", "selective"):
             return a * dqk + a * (nope + dv) + a * dv
-        return 2 * a * dqk + 3 * a * dv + a + a * (nope + dv)
+        if lay.device == "cpu" and dqk != dv:
+            # CPU SDPA has no fused kernel for q/k wider than v: its math path keeps the a·s
+            # probabilities, q, k, a contiguous v, and no lse nor kv_b's output
+            return 2 * a * dqk + 2 * a * dv + a * cfg.model.seq_len
+        return 2 * a * dqk + 2 * a * dv + a + a * (nope + dv)
     hd, g = parts.head_dim(cfg), m.n_kv_heads
     q, kv = a * hd, g * hd
     # qk_norm: each norm's input (wq's and wk's outputs) and its 1/rms per head; the norms run
@@ -149,7 +155,7 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
 
 def attn_replicated_elems(cfg: Config, mode: str) -> float:
     """MLA's down-projections run replicated over tp: the latent q and c_kv, their norms' inputs
-    and 1/rms, and the decoupled k_pe (DERIVED); nothing for GQA."""
+    and 1/rms, and the decoupled k_pe (measured with the rest of the block); nothing for GQA."""
     if parts.attention_kind(cfg) != "mla":
         return 0.0
     ml = cfg.model.mla
