@@ -20,6 +20,9 @@ CASES = {
     "qwen3-32b": ["recipe=qwen3-32b", "model.n_layers=2"],
     "qwen3-32b-window": ["recipe=qwen3-32b", "model.n_layers=2", "model.sliding_window=1024",
                          "model.layer_types=[sliding,full]"],
+    # the window family: 3 of 4 layers windowed under cp2 (its own sends and blocks per cp rank)
+    "qwen3-8b-swa": ["recipe=qwen3-8b-swa", "model.n_layers=4"],
+    "tiny-swa": ["recipe=tiny-swa"],
     "qwen3-30b-a3b": ["recipe=qwen3-30b-a3b", "model.n_layers=2"],
     "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
 }

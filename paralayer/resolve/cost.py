@@ -287,22 +287,27 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     # core_attn / selective recompute rerun the attention core (the ring) as full recompute
     # does on its layers
     rerun_all = lay.recompute in ("core_attn", "selective")
-    best = None
-    for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
-        kv_sends = dkv_sends = 0.0  # in K/V blocks of the rank's 2 chunks
-        for i in layers:
-            reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-            w = parts.layer_window(cfg, i)
-            if w is None or w >= m.seq_len:
-                kv_sends += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-                dkv_sends += lay.cp                      # partial dK/dV in fp32: cp hops home
-            else:
-                sent, got = window_sends(m.seq_len, lay.cp, w, cr)
-                kv_sends += sent / 2 * (1 + reruns)  # forward (+ rerun); chunks are half a block
-                dkv_sends += got / 2                 # the received chunks' dK/dV, fp32
-        got_bytes = (kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches
-        if best is None or got_bytes > best[0]:
-            best = (got_bytes, kv_sends, dkv_sends)
+    kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
+    win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
+    w = m.sliding_window
+    for i in layers:
+        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+        if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+            kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
+            dkv_full += lay.cp                      # partial dK/dV in fp32: cp hops home
+        else:
+            win_calls += 1 + reruns
+            n_win += 1
+    best = (0.0, kv_full, dkv_full)
+    if n_win:
+        best = None
+        for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
+            sent, got = window_sends(m.seq_len, lay.cp, w, cr)
+            kv_s = kv_full + sent / 2 * win_calls  # chunks are half a block
+            dkv_s = dkv_full + got / 2 * n_win     # the received chunks' dK/dV, fp32
+            got_bytes = kv_s * kv + dkv_s * kv_elems * 4
+            if best is None or got_bytes > best[0]:
+                best = (got_bytes, kv_s, dkv_s)
     _, kv_sends, dkv_sends = best
     e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
     e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
