@@ -227,9 +227,18 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
         head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
         head *= 1 + m.mtp.depth  # each MTP depth's own pass through the shared head
+        head += mtp_saved_elems(cfg) * tokens * ab  # and what each depth keeps beside its block
         extra += head * last_in_flight
     saved = inf * per_mb + extra
     return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
+
+
+def mtp_saved_elems(cfg: Config) -> float:
+    """Per token, what the MTP depths keep besides their blocks (counted as layers): the two
+    input norms' inputs (the embedding of t_{i+k}; h, the head's input already counted) and their
+    1/rms, the 2h projection's input, the head norm's input and 1/rms: 4h + 3 per depth (measured
+    on model/mtp.py's MTPLayer minus its block, fp32, one rank; tp and bf16 not measured)."""
+    return cfg.model.mtp.depth * (4 * cfg.model.d_model + 3.0)
 
 
 def rope_bytes(cfg: Config, lay: Layout) -> float:
