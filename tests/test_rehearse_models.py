@@ -30,6 +30,11 @@ CASES = {
 # take minutes per rank on this 2-core machine: they are rows of benchmarks/rehearse_matrix.py
 # ("dsv3 published", "qwen3-235b"), run by hand, not part of the CI suite.
 
+#: measured, not yet exact (docs/planner.md, "Rehearsal of the model families"): deepseek-v3-tiny's
+#: MLA core runs SDPA's math path on CPU (d_qk != d_v), activations 1.040, FLOPs 0.968; tiny-swa's
+#: window ring keeps the received K/V chunks for backward (not in the plan), activations 1.020
+NOT_EXACT = {"deepseek-v3-tiny", "tiny-swa"}
+
 
 def _rehearse(overrides: list[str]) -> dict:
     cfg = config_mod.load_config(overrides + ["train.precision=fp32"])
@@ -50,3 +55,10 @@ def test_new_recipes_rehearse_at_ratio_one_for_states(name):
             assert r["memory_bytes"][part] == r["plan_memory_bytes"][part], (name, r["rank"], part, r["ratios"])
         assert abs(r["ratios"]["activations"] - 1) < 0.05, (name, r["rank"], r["ratios"])
         assert abs(r["ratios"]["flops"] - 1) < 0.02, (name, r["rank"], r["ratios"])
+        if name in NOT_EXACT:
+            continue
+        # the rest agree at ratio 1.000: activations, FLOPs and every axis's bytes within 1e-3
+        for k in ("activations", "flops"):
+            assert abs(r["ratios"][k] - 1) < 1e-3, (name, r["rank"], k, r["ratios"])
+        for ax, ratio in r["ratios"]["comm"].items():
+            assert ratio is not None and abs(ratio - 1) < 1e-3, (name, r["rank"], ax, r["ratios"])
