@@ -460,6 +460,11 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
     split_w, rep_w = parts.attn_weights(cfg)
     attn_mat = 2.0 * (split_w / t + rep_w)
     total = 0.0
+    # forward + the fused kernel's backward (2.5: it recomputes the scores); SDPA's CPU math path
+    # (MLA with d_qk != d_v: memory_activations.attn_saved_elems) keeps them: 1 + 2
+    math_path = (lay.device == "cpu" and parts.attention_kind(cfg) == "mla"
+                 and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg))
+    core_passes = 3.0 if math_path else 3.5
     last = (lay.chunks - 1) in rank_chunks(lay, r)
     for i in rank_layers(cfg, lay, r):
         core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)
@@ -472,7 +477,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
             mat += 2.0 * 3 * h * m.ffn_hidden / t
         mode = layer_recompute(lay, i)
         again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
-        total += 3.0 * mat + 3.5 * core + again
+        total += 3.0 * mat + core_passes * core + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
         total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth
