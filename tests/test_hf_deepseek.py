@@ -108,7 +108,8 @@ LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"],
            "pp2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[2,1]"],
            "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
-           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "cp2": ["parallel.cp=2"]}
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def tokens(tmp_path_factory):
 def _grads_worker(rank, world, overrides):
     from tests.test_families import _grads_worker as grads
 
-    return grads(rank, world, overrides)
+    return grads(rank, world, [overrides])[0]
 
 
 LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"]}

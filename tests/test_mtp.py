@@ -175,3 +175,23 @@ def test_refused(extra):
     cfg, plan = cfg_and_plan(MTP + extra)
     with pytest.raises(ValueError, match="model.mtp.depth"):
         build_model(cfg, plan, None, torch.device("cpu"))
+
+
+def _records(rank, world, overrides):
+    from tests.dist import train_records
+
+    return [(r["loss"], r["mtp_loss"]) for r in train_records(MTP + list(overrides))]
+
+
+def test_mtp_loss_with_moe_under_pp_counts_only_real_microbatches():
+    """With MoE blocks (and so the stages' forward wrapper of runtime/moe_step.py), the pipeline's
+    first-step shape inference once fed the loss a garbage MTP pass: step 1's mtp_loss was NaN
+    under 1f1b. Every step's mtp_loss must equal one rank's."""
+    moe = ["train.steps=2", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=32",
+           "model.moe.router=sigmoid", "model.moe.aux_loss_coef=0"]
+    ref = run_ranks(_records, 1, moe + ["parallel.dp=1"])[0]
+    got = run_ranks(_records, 2, moe + ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=1f1b"])[0]
+    assert len(got) == len(ref) == 2
+    for (l1, m1), (l0, m0) in zip(got, ref):
+        assert m1 is not None and math.isfinite(m1), got
+        assert abs(l1 - l0) / l0 < 1e-5 and abs(m1 - m0) / m0 < 1e-5, (got, ref)

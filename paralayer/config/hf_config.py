@@ -8,10 +8,10 @@ import os
 from typing import Any
 
 from paralayer.config.depth import MAX_JSON_BYTES, check_json_text
+from paralayer.config.hf_errors import HFFormatError
+from paralayer.config.hf_rope import read_rope
 
 
-class HFFormatError(ValueError):
-    """A Hugging Face checkpoint we cannot represent or read; the message names the file/field."""
 
 
 # ------------------------------------------------------------------ config
@@ -65,8 +65,6 @@ def _float(hf: dict, key: str, fp: str, default: float) -> float:
 
 
 def _rope_theta(hf: dict, fp: str) -> float:
-    from paralayer.config.hf_rope import read_rope
-
     return read_rope(hf, fp)[0]
 
 
@@ -144,8 +142,6 @@ def load_hf_config(path: str) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{fp}: hidden_act {json.dumps(hf.get('hidden_act'))[:40]} is not supported (silu)")
     d, heads = _int(hf, "hidden_size", fp), _int(hf, "num_attention_heads", fp)
-    from paralayer.config.hf_rope import read_rope
-
     theta, rope = read_rope(hf, fp)
     out: dict[str, Any] = {
         "d_model": d,

@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from paralayer.config.hf_errors import HFFormatError
+
 SUPPORTED = ("default", "llama3", "yarn")
 # the keys each kind takes (besides rope_type/type and rope_theta); transformers' own validation lists
 _KEYS = {"default": set(),
@@ -23,9 +25,7 @@ _OURS = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_fa
          "attention_factor": "attention_factor"}
 
 
-def _err(fp: str, msg: str):
-    from paralayer.config.hf_config import HFFormatError
-
+def _err(fp: str, msg: str) -> HFFormatError:
     return HFFormatError(f"{fp}: {msg}")
 
 

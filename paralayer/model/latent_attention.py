@@ -15,10 +15,10 @@ out in interleaved pairs (``rope_interleave``), the same rotation after a fixed 
 q_rot's and k_rot's rows, which an importer applies to the weights (tests/test_latent_attention.py).
 
 The plain causal core gets the softmax scale as SDPA's ``scale`` (as transformers passes it); a
-replaced core (context parallel's ring, when built) takes (q, k, v) with its own 1/sqrt(q width),
+replaced core (context parallel's ring) takes (q, k, v) with its own 1/sqrt(q width),
 so q is multiplied by ``q_gain`` before it. Tensor and context parallel are not built for MLA
-Under tensor parallel (parallel/tensor.py ``_latent_plan``) the heads split; context parallel is
-not built for MLA yet (refused at build).
+Under tensor parallel (parallel/tensor.py ``_latent_plan``) the heads split; under context
+parallel the ring carries K at nope+rope and V zero-padded to the same width (see ``_core``).
 """
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.mla
+        for field, on in (("model.sliding_window", cfg.sliding_window is not None), ("model.qk_norm", cfg.qk_norm)):
+            if on:  # parts of the plain attention MLA has no place for: refused, never dropped
+                raise ValueError(f"{field} is not built with model.mla (latent attention)")
         d, heads = cfg.d_model, cfg.n_heads
         self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         qk = self.nope + self.rope
@@ -108,4 +111,11 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rot], dim=-1)
         if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.attn_fn(q * self.q_gain, k, v.contiguous())
+        # A replaced core (context parallel's ring) runs the CPU flash kernel, which wants one head
+        # width for q, k and v: v is padded with zeros to q's width (its extra output columns are
+        # zero and cut off; exact), so the ring carries V at nope+rope, not v_head_dim.
+        width = q.shape[-1]
+        if v.shape[-1] > width:
+            raise ValueError("model.mla.v_head_dim > qk_nope_head_dim + qk_rope_head_dim is not built under cp")
+        v_pad = F.pad(v, (0, width - v.shape[-1])) if v.shape[-1] < width else v.contiguous()
+        return self.attn_fn(q * self.q_gain, k, v_pad)[..., : v.shape[-1]]

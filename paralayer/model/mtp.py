@@ -61,6 +61,9 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, cfg.n_layers + k) for k in range(self.depth)})
         self.vocab_padded = vocab_padded
         self.d_model = cfg.d_model
+        # False while a forward must not feed the loss's MTP (a pipeline stage's first-step shape
+        # inference on uninitialised tensors; runtime/moe_step.count_real_forwards_only toggles it)
+        self.count_stats = True
         self.reset_step_stats()
 
     def add_embedding_copy(self) -> None:

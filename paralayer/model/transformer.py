@@ -64,7 +64,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        if self.mtp is not None and self.output is not None:
+        if self.mtp is not None and self.output is not None and self.mtp.count_stats:
             self.mtp_input = (h, cos, sin)
         if self.output is not None:
             h = self.output(h)

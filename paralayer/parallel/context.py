@@ -443,22 +443,3 @@ def make_ring_attention(group: dist.ProcessGroup | None = None,
         return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats)
 
     return attn
-
-
-def apply_context_parallel(model, group: dist.ProcessGroup, seq_len: int) -> None:
-    """Make a (stage of a) Transformer attend over the cp ring on zigzag-sharded sequences.
-
-    RoPE follows the chunks: the model's positions become this rank's global token positions.
-    Each attention module gets a ``ring_stats`` (RingStats) recording this rank's attention work.
-    """
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    model.positions = zigzag_indices(seq_len, cp, rank)
-    for layer in model.layers.values():
-        att = layer.attention
-        att.ring_stats = RingStats()
-        if getattr(att, "window", None) is not None:  # sliding window: only the chunks it sees move
-            from paralayer.parallel.window_ring import make_window_ring_attention
-
-            att.attn_fn = make_window_ring_attention(group, att.window, att.ring_stats)
-        else:
-            att.attn_fn = make_ring_attention(group, att.ring_stats)

@@ -87,8 +87,8 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         # ZeRO-3 reshards the embedding and head after the stage's forward, before the loss runs MTP
         raise ValueError("model.mtp.depth > 0 is not built with parallel.cp > 1, parallel.zero=3, nor "
                          "model.tie_embeddings under parallel.pp > 1")
-    if cfg.model.mla.kv_lora_rank > 0 and (cp > 1 or (tp > 1 and cfg.parallel.tp_overlap)):
-        raise ValueError("model.mla (latent attention) is not built with parallel.cp > 1 or parallel.tp_overlap")
+    if cfg.model.mla.kv_lora_rank > 0 and tp > 1 and cfg.parallel.tp_overlap:
+        raise ValueError("model.mla (latent attention) is not built with parallel.tp_overlap")
     with torch.device("meta"):
         model = Transformer(cfg.model, plan.padded_vocab_size)
     if pp > 1:
@@ -103,7 +103,7 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
             apply_tensor_parallel(chunk, meshes["tp"], bool(plan.sequence_parallel), overlap=bool(plan.tp_overlap))
         if cp > 1:
-            from paralayer.parallel.context import apply_context_parallel
+            from paralayer.parallel.context_layers import apply_context_parallel
 
             apply_context_parallel(chunk, meshes["cp"].get_group(), cfg.model.seq_len)
         if ep > 1:

@@ -24,9 +24,9 @@ def moe_layers(chunks: Sequence[nn.Module], mtp: bool = True) -> list:
 
 
 def count_real_forwards_only(runner, chunks: Sequence[nn.Module]) -> None:
-    """MoE statistics count only the schedule's microbatch forwards, not the stages' one-off
-    shape inference (a forward on uninitialised tensors at the first step)."""
-    layers = moe_layers(chunks, mtp=False)
+    """MoE statistics and the MTP loss count only the schedule's microbatch forwards, not the
+    stages' one-off shape inference (a forward on uninitialised tensors at the first step)."""
+    layers = moe_layers(chunks, mtp=False) + [c.mtp for c in chunks if getattr(c, "mtp", None) is not None]
     if not layers:
         return
     for ff in layers:
