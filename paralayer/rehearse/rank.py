@@ -105,7 +105,7 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
                 mod.even_routing = True
                 mod.count_stats = False
         if getattr(c, "mtp", None) is not None:  # L_MTP joins the gradient; its value is not read
-            c.mtp.count_stats = False
+            c.mtp.read_loss = False  # (count_stats, model/mtp.py, gates the MTP pass itself)
     run.runner = T.build_runner(run)
     return run
 

@@ -244,7 +244,7 @@ def mtp_objective(chunk: torch.nn.Module, labels: torch.Tensor, cross_entropy, m
     mtp = chunk.mtp
     ces = [cross_entropy(logits, targets) for logits, targets in chunk.mtp_outputs(labels)]
     l_mtp = (mtp.loss_weight / mtp.depth) * torch.stack([c.float().reshape(()) for c in ces]).sum()
-    if getattr(mtp, "count_stats", True):  # the rehearsal's fake tensors have no value to read
+    if getattr(mtp, "read_loss", True):  # False in the rehearsal: fake tensors have no value to read
         mtp.loss_sum += float(l_mtp.detach())
         mtp.forwards += 1
     total = l_mtp
