@@ -186,22 +186,25 @@ def test_window_counted_in_flops_step_time_and_mfu():
 
 def test_cp_ring_sends_only_the_chunks_a_window_can_see():
     """window = seq/4 under cp4 (zigzag chunks of c = s/8; ranks hold chunks (0,7) (1,6) (2,5)
-    (3,4); a query chunk sees the two chunks before it): the ranks need 2, 3, 4 and 2 of the 6
-    chunks a full ring brings each, 11 of 24 in all (at most half, the issue's bound); the plan's
-    entry is the busiest rank's, 4 of 6."""
-    assert cost._needed_chunks(4, 1024, 512) == [2, 3, 4, 2]
-    assert sum(cost._needed_chunks(4, 1024, 512)) / (4 * 6) <= 0.5
-    assert cost.window_ring_fraction(4096, 4, 1024) == pytest.approx(4 / 6)
-    assert cost.window_ring_fraction(4096, 4, None) == 1.0
-    assert cost.window_ring_fraction(4096, 4, 4096) == 1.0
+    (3,4); a query chunk sees the two chunks before it): the ranks need 2, 3, 4 and 2 chunks,
+    and send 2, 3, 3 and 3 of their own (parallel/window_ring.py sends each chunk straight to
+    the ranks that see it, once per forward; backward returns the received chunks' dK/dV and
+    moves no K/V): 11 chunks of the 24 a full ring's forward moves. The plan's entry is the
+    busiest rank's (rank 2: 3 sent, 4 received)."""
+    assert [cost.window_sends(4096, 4, 1024, r) for r in range(4)] == [(2, 2), (3, 3), (3, 4), (3, 2)]
+    assert sum(cost.window_sends(4096, 4, 1024, r)[0] for r in range(4)) == 11
     base = ["recipe=qwen3-32b", "parallel.cp=4", "parallel.pp=1", "parallel.tp=8", "cluster.nodes=16"]
     full = _plan(base).comm["cp"]["bytes_per_step"]
     win = _plan(base + ["model.sliding_window=1024", "model.layer_types=[" + ",".join(["sliding"] * 64) + "]"])
-    assert win.comm["cp"]["bytes_per_step"] == pytest.approx(full * 4 / 6, rel=1e-9)
+    # per layer, in K/V blocks (2 chunks; fp32 under ZeRO-1 autocast, as the dK/dV): full ring,
+    # selective recompute: 3·(cp−1) K/V + cp dK/dV = 13; rank 2 windowed: 3/2·2 (forward and
+    # its rerun) + 4/2 = 5
+    assert win.comm["cp"]["bytes_per_step"] == pytest.approx(full * 5 / 13, rel=1e-9)
+    assert win.comm["cp"]["bytes_per_step"] <= full / 2
     # off by one at the edge: a query sees itself and W − 1 keys before it, so the chunk three
     # back (nearest pair 2c + 1 apart) is first seen at W = 2c + 2
-    assert cost._needed_chunks(4, 1025, 512) == [2, 3, 4, 2]
-    assert cost._needed_chunks(4, 1026, 512) == [3, 4, 4, 3]
+    assert [cost.window_sends(4096, 4, 1025, r) for r in range(4)] == [(2, 2), (3, 3), (3, 4), (3, 2)]
+    assert [cost.window_sends(4096, 4, 1026, r) for r in range(4)] == [(3, 3), (3, 4), (3, 4), (5, 3)]
     # the core FLOPs a cp rank computes fall with it: blocks wholly outside the window skipped
     assert cost.window_core_fraction(4096, 4, 1024) < cost.cp_core_fraction(4)
 

@@ -20,12 +20,20 @@ CASES = {
     "qwen3-32b": ["recipe=qwen3-32b", "model.n_layers=2"],
     "qwen3-32b-window": ["recipe=qwen3-32b", "model.n_layers=2", "model.sliding_window=1024",
                          "model.layer_types=[sliding,full]"],
+    # the window family: 3 of 4 layers windowed under cp2 (its own sends and blocks per cp rank)
+    "qwen3-8b-swa": ["recipe=qwen3-8b-swa", "model.n_layers=4"],
+    "tiny-swa": ["recipe=tiny-swa"],
     "qwen3-30b-a3b": ["recipe=qwen3-30b-a3b", "model.n_layers=2"],
     "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
 }
 # The full-size layouts (deepseek-v3 on 2048 H800 at 32 layers, qwen3-235b-a22b on 256 H100 at 16)
 # take minutes per rank on this 2-core machine: they are rows of benchmarks/rehearse_matrix.py
 # ("dsv3 published", "qwen3-235b"), run by hand, not part of the CI suite.
+
+#: measured, not yet exact (docs/planner.md, "Rehearsal of the model families"): deepseek-v3-tiny's
+#: MLA layers keep 64 elements per token more than the block alone measures, activations 1.040; tiny-swa's
+#: window ring keeps the received K/V chunks for backward (not in the plan), activations 1.020
+NOT_EXACT = {"deepseek-v3-tiny", "tiny-swa"}
 
 
 def _rehearse(overrides: list[str]) -> dict:
@@ -47,3 +55,10 @@ def test_new_recipes_rehearse_at_ratio_one_for_states(name):
             assert r["memory_bytes"][part] == r["plan_memory_bytes"][part], (name, r["rank"], part, r["ratios"])
         assert abs(r["ratios"]["activations"] - 1) < 0.05, (name, r["rank"], r["ratios"])
         assert abs(r["ratios"]["flops"] - 1) < 0.02, (name, r["rank"], r["ratios"])
+        if name in NOT_EXACT:
+            continue
+        # the rest agree at ratio 1.000: activations, FLOPs and every axis's bytes within 1e-3
+        for k in ("activations", "flops"):
+            assert abs(r["ratios"][k] - 1) < 1e-3, (name, r["rank"], k, r["ratios"])
+        for ax, ratio in r["ratios"]["comm"].items():
+            assert ratio is not None and abs(ratio - 1) < 1e-3, (name, r["rank"], ax, r["ratios"])

@@ -110,6 +110,8 @@ class CollectiveCounter(TorchDispatchMode):
         axis = self.axes.get(name, name or "?")
         if axis == "ep" and kind != "all-to-all" and name in self.dp_names:
             axis = "dp"  # ep spans all of dp·cp: the same group carries the gradient reduction
+        if axis == "cp" and kind not in ("send", "recv") and name in self.dp_names:
+            axis = "dp"  # dp = 1: the cp group is dp·cp's, and its reductions are the gradients'
         if kind == "all-gather" and len(tensors) == 1:  # functional: the output is not an argument
             msg = sizes[0] * self.sizes.get(name, 1)
         elif kind in _WIDE:

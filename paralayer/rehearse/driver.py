@@ -113,9 +113,10 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
 
 
 # ------------------------------------------------------------------ the plan's figures per rank
-def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0) -> dict:
+def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | None = None) -> dict:
     """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free);
-    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/zero1.py)."""
+    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/zero1.py), ``cp_index``
+    its cp ring's sends and core blocks (a window's differ per cp rank; None: the busiest's)."""
     from paralayer.resolve import cost, memory, rules, zero1
 
     lay = rules.check(cfg)
@@ -127,11 +128,11 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0) -> dict:
         kept = expert if lay.ep > 1 else 0.0  # under ep each rank steps its own experts
         o = int(memory.state_bytes(mine * d, kept, d, max(d // max(lay.ep, 1), 1), 1, lay.pp,
                                    lay.precision, lay.schedule)[2])
-    comm = cost.comm(cfg, lay, pp_rank)
+    comm = cost.comm(cfg, lay, pp_rank, cp_rank=cp_index)
     return {
         "plan_memory_bytes": {"params": p, "grads": g, "optimizer": o, "activations": a, "total": p + g + o + a},
         "plan_comm": {ax: int(e["bytes_per_step"]) for ax, e in comm.items() if e["bytes_per_step"]},
-        "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank)),
+        "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank, cp_rank=cp_index)),
         # the plan counts tp's sequence-parallel all-gather + reduce-scatter as one all-reduce's
         # payload per pair (resolve/cost.py; machine.comm_seconds); ZeRO-2/3's pairs count each
         "plan_comm_pairs": [ax for ax, e in comm.items()
@@ -224,7 +225,8 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
     out_ranks = []
     for res in results:
         c = res["coords"]
-        res.update(plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"])))
+        res.update(plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
+                                int(c["cp"])))
         res.update(compare(res))
         res["fits"] = usable is None or res["memory_bytes"]["total"] <= usable
         out_ranks.append(res)

@@ -87,14 +87,15 @@ def build_run(cfg: Config, plan: Any, meshes: Any, fake_mode: Any) -> Any:
 
 
 def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.device) -> Any:
-    from paralayer.runtime import precision
+    from paralayer.runtime import mtp_step, precision
     from paralayer.runtime import train as T
 
     opt, sched = T.build_optimizer(cfg, built, meshes)
     scaling = T.grad_scaling(plan, meshes)
     run = T.RankRun(cfg=cfg, plan=plan, device=device, meshes=meshes, built=built, opt=opt, sched=sched,
                     scaling=scaling, reducer=T.build_reducer(scaling, built, meshes), runner=None, dataset=None,
-                    loss_fn=T.make_loss_fn(cfg, plan, cfg.model.seq_len - 1),
+                    # the MTP depths' loss joins the gradient, as runtime/train.py builds it
+                    loss_fn=T.make_loss_fn(cfg, plan, cfg.model.seq_len - 1, mtp_step.mtp_chunk(built.chunks)),
                     tied_group=T.build_tied_group(cfg, plan, meshes),
                     autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                     ckpt_dir=None, rehearsing=True)
@@ -103,6 +104,8 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
             if hasattr(mod, "even_routing"):
                 mod.even_routing = True
                 mod.count_stats = False
+        if getattr(c, "mtp", None) is not None:  # L_MTP joins the gradient; its value is not read
+            c.mtp.read_loss = False  # (count_stats, model/mtp.py, gates the MTP pass itself)
     run.runner = T.build_runner(run)
     return run
 

@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import functools
 
-from paralayer.config import Config
+from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
 from paralayer.resolve.memory import (
-    attn_params,
-    expert_params,
     ACT_BYTES,
     BYTES_PER_PARAM,
+    expert_params,
     is_moe_layer,
     layer_recompute,
-    precision_mode,
     matmul_params,
+    precision_mode,
     rank_chunks,
     routed_rows_per_token,
 )
 from paralayer.resolve.memory_states import rank_layers
-from paralayer.resolve.rules import Layout, chunk_rank
+from paralayer.resolve.rules import Layout
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -145,9 +144,10 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = F
     return dense, moe
 
 
-def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
+def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> dict:
     """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
-    is for; the rehearsal asks for each rank it steps).
+    is for; the rehearsal asks for each rank it steps). ``cp_rank``: the cp ring's figure for that
+    cp rank (windowed layers move different chunks per rank); None, the busiest cp rank's.
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
@@ -175,14 +175,15 @@ def comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
             "pp": _pp_comm(lay, act_msg, r),
-            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full),
+            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
             "dp": _dp_comm(lay, dense, expert, n_layers)}
 
 
-def _ring_sends(cfg: Config, lay: Layout, layers: list) -> tuple[float, float]:
-    """(K/V block sends, dK/dV sends) per microbatch of :func:`_cp_comm`'s ring over ``layers``,
-    once per (layout, recompute, k): the same loop, the same order, so the same floats."""
+def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
+    """:func:`_cp_comm`'s ring over ``layers`` per microbatch: (full-ring K/V block sends, their
+    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), once per (layout,
+    recompute, k): the same loop, the same order, so the same floats."""
     cache, key = layout_cache(cfg, lay, ("ring", tuple(layers), lay.cp, lay.recompute, lay.recompute_every))
     hit = cache.get(key)
     if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
@@ -191,14 +192,19 @@ def _ring_sends(cfg: Config, lay: Layout, layers: list) -> tuple[float, float]:
     # core_attn / selective recompute rerun the attention core (the ring) as full recompute
     # does on its layers
     rerun_all = lay.recompute in ("core_attn", "selective")
-    kv_sends = dkv_sends = 0.0
+    kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
+    win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
+    w = m.sliding_window
     for i in layers:
-        f = window_ring_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
         reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-        kv_sends += f * (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-        dkv_sends += f * lay.cp                      # partial dK/dV in fp32: cp hops home
-    cache[key] = (lay.stage_layers, cfg, (kv_sends, dkv_sends))
-    return kv_sends, dkv_sends
+        if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+            kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
+            dkv_full += lay.cp                      # partial dK/dV in fp32: cp hops home
+        else:
+            win_calls += 1 + reruns
+            n_win += 1
+    cache[key] = (lay.stage_layers, cfg, (kv_full, dkv_full, win_calls, n_win))
+    return kv_full, dkv_full, win_calls, n_win
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
@@ -283,53 +289,46 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
                   transfers * lay.microbatches, lay.pp)
 
 
-def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int) -> dict:
+def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int,
+             cp_rank: int | None = None) -> dict:
     """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV. K is
-    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim); a windowed layer
-    sends only the zigzag chunks some query of the receiving rank can see
-    (:func:`window_ring_fraction`, the busiest cp rank)."""
+    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim). A windowed layer
+    runs parallel/window_ring.py, not the ring: each rank sends its own chunks once per forward
+    (again when recompute reruns it) straight to the ranks whose queries see them, and in
+    backward the partial dK/dV of every chunk it received goes home in fp32; no K/V moves in
+    backward (:func:`window_sends`, config/cp_window.py's definition). The figure is ``cp_rank``'s,
+    or the busiest cp rank's (the ranks differ under a window)."""
     if lay.cp == 1:
         return _entry("none", 0, 0, 1)
     kv_elems = tokens * parts.kv_heads(cfg) * (parts.qk_head_dim(cfg) + parts.v_head_dim(cfg)) / lay.tp
     # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
     kv = kv_elems * (4 if _autocast(lay) else ab)
-    kv_sends, dkv_sends = _ring_sends(cfg, lay, layers)
+    kv_full, dkv_full, win_calls, n_win = _ring_counts(cfg, lay, layers)
+    best = (0.0, kv_full, dkv_full)
+    if n_win:
+        best = None
+        for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
+            sent, got = window_sends(cfg.model.seq_len, lay.cp, cfg.model.sliding_window, cr)
+            kv_s = kv_full + sent / 2 * win_calls  # chunks are half a block
+            dkv_s = dkv_full + got / 2 * n_win     # the received chunks' dK/dV, fp32
+            got_bytes = kv_s * kv + dkv_s * kv_elems * 4
+            if best is None or got_bytes > best[0]:
+                best = (got_bytes, kv_s, dkv_s)
+    _, kv_sends, dkv_sends = best
     e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
     e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
     return e
 
 
-def _needed_chunks(cp: int, window: int | None, c: int) -> list[int]:
-    """Per cp rank: the other ranks' zigzag chunks (c tokens each) some query of its own two
-    chunks can see: chunk kj is seen by chunk qi > kj when the nearest pair, query qi·c and key
-    (kj+1)·c − 1, lies within the window: (qi − kj − 1)·c + 1 < W (always without a window)."""
-    owner = {}
-    for r in range(cp):
-        owner[r], owner[2 * cp - 1 - r] = r, r
-    out = []
-    for r in range(cp):
-        mine = (r, 2 * cp - 1 - r)
-        need = 0
-        for kj in range(2 * cp):
-            if owner[kj] == r:
-                continue
-            if any(kj < qi and (window is None or (qi - kj - 1) * c + 1 < window) for qi in mine):
-                need += 1
-        out.append(need)
-    return out
-
-
 @functools.lru_cache(maxsize=4096)
-def window_ring_fraction(seq: int, cp: int, window: int | None) -> float:
-    """Share of the full ring's K/V traffic a layer sends: 1 for full attention (every step
-    carries the whole 2-chunk block, as parallel/context.py's ring does); with a window, the
-    chunks the busiest cp rank needs over the 2·(cp−1) the full ring brings it — blocks wholly
-    outside every query's window are not sent (zigzag kept: each rank still holds chunks r and
-    2·cp−1−r)."""
-    if cp <= 1 or window is None or window >= seq:
-        return 1.0
+def window_sends(seq: int, cp: int, window: int, cp_rank: int) -> tuple[int, int]:
+    """(chunks cp rank ``cp_rank`` sends per forward call of a windowed layer, chunks it receives
+    = the dK/dV chunks it returns in backward), from config/cp_window.py's ``needed`` (the
+    runtime's own plan of the sends)."""
     c = seq // (2 * cp)
-    return max(_needed_chunks(cp, window, c)) / (2 * (cp - 1))
+    sent = sum(len(cp_window.needed(cp, dst, c, window).get(cp_rank, ())) for dst in range(cp) if dst != cp_rank)
+    got = sum(len(v) for v in cp_window.needed(cp, cp_rank, c, window).values())
+    return sent, got
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
@@ -425,16 +424,16 @@ def cp_core_fraction(cp: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
+def window_core_fraction(seq: int, cp: int, window: int | None, cp_rank: int | None = None) -> float:
     """:func:`cp_core_fraction` for a windowed layer under cp: the c×c blocks (each counted whole)
-    the busiest rank computes — its own 3 and the others' chunks it needs (:func:`_needed_chunks`,
+    the busiest rank computes — its own 3 and the others' chunks it needs (config/cp_window.py,
     one block per needing query chunk) — over the 4·cp·c² of a full row-slice. Without cp the
     kernel runs the whole masked S×S (one SDPA call with the window's mask): 1."""
     if cp <= 1 or window is None or window >= seq:
         return cp_core_fraction(cp)
     c = seq // (2 * cp)
     best = 0
-    for r in range(cp):
+    for r in (range(cp) if cp_rank is None else (cp_rank,)):
         mine = (r, 2 * cp - 1 - r)
         blocks = 0
         for qi in mine:
@@ -445,7 +444,7 @@ def window_core_fraction(seq: int, cp: int, window: int | None) -> float:
     return best / (4 * cp)
 
 
-def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
+def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
 
@@ -457,7 +456,8 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
     head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
     its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
-    causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`);
+    causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`:
+    cp rank ``cp_rank``'s blocks, or the busiest's when None);
     model FLOPs (:func:`flops_per_token`, MFU) keep the convention of :func:`layer_core_flops`."""
     m = cfg.model
     h, t = m.d_model, lay.tp
@@ -466,9 +466,14 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
     split_w, rep_w = parts.attn_weights(cfg)
     attn_mat = 2.0 * (split_w / t + rep_w)
     total = 0.0
+    # forward + the fused kernel's backward (2.5: it recomputes the scores); SDPA's CPU math path
+    # (MLA with d_qk != d_v: memory_activations.attn_saved_elems) keeps them: 1 + 2
+    math_path = (lay.device == "cpu" and parts.attention_kind(cfg) == "mla"
+                 and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg))
+    core_passes = 3.0 if math_path else 3.5
     last = (lay.chunks - 1) in rank_chunks(lay, r)
     for i in rank_layers(cfg, lay, r):
-        core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i))
+        core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)
         mat = attn_mat
         if is_moe_layer(cfg, i):
             mo = m.moe
@@ -478,7 +483,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int) -> float:
             mat += 2.0 * 3 * h * m.ffn_hidden / t
         mode = layer_recompute(lay, i)
         again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
-        total += 3.0 * mat + 3.5 * core + again
+        total += 3.0 * mat + core_passes * core + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
         total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth

@@ -21,6 +21,7 @@ from paralayer.resolve.memory_activations import (  # noqa: F401 - re-exported: 
     head_saved_elems,
     in_flight,
     in_flight_count,
+    mtp_saved_elems,
     rank_activations,
     recompute_transient,
     rope_bytes,

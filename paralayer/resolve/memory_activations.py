@@ -115,35 +115,47 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
 def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     """The attention's tp-split saved set per token (before /tp). GQA, measured with
     head_dim = h/a (module docstring) and written in the attention's own widths q = a·hd,
-    kv = g·hd (DERIVED, not yet measured, for head_dim ≠ h/a and qk_norm): none 5q + a (q, the
-    expanded k and v, the output, wo's input, the lse), ring attention under cp saving k/v
-    unexpanded (−2(q − kv)); core_attn/selective 3q + 2kv; qk_norm adds each norm's input and
-    1/rms while the core is kept. MLA (DERIVED from its forward, to be measured once the model
-    lands): none: q and k of a·d_qk, v a·d_v, the output and wo's input a·d_v each, the lse a,
-    kv_b's output a·(nope + d_v); core_attn/selective: q, kv_b's output and wo's input."""
+    kv = g·hd (rehearsed for head_dim ≠ h/a and qk_norm, tests/test_rehearse_models.py): none
+    4q + h + a (q, the expanded k and v, wo's input, the lse, and one d_model-wide term: with
+    head_dim = h/a the fit's 5q + a), ring attention under cp saving k/v unexpanded
+    (−2(q − kv)); core_attn/selective 2q + h + 2kv; qk_norm adds each norm's
+    input and 1/rms, q + kv + a + g, in every mode but full (the norms sit outside the
+    recomputed core). MLA (measured on model/latent_attention.py, one block, fp32, varying
+    every width and the sequence): none: q and k of a·d_qk, the output and wo's input a·d_v
+    each, the lse a, kv_b's output a·(nope + d_v) (v is a view of it) — the fused kernel's set
+    (CPU with d_v = d_qk, GPUs); on CPU with d_qk ≠ d_v SDPA runs its math path: 2a·d_qk +
+    2a·d_v + a·s (the probabilities); core_attn/selective: q, kv_b's output and wo's input."""
     m = cfg.model
     a = m.n_heads
     if parts.attention_kind(cfg) == "mla":
         dqk, dv, nope = parts.qk_head_dim(cfg), parts.v_head_dim(cfg), cfg.model.mla.qk_nope_head_dim
         if mode in ("core_attn", "selective"):
             return a * dqk + a * (nope + dv) + a * dv
-        return 2 * a * dqk + 3 * a * dv + a + a * (nope + dv)
+        if lay.device == "cpu" and dqk != dv:
+            # CPU SDPA has no fused kernel for q/k wider than v: its math path keeps the a·s
+            # probabilities, q, k, a contiguous v, and no lse nor kv_b's output
+            return 2 * a * dqk + 2 * a * dv + a * cfg.model.seq_len
+        return 2 * a * dqk + 2 * a * dv + a + a * (nope + dv)
     hd, g = parts.head_dim(cfg), m.n_kv_heads
     q, kv = a * hd, g * hd
+    # qk_norm: each norm's input (wq's and wk's outputs) and its 1/rms per head; the norms run
+    # before the recomputed core (model/attention.py), so they are kept in every mode but full
+    norms = q + kv + a + g if m.qk_norm else 0
+    # one term of the fit is d_model wide, not q (its constants were fitted with q = h): measured
+    # with head_dim ≠ h/a (qwen3-32b, q = 8192 on h = 5120, tp8: none and selective, exact)
+    h = m.d_model
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
-        return 3 * q + 2 * kv
-    shard = 5 * q + a
+        return 2 * q + h + 2 * kv + norms
+    shard = 4 * q + h + a
     if lay.cp > 1:
         # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
         shard -= 2 * (q - kv)
-    if m.qk_norm:
-        shard += q + kv + a + g
-    return shard
+    return shard + norms
 
 
 def attn_replicated_elems(cfg: Config, mode: str) -> float:
     """MLA's down-projections run replicated over tp: the latent q and c_kv, their norms' inputs
-    and 1/rms, and the decoupled k_pe (DERIVED); nothing for GQA."""
+    and 1/rms, and the decoupled k_pe (measured with the rest of the block); nothing for GQA."""
     if parts.attention_kind(cfg) != "mla":
         return 0.0
     ml = cfg.model.mla
@@ -215,9 +227,18 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
         head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
         head *= 1 + m.mtp.depth  # each MTP depth's own pass through the shared head
+        head += mtp_saved_elems(cfg) * tokens * ab  # and what each depth keeps beside its block
         extra += head * last_in_flight
     saved = inf * per_mb + extra
     return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
+
+
+def mtp_saved_elems(cfg: Config) -> float:
+    """Per token, what the MTP depths keep besides their blocks (counted as layers): the two
+    input norms' inputs (the embedding of t_{i+k}; h, the head's input already counted) and their
+    1/rms, the 2h projection's input, the head norm's input and 1/rms: 4h + 3 per depth (measured
+    on model/mtp.py's MTPLayer minus its block, fp32, one rank; tp and bf16 not measured)."""
+    return cfg.model.mtp.depth * (4 * cfg.model.d_model + 3.0)
 
 
 def rope_bytes(cfg: Config, lay: Layout) -> float:

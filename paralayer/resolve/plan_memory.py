@@ -65,7 +65,7 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
 
 
 def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
-               rope: float, mode: str, head_passes: int = 1) -> list[tuple]:
+               rope: float, mode: str, head_passes: int = 1, mtp_elems: float = 0.0) -> list[tuple]:
     """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
     RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
     stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
@@ -78,6 +78,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             lif = mm if (schedule == "gpipe" and pp > 1) else 1
             head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
             head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
+            head += mtp_elems * tokens * ab  # memory.mtp_saved_elems
             extra += head * lif
         out.append((inf, extra, head))
     return out

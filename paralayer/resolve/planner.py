@@ -442,7 +442,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
             (dpf, dpm), (rdf, rdm) = dp_line[zero]
             t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth)
+            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth,
+                               mem_mod.mtp_saved_elems(ctx.cfg))
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()

@@ -109,9 +109,8 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         if ep > 1:
             from paralayer.parallel.expert import apply_expert_parallel
 
-            for layer in chunk.layers.values():
-                if getattr(layer, "is_moe", False):
-                    apply_expert_parallel(layer.feed_forward, meshes["ep"].get_group())
+            for ff in expert_blocks(chunk):
+                apply_expert_parallel(ff, meshes["ep"].get_group())
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every)
         if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
             compile_blocks(chunk, cfg.train.compile_backend, tp=tp, cp=cp)
@@ -133,6 +132,16 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     params = [p for c in chunks for p in c.parameters()]
     expert_params = [p for c in chunks for n, p in c.named_parameters() if n in expert_names]
     return Built(chunks=chunks, meshes=meshes, device=device, params=params, expert_params=expert_params)
+
+
+def expert_blocks(chunk: nn.Module) -> list[nn.Module]:
+    """The chunk's MoE feed-forwards that expert parallel splits: its layers' and its MTP depths'
+    (the last chunk's; left whole, each ep rank would hold all their experts and reduce their
+    gradients over the wrong group)."""
+    from paralayer.model.mtp import moe_blocks
+
+    out = [layer.feed_forward for layer in chunk.layers.values() if getattr(layer, "is_moe", False)]
+    return out + moe_blocks(getattr(chunk, "mtp", None))
 
 
 def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
@@ -235,8 +244,9 @@ def mtp_objective(chunk: torch.nn.Module, labels: torch.Tensor, cross_entropy, m
     mtp = chunk.mtp
     ces = [cross_entropy(logits, targets) for logits, targets in chunk.mtp_outputs(labels)]
     l_mtp = (mtp.loss_weight / mtp.depth) * torch.stack([c.float().reshape(()) for c in ces]).sum()
-    mtp.loss_sum += float(l_mtp.detach())
-    mtp.forwards += 1
+    if getattr(mtp, "read_loss", True):  # False in the rehearsal: fake tensors have no value to read
+        mtp.loss_sum += float(l_mtp.detach())
+        mtp.forwards += 1
     total = l_mtp
     for ff in moe_blocks(mtp):
         if ff.aux_loss is not None and moe.aux_loss_coef:
