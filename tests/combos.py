@@ -29,7 +29,8 @@ TWO elements (layers.0.attention.wo[17,27]: -5.96e-8 on one rank, -1.86e-7 on fo
 its per-tensor step-1 gradients matched to 2e-6 and no token's top-2 experts differed. Zeroing those
 two elements in both runs gives 1.1e-7 / 1.4e-7. One rank against itself at micro-batch 4 (the same
 sum in another order) is 1.6e-5 / 1.2e-4 off, so no tolerance could hold. At eps 1e-5 the update
-moves by at most lr·Δg/eps there (1.7e-8 / 1e-5: ~2e-3 of lr, not 0.27 of it) while |g| ≫ eps elsewhere keeps it Adam's: the row
+moves by at most lr·Δg/eps there (1.7e-8 / 1e-5: ~2e-3 of lr, not 0.27 of it) while |g| ≫ eps
+elsewhere keeps it Adam's: the row
 matches to 1.1e-7 / 1.3e-7. Over all 48 rows the worst is 7.9e-7 / 7.3e-7 at 1e-5 (at 1e-8: this
 row, then a dense gpipe row at 5.4e-6 grad norm); a planted skip of the tied-gradient sum still
 fails the regression row by 3.9e-4 / 1.8e-2.
