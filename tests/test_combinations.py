@@ -36,7 +36,7 @@ with torch.device("meta"):
 
 @pytest.fixture(scope="module")
 def rows():
-    return C.covering_array()
+    return C.suite_rows()
 
 
 # ------------------------------------------------------------------ torch-free: the array itself

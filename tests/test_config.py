@@ -86,6 +86,7 @@ def test_unknown_recipe_and_profile_list_choices():
     ("train.lr=nan", "train.lr", "finite"),
     ("train.beta1=-0.1", "train.beta1", "[0, 1)"),
     ("train.beta2=1", "train.beta2", "[0, 1)"),
+    ("train.adam_eps=0", "train.adam_eps", "(0"),
     ("train.weight_decay=nan", "train.weight_decay", "finite"),
     ("train.seed=" + str(10 ** 30), "train.seed", "bound"),
     ("train.seed=-1", "train.seed", "bound"),

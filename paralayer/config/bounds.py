@@ -83,6 +83,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.weight_decay": (0.0, 1e6, True, True),
     "train.beta1": (0.0, 1.0, True, False),  # torch.optim.AdamW: 0 <= beta < 1
     "train.beta2": (0.0, 1.0, True, False),
+    "train.adam_eps": (0.0, 1.0, False, True),  # AdamW divides by sqrt(v) + eps: eps > 0
     "train.grad_clip": (0.0, 1e12, True, True),  # 0 = no clipping
     "train.collective_timeout_s": (0.0, 86400.0, False, True),
     "checkpoint.timeout_s": (0.0, 7 * 86400.0, False, True),

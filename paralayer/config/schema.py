@@ -159,6 +159,7 @@ class TrainConfig:
     weight_decay_1d: bool = False  # true: decay 1-D params too (torchtitan); false: not (Megatron, nanoGPT, OLMo)
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8  # AdamW's eps (Megatron's adam_eps); tests/combos.py says why the suite raises it
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU

@@ -185,7 +185,7 @@ def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
 
     def make(params):  # fused on CUDA, foreach elsewhere (paralayer/runtime/optimizer.py)
         return optimizer.adamw(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                               decay_1d=t.weight_decay_1d)
+                               eps=t.adam_eps, decay_1d=t.weight_decay_1d)
 
     if int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1:
         dp_mesh = meshes["dp_cp"]

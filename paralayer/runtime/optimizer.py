@@ -59,11 +59,11 @@ def implementation(opt: torch.optim.Optimizer) -> str:
     return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "for-loop"
 
 
-#: Hyperparameters the recipe sets (train.weight_decay, weight_decay_1d, beta1, beta2), which a
+#: Hyperparameters the recipe sets (train.weight_decay, weight_decay_1d, beta1, beta2, adam_eps), which a
 #: loaded checkpoint must not override: DCP's set_optimizer_state_dict restores each group's values
 #: from the checkpoint, so a resumed run would keep the old decay (e.g. on the norm gains) and ignore
 #: a changed setting. The LR is the schedule's (restored with it), not listed here.
-RECIPE_HYPERPARAMS = ("weight_decay", "betas")
+RECIPE_HYPERPARAMS = ("weight_decay", "betas", "eps")
 
 
 def recipe_hyperparams(opt) -> list[dict]:
