@@ -59,6 +59,7 @@ from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
 from paralayer.resolve.gc_pause import gc_paused
+from paralayer.resolve.lazy_lines import LazyLines
 from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -72,7 +73,6 @@ from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.plan_comm import (
     affine_line,
-    comm_lines,
     comm_points,
     first_zero,
     fsdp_key,
@@ -177,7 +177,7 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
     unexplored = max(0, len(structs) - MAX_STRUCTURES)
     structs = structs[:MAX_STRUCTURES]
     recs: list[Candidate] = []
-    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {})
+    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {}, [0])
     considered = 0
     capped = unexplored > 0
     best: list[float] = []  # max-heap (negated) of the best ``top`` step times so far
@@ -194,19 +194,19 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
             continue
         considered += 1
         n0 = len(recs)
-        _plan_structure(ctx, key, st, recs)
+        _plan_structure(ctx, key, st, recs, -best[0] if top and len(best) >= top else math.inf)
         if top:
             for t in recs[n0:]:
                 if len(best) < top:
                     heapq.heappush(best, -t.step)
                 elif t.step < -best[0]:
                     heapq.heapreplace(best, -t.step)
-    recs.sort(key=lambda t: (t.step, t.mem.total))
+    recs.sort(key=lambda t: (t.step, t.mem.total))  # (the unlisted slower ones: after all of these)
     shown = recs[:top] if top else recs
     out = [materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
     if stats is not None:
         stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
-                     seconds=time.process_time() - t0, listed=len(recs), unexplored=unexplored,
+                     seconds=time.process_time() - t0, listed=ctx.fits[0], unexplored=unexplored,
                      work_bound_hit=capped, fixed=fixed)
     return out
 
@@ -317,6 +317,17 @@ class _Context(NamedTuple):
     act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards) -> act_elems_per_token table
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
     layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
+    fits: list  # [layouts that fit so far], timed or not (stats["listed"])
+
+
+#: A layout is left untimed only when its lower bound exceeds the bar by more than float rounding.
+SLACK = 1.0 - 1e-9
+
+
+def _slower_than(work: float, recomp: float, ovh: float, bubble: float, bar: float) -> bool:
+    """Whether a layout cannot beat ``bar`` (the ``top``-th best step so far): ``_timed``'s step
+    without its terms that are ≥ 0 (tp/pp/cp/ep seconds, exposed dp) already exceeds it."""
+    return (work + recomp + ovh) * (1 + bubble) * SLACK > bar
 
 
 def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> list[int]:
@@ -335,11 +346,12 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
-                  tp_time: Any, layer_sums: Optional[dict] = None) -> Optional[Candidate]:
+                  tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf) -> Any:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
-    and selective without cp (their ring rerun is cp traffic full/k may save)."""
+    and selective without cp (their ring rerun is cp traffic full/k may save). Returns True (it fits,
+    untimed) where it cannot beat ``bar_step``."""
     tot = ctx.tot
     zero, mb, mm, tokens, dp, bubble, work, ovh_per_m, overlap = lay_m
     cheap = {"none", "swiglu"} | ({"core_attn", "selective"} if st.lay.cp == 1 else set())
@@ -355,12 +367,14 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
+        if _slower_than(work, work * tot.rc_frac[rk], ovh_per_m * mm, bubble, bar_step):
+            return True
         fk = fsdp_key(st.lay, zero)
         if (False, rk, fk) not in st.per_ax:
             set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
-        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp, bubble, work, ovh_per_m, overlap,
+        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(), bubble, work, ovh_per_m, overlap,
                       tot, ctx.mach, k)
     return None
 
@@ -390,16 +404,26 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
     return None
 
 
-def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
-    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed."""
+def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: float = math.inf) -> None:
+    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed — but for
+    those whose step without its communication already exceeds ``bar`` (the ``top``-th best so far:
+    they cannot be listed); their memory is still weighed, so what fits, the drops and the work
+    bound are the same as if each were timed."""
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
     ranks = candidate_ranks(cfg, lay)
     overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
-    dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)
-    lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
+    lines = LazyLines(cfg, st, mach, tot.gb)
+    dp_cache: dict = {}
+
+    def dp_at(zero: int, mm: int) -> tuple:
+        """(dp seconds, grad reduce-scatter seconds) at m microbatches, once per (zero, m)."""
+        if (zero, mm) not in dp_cache:
+            (dpf, dpm), (rdf, rdm) = lines.dp_line(zero)
+            dp_cache[(zero, mm)] = (dpf + dpm * mm, rdf + rdm * mm)
+        return dp_cache[(zero, mm)]
     work = _work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     split = lay.schedule in V_SCHEDULES and lay.pp > 1
@@ -437,11 +461,10 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             if why:
                 drop(why, n_var)
                 continue
-            n_before = len(recs)
+            n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            (dpf, dpm), (rdf, rdm) = dp_line[zero]
-            t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
+            ovh_mm = ovh_per_m * mm
             flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
@@ -453,16 +476,21 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
                     fitted.add(recompute)
+                    ctx.fits[0] += 1
+                    if _slower_than(work, work * tot.rc_frac[recompute], ovh_mm, bubble, bar):
+                        continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute, fk)], t_tp,
-                                       (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
+                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
+                                       dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
-                                      (zero, mb, mm, tokens, (t_dp, t_red), bubble, work, ovh_per_m, overlap),
-                                      tp_time, every_sums.setdefault((overlap, zero), {}))
+                                      (zero, mb, mm, tokens, lambda: dp_at(zero, mm), bubble, work, ovh_per_m, overlap),
+                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar)
                     if c is not None:
-                        recs.append(c)
-            if len(recs) == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
+                        ctx.fits[0] += 1
+                        if c is not True:
+                            recs.append(c)
+            if ctx.fits[0] == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
                 # nothing fits at this micro-batch: a larger one holds at least as many activations
                 drop("memory: does not fit (a smaller micro-batch did not)", (len(mbs) - i_mb - 1) * n_var)
                 break
