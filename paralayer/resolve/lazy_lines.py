@@ -24,7 +24,8 @@ class LazyLines:
         self.cfg, self.st, self.mach, self.gb = cfg, st, mach, gb
         self.pts: dict = {}  # (class, zero) -> comm_points
         self.dp: dict = {}  # zero -> (dp line, grad reduce-scatter line)
-        self.lin: dict = {}  # (overlap, recompute, fk) -> (fixed, per m), summed over the axes
+        self.lin: dict = {}
+        self.dp_cache: dict = {}  # (zero, m) -> (dp seconds, grad reduce-scatter seconds)  # (overlap, recompute, fk) -> (fixed, per m), summed over the axes
         fks = (False, True) if fsdp_able(st.lay) else (False,)
         self.zero_of: dict = {}  # (fk, class) -> the zero comm_lines evaluated that class at
         self.dp_from: dict = {}  # zero -> (class, zero) whose points give its dp line (comm_lines' order)
@@ -52,6 +53,13 @@ class LazyLines:
             pts = self.points(*self.dp_from[zero])
             self.dp[zero] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
         return self.dp[zero]
+
+    def dp_at(self, zero: int, mm: int) -> tuple:
+        """(dp seconds, grad reduce-scatter seconds) at m microbatches, once per (zero, m)."""
+        if (zero, mm) not in self.dp_cache:
+            (dpf, dpm), (rdf, rdm) = self.dp_line(zero)
+            self.dp_cache[(zero, mm)] = (dpf + dpm * mm, rdf + rdm * mm)
+        return self.dp_cache[(zero, mm)]
 
     def line(self, overlap: bool, recompute: str, fk: bool) -> tuple:
         """(fixed, per m) of tp+pp+cp+ep (pp+cp+ep under tp_overlap) for a plain recompute mode."""

@@ -39,7 +39,8 @@ lines ``plan_comm``, the records ``plan_types`` and the listed rows ``plan_rows`
 Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
 MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
 their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
-ranking's first ``top``). Degrees given in ``fixed`` narrow the walk itself.
+ranking's first ``top``); inside a structure a layout that fits but whose step without its traffic
+already exceeds the ``top``-th best so far is left untimed (``plan_bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
 
 "tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
 whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
@@ -361,10 +362,7 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
 
 
 def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: float = math.inf) -> None:
-    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed — but for
-    those whose step without its communication already exceeds ``bar`` (the ``top``-th best so far:
-    they cannot be listed); their memory is still weighed, so what fits, the drops and the work
-    bound are the same as if each were timed."""
+    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed if it can beat ``bar``."""
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
     ranks = candidate_ranks(cfg, lay)
@@ -372,14 +370,6 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     lines = LazyLines(cfg, st, mach, tot.gb)
-    dp_cache: dict = {}
-
-    def dp_at(zero: int, mm: int) -> tuple:
-        """(dp seconds, grad reduce-scatter seconds) at m microbatches, once per (zero, m)."""
-        if (zero, mm) not in dp_cache:
-            (dpf, dpm), (rdf, rdm) = lines.dp_line(zero)
-            dp_cache[(zero, mm)] = (dpf + dpm * mm, rdf + rdm * mm)
-        return dp_cache[(zero, mm)]
     work = structure_work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     split = lay.schedule in V_SCHEDULES and lay.pp > 1
@@ -420,7 +410,6 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
             n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            ovh_mm = ovh_per_m * mm
             flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
@@ -433,21 +422,20 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                         continue
                     fitted.add(recompute)
                     ctx.fits[0] += 1
-                    if slower_than(work, work * tot.rc_frac[recompute], ovh_mm, bubble, bar):
+                    if slower_than(work, work * tot.rc_frac[recompute], ovh_per_m * mm, bubble, bar):
                         ctx.fits[1] += 1
                         continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
                     recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
-                                       dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach))
+                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
-                                      (zero, mb, mm, tokens, dp_at, bubble, work, ovh_per_m, overlap),
+                                      (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
                                       tp_time, every_sums.setdefault((overlap, zero), {}), bar)
                     if c is not None:
                         ctx.fits[0] += 1
-                        if c is True:
-                            ctx.fits[1] += 1
-                        else:
+                        ctx.fits[1] += c is True
+                        if c is not True:
                             recs.append(c)
             if ctx.fits[0] == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
                 # nothing fits at this micro-batch: a larger one holds at least as many activations
