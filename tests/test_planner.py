@@ -345,3 +345,19 @@ def test_recompute_every_on_the_command_line_narrows_full():
     full = [d for d in plans if d["recompute"] == "full"]
     assert len(plans) == len(full) == 1 and full[0]["recompute_every"] == 3
     assert resolve(planner.config_for(cfg, full[0])).memory_per_device_bytes["total"] == full[0]["memory"]["total"]
+
+
+def test_untimed_layouts_leave_the_top_n_unchanged(monkeypatch):
+    """Layouts that fit but whose step without traffic exceeds the top-N bar are left untimed
+    (issue #37 item 6): the top N, every field, are still the exhaustive ranking's first N; a
+    bound that overestimates (a planted error) changes them."""
+    from paralayer.resolve import plan_bounds
+
+    cfg = load_config(["recipe=llama3-8b"])
+    full = planner.plan_layouts(cfg)
+    stats: dict = {}
+    top = planner.plan_layouts(cfg, top=10, stats=stats)
+    assert stats["untimed"] > 0 and stats["untimed"] < stats["listed"]
+    assert top == full[:10]
+    monkeypatch.setattr(plan_bounds, "SLACK", 2.0)  # a "lower bound" twice the real one
+    assert planner.plan_layouts(cfg, top=10) != full[:10]

@@ -39,7 +39,8 @@ lines ``plan_comm``, the records ``plan_types`` and the listed rows ``plan_rows`
 Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
 MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
 their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
-ranking's first ``top``). Degrees given in ``fixed`` narrow the walk itself.
+ranking's first ``top``); inside a structure a layout that fits but whose step without its traffic
+already exceeds the ``top``-th best so far is left untimed (``plan_bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
 
 "tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
 whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
@@ -59,6 +60,7 @@ from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
 from paralayer.resolve.gc_pause import gc_paused
+from paralayer.resolve.lazy_lines import LazyLines
 from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -70,11 +72,9 @@ from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_
     wire_factor,
 )
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
+from paralayer.resolve.plan_bounds import refined_bound, slower_than, structure_bound, structure_work
 from paralayer.resolve.plan_comm import (
-    affine_line,
-    comm_lines,
     comm_points,
-    first_zero,
     fsdp_key,
     recompute_key,
     set_axes,
@@ -102,7 +102,7 @@ from paralayer.resolve.rules import (
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.step_time import compute_seconds, replicated_elementwise_seconds, time_plan
+from paralayer.resolve.step_time import compute_seconds, time_plan
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
@@ -155,7 +155,8 @@ def plan_layouts(cfg: Config, calibration: Optional[dict] = None, stats: Optiona
     {tp, pp, vpp, cp, ep, dp, schedule, zero, recompute, recompute_every, micro_batch: value} narrows
     the search (each layout also says its ``recompute_every``: k > 1 for full on every k-th layer).
     ``stats`` (a dict) receives ``considered``, ``dropped`` {reason: count}, ``machine``,
-    ``listed`` (layouts that fit), ``unexplored`` (structures left out) and ``seconds`` (CPU)."""
+    ``listed`` (layouts that fit), ``untimed`` (of those, left untimed as
+    they cannot reach the best ``top``), ``unexplored`` (structures left out) and ``seconds`` (CPU)."""
     with gc_paused():
         return _plan_layouts(cfg, calibration, stats, top, fixed)
 
@@ -177,7 +178,7 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
     unexplored = max(0, len(structs) - MAX_STRUCTURES)
     structs = structs[:MAX_STRUCTURES]
     recs: list[Candidate] = []
-    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {})
+    ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {}, [0, 0])
     considered = 0
     capped = unexplored > 0
     best: list[float] = []  # max-heap (negated) of the best ``top`` step times so far
@@ -189,24 +190,24 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
             unexplored += len(structs) - key
             capped = True
             break
-        if top and len(best) >= top and _refined_bound(ctx, st) > -best[0]:
+        if top and len(best) >= top and refined_bound(ctx.cfg, ctx.mach, ctx.tot, st) > -best[0]:
             unexplored += 1
             continue
         considered += 1
         n0 = len(recs)
-        _plan_structure(ctx, key, st, recs)
+        _plan_structure(ctx, key, st, recs, -best[0] if top and len(best) >= top else math.inf)
         if top:
             for t in recs[n0:]:
                 if len(best) < top:
                     heapq.heappush(best, -t.step)
                 elif t.step < -best[0]:
                     heapq.heapreplace(best, -t.step)
-    recs.sort(key=lambda t: (t.step, t.mem.total))
+    recs.sort(key=lambda t: (t.step, t.mem.total))  # (the unlisted slower ones: after all of these)
     shown = recs[:top] if top else recs
     out = [materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
     if stats is not None:
         stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
-                     seconds=time.process_time() - t0, listed=len(recs), unexplored=unexplored,
+                     seconds=time.process_time() - t0, listed=ctx.fits[0], untimed=ctx.fits[1], unexplored=unexplored,
                      work_bound_hit=capped, fixed=fixed)
     return out
 
@@ -282,30 +283,9 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                         out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
                                              {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
                                              override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
-                                             _structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe),
+                                             structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe),
                                              least_bubble=least_bubble))
     return out
-
-
-def _work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:
-    """The compute term of a structure: the step's compute with what tp without SP replicates
-    (the non-SP elementwise kernels), times the busiest pipeline rank's imbalance."""
-    return (tot.compute + replicated_elementwise_seconds(cfg, mach, lay.tp, lay.sequence_parallel)) * imbalance
-
-
-def _structure_bound(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float,
-                     least_bubble: float, n_moe: int) -> float:
-    """A lower bound on the step time of any layout of this structure: its compute (with what tp
-    without SP replicates) × imbalance, plus the per-microbatch layer overhead (dispatch, weights
-    streamed through HBM) at the fewest microbatches the schedule runs and an average rank's layers
-    (the busiest holds at least as many), all × (1 + the least bubble). Each term is at its least
-    over the structure's choices, so no layout of it is faster (``_timed``'s formula)."""
-    work = _work(cfg, mach, tot, lay, imbalance)
-    pp = lay.pp
-    least_m = 1 if pp == 1 or lay.schedule == "gpipe" else (2 * pp if lay.schedule == "dualpipev" else pp)
-    n_dense = cfg.model.n_layers - n_moe
-    ovh = mach.layer_overhead(n_dense / pp, n_moe / pp, lay.tp) * least_m
-    return (work + ovh) * (1 + least_bubble)
 
 
 class _Context(NamedTuple):
@@ -317,6 +297,7 @@ class _Context(NamedTuple):
     act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards) -> act_elems_per_token table
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
     layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
+    fits: list  # [layouts that fit so far, of which untimed] (stats["listed"], stats["untimed"])
 
 
 def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> list[int]:
@@ -335,11 +316,12 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
-                  tp_time: Any, layer_sums: Optional[dict] = None) -> Optional[Candidate]:
+                  tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf) -> Any:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
-    and selective without cp (their ring rerun is cp traffic full/k may save)."""
+    and selective without cp (their ring rerun is cp traffic full/k may save). Returns True (it fits,
+    untimed) where it cannot beat ``bar_step``."""
     tot = ctx.tot
     zero, mb, mm, tokens, dp, bubble, work, ovh_per_m, overlap = lay_m
     cheap = {"none", "swiglu"} | ({"core_attn", "selective"} if st.lay.cp == 1 else set())
@@ -355,27 +337,16 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
+        if slower_than(work, work * tot.rc_frac[rk], ovh_per_m * mm, bubble, bar_step):
+            return True
         fk = fsdp_key(st.lay, zero)
         if (False, rk, fk) not in st.per_ax:
             set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
-        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp, bubble, work, ovh_per_m, overlap,
+        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
                       tot, ctx.mach, k)
     return None
-
-
-def _refined_bound(ctx: _Context, st: Structure) -> float:
-    """A tighter lower bound on the structure's step time: its compute and least bubble, plus the
-    pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
-    setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
-    st.first_pts = comm_points(ctx.cfg, st, ctx.mach, ctx.tot.gb, "none", first_zero(st.lay))
-    hideable_tp = True in tp_overlap_options(st.lay, ctx.mach, ctx.cfg.model.mla.kv_lora_rank > 0)
-    comm = 0.0
-    for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
-        fixed, per_m = affine_line(st.first_pts, ax)
-        comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
-    return st.bound + comm * (1.0 + st.least_bubble)
 
 
 def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
@@ -390,17 +361,16 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
     return None
 
 
-def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
-    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed."""
+def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: float = math.inf) -> None:
+    """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed if it can beat ``bar``."""
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay = st.lay
     ranks = candidate_ranks(cfg, lay)
     overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
-    dp_line = comm_lines(cfg, st, mach, tot.gb, overlaps)
-    lin = {k: (sum(v[0] for v in t.values()), sum(v[1] for v in t.values())) for k, t in st.per_ax.items()}
-    work = _work(cfg, mach, tot, lay, st.imbalance)
+    lines = LazyLines(cfg, st, mach, tot.gb)
+    work = structure_work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
     split = lay.schedule in V_SCHEDULES and lay.pp > 1
     ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
@@ -437,11 +407,9 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
             if why:
                 drop(why, n_var)
                 continue
-            n_before = len(recs)
+            n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            (dpf, dpm), (rdf, rdm) = dp_line[zero]
-            t_dp, t_red = dpf + dpm * mm, rdf + rdm * mm
             flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth,
                                mem_mod.mtp_saved_elems(ctx.cfg))
             for overlap in overlaps:
@@ -454,16 +422,23 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list) -> None:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
                     fitted.add(recompute)
+                    ctx.fits[0] += 1
+                    if slower_than(work, work * tot.rc_frac[recompute], ovh_per_m * mm, bubble, bar):
+                        ctx.fits[1] += 1
+                        continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lin[(overlap, recompute, fk)], t_tp,
-                                       (t_dp, t_red), bubble, work, ovh_per_m, overlap, tot, mach))
+                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
+                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
-                                      (zero, mb, mm, tokens, (t_dp, t_red), bubble, work, ovh_per_m, overlap),
-                                      tp_time, every_sums.setdefault((overlap, zero), {}))
+                                      (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
+                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar)
                     if c is not None:
-                        recs.append(c)
-            if len(recs) == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
+                        ctx.fits[0] += 1
+                        ctx.fits[1] += c is True
+                        if c is not True:
+                            recs.append(c)
+            if ctx.fits[0] == n_before and tot.avail is not None and i_mb + 1 < len(mbs):
                 # nothing fits at this micro-batch: a larger one holds at least as many activations
                 drop("memory: does not fit (a smaller micro-batch did not)", (len(mbs) - i_mb - 1) * n_var)
                 break

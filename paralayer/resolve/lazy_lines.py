@@ -1,0 +1,73 @@
+"""The planner's communication lines, computed only when a layout needs them (issue #37 item 6).
+
+Why: ``plan_comm.comm_lines`` evaluated ``cost.comm`` for every traffic class and ZeRO stage of a
+structure up front (~a third of ``--plan`` for 405B), yet with ``top`` most layouts that fit are
+already slower, before any traffic, than the best ``top`` found so far: their compute, recompute,
+dispatch and bubble alone exceed it (every omitted term, comm and exposed dp, is ≥ 0). Their
+lines are never needed. This gives the same lines as ``comm_lines`` — the same ``comm_points``
+call for each (class, zero), the same zero's dp line from the same class — on first use.
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve.machine import Machine
+from paralayer.resolve.plan_comm import COMM_CLASS, affine_line, comm_points, first_zero, fsdp_able, set_axes
+from paralayer.resolve.plan_types import Structure
+
+CLASSES = ("none", "core_attn", "full")
+
+
+class LazyLines:
+    """``comm_lines``'s dp lines and ``st.per_ax`` entries, each filled on first use."""
+
+    def __init__(self, cfg: Config, st: Structure, mach: Machine, gb: int) -> None:
+        self.cfg, self.st, self.mach, self.gb = cfg, st, mach, gb
+        self.pts: dict = {}  # (class, zero) -> comm_points
+        self.dp: dict = {}  # zero -> (dp line, grad reduce-scatter line)
+        self.lin: dict = {}
+        self.dp_cache: dict = {}  # (zero, m) -> (dp seconds, grad reduce-scatter seconds)  # (overlap, recompute, fk) -> (fixed, per m), summed over the axes
+        fks = (False, True) if fsdp_able(st.lay) else (False,)
+        self.zero_of: dict = {}  # (fk, class) -> the zero comm_lines evaluated that class at
+        self.dp_from: dict = {}  # zero -> (class, zero) whose points give its dp line (comm_lines' order)
+        for fk in fks:
+            zs = ([2, 3] if fk else [0, 1]) if len(fks) == 2 else [0, 1, 2, 3]
+            for i, cls in enumerate(CLASSES):
+                zero_ = zs[min(i, len(zs) - 1)]
+                self.zero_of[(fk, cls)] = zero_
+                self.dp_from.setdefault(zero_, (cls, zero_))
+        for zero_ in range(4):
+            self.dp_from.setdefault(zero_, ("none", zero_))
+
+    def points(self, cls: str, zero: int) -> list:
+        key = (cls, zero)
+        if key not in self.pts:
+            st = self.st
+            if cls == "none" and zero == first_zero(st.lay) and st.first_pts is not None:
+                self.pts[key] = st.first_pts
+            else:
+                self.pts[key] = comm_points(self.cfg, st, self.mach, self.gb, cls, zero)
+        return self.pts[key]
+
+    def dp_line(self, zero: int) -> tuple:
+        if zero not in self.dp:
+            pts = self.points(*self.dp_from[zero])
+            self.dp[zero] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
+        return self.dp[zero]
+
+    def dp_at(self, zero: int, mm: int) -> tuple:
+        """(dp seconds, grad reduce-scatter seconds) at m microbatches, once per (zero, m)."""
+        if (zero, mm) not in self.dp_cache:
+            (dpf, dpm), (rdf, rdm) = self.dp_line(zero)
+            self.dp_cache[(zero, mm)] = (dpf + dpm * mm, rdf + rdm * mm)
+        return self.dp_cache[(zero, mm)]
+
+    def line(self, overlap: bool, recompute: str, fk: bool) -> tuple:
+        """(fixed, per m) of tp+pp+cp+ep (pp+cp+ep under tp_overlap) for a plain recompute mode."""
+        key = (overlap, recompute, fk)
+        if key not in self.lin:
+            if (overlap, recompute, fk) not in self.st.per_ax:
+                cls = COMM_CLASS[recompute]
+                set_axes(self.st, (recompute, fk), self.points(cls, self.zero_of[(fk, cls)]))
+            t = self.st.per_ax[key]
+            self.lin[key] = (sum(v[0] for v in t.values()), sum(v[1] for v in t.values()))
+        return self.lin[key]
