@@ -78,15 +78,17 @@ LAYOUTS = {"zero0": ["parallel.zero=0"], "zero2": ["parallel.zero=2"], "zero3": 
 def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, layout):
     """Under ZeRO-2/3 the peer waits in FSDP2's all-gather for the slowed rank: that time must be
     waiting (parallel/collective_timing.py), or both ranks look equally busy."""
-    out = run_ranks(_train, 2, ["train.steps=4", "model.seq_len=16"] + LAYOUTS[layout], str(tmp_path), "slow:1:1")
+    out = run_ranks(_train, 2, ["train.steps=5", "model.seq_len=16"] + LAYOUTS[layout], str(tmp_path), "slow:1:1")
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     named = [r["slowest_rank"] for r in recs]
-    # step 1 (lazy init on both ranks: FSDP's first all-gathers, DTensor's sharding caches, the
-    # pipeline's schedule) may name either rank outside plain data parallel
-    assert named[1:] == [1] * 3 and (layout != "zero0" or named[0] == 1), named
-    # (step 1 warms up both ranks: the 0.2 s sleep is a smaller share of it)
-    assert all(r["rank_time_spread"] > 1.2 for r in recs[1:]), [r["rank_time_spread"] for r in recs]
+    # steps 1-2 (lazy init on both ranks: FSDP's first all-gathers, DTensor's sharding caches, the
+    # pipeline's schedule; on a loaded machine it reaches into step 2) may name either rank outside
+    # plain data parallel; from step 3 on the slowed rank is named every step
+    warm = 0 if layout == "zero0" else 2
+    assert named[warm:] == [1] * (5 - warm), named
+    # (warm-up steps: the 0.2 s sleep is a smaller share of them)
+    assert all(r["rank_time_spread"] > 1.2 for r in recs[max(warm, 1):]), [r["rank_time_spread"] for r in recs]
     assert recs[0]["slowest_host"] == os.uname().nodename
     assert out[0]["timing"] == out[1]["timing"]  # every rank has the gathered fields
     warned = [x for x in (err.out + err.err).splitlines() if "straggler: rank 1" in x]

@@ -135,8 +135,9 @@ def _check_mla(cfg: Config) -> None:
                                   "model.mla.kv_lora_rank=0 (MLA off); set kv_lora_rank > 0 or this to 0/null")
         return
     if a.qk_rope_head_dim <= 0 or a.qk_rope_head_dim % 2:
-        raise ConfigError("model.mla.qk_rope_head_dim", f"must be a positive even width with MLA (the decoupled "
-                          f"RoPE key rotates pairs), got {a.qk_rope_head_dim}")
+        raise ConfigError("model.mla.qk_rope_head_dim", f"must be a positive even width with MLA on (model.mla."
+                          f"kv_lora_rank={a.kv_lora_rank}; the decoupled RoPE key rotates pairs), "
+                          f"got {a.qk_rope_head_dim}")
     if a.v_head_dim <= 0:
         raise ConfigError("model.mla.v_head_dim", f"must be positive with MLA (model.mla.kv_lora_rank="
                           f"{a.kv_lora_rank}), got {a.v_head_dim}")
@@ -147,8 +148,8 @@ def _check_mla(cfg: Config) -> None:
         raise ConfigError("model.qk_norm", "true does not apply with MLA (its norms are on the latent q and kv); "
                           "use false")
     if m.n_kv_heads != m.n_heads:
-        raise ConfigError("model.n_kv_heads", f"must equal model.n_heads={m.n_heads} with MLA (every head gets "
-                          f"its own K/V from the latent), got {m.n_kv_heads}")
+        raise ConfigError("model.n_kv_heads", f"must equal model.n_heads={m.n_heads} with MLA (model.mla.kv_lora_rank="
+                          f"{a.kv_lora_rank}: every head gets its own K/V from the latent), got {m.n_kv_heads}")
 
 
 def _check_moe_routing(cfg: Config) -> None:
@@ -178,7 +179,8 @@ def _check_moe_routing(cfg: Config) -> None:
                           "group is scored by its best two experts, so each needs at least 2")
     if mo.top_k > mo.topk_group * per:
         raise ConfigError("model.moe.top_k", f"{mo.top_k} exceeds model.moe.topk_group·(experts per group) = "
-                          f"{mo.topk_group}·{per} = {mo.topk_group * per}, the experts a token can reach")
+                          f"{mo.topk_group}·{per} = {mo.topk_group * per} (model.moe.n_group={mo.n_group}), the experts a token can "
+                          "reach")
     if mo.router != "sigmoid":
         raise ConfigError("model.moe.n_group", f"{mo.n_group}: routing by group is DeepSeek-V3's sigmoid router; "
                           f"use model.moe.router=sigmoid or n_group=1 (router={mo.router})")
