@@ -1,8 +1,10 @@
 """DeepSeek-V3 imported from transformers' own save_pretrained and held to DeepseekV3ForCausalLM
-(n_group 4 > 1, topk_group 2 < 4, the first layer dense, q_lora_rank set, YaRN factor 4 with
-mscale_all_dim, a shared expert, routed scaling 2.5, a random selection bias), init std 0.2 with
-norm gains in U[0.5, 1.5), fp32, one rank: logits and every gradient within 1e-5. The planted
-group pick by max fails it. (Export and the multi-rank layouts are not built for deepseek_v3.)"""
+(4 layers, n_group 4 > 1, topk_group 2 < 4, the first layer dense, q_lora_rank set, YaRN factor 4
+with mscale_all_dim, a shared expert, routed scaling 2.5, a random selection bias), init std 0.2
+with norm gains in U[0.5, 1.5), fp32: logits and every gradient within 1e-5 on one rank and under
+ep2, pp2 (1f1b uneven 3+1, and dualpipev: 4 one-layer chunks), dp2·ZeRO-3, tp2, tp2+SP and cp2
+(every layout in one forked world). The planted group pick by max fails it; a round trip under
+ep2·pp2 loads back in transformers."""
 from __future__ import annotations
 
 import re
@@ -18,7 +20,7 @@ from paralayer.model.transformer import Transformer
 from tests.families import widen
 
 SEQ, VOCAB, TOL = 32, 61, 1e-5
-CFG = dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+CFG = dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
@@ -105,7 +107,8 @@ def test_planted_group_pick_by_max_fails(saved, monkeypatch):
 
 
 LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"],
-           "pp2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[2,1]"],
+           "pp2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[3,1]"],
+           "pp2_dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],  # 4 layers: 4 one-layer chunks
            "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
            "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -119,12 +122,21 @@ def tokens(tmp_path_factory):
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 8, SEQ, VOCAB)
 
 
+@pytest.fixture(scope="module")
+def layout_results(saved, tokens):
+    """{layout: [(loss, grads) per rank]}: every layout in turn in one forked 2-rank world."""
+    from tests.dist import run_ranks
+    from tests.test_hf_moe import _layouts_worker, _overrides
+
+    res = run_ranks(_layouts_worker, 2, [_overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS], timeout_s=300)
+    return {k: [r[i] for r in res] for i, k in enumerate(LAYOUTS)}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_deepseek_v3(saved, tokens, layout):
+def test_layouts_match_deepseek_v3(saved, tokens, layout_results, layout):
     import json
 
-    from tests.dist import run_ranks
-    from tests.test_hf_moe import _grads_worker, _overrides
+    from tests.test_hf_moe import layout_errors
 
     path, ref = saved
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:4])
@@ -132,19 +144,16 @@ def test_layouts_match_deepseek_v3(saved, tokens, layout):
     out = ref(input_ids=x, labels=x)
     out.loss.backward()
     hf, rows = dict(ref.named_parameters()), hfmod._rope_rows(path)
-    _, mcfg = _ours(path)
-    res = run_ranks(_grads_worker, 2, _overrides(path, tokens, LAYOUTS[layout]))
-    grads = {}
-    for _, g in res:
-        for n, v in g.items():
-            grads.setdefault(n, []).append(torch.from_numpy(v))
-    errs = {}
-    for n, gs in grads.items():
-        g = torch.cat(gs) if layout == "ep2" and n.split(".")[-1] in ("w1", "w2", "w3") else gs[0]
-        want = _hf_grad(hf, n, mcfg, rows)
-        errs[n] = float((g - want).abs().max() / want.abs().max())
-    loss_err = max(abs(r[0] - out.loss.item()) / out.loss.item() for r in res)
-    print(f"deepseek_v3 {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} over {len(errs)}")
+    ours, mcfg = _ours(path)
+    loss_err, errs = layout_errors(layout_results[layout], layout, out.loss.item(),
+                                   lambda n: _hf_grad(hf, n, mcfg, rows))
+    print(f"deepseek_v3 {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} "
+          f"({max(errs, key=errs.get)}) over {len(errs)}")
+    names = {n for n, _ in ours.named_parameters()}
+    assert set(errs) == names, sorted(names ^ set(errs))  # every parameter came back
+    if layout == "pp2_dualpipev":  # the V: rank 0 holds the dense first layer and the last, rank 1 the middle
+        held = [{n.split(".")[1] for n in g if n.startswith("layers.")} for _, g in layout_results[layout]]
+        assert held == [{"0", "3"}, {"1", "2"}], held
     assert loss_err < TOL and max(errs.values()) < TOL, errs
 
 
@@ -158,7 +167,7 @@ def test_round_trip_under_ep2_pp2(saved, tokens, tmp_path):
 
     out = str(tmp_path / "export")
     run_ranks(_round_trip_worker, 4, _overrides(saved[0], tokens, [
-        "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[2,1]",
+        "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.pp_layout=[3,1]",
         "model.moe.bias_update_rate=0.01"]), out, timeout_s=300)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").float().eval()
     assert type(back).__name__ == "DeepseekV3ForCausalLM"

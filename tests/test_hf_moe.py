@@ -1,7 +1,8 @@
 """Qwen3-MoE both ways against transformers' own Qwen3MoeForCausalLM (init std 0.2, norm gains in
 U[0.5, 1.5), fp32): import from its save_pretrained (first layer dense by mlp_only_layers, softmax
 top-2 without renormalisation, q/k norms, head_dim 24 != 64/4), logits and every gradient within
-1e-5 on one rank and under ep2 and pp2; a planted error (renormalising the top-k) fails; a round
+1e-5 on one rank and under ep2, pp2 (1f1b and dualpipev), tp2 (with and without SP), cp2 and
+dp2·ZeRO-3 (every layout in one forked world); a planted error (renormalising the top-k) fails; a round
 trip (2 steps under ep2·pp2, export) loads in transformers with logits within 1e-6; and the
 config.json we cannot express is refused naming the key."""
 from __future__ import annotations
@@ -139,30 +140,77 @@ def _grads_worker(rank, world, overrides):
     return grads(rank, world, [overrides])[0]
 
 
-LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"]}
+LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"],
+           "pp2_dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],  # 4 layers: 4 one-layer chunks
+           "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "cp2": ["parallel.cp=2"], "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"]}
+
+
+def _layouts_worker(rank, world, runs):
+    from tests.test_families import _grads_worker as grads
+
+    return grads(rank, world, runs)
+
+
+PLANT = "tp2_sp"  # the renormalised top-k (config.json edited) also runs under this layout: it must fail
+
+
+@pytest.fixture(scope="module")
+def layout_results(saved, tokens, tmp_path_factory):
+    """{layout: [(loss, grads) per rank]}: every layout in turn in one forked 2-rank world, then the
+    planted copy under PLANT (keyed "planted")."""
+    import shutil
+
+    bad = str(tmp_path_factory.mktemp("planted") / "renormalise")
+    shutil.copytree(saved[0], bad)
+    cfg = json.load(open(os.path.join(bad, "config.json")))
+    cfg["norm_topk_prob"] = True
+    json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
+    runs = [_overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS] + [_overrides(bad, tokens, LAYOUTS[PLANT])]
+    res = run_ranks(_layouts_worker, 2, runs, timeout_s=300)
+    return {k: [r[i] for r in res] for i, k in enumerate([*LAYOUTS, "planted"])}
+
+
+def layout_errors(res, layout: str, want_loss: float, want_grad) -> tuple[float, dict]:
+    """(loss rel err, {our name: grad rel err}) of the ranks' results; ``want_grad(name)`` is
+    transformers' gradient. Under ep each rank holds half of the experts: stacked back in rank order;
+    every other layout hands back full gradients (the same on every rank that holds the parameter)."""
+    grads = {}
+    for _, g in res:
+        for n, v in g.items():
+            grads.setdefault(n, []).append(torch.from_numpy(v))
+    errs = {}
+    for n, gs in grads.items():
+        g = torch.cat(gs) if layout == "ep2" and n.split(".")[-1] in ("w1", "w2", "w3") else gs[0]
+        errs[n] = _rel(g, want_grad(n))
+        if layout != "ep2":
+            errs[n] = max(errs[n], *(_rel(h, want_grad(n)) for h in gs))
+    return max(abs(r[0] - want_loss) / want_loss for r in res), errs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_transformers(saved, tokens, layout):
+def test_layouts_match_transformers(saved, tokens, layout_results, layout):
     path, ref = saved
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
     ref.zero_grad(set_to_none=True)
     out = ref(input_ids=x, labels=x)
     out.loss.backward()
     hf = dict(ref.named_parameters())
-    res = run_ranks(_grads_worker, 2, _overrides(path, tokens, LAYOUTS[layout]))
-    grads = {}
-    for _, g in res:
-        for n, v in g.items():
-            grads.setdefault(n, []).append(torch.from_numpy(v))
     ffn = CFG["moe_intermediate_size"]
-    errs = {}
-    for n, gs in grads.items():
-        # under ep each rank holds half of the experts: stack them back in rank order
-        g = torch.cat(gs) if layout == "ep2" and n.split(".")[-1] in ("w1", "w2", "w3") else gs[0]
-        errs[n] = _rel(g, _hf_grad(hf, n, ffn))
-    loss_err = max(abs(r[0] - out.loss.item()) / out.loss.item() for r in res)
-    print(f"qwen3_moe {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)})")
+    loss_err, errs = layout_errors(layout_results[layout], layout, out.loss.item(), lambda n: _hf_grad(hf, n, ffn))
+    names = {n for n, _ in _ours(path)[0].named_parameters()}
+    print(f"qwen3_moe {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)}) "
+          f"over {len(errs)}")
+    assert set(errs) == names, sorted(names ^ set(errs))  # every parameter came back
+    if layout == "pp2_dualpipev":  # the V: rank 0 holds the first and the last layer, rank 1 the middle two
+        held = [{n.split(".")[1] for n in g if n.startswith("layers.")} for _, g in layout_results[layout]]
+        assert held == [{"0", "3"}, {"1", "2"}], held
+    if layout == PLANT:
+        p_loss, p_errs = layout_errors(layout_results["planted"], layout, out.loss.item(),
+                                       lambda n: _hf_grad(hf, n, ffn))
+        print(f"qwen3_moe {layout} planted renormalise: loss {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
+        assert p_loss > 100 * TOL and max(p_errs.values()) > 100 * TOL, (p_loss, p_errs)
     assert loss_err < TOL and max(errs.values()) < TOL, errs
 
 

@@ -170,9 +170,15 @@ def test_planted_errors_fail(oracle, plant):
 @pytest.mark.parametrize("extra", [["parallel.dp=2", "parallel.zero=3"], ["parallel.dp=1", "parallel.cp=2"],
                                    ["parallel.dp=1", "parallel.pp=2", "model.tie_embeddings=true"]])
 def test_refused(extra):
+    """The resolver refuses them naming the field (before any rank starts), and build_model too."""
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
     from paralayer.runtime.build import build_model
 
-    cfg, plan = cfg_and_plan(MTP + extra)
+    cfg = load_config(MTP + extra)
+    plan = resolve(cfg).to_dict()
+    assert [e["field"] for e in plan["errors"]] == ["model.mtp.depth"], plan["errors"]
+    plan["errors"] = []
     with pytest.raises(ValueError, match="model.mtp.depth"):
         build_model(cfg, plan, None, torch.device("cpu"))
 

@@ -146,7 +146,7 @@ def check(cfg: Config) -> Layout:
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
     for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
-                 check_context_parallel, check_experts, check_batch, check_eval):
+                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval):
         step(cfg, lay)
     return lay
 
@@ -373,6 +373,23 @@ def check_experts(cfg: Config, lay: Layout) -> None:
     if E > 0 and ep > 1 and E % ep == 0 and E // ep == 1:
         _warn(lay, "parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
               "all-to-all and the busiest expert sets the pace")
+
+
+def check_model_parts(cfg: Config, lay: Layout) -> None:
+    """The model parts not built under some layouts (runtime/build.py refuses them too): refused here,
+    before any rank starts, so the front door exits 2 naming the field."""
+    m, p = cfg.model, cfg.parallel
+    if m.mtp.depth > 0:
+        why = ("parallel.cp > 1 (MTP reads the token k ahead, on another context rank)" if p.cp > 1 else
+               "parallel.zero=3 (ZeRO-3 reshards the embedding and head before the MTP loss runs)" if int(p.zero) >= 3
+               else "model.tie_embeddings under parallel.pp > 1 (three copies of the shared table)"
+               if p.pp > 1 and m.tie_embeddings else None)
+        if why:
+            _error(lay, "model.mtp.depth", f"model.mtp.depth={m.mtp.depth} is not built with {why}; use "
+                   "model.mtp.depth=0 or change the layout")
+    if m.mla.kv_lora_rank > 0 and p.tp > 1 and p.tp_overlap:
+        _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true is not built with MLA (model.mla.kv_lora_rank="
+               f"{m.mla.kv_lora_rank}); valid: false")
 
 
 def check_batch(cfg: Config, lay: Layout) -> None:
