@@ -364,7 +364,7 @@ def _microbatch_refusal(pp: int, mm: int, schedule: str) -> Optional[str]:
 def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: float = math.inf) -> None:
     """Every (zero, micro-batch, tp_overlap, recompute) of one structure that fits, timed if it can beat ``bar``."""
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
-    lay = st.lay
+    lay, mtp = st.lay, (1 + cfg.model.mtp.depth, mem_mod.mtp_saved_elems(cfg))  # MTP's blocks, saved elements
     ranks = candidate_ranks(cfg, lay)
     overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
     if "tp_overlap" in ctx.fixed:
@@ -410,8 +410,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
             n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, 1 + ctx.cfg.model.mtp.depth,
-                               mem_mod.mtp_saved_elems(ctx.cfg))
+            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, *mtp)
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()
