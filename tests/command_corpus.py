@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Callable, Iterator
 
+from front_door_corpus import echo_problems, error_lines  # the tests folder is on sys.path for both corpora
+
 SECRET = "sk_CORPUS_7f3a9c11e2"
 #: a case that has not ended after this many wall seconds is a time-out (the machine is shared)
 WALL_S = 60.0
@@ -217,7 +219,7 @@ GENERATORS: dict[str, Callable[[random.Random], Case]] = {
 
 
 def cases(n: int, seed: int = 0, kinds: list[str] | None = None) -> Iterator[Case]:
-    from front_door_corpus import cases as drawn  # the tests folder is on sys.path for both corpora
+    from front_door_corpus import cases as drawn
 
     return drawn(n, seed, kinds, GENERATORS)
 
@@ -342,13 +344,9 @@ def run_case(case: Case, tmp: str) -> dict:
         problems.append(f"crash: exit {rc}")
     if "Traceback" in e or "unexpected " in e:
         problems.append("crash: traceback or unexpected exception")
-    if SECRET in o + e:
-        problems.append("secret echoed")
-    if "\x1b" in o + e:
-        problems.append("ANSI escape passed through")
+    problems += echo_problems(o + e, SECRET)
     if rc == 2:
-        lines = [ln for ln in e.splitlines() if ln.strip()]
-        errs = [ln for ln in lines if ln.startswith("error:")]
+        lines, errs = error_lines(e)
         if len(errs) != 1 or any(not ln.startswith(("error:", "warning:", "note:")) for ln in lines):
             problems.append("multi-line: a message spans lines")
         elif not names_something(errs[0], tmp, argv):

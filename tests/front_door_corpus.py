@@ -243,6 +243,17 @@ def cases(n: int, seed: int = 0, kinds: list[str] | None = None, generators: dic
         yield gens[names[i % len(names)]](r)
 
 
+def echo_problems(text: str, secret: str = SECRET) -> list[str]:
+    """What no command may print: the planted secret, or a raw ANSI escape."""
+    return (["secret echoed"] if secret in text else []) + (["ANSI escape passed through"] if "\x1b" in text else [])
+
+
+def error_lines(err: str) -> tuple[list[str], list[str]]:
+    """(the non-blank lines of stderr, those that are an ``error:`` line)."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return lines, [ln for ln in lines if ln.startswith("error:")]
+
+
 def run_case(case: Case, tmp: str) -> dict:
     """One case in-process: exit code, CPU seconds, stdout/stderr, and what is wrong with them."""
     subs = {}
@@ -278,13 +289,9 @@ def run_case(case: Case, tmp: str) -> dict:
         problems.append(f"exit {rc}")
     if cpu > BOUND_S:
         problems.append(f"slow {cpu:.2f} s")
-    if SECRET in o + e:
-        problems.append("secret echoed")
-    if "\x1b" in o + e:
-        problems.append("ANSI escape passed through")
+    problems += echo_problems(o + e)
     if rc == 2:
-        lines = [ln for ln in e.splitlines() if ln.strip()]
-        errs = [ln for ln in lines if ln.startswith("error:")]
+        lines, errs = error_lines(e)
         if not errs:
             problems.append("exit 2 without an error: line")
         elif not names_field(errs[0], argv, tmp):
