@@ -251,12 +251,15 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
         padded = int(math.ceil(m_.vocab_size / tp) * tp)
         for cp in _allowed(fixed, "cp", divisors(world // tp)):
-            if cp > 1 and (tot.seq % (2 * cp) or (m_.moe.num_experts and m_.moe.capacity_factor is not None)):
-                continue  # (capacity under cp: refused by rules.check_experts)
+            if cp > 1 and (tot.seq % (2 * cp) or (m_.moe.num_experts and m_.moe.capacity_factor is not None)
+                           or m_.mtp.depth):
+                continue  # (capacity or MTP under cp: refused by rules.check_experts / check_model_parts)
             if sp and tot.seq % (cp * tp):
                 drop("sequence parallel: seq_len/cp not divisible by tp")
                 continue
-            for pp in _allowed(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= L]):
+            no_pp = m_.mtp.depth and m_.tie_embeddings  # refused by rules.check_model_parts
+            pps = [p for p in divisors(world // (tp * cp)) if p <= L and not (no_pp and p > 1)]
+            for pp in _allowed(fixed, "pp", pps):
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and dp != fixed["dp"]:
                     continue
@@ -393,7 +396,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
 
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
-    for zero in _allowed(ctx.fixed, "zero", [0, 1, 2, 3]):
+    for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
         rope = mem_mod.rope_bytes_for(model_parts.rope_dim(cfg), tot.seq / lay.cp, mode)
