@@ -49,14 +49,25 @@ def lost_nodes(job_id: str) -> list[str]:
     return [n for n in nodes if n in down] or nodes
 
 
-def ranks_on(run_dir: str, hosts: list[str]) -> list[int]:
-    """The ranks placement.json puts on ``hosts``."""
+def placement(run_dir: str) -> dict:
+    """run.dir/placement.json ({rank: {host, local_rank}}), or {} when it is missing or unreadable."""
     try:
         with open(os.path.join(run_dir, "placement.json")) as f:
-            where = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
-        return []
+        return {}
+
+
+def ranks_on(run_dir: str, hosts: list[str]) -> list[int]:
+    """The ranks placement.json puts on ``hosts``."""
+    where = placement(run_dir)
     return sorted(int(r) for r, w in where.items() if isinstance(w, dict) and w.get("host") in hosts)
+
+
+def hosts_of(run_dir: str, ranks: list[int]) -> list[str]:
+    """The hosts placement.json gives ``ranks``."""
+    place = placement(run_dir)
+    return sorted({place[str(r)]["host"] for r in ranks if str(r) in place and "host" in place[str(r)]})
 
 
 def describe(job_id: str, run_dir: str) -> Optional[str]:

@@ -13,7 +13,6 @@ every attempt's wall time on the launcher's clock (metrics/goodput.py). Imports 
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from paralayer.dispatch import attempts as att
+from paralayer.dispatch.node_loss import hosts_of
 
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "distnetworkerror",
               "distbackenderror", "read error", "socket closed", "timed out")
@@ -58,15 +58,6 @@ def dead_ranks(outcomes: list) -> list[int]:
     own = [t for t, o in enumerate(outcomes)
            if o is not None and o[0] == "error" and not any(k in str(o[1]).lower() for k in _PEER_LOSS)]
     return sorted(died + own) or [t for t, o in enumerate(outcomes) if o is None or o[0] != "success"]
-
-
-def hosts_of(run_dir: str, ranks: list[int]) -> list[str]:
-    try:
-        with open(os.path.join(run_dir, "placement.json")) as f:
-            place = json.load(f)
-    except (OSError, ValueError):
-        return []
-    return sorted({place[str(r)]["host"] for r in ranks if str(r) in place and "host" in place[str(r)]})
 
 
 def exclude_after(history: list[dict]) -> list[str]:
