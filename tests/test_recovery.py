@@ -54,12 +54,33 @@ def _attempts(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: the same run, never interrupted."""
+def plain(tmp_path_factory):
+    """The reference: the same run, never interrupted (its losses, and its run.dir)."""
     tmp = tmp_path_factory.mktemp("plain")
     res, _, run_dir = _launch(tmp, "plain", None, [f"train.steps={STEPS}", f"checkpoint.every={EVERY}"])
     assert res.returncode == 0, res.stderr[-3000:]
-    return _losses(run_dir)
+    return _losses(run_dir), run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(plain):
+    return plain[0]
+
+
+def test_restart_before_the_first_save_keeps_the_users_checkpoint(tmp_path, plain):
+    """A run started from ``train.resume=PATH`` whose rank dies before the run's own first save:
+    the restart loads PATH again (not step 1), and the losses are the uninterrupted run's."""
+    losses, plain_dir = plain
+    path = sorted((plain_dir / "checkpoints").glob("step-*"))[0]  # the oldest one retention kept
+    at = int(path.name.split("-")[1])
+    assert at < STEPS - 1, path
+    res, _, run_dir = _launch(tmp_path, "p", f"kill1:1:{at + 2}",
+                              [f"train.steps={STEPS}", f"checkpoint.every={STEPS}", "cluster.max_restarts=1",
+                               f"train.resume={path}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count(f"resumed from {path} at step {at + 1}") == 2, res.stdout[-3000:]
+    assert _losses(run_dir) == losses[at:]
+    assert [x["cause"] for x in _attempts(run_dir)] == ["rank_died", "done"]
 
 
 def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):

@@ -36,11 +36,26 @@ def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]
     if overrides:
         from omegaconf import OmegaConf
 
+        users = cfg.train.resume
         merged = OmegaConf.merge(OmegaConf.create(config_mod.to_dict(cfg)), OmegaConf.from_dotlist(list(overrides)))
         cfg = config_mod.from_dict(OmegaConf.to_container(merged))
+        cfg.train.resume = restart_resume(cfg.train.resume, users, cfg.checkpoint.dir
+                                          or os.path.join(run_dir, "checkpoints"))
     with open(os.path.join(run_dir, "plan.json")) as f:
         plan = as_plan(json.load(f))
     return cfg, plan
+
+
+def restart_resume(resume: str, users: str, ckpt_root: str) -> str:
+    """What a restarted attempt (``train.resume=auto`` from the launcher) loads: the newest
+    checkpoint of the run, or, while the run has none yet, the checkpoint the user started it
+    from (``train.resume=PATH``): a death before the first save must not drop the user's
+    weights and start from step 1."""
+    from paralayer.checkpoint.retention import list_checkpoints
+
+    if resume != "auto" or users in ("auto", "none") or list_checkpoints(ckpt_root):
+        return resume
+    return users
 
 
 def _report_input_error(exc: Exception, rank: int) -> None:
