@@ -92,13 +92,15 @@ def feature_values() -> dict[str, tuple]:
         "tied": (False, True),
         "pp_layout": ("even", "uneven"),
         "micro_batch": (1, 2),
-        "family": tuple(FAMILY),                  # the model's attention parts (issue #33)
+        "family": tuple(FAMILY),                  # the model's attention parts (issues #33, #34)
+        "mtp": (0, 1),                            # multi-token prediction depth (issue #34)
     }
 
 
 #: DeepSeek-V3's routing (issue #34): the sigmoid router by groups (2 groups of 2 experts, one
 #: chosen per token, so a token's top-2 lie in one group), routed scaling, the first layer dense;
-#: dropless. (MTP and the sequence-wise loss are refused under cp, so they are not in the array.)
+#: dropless. (The sequence-wise loss is not in the array: its value depends on which tokens share a
+#: sequence, the same under every layout, and tests/test_routing.py checks it.)
 GROUP = ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=1",
          "model.moe.routed_scaling_factor=2.5", "model.moe.first_k_dense=1", "model.moe.capacity_factor=null"]
 
@@ -108,9 +110,16 @@ GROUP = ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.topk_grou
 FAMILY = {"plain": [],
           "qwen3": ["model.head_dim=12", "model.qk_norm=true", "model.rope.type=llama3", "model.rope.factor=8",
                     "model.rope.original_max_position=8"],
-          "window": ["model.sliding_window=6", "model.full_attention_every=2"]}
+          "window": ["model.sliding_window=6", "model.full_attention_every=2"],
+          # DeepSeek-V3's latent attention (issue #34): a q down-projection, K of width nope 8 + rope 4 with
+          # the rope key shared by the heads, V of width 6 (not the qk width), YaRN 4 with positions past 8
+          "mla": ["model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=10", "model.mla.qk_nope_head_dim=8",
+                  "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6", "model.n_kv_heads=4",
+                  "model.rope.type=yarn", "model.rope.factor=4", "model.rope.original_max_position=8"]}
+#: multi-token prediction (DeepSeek-V3 §2.2) on the last stage, by depth
+MTP = {0: [], 1: ["model.mtp.depth=1", "model.mtp.loss_weight=0.3"]}
 #: every key of the schema's model section: the feature that varies it, or None (fixed by BASE: the
-#: shape, the init; or a part not yet in the array — models-moe (#34) gives mla/mtp/routing theirs)
+#: shape, the init, and the parts whose value no split changes)
 MODEL_FIELDS = {
     **{k: None for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len",
                          "rope_theta", "norm_eps", "init", "init_std")},
@@ -123,9 +132,9 @@ MODEL_FIELDS = {
                                    "first_k_dense", "n_group", "topk_group", "routed_scaling_factor")},
     **{f"moe.{k}": None for k in ("top_k", "ffn_hidden", "aux_loss_coef", "every", "shared_ffn_hidden",
                                   "norm_topk_prob", "seq_aux_loss_coef")},
-    **{f"mla.{k}": None for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                  "v_head_dim")},
-    **{f"mtp.{k}": None for k in ("depth", "loss_weight")},
+    **{f"mla.{k}": "family" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                      "v_head_dim")},
+    **{f"mtp.{k}": "mtp" for k in ("depth", "loss_weight")},
 }
 
 
@@ -139,6 +148,19 @@ def disallowed(f: str, a, g: str, b) -> Optional[str]:
             return "parallel.pp_layout"  # an uneven split needs pipeline chunks
         if f1 == "moe" and str(v1).endswith("_cap") and f2 == "cp" and v2 > 1:
             return "model.moe.capacity_factor"  # capacity counts a rank's own tokens: 1/cp of each sequence
+        if f1 == "family" and v1 == "mla" and f2 == "tp" and v2 == "overlap":
+            return "parallel.tp_overlap"  # the overlapped tp matmuls are built for the plain q/k/v projections
+        if f1 == "mtp" and v1 > 0 and ((f2 == "cp" and v2 > 1) or (f2 == "zero" and v2 == 3)):
+            return "model.mtp.depth"  # MTP reads the token k ahead (another cp rank); ZeRO-3 reshards the head
+    return None
+
+
+def refused_row(row: dict) -> Optional[str]:
+    """The field the resolver names for a row refused by three of its values together (no pair of
+    them is refused alone), or None. MTP with tied embeddings under pp: the shared table would have
+    three copies (first stage, last stage, MTP)."""
+    if row.get("mtp", 0) > 0 and row.get("tied") and row.get("pipe", "none") != "none":
+        return "model.mtp.depth"
     return None
 
 
@@ -169,6 +191,8 @@ def _row_ok(row: dict, first: dict) -> bool:
     ``first`` (cheapest) value."""
     items = list(row.items())
     if not all(disallowed(f, a, g, b) is None for (f, a), (g, b) in itertools.combinations(items, 2)):
+        return False
+    if refused_row(row) is not None:
         return False
     return world_size(dict(first, **row)) <= MAX_WORLD
 
@@ -261,6 +285,7 @@ def model_overrides(row: dict) -> list[str]:
     gb = row["micro_batch"] * MICROBATCHES.get(row["pipe"], 2) * d["dp"]
     ov = [f"model.n_layers={n_layers(row)}", f"model.tie_embeddings={str(row['tied']).lower()}",
           f"train.micro_batch={row['micro_batch']}", f"train.global_batch={gb}"] + FAMILY[row.get("family", "plain")]
+    ov += MTP[row.get("mtp", 0)]
     if moe == "dense":
         return ov + ["model.moe.num_experts=0"]
     if moe == "group":
@@ -335,4 +360,6 @@ def planner_row(layout: dict, model) -> dict:
             "cp": 1 if d["cp"] == 1 else CP, "ep": 1 if d["ep"] == 1 else EP, "tied": bool(model.tie_embeddings),
             "pp_layout": "uneven" if layout.get("pp_layout") else "even",
             "micro_batch": 1 if int(layout["micro_batch"]) == 1 else 2,
-            "family": "window" if model.sliding_window is not None else "qwen3" if model.qk_norm else "plain"}
+            "family": ("mla" if model.mla.kv_lora_rank > 0 else "window" if model.sliding_window is not None
+                       else "qwen3" if model.qk_norm else "plain"),
+            "mtp": 1 if model.mtp.depth > 0 else 0}

@@ -1,7 +1,8 @@
 """Every pair of layout features, trained and compared with one process (issue #25).
 
 tests/combos.py generates a pairwise covering array over the features the planner searches
-(schedules, ZeRO, recompute, tp/SP/tp_overlap, cp, ep with both routers and capacity, tied
+(schedules, ZeRO, recompute, tp/SP/tp_overlap, cp, ep with both routers, capacity and routing by
+group, the model families' attention (Qwen3, windows, DeepSeek's latent attention), MTP, tied
 embeddings, uneven pp_layout, micro-batch); a pair counts only where both values take effect
 (recompute_every under recompute=full, pp_layout with a pipeline, ep with experts). Each row trains
 2 steps at init std 0.2 on at most ``combos.MAX_WORLD`` = 4 gloo ranks; its loss and grad norm must equal the one-rank run of the same model and batch every
@@ -151,6 +152,23 @@ def test_disallowed_pairs_are_refused_by_the_resolver():
         errs = _refused(C.default_row(), extra)
         assert any(e["field"] == fld for e in errs), (extra, errs)
     print("refused:", refused, [s for s, _ in C.REFUSED_SETTINGS])
+
+
+def test_refused_rows_are_refused_and_not_in_the_array(rows):
+    """A refusal of three values together (MTP, tied embeddings, a pipeline): the resolver names
+    the field for every schedule, no row of the array holds it, and each of its pairs is still
+    covered by rows that run."""
+    feats = C.feature_values()
+    for pipe in feats["pipe"][1:]:
+        row = dict(C.default_row(), mtp=1, tied=True, pipe=pipe)
+        fld = C.refused_row(row)
+        assert fld == "model.mtp.depth"
+        assert any(e["field"] == fld for e in _refused(row)), pipe
+    assert C.refused_row(dict(C.default_row(), mtp=1, tied=True)) is None
+    assert not [r for r in rows if C.refused_row(r)]
+    covered = set().union(*(C.row_pairs(r, feats) for r in rows))
+    assert (("tied", True), ("mtp", 1)) in covered
+    assert all((("pipe", p), ("mtp", 1)) in covered for p in feats["pipe"])
 
 
 def _planner_samples():

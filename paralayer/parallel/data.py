@@ -7,7 +7,7 @@ gradient-scaling contract).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     reshard = zero >= 3
-    for layer in model.layers.values():
+    for layer in _blocks(model):
         ff = layer.feed_forward
         if expert_mesh is not None and getattr(ff, "ep_size", 1) > 1:
             experts = [p for n, p in ff.named_parameters(recurse=False)]
@@ -41,6 +41,16 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Op
                 fully_shard(ff, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def _blocks(model: nn.Module) -> Iterator[nn.Module]:
+    """The transformer blocks of a chunk, the MTP depths' blocks included (model/mtp.py): their
+    experts must shard over the expert-data ranks like every other MoE block's."""
+    yield from model.layers.values()
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        for depth in mtp.layers.values():
+            yield depth.block
 
 
 class ZeroOneOptimizer:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.parallel.tensor import local_tensor
+from paralayer.parallel.tensor import align_grad, local_tensor
 
 
 def tied_params(chunks: Sequence[nn.Module]) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:
@@ -55,6 +55,11 @@ def pair_group(pp_ranks: Sequence[Sequence[int]], rank: int) -> Optional[dist.Pr
 def sum_tied_grads(chunks: Sequence[nn.Module], group: Optional[dist.ProcessGroup]) -> None:
     """Give both copies the sum of their gradients (after the data-parallel averaging)."""
     emb, out = tied_params(chunks)
+    for p in (emb, out):
+        if p is not None and p.grad is not None:
+            # a vocab-parallel embedding's grad comes out Replicate; tensor.py's hook slices it to the
+            # parameter's Shard(0), but a split backward (zbv, dualpipev) may set it without the hook
+            align_grad(p)
     if emb is not None and out is not None:  # one rank holds both (pp = 1, or a V schedule's rank 0)
         if emb.grad is None or out.grad is None:
             return
