@@ -40,7 +40,7 @@ from torch import nn
 
 from paralayer.checkpoint.expert_keys import expert_owners
 from paralayer.checkpoint.hf_moe import (_deinterleave_rope, _export_rope_rows, _load_router_bias, _mtp_to_deepseek,
-                                         _reordered, _rope_rows)
+                                         _reordered, _rope_rows, mtp_as_layer, mtp_depths_in, mtp_hf_key)
 from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
                                               family_of, qwen3_moe_config, rope_parameters)
 
@@ -136,6 +136,7 @@ class _Reader:
         self._handles: dict[str, Any] = {}
         self.bytes_read = 0  # bytes of the tensors and slices this reader returned
         self.rope_rows: Optional[dict] = None  # rows to reorder on import (_rope_rows)
+        self.n_layers: Optional[int] = None  # set: MTP names read as DeepSeek's layers n_layers+k (hf_moe)
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
@@ -192,6 +193,8 @@ class _Reader:
 def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optional[tuple[int, int]]) -> torch.Tensor:
     """The full tensor of our parameter ``name`` (global shape ``shape``; ``experts`` = (offset,
     count) to read only those experts of a stacked expert weight)."""
+    if mtp_hf_key(name, reader.n_layers) is None:
+        name = mtp_as_layer(name, reader.n_layers)
     m = re.match(r"^layers\.(\d+)\.feed_forward\.(w[123])$", name)
     if m:
         i, w = m.groups()
@@ -254,7 +257,7 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
         else:
             full = full_for(clean, global_shape, None)
             logical = list(global_shape)
-            if clean.startswith(("tok_embeddings.", "output.")):
+            if clean.startswith(("tok_embeddings.", "output.", "mtp.embed.")):
                 logical[0] = vocab_size
             if list(full.shape) != logical:
                 raise HFFormatError(f"{clean}: checkpoint shape {list(full.shape)} != model {logical} "
@@ -272,6 +275,10 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
 
 
 def _hf_key(reader: _Reader, name: str) -> str:
+    own = mtp_hf_key(name, reader.n_layers)
+    if own is not None:
+        return own
+    name = mtp_as_layer(name, reader.n_layers)
     if name == "output.weight" and "lm_head.weight" not in reader:
         return "model.embed_tokens.weight"  # tied embeddings
     key = ours_to_hf(name)
@@ -297,13 +304,16 @@ def _local_region(param) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 @torch.no_grad()
-def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> None:
+def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int, skip: frozenset = frozenset()) -> None:
     """Fill every parameter of ``model`` from ``reader``, reading only this rank's region of each
-    (experts and anything unusual go through :func:`copy_full_tensors`'s slicing)."""
+    (experts and anything unusual go through :func:`copy_full_tensors`'s slicing). ``skip``:
+    clean names left alone."""
     owners = expert_owners(model)
     rest: list[str] = []
     for name, param in model.named_parameters():
         clean = _clean(name)
+        if clean in skip:
+            continue
         region = None if clean in owners else _local_region(param)
         if clean in owners or (region is None and hasattr(param, "device_mesh")) or _reordered(reader, clean):
             rest.append(name)
@@ -311,7 +321,7 @@ def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> N
         shape, offset = region if region is not None else (tuple(param.shape), (0,) * param.dim())
         key = _hf_key(reader, clean)
         logical = list(param.shape)
-        if clean.startswith(("tok_embeddings.", "output.")):
+        if clean.startswith(("tok_embeddings.", "output.", "mtp.embed.")):
             logical[0] = vocab_size
         if reader.shape(key) != logical:
             raise HFFormatError(f"{clean}: checkpoint shape {reader.shape(key)} != model {logical} "
@@ -330,20 +340,49 @@ def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int) -> N
         copy_full_tensors(model, lambda n, s, e: _full_for(reader, n, s, e), vocab_size, only=keep)
 
 
-def load_hf_weights(model: nn.Module, path: str, cfg) -> int:
+def load_hf_weights(model: nn.Module, path: str, cfg, seed: int = 0) -> int:
     """Copy the Hugging Face weights at ``path`` into ``model`` (one pipeline chunk or the whole
     model, under any tp / fsdp / ep layout), reading only what this rank holds. ``cfg``: the
     ModelConfig (its shape must match config.json: use :func:`apply_hf_config` first).
-    Returns the bytes this rank read."""
-    if getattr(model, "mtp", None) is not None:
-        raise HFFormatError(f"model.mtp.depth={cfg.mtp.depth}: reading MTP weights from {path} is not built "
-                            f"(set model.mtp.depth=0 with model.init=hf:)")
+    MTP depths (``model.mtp.depth``) are read from DeepSeek's ``model.layers.{n_layers+k}.*``;
+    a depth the checkpoint lacks starts fresh from the layout-independent init of ``seed`` (as a
+    Megatron or torchtitan run adding MTP to a base model does), with a one-line notice; depths it
+    carries beyond the model's are ignored, with a notice. Returns the bytes this rank read."""
     reader = _Reader(path)
     reader.rope_rows = _rope_rows(path)
+    reader.n_layers = cfg.n_layers
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
-    copy_sliced_tensors(model, reader, vocab)
+    held = mtp_depths_in(reader, cfg.n_layers)
+    want = cfg.mtp.depth if getattr(model, "mtp", None) is not None else 0
+    fresh = frozenset(_clean(n) for n, _ in model.named_parameters()
+                      if any(_clean(n).startswith(f"mtp.layers.{k}.") for k in range(held, want)))
+    if held < want and fresh:
+        _notice(f"{path}: carries {held} MTP depth(s), model.mtp.depth={want}: depths {held}..{want - 1} "
+                f"start from a fresh init (seed {seed})")
+    elif held > cfg.mtp.depth:
+        _notice(f"{path}: carries {held} MTP depth(s) (model.layers.{cfg.n_layers}..); model.mtp.depth="
+                f"{cfg.mtp.depth}: the rest are not read")
+    copy_sliced_tensors(model, reader, vocab, skip=fresh)
+    if fresh:
+        from paralayer.model.transformer import full_init
+
+        def init_for(name: str, shape: tuple, experts: Optional[tuple]) -> torch.Tensor:
+            full = full_init(name, shape, cfg, seed)
+            return full if experts is None else full.narrow(0, experts[0], experts[1]).contiguous()
+
+        copy_full_tensors(model, init_for, vocab, only={n for n, _ in model.named_parameters() if _clean(n) in fresh})
     _load_router_bias(model, reader)
     return reader.bytes_read
+
+
+def _notice(msg: str) -> None:
+    """One line on stderr, from global rank 0 only."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(f"notice: {msg}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ export

@@ -30,7 +30,7 @@ def _rope_rows(path: str) -> Optional[dict]:
 
 
 def _reordered(reader, name: str) -> bool:
-    m = _LAYER.match(name)
+    m = _LAYER.match(mtp_as_layer(name, getattr(reader, "n_layers", None)))
     return bool(reader.rope_rows) and m is not None and m.group(2) in reader.rope_rows
 
 
@@ -51,9 +51,12 @@ def _deinterleave_rope(t: torch.Tensor, name: str, rows: dict, inverse: bool = F
 
 def _load_router_bias(model: nn.Module, reader) -> None:
     """DeepSeek-V3's selection bias (``mlp.gate.e_score_correction_bias``) into each sigmoid
-    router's ``expert_bias`` buffer (a buffer, not a parameter: the loop above skips it)."""
+    router's ``expert_bias`` buffer (the MTP depths' too) (a buffer, not a parameter: the loop above skips it)."""
     for name, mod in model.named_modules():
-        m = re.match(r"^(?:.*\.)?layers\.(\d+)\.feed_forward$", _clean_name(name))
+        clean = _clean_name(name)
+        if clean.startswith("mtp."):  # an MTP depth's block: DeepSeek's layer n_layers+k
+            clean = mtp_as_layer(clean + ".weight", getattr(reader, "n_layers", None))[:-len(".weight")]
+        m = re.match(r"^(?:.*\.)?layers\.(\d+)\.feed_forward$", clean)
         key = f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias" if m else None
         if key is not None and getattr(mod, "router", None) == "sigmoid" and key in reader:
             with torch.no_grad():
@@ -69,6 +72,40 @@ def _export_rope_rows(cfg) -> dict:
 
 _MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
               "norm.weight": "shared_head.norm.weight"}
+
+
+_HF_MTP_PARTS = {v: k for k, v in _MTP_PARTS.items()}
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_as_layer(name: str, n_layers: Optional[int]) -> str:
+    """Our MTP name as the decoder-layer name DeepSeek stores it under (the import's reading of
+    :func:`_mtp_to_deepseek`): ``mtp.layers.{k}.block.X`` → ``layers.{n_layers+k}.X``, the last
+    stage's embedding copy ``mtp.embed.weight`` → ``tok_embeddings.weight``; any other name as is."""
+    if name == "mtp.embed.weight":
+        return "tok_embeddings.weight"
+    m = _MTP.match(name)
+    if m is None or n_layers is None or not m.group(2).startswith("block."):
+        return name
+    return f"layers.{n_layers + int(m.group(1))}.{m.group(2)[len('block.'):]}"
+
+
+def mtp_hf_key(name: str, n_layers: Optional[int]) -> Optional[str]:
+    """The DeepSeek key of an MTP depth's own parts (enorm, hnorm, eh_proj, shared_head.norm), or
+    None for any other name (its block's weights go through :func:`mtp_as_layer`)."""
+    m = _MTP.match(name)
+    if m is None or n_layers is None or m.group(2) not in _MTP_PARTS:
+        return None
+    return f"model.layers.{n_layers + int(m.group(1))}.{_MTP_PARTS[m.group(2)]}"
+
+
+def mtp_depths_in(reader, n_layers: int) -> int:
+    """How many MTP depths the checkpoint carries in DeepSeek's naming (``model.layers.{n+k}.enorm``
+    for k = 0, 1, … without a gap)."""
+    k = 0
+    while f"model.layers.{n_layers + k}.enorm.weight" in reader:
+        k += 1
+    return k
 
 
 def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows, ours_to_hf) -> dict[str, torch.Tensor]:

@@ -179,8 +179,11 @@ def load_hf_config(path: str) -> dict:
 
 def _deepseek_v3_fields(hf: dict, fp: str, n_layers: int) -> tuple[dict, dict]:
     """DeepSeek-V3's MoE (sigmoid router by groups, routed scaling, shared experts, the first
-    ``first_k_dense_replace`` layers dense) and MLA widths. ``num_nextn_predict_layers`` (MTP) is not
-    read: transformers' class has no MTP layers (model.mtp.depth stays the recipe's)."""
+    ``first_k_dense_replace`` layers dense) and MLA widths. ``num_nextn_predict_layers`` (MTP) is
+    checked (a whole number >= 0) but does not set model.mtp.depth: like Megatron's
+    ``--mtp-num-layers`` that is the run's choice (the import reads the depths the safetensors
+    carry, checkpoint/hf_moe.py), and a recipe's ``model.mtp.depth=0`` must not be overwritten."""
+    _int(hf, "num_nextn_predict_layers", fp, 0, minimum=0)
     experts = _int(hf, "n_routed_experts", fp)
     ffn = _int(hf, "moe_intermediate_size", fp)
     n_group, topk_group = _int(hf, "n_group", fp, 1), _int(hf, "topk_group", fp, 1)
