@@ -154,7 +154,7 @@ def _materialize(cfg: Config, chunks: list, device: torch.device) -> None:
         if cfg.model.init.startswith("hf:"):  # after: a DeepSeek-V3 checkpoint carries the router bias
             from paralayer.checkpoint.hf import load_hf_weights
 
-            load_hf_weights(chunk, cfg.model.init[3:], cfg.model)
+            load_hf_weights(chunk, cfg.model.init[3:], cfg.model, seed=cfg.train.seed)
         else:
             init_weights(chunk, cfg.model, cfg.train.seed, device)
         for buf_name, buf in chunk.named_buffers():
