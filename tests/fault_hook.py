@@ -8,7 +8,7 @@ chosen rank at the chosen step, raises (``raise``), kills itself with SIGKILL (`
 its loss NaN (``nan``, which the global loss then carries to every rank). Run-health kinds:
 ``stop`` freezes the rank with SIGSTOP before that step's forward (a hung peer; it first writes its
 pid to ``$TMP/stopped-pid`` so a test can clean up), ``slow`` sleeps 0.2 s before every forward
-from that step on (a straggler), ``nan1`` / ``spike1`` poison the loss (NaN, or ×10) the first
+from that step on (a straggler), ``slowbw`` 0.2 s inside every backward from that step on, ``nan1`` / ``spike1`` poison the loss (NaN, or ×10) the first
 time that step runs only (a bad batch: after a rollback the step reads other data).
 """
 from __future__ import annotations
@@ -57,6 +57,8 @@ def make_hooks(module, spec: str):
     at_rank, at_step = int(rank_s), int(step_s)
     done: set = set()
 
+    backward_sleep: dict = {}
+
     class FaultHooks(module.StepHooks):
         def before_save(self, rank: int, step: int) -> None:
             if kind == "stopsave" and (rank, step) == (at_rank, at_step):
@@ -66,7 +68,10 @@ def make_hooks(module, spec: str):
             if kind == "slow" and rank == at_rank and step >= at_step:
                 time.sleep(0.2)
                 return
-            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "stopsave"):
+            if kind == "slowbw" and rank == at_rank and step >= at_step:
+                _sleep_in_next_backward(backward_sleep)
+                return
+            if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "slowbw", "stopsave"):
                 return
             if kind == "exit2":  # bad data found mid-run
                 from paralayer.data.errors import DataError
@@ -103,6 +108,22 @@ def make_hooks(module, spec: str):
             return loss
 
     return FaultHooks()
+
+
+def _sleep_in_next_backward(state: dict) -> None:
+    """``slowbw``: sleep 0.2 s at the first module backward after this call (the peer then waits in
+    a backward collective: tp's, FSDP's reduce-scatter, the pipeline's gradient receive). One global
+    backward pre-hook per process, armed once per step."""
+    import torch
+
+    if "handle" not in state:
+        def pre(module, grad_output):
+            if state.get("armed"):
+                state["armed"] = False
+                time.sleep(0.2)
+
+        state["handle"] = torch.nn.modules.module.register_module_full_backward_pre_hook(pre)
+    state["armed"] = True
 
 
 def _joined(module, parts: list):

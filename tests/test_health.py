@@ -74,11 +74,17 @@ LAYOUTS = {"zero0": ["parallel.zero=0"], "zero2": ["parallel.zero=2"], "zero3": 
            "tp2": ["parallel.tp=2", "parallel.dp=1"], "pp2": ["parallel.pp=2", "parallel.dp=1"]}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, layout):
+#: where the slowed rank's 0.2 s lands: before the forward (every layout), or inside the backward
+#: (the peer then waits in tp's backward collectives, FSDP2's reduce-scatter, the pipeline's
+#: gradient receive: the layouts whose backward has collectives of their own)
+CASES = [(lay, "slow") for lay in LAYOUTS] + [(lay, "slowbw") for lay in ("zero3", "tp2", "pp2")]
+
+
+@pytest.mark.parametrize("layout,kind", CASES)
+def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, layout, kind):
     """Under ZeRO-2/3 the peer waits in FSDP2's all-gather for the slowed rank: that time must be
     waiting (parallel/collective_timing.py), or both ranks look equally busy."""
-    out = run_ranks(_train, 2, ["train.steps=5", "model.seq_len=16"] + LAYOUTS[layout], str(tmp_path), "slow:1:1")
+    out = run_ranks(_train, 2, ["train.steps=5", "model.seq_len=16"] + LAYOUTS[layout], str(tmp_path), f"{kind}:1:1")
     err = capfd.readouterr()
     recs = _lines(tmp_path)
     named = [r["slowest_rank"] for r in recs]
