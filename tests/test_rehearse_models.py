@@ -86,3 +86,17 @@ def test_deepseek_v3_tiny_rehearses_under_pp2_with_mtp():
     # first stage: the open MLA gap (64 elements per token per MLA layer, docs/planner.md
     # "Not yet exact") weighs more without the head's logits in the denominator: measured 1.0506
     assert 1.0 <= first["ratios"]["activations"] < 1.06, first["ratios"]
+
+
+def test_a_failing_rank_names_the_module_even_from_a_checkout_under_rehearse():
+    """The error line names the innermost paralayer module outside the rehearsal (this checkout may
+    sit in a folder named ``rehearse``: the pp2 MTP failure read "in ?")."""
+    from paralayer.rehearse.rank import _module_of
+    from paralayer.resolve import zero1
+
+    with pytest.raises(ValueError) as info:
+        zero1.share([1], 0, 0)  # min() of no data ranks
+    assert _module_of(info.value).startswith("paralayer.resolve.zero1:"), _module_of(info.value)
+    with pytest.raises(KeyError) as info:
+        R.driver.rank_of({"degrees": {}}, pp=1)  # only the rehearsal's own frames: none named
+    assert _module_of(info.value) == "?"
