@@ -50,8 +50,9 @@ def _module_of(exc: BaseException) -> str:
     where = "?"
     while tb is not None:
         fn = tb.tb_frame.f_code.co_filename
-        if "paralayer" in fn and "rehearse" not in fn:
-            mod = fn.split("paralayer", 1)[1].strip("/").replace("/", ".").removesuffix(".py")
+        # the path inside the package (a checkout may itself sit under a folder named rehearse)
+        mod = fn.rsplit("/paralayer/", 1)[1].replace("/", ".").removesuffix(".py") if "/paralayer/" in fn else ""
+        if mod and not mod.startswith("rehearse."):
             where = f"paralayer.{mod}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where
@@ -82,11 +83,14 @@ def build_run(cfg: Config, plan: Any, meshes: Any, fake_mode: Any) -> Any:
     device = torch.device("cpu")
     torch.manual_seed(cfg.train.seed)
     built = T.build_model(cfg, plan, meshes, device, materialize=fake_mode)  # split/shard on meta
+    # the tied pair (tied embeddings, or MTP's embedding copy under pp) is read off the mesh's rank
+    # table with .tolist(): under the fake mode that table turns fake and has no values to read
+    tied_group = T.build_tied_group(cfg, plan, meshes)
     with fake_mode:
-        return _finish_run(cfg, plan, meshes, built, device)
+        return _finish_run(cfg, plan, meshes, built, device, tied_group)
 
 
-def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.device) -> Any:
+def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.device, tied_group: Any) -> Any:
     from paralayer.runtime import mtp_step, precision
     from paralayer.runtime import train as T
 
@@ -96,7 +100,7 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
                     scaling=scaling, reducer=T.build_reducer(scaling, built, meshes), runner=None, dataset=None,
                     # the MTP depths' loss joins the gradient, as runtime/train.py builds it
                     loss_fn=T.make_loss_fn(cfg, plan, cfg.model.seq_len - 1, mtp_step.mtp_chunk(built.chunks)),
-                    tied_group=T.build_tied_group(cfg, plan, meshes),
+                    tied_group=tied_group,
                     autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                     ckpt_dir=None, rehearsing=True)
     for c in built.chunks:  # MoE: even routing, no statistics read back (module docstring)

@@ -148,6 +148,10 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
         # final norm and the head (tied embeddings keep a copy on the head's rank too, even when it
         # is the embedding's: paralayer/parallel/tied_embeddings.py)
         dense += h + vocab
+        # under pp the MTP module keeps its own copy of the embedding on the last chunk, even when
+        # the V schedules put chunk 0 on the same rank (parallel/pipeline.py split_model, model/mtp.py)
+        if m.mtp.depth and lay.pp > 1:
+            dense += vocab
         # the MTP blocks live on the last chunk (its own norms and projection, replicated over tp)
         for i in parts.mtp_layers(cfg):
             dense += attn + parts.mtp_extra_params(cfg)

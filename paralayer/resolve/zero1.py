@@ -62,6 +62,8 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
                 out += [m.ffn_hidden * h // t] * 3
         if c == lay.chunks - 1:
             out += [h, vocab]
+            if m.mtp.depth and lay.pp > 1:
+                out.append(vocab)  # MTP's embedding copy on the last chunk under pp (model/mtp.py)
     return out
 
 
