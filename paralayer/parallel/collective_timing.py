@@ -12,6 +12,7 @@ collectives and their results are torch's own: the numbers do not change.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, Iterable, Iterator
 
@@ -61,7 +62,12 @@ def _comms(trace: Any) -> tuple:
 
 
 def time_fsdp(chunks: Iterable[nn.Module], trace: Any) -> int:
-    """Give every FSDP2 module of ``chunks`` the timed collectives; how many modules got them."""
+    """Give every FSDP2 module of ``chunks`` the timed collectives; how many modules got them.
+
+    No FSDP2 module can exist unless torch.distributed.fsdp was imported (fully_shard lives there):
+    a ZeRO-0/1 rank skips that import (~0.3 s CPU, issue #36) instead of importing it to find none."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return 0
     from torch.distributed.fsdp import FSDPModule
 
     gather, scatter = _comms(trace)

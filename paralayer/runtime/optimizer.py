@@ -49,8 +49,60 @@ def adamw(params: Sequence[nn.Parameter], lr: float, betas: tuple[float, float],
     if fused is None:
         fused = bool(params) and params[0].device.type == "cuda"
     impl = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(param_groups(params, weight_decay, decay_1d), lr=lr, betas=betas,
+    return EagerAdamW(param_groups(params, weight_decay, decay_1d), lr=lr, betas=betas,
                              weight_decay=weight_decay, eps=eps, **impl)
+
+
+class EagerAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW without its torch.compile guards, so that a rank never imports torch._dynamo.
+
+    In torch 2.13 ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` are
+    ``@torch._disable_dynamo`` and ``step`` is ``@_use_grad_for_differentiable``; each imports
+    torch._dynamo on its first call (~0.5 s CPU per rank, seconds of wall when ranks share cores:
+    issue #36). Outside torch.compile those wrappers only turn grad off around the same body, so
+    these methods call the undecorated bodies (``__wrapped__``) instead: the same update, bit for bit
+    (tests/test_optimizer_eager.py). A compiled step would want the guards; paralayer compiles the
+    blocks and the loss, never the optimizer step.
+    """
+
+    def add_param_group(self, param_group: dict) -> None:
+        torch.optim.Optimizer.add_param_group.__wrapped__(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch.optim.Optimizer.zero_grad.__wrapped__(self, set_to_none)
+
+    def state_dict(self) -> dict:
+        return torch.optim.Optimizer.state_dict.__wrapped__(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        torch.optim.Optimizer.load_state_dict.__wrapped__(self, state_dict)
+
+    def step(self, closure=None):
+        """Adam.step's body with grad off (``differentiable`` is False here), calling the functional
+        ``adam`` without its dynamo-disable wrapper."""
+        from torch.optim.adam import adam
+
+        self._accelerator_graph_capture_health_check()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.set_grad_enabled(False):
+            for group in self.param_groups:
+                if group["differentiable"]:
+                    raise ValueError("EagerAdamW: differentiable=True is not supported")
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+                has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+                beta1, beta2 = group["betas"]
+                adam.__wrapped__(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                                 amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+                                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                                 maximize=group["maximize"], foreach=group["foreach"],
+                                 capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                                 grad_scale=getattr(self, "grad_scale", None),
+                                 found_inf=getattr(self, "found_inf", None),
+                                 decoupled_weight_decay=group["decoupled_weight_decay"])
+        return loss
 
 
 def implementation(opt: torch.optim.Optimizer) -> str:
