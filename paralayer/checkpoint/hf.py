@@ -38,9 +38,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from paralayer.checkpoint import hf_mtp
 from paralayer.checkpoint.expert_keys import expert_owners
 from paralayer.checkpoint.hf_moe import (_deinterleave_rope, _export_rope_rows, _load_router_bias, _mtp_to_deepseek,
-                                         _reordered, _rope_rows, mtp_as_layer, mtp_depths_in, mtp_hf_key)
+                                         _reordered, _rope_rows, mtp_as_layer, mtp_hf_key)
 from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
                                               family_of, qwen3_moe_config, rope_parameters)
 
@@ -352,37 +353,11 @@ def load_hf_weights(model: nn.Module, path: str, cfg, seed: int = 0) -> int:
     reader.rope_rows = _rope_rows(path)
     reader.n_layers = cfg.n_layers
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
-    held = mtp_depths_in(reader, cfg.n_layers)
-    want = cfg.mtp.depth if getattr(model, "mtp", None) is not None else 0
-    fresh = frozenset(_clean(n) for n, _ in model.named_parameters()
-                      if any(_clean(n).startswith(f"mtp.layers.{k}.") for k in range(held, want)))
-    if held < want and fresh:
-        _notice(f"{path}: carries {held} MTP depth(s), model.mtp.depth={want}: depths {held}..{want - 1} "
-                f"start from a fresh init (seed {seed})")
-    elif held > cfg.mtp.depth:
-        _notice(f"{path}: carries {held} MTP depth(s) (model.layers.{cfg.n_layers}..); model.mtp.depth="
-                f"{cfg.mtp.depth}: the rest are not read")
+    fresh = hf_mtp.fresh_depths(model, reader, cfg, seed, path)
     copy_sliced_tensors(model, reader, vocab, skip=fresh)
-    if fresh:
-        from paralayer.model.transformer import full_init
-
-        def init_for(name: str, shape: tuple, experts: Optional[tuple]) -> torch.Tensor:
-            full = full_init(name, shape, cfg, seed)
-            return full if experts is None else full.narrow(0, experts[0], experts[1]).contiguous()
-
-        copy_full_tensors(model, init_for, vocab, only={n for n, _ in model.named_parameters() if _clean(n) in fresh})
+    hf_mtp.init_fresh(model, fresh, cfg, seed, vocab, copy_full_tensors)
     _load_router_bias(model, reader)
     return reader.bytes_read
-
-
-def _notice(msg: str) -> None:
-    """One line on stderr, from global rank 0 only."""
-    import sys
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print(f"notice: {msg}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ export
