@@ -45,16 +45,20 @@ def saved(tmp_path_factory):
     return path, model
 
 
-def _ours(path):
+def _ours(path, mtp_depth: int = 0, init_std=None, seed: int = 0):
+    """Our model with the weights of ``path`` (MTP depths and a fresh depth's init: test_hf_mtp)."""
     mcfg = ModelConfig()
     hfmod.apply_hf_config(mcfg, path)
+    mcfg.mtp.depth = mtp_depth
+    if init_std is not None:
+        mcfg.init_std = init_std
     with torch.device("meta"):
         model = Transformer(mcfg)
     model.to_empty(device="cpu")
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
-    hfmod.load_hf_weights(model, path, mcfg)
+    hfmod.load_hf_weights(model, path, mcfg, seed=seed)
     return model, mcfg
 
 

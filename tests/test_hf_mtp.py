@@ -22,6 +22,7 @@ from paralayer.config.schema import ModelConfig
 from paralayer.model.transformer import Transformer
 from tests.families import widen
 from tests.test_hf_deepseek import CFG, SEQ, VOCAB
+from tests.test_hf_deepseek import _ours as deepseek_ours
 
 N = CFG["num_hidden_layers"]  # the MTP depth's layer: model.layers.4
 #: the test's own reading of DeepSeek's MTP naming (not hf_moe's table): our name → key
@@ -66,18 +67,7 @@ def source(tmp_path_factory):
 
 
 def _ours(path: str, depth: int, seed: int = 0):
-    mcfg = ModelConfig()
-    hfmod.apply_hf_config(mcfg, path)
-    mcfg.mtp.depth = depth
-    mcfg.init_std = 0.2
-    with torch.device("meta"):
-        model = Transformer(mcfg)
-    model.to_empty(device="cpu")
-    for m in model.modules():
-        if hasattr(m, "reset_buffers"):
-            m.reset_buffers()
-    hfmod.load_hf_weights(model, path, mcfg, seed=seed)
-    return model, mcfg
+    return deepseek_ours(path, mtp_depth=depth, init_std=0.2, seed=seed)
 
 
 def _mtp_mismatches(model, t: dict) -> list:
