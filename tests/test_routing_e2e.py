@@ -29,31 +29,47 @@ def _run(rank, world, overrides):
     return recs, bias, dense
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_run, 1, ["parallel.dp=1"])[0]
-
-
+#: under tp the router's input is the row-parallel all-reduce's sum, equal to one rank's only to fp32
+#: rounding; with capacity 1.0 hundreds of tokens compete for a slot by score, and a pair of them
+#: closer than that rounding can swap (seen on one machine: one token at step 2, 301 vs 302 dropped,
+#: the loss 1e-3 off by step 3, on this suite's old code too). So ep2·tp2 runs dropless, where the
+#: exact claim holds (top-2 of the chosen groups per token); the ep layouts keep the capacity.
+DROPLESS = ["model.moe.capacity_factor=null"]
 LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"]),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2"]),
     "ep2_pp2": (4, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
-    "ep2_tp2": (4, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
+    "ep2_tp2": (4, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"] + DROPLESS),
 }
 
 
+@pytest.fixture(scope="module")
+def references():
+    """One rank's run, with the capacity and dropless, computed once each when first asked for."""
+    cache: dict = {}
+
+    def get(dropless: bool):
+        if dropless not in cache:
+            cache[dropless] = run_ranks(_run, 1, ["parallel.dp=1"] + (DROPLESS if dropless else []))[0]
+        return cache[dropless]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_group_routing_parity_and_exact_stats(reference, name):
+def test_group_routing_parity_and_exact_stats(references, name):
     world, overrides = LAYOUTS[name]
+    dropless = DROPLESS[0] in overrides
     out = run_ranks(_run, world, overrides)
-    ref_recs, ref_bias, ref_dense = reference
+    ref_recs, ref_bias, ref_dense = references(dropless)
     assert ref_dense == [0] and sorted(ref_bias) == ["1", "2", "3"]
     recs = out[0][0]
     assert max_rel_err([r["loss"] for r in recs], [r["loss"] for r in ref_recs]) <= 1e-5
     for a, b in paired(recs, ref_recs):
         for key in ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max", "dropped_tokens"):
             assert a[key] == b[key], (name, key, a[key], b[key])
-    assert any(r["dropped_tokens"] > 0 for r in ref_recs)  # capacity 1.0 drops: the figure is exercised
+    if not dropless:
+        assert any(r["dropped_tokens"] > 0 for r in ref_recs)  # capacity 1.0 drops: the figure is exercised
     bias = {}
     for _, b, _ in out:
         for key, v in b.items():
