@@ -107,7 +107,6 @@ PRIVATE_NAMES = (
     ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
     ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
     ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
-    ("torch.utils.checkpoint", None),                              # rehearse/memory.py
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # rehearse/rank.py
     ("torch._subclasses.fake_tensor", "FakeTensor"),               # rehearse/flops.py
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # rehearse/flops.py

@@ -9,6 +9,7 @@ backward in one layer, per mode, against the resolver's ``act_elems_per_token`` 
 """
 from __future__ import annotations
 
+import contextlib
 import pytest
 import torch
 
@@ -212,3 +213,73 @@ def test_bf16_saved_bytes_match_the_resolver():
         pred = memory.act_elems_per_token(rcfg, lay, False) * B * S * memory.ACT_BYTES["bf16"]
         print(f"[{kind} {mode}] layer saves {measured} B, plan {pred:.0f} B ({pred / measured - 1:+.1%})")
         assert abs(pred - measured) <= 0.05 * measured, (kind, mode, measured, pred)
+
+
+# ------------------------------------------------------------------ paralayer.model.recompute
+def _region_and_counter():
+    """A two-GEMM region (w1, w2 weights) and a counter of how often its body runs."""
+    torch.manual_seed(0)
+    w1 = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+    w2 = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+    runs = [0]
+
+    def body(x):
+        runs[0] += 1
+        return torch.tanh(x @ w1) @ w2
+
+    return w1, w2, body, runs
+
+
+def _split_backward(out, x, ws):
+    """An input pass then a weight pass, two graph tasks as torch's stage_backward_input/_weight."""
+    (gx,) = torch.autograd.grad(out.sum(), [x], retain_graph=True)
+    gw = torch.autograd.grad(out.sum(), ws)
+    return gx, gw
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_recompute_reruns_once_across_backward_passes(dropped):
+    """The region reruns once for both passes (torch's checkpoint reruns per graph task: twice
+    here, the planted comparison), or, when the input pass drops its rerun (split_backward.py),
+    once more in the weight pass; the gradients equal the plain forward's to the bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from paralayer.model.recompute import dropped_after, recompute
+
+    x0 = torch.randn(4, 8)
+    w1, w2, body, runs = _region_and_counter()
+    x = x0.clone().requires_grad_(True)
+    ref = _split_backward(body(x), x, [w1, w2])
+
+    runs[0] = 0
+    x = x0.clone().requires_grad_(True)
+    out = checkpoint(body, x, use_reentrant=False)
+    _split_backward(out, x, [w1, w2])
+    assert runs[0] == 3  # forward + a rerun in each graph task
+
+    runs[0] = 0
+    x = x0.clone().requires_grad_(True)
+    out = recompute(body, x)
+    with dropped_after() if dropped else contextlib.nullcontext():
+        (gx,) = torch.autograd.grad(out.sum(), [x], retain_graph=True)
+    gw = torch.autograd.grad(out.sum(), [w1, w2])
+    assert runs[0] == (3 if dropped else 2)
+    assert torch.equal(gx, ref[0]) and all(torch.equal(a, b) for a, b in zip(gw, ref[1]))
+
+
+def test_recompute_refuses_a_region_that_saves_differently():
+    """A rerun that saves another number of tensors than the forward did is named, not used."""
+    from paralayer.model.recompute import recompute
+
+    w1, w2, _, _ = _region_and_counter()
+    calls = [0]
+
+    def unstable(x):
+        calls[0] += 1
+        y = x @ w1
+        return (torch.tanh(y) if calls[0] == 1 else y) @ w2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    out = recompute(unstable, x)
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        out.sum().backward()

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from paralayer.model.recompute import recompute
 
 from paralayer.config import ModelConfig
 from paralayer.model.norms import RMSNorm
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core:
-            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
+            out = recompute(self._core, q, k, v, cos, sin)
         else:
             out = self._core(q, k, v, cos, sin)
         out = out.transpose(1, 2).reshape(b, s, -1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from paralayer.model.recompute import recompute
 
 from paralayer.config import ModelConfig
 from paralayer.config.layer_pattern import layer_window
@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute_full:
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return recompute(self._forward, x, cos, sin)
         return self._forward(x, cos, sin)
 
     def _forward(self, x, cos, sin):

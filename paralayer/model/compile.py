@@ -6,7 +6,7 @@ inner ``_forward`` (norms, attention, FFN, residuals), not the module:
   - the module keeps its class and parameter names (checkpoints, init and HF export see no
     ``_orig_mod.`` prefix), and FSDP2's pre/post-forward hooks, which sit on the module's call,
     stay outside the graph, as under torchtitan's per-block compile;
-  - full recompute wraps ``_forward`` in an eager ``checkpoint`` that calls the compiled code in
+  - full recompute wraps ``_forward`` in an eager ``recompute`` (model/recompute.py) that calls the compiled code in
     the forward and again in the recomputation; selective recompute's checkpoints trace inside.
 Under tensor parallel our sequence-parallel GEMMs and DTensor layouts, and under context
 parallel the ring's point-to-point exchange, are custom autograd functions around collectives:

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from paralayer.model.recompute import recompute
 
 from paralayer.config import ModelConfig
 from paralayer.model.attention import AttnFn, core_for, sdpa_causal
@@ -99,7 +99,7 @@ class LatentAttention(nn.Module):
             k_rot = k_rot.to_local(grad_placements=[Partial()])
         k_rot = k_rot.view(b, 1, s, self.rope)
         if self.recompute_core:
-            out = checkpoint(self._core, q, k_nope, k_rot, v, cos, sin, use_reentrant=False)
+            out = recompute(self._core, q, k_nope, k_rot, v, cos, sin)
         else:
             out = self._core(q, k_nope, k_rot, v, cos, sin)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from paralayer.model.recompute import recompute
 
 
 class FeedForward(nn.Module):
@@ -25,7 +25,7 @@ class FeedForward(nn.Module):
         else:
             gate, up = self.w1(x), self.w3(x)
         if self.recompute_act:
-            act = checkpoint(self.act_fn, gate, up, use_reentrant=False)
+            act = recompute(self.act_fn, gate, up)
         else:
             act = self.act_fn(gate, up)
         if self.tp_overlap is not None:

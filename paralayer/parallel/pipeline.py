@@ -61,6 +61,7 @@ from paralayer.compat import all_gather_single, is_view, private, stage_action_m
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel.comm_trace import optional_collective, optional_region
 from paralayer.parallel.early_recv import EarlyRecv
+from paralayer.parallel.split_backward import drop_recompute_after_input_pass
 from paralayer.resolve.plan import plan_field
 
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -435,6 +436,8 @@ class PipelineRunner:
             st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group, **static.get(c, {}))
             if reduce_each_microbatch:
                 _stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
+            if split_backward:
+                drop_recompute_after_input_pass(st)
             self._instrument(st, c)
             self.stages.append(st)
         # gpipe/1f1b: post each next receive before the current action computes (early_recv.py)

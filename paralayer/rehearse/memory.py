@@ -11,15 +11,13 @@ fake storages have no address. Under autocast a saved tensor that is a cast copy
 peak reported with the weights, as the plan counts autocast's copies
 (``memory.autocast_copy_params``: one per weight that backward keeps in bf16).
 
-Recomputation (``torch.utils.checkpoint``, non-reentrant: full recompute, and selective's
-attention core and SwiGLU product) keeps what its forward saves behind its own saved-tensor hooks,
-so the hooks above never see it: the forward leaves only the checkpoint's inputs, and the backward
-recomputes the region's whole saved set at once, just before the region's backward frees it piece
-by piece. ``SavedPeak`` therefore also counts, at the end of each recomputation, the storages the
-recomputation saved that are not live already (the region's input is: the checkpoint saved it) on
-top of the live bytes: the peak as a live-bytes tracker would see it (torch's ``MemTracker`` itself
-refuses a root module called again within one step, as each microbatch calls it). Autocast's
-weight copies made again there count with the weights, as above.
+Recomputation (``paralayer.model.recompute``: full recompute, and selective's attention core and
+SwiGLU product) keeps what its forward saves behind its own saved-tensor hooks, so the hooks above
+see only the region's inputs; the recomputation reports what it makes and when each piece is freed
+(``recompute.observe``), and ``SavedPeak`` counts those bytes live in between (storages live
+already, as the region's input, count once): the peak as a live-bytes tracker would see it
+(torch's ``MemTracker`` itself refuses a root module called again within one step, as each
+microbatch calls it). Autocast's weight copies made again there count with the weights, as above.
 Not measured: a weight cast that a cache holds while no saved tensor does: under pp with
 recompute=full, autocast's cache (one region per step) keeps the bf16 copy of a recomputed layer's
 GEMM weights without SP, and the experts' shared copy (model/moe.py), for the whole step; the plan
@@ -31,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 
-from paralayer.compat import private
+from paralayer.model import recompute as recompute_mod
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -137,8 +135,10 @@ class SavedPeak:
         self.weight_copy_bytes = 0
         self.copies_per_weight: dict[int, int] = {}
         self.copy_keys: set[int] = set()
-        #: the largest set a recomputation saved beyond what was live (full recompute's layer)
+        #: what recomputations made and still hold (paralayer.model.recompute), and its peak
+        self.recompute_live = 0
         self.recompute_bytes = 0
+        self.recomputed_refs: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
@@ -186,68 +186,62 @@ class SavedPeak:
         else:
             self.refs[key] = n
 
-    def recomputed(self, saved: list) -> None:
-        """A recomputation saved ``saved`` (all live now, the region's backward frees them): the
-        peak sees them on top of what is live; weights, weight copies and live storages excluded."""
-        seen: set[int] = set()
-        extra = copies = 0
+    def recomputed(self, saved: list) -> list:
+        """A recomputation made ``saved`` (``paralayer.model.recompute``): each joins the live bytes
+        until the recompute frame reports it freed (``released``); weights and storages live
+        already are not counted again, autocast's weight copies count with the weights."""
+        tokens = []
         for t in saved:
             if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+                tokens.append(None)
                 continue
             try:
                 st = _local(t).untyped_storage()
                 key, nbytes = st._cdata, st.nbytes()
             except Exception:  # noqa: BLE001 - a tensor without storage
+                tokens.append(None)
                 continue
-            if key in seen or key in self.skip or key in self.refs:
+            if key in self.skip or key in self.refs or nbytes == 0:
+                tokens.append(None)
                 continue
-            seen.add(key)
-            if t.grad_fn is not None and weight_copy_of(t) is not None:
-                copies += nbytes
-            else:
-                extra += nbytes
-        self.recompute_bytes = max(self.recompute_bytes, extra)
-        self.peak_bytes = max(self.peak_bytes, self.live + extra)
-        self.weight_copy_bytes = max(self.weight_copy_bytes, self.copies_live + copies)
+            copy = t.grad_fn is not None and weight_copy_of(t) is not None
+            n = self.recomputed_refs.get(key, 0)
+            if n == 0 and copy:
+                self.copies_live += nbytes
+                self.weight_copy_bytes = max(self.weight_copy_bytes, self.copies_live)
+            elif n == 0:
+                self.live += nbytes
+                self.recompute_live += nbytes
+                self.recompute_bytes = max(self.recompute_bytes, self.recompute_live)
+                self.peak_bytes = max(self.peak_bytes, self.live)
+            self.recomputed_refs[key] = n + 1
+            tokens.append((key, -nbytes if copy else nbytes))
+        return tokens
+
+    def released(self, token: tuple) -> None:
+        key, nbytes = token
+        n = self.recomputed_refs.get(key, 0) - 1
+        if n > 0:
+            self.recomputed_refs[key] = n
+            return
+        self.recomputed_refs.pop(key, None)
+        if nbytes < 0:
+            self.copies_live += nbytes
+        else:
+            self.live -= nbytes
+            self.recompute_live -= nbytes
 
     def __enter__(self) -> "SavedPeak":
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
-        ckpt = private("torch.utils.checkpoint", None)
-        self._orig_hook = ckpt._recomputation_hook
-        ckpt._recomputation_hook = _counting_recomputation(self._orig_hook, self)
+        self._observing = recompute_mod.observe(self)
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
-        private("torch.utils.checkpoint", None)._recomputation_hook = self._orig_hook
+        self._observing.__exit__(*exc)
         self._ctx.__exit__(*exc)
         return False
-
-
-def _counting_recomputation(base: type, owner: SavedPeak) -> type:
-    """torch.utils.checkpoint's recomputation hook, which also hands ``owner`` the tensors the
-    recomputation saved when it ends (early stop included)."""
-
-    class Counting(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pack = self.pack_hook
-            self._saved: list = []
-
-            def pack_hook(x):
-                self._saved.append(x)
-                return pack(x)
-
-            self.pack_hook = pack_hook
-
-        def __exit__(self, *exc):
-            try:
-                owner.recomputed(self._saved)
-            finally:
-                self._saved = []
-            return super().__exit__(*exc)
-
-    return Counting
 
 
 class _Held:

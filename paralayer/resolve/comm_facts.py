@@ -41,7 +41,10 @@ def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
 
 def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
-    and recompute_every, once per (layout, layers, recompute, k)."""
+    and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch:
+    the V schedules' second rerun in a split backward's weight pass (memory_states.layer_reruns,
+    counted in FLOPs) is not in the traffic, whose lines the planner takes as affine in m (that
+    term goes as 1/m)."""
     cache, key = layout_cache(cfg, lay, ("full", tuple(layers), lay.recompute, lay.recompute_every))
     hit = cache.get(key)
     if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:

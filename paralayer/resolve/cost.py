@@ -25,7 +25,7 @@ from paralayer.resolve.memory import (
     rank_chunks,
     routed_rows_per_token,
 )
-from paralayer.resolve.memory_states import rank_layers
+from paralayer.resolve.memory_states import layer_reruns, rank_layers
 from paralayer.resolve.rules import Layout
 
 
@@ -482,7 +482,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         else:
             mat += 2.0 * 3 * h * m.ffn_hidden / t
         mode = layer_recompute(lay, i)
-        again = (mat + core) if mode == "full" else (core if mode == "selective" else 0.0)
+        again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
         total += 3.0 * mat + core_passes * core + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)

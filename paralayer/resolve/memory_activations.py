@@ -271,7 +271,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """Full recompute: the layer being recomputed in backward holds its whole "none" set once,
     less its input, which the forward saved already (the checkpoint's input is the first norm's).
 
-    Not saved by the forward: torch.utils.checkpoint keeps it behind its own saved-tensor hooks
+    Not saved by the forward: paralayer.model.recompute keeps it behind its own saved-tensor hooks
     (rehearse/memory.py counts it), but part of the peak. Selective recompute's regions
     (the attention core, the SwiGLU product) add nothing: the layer's backward first frees the
     input of the GEMM after the region (wo's, w2's), about what the region recomputes (rehearsed

@@ -48,6 +48,33 @@ def layer_recompute(lay: Layout, i: int) -> str:
     return lay.recompute
 
 
+def input_pass_reruns(schedule: str, p: int, m: int, chunk: int) -> int:
+    """Microbatches of ``chunk`` whose fully recomputed layers rerun twice: once in the input pass
+    and once in the weight pass of a split backward (parallel/split_backward.py drops the first
+    rerun when its pass ends). Counted from torch's orders (tests/test_split_backward.py replays
+    them, m ≥ 2p for DualPipeV): ZB-V splits every backward; DualPipeV splits p − ⌈c/2⌉ of chunk
+    c < p and p − 1 − ⌊(2p−1−c)/2⌋ of chunk c ≥ p, whatever m; the rest are full backwards. The
+    first chunk's input pass reruns nothing (its input needs no gradient)."""
+    if p <= 1 or chunk == 0:
+        return 0
+    if schedule == "zbv":
+        return m
+    if schedule == "dualpipev":
+        return p - (chunk + 1) // 2 if chunk < p else p - 1 - (2 * p - 1 - chunk) // 2
+    return 0
+
+
+def layer_reruns(lay: Layout, i: int) -> float:
+    """Forward reruns of layer i per microbatch: 0 unless fully recomputed, then 1, or more under a
+    split backward (:func:`input_pass_reruns` of its chunk; the MTP blocks sit on the last)."""
+    if layer_recompute(lay, i) != "full":
+        return 0.0
+    if lay.pp <= 1 or lay.schedule not in ("zbv", "dualpipev") or lay.microbatches <= 0:
+        return 1.0
+    chunk = next((c for c, ls in enumerate(lay.stage_layers) if i in ls), lay.chunks - 1)
+    return 1.0 + input_pass_reruns(lay.schedule, lay.pp, lay.microbatches, chunk) / lay.microbatches
+
+
 def attn_params(cfg: Config) -> int:
     """The attention's matmul weights (model_parts: GQA q, k, v, o: h·hd·(2a + 2g); MLA's
     projections); its inner norms are :func:`model_parts.attn_norm_params`."""

@@ -320,11 +320,6 @@ def check_pipeline_split(cfg: Config, lay: Layout) -> None:
     if not lay.stage_layers:
         base, rem = divmod(m.n_layers, chunks)
         lay.stage_layers = stage_layers(m.n_layers, [base + (1 if i < rem else 0) for i in range(chunks)])
-    if p.schedule in V_SCHEDULES and pp > 1 and p.recompute == "full":
-        _warn(lay, "parallel.recompute", f"under {p.schedule}, torch's split backward recomputes a fully "
-              "recomputed layer in both its input-grad and its weight-grad pass (every chunk but the first): "
-              "its forward FLOPs and tp/cp traffic run twice, which the plan does not count; "
-              "parallel.recompute=selective, or schedule=1f1b/interleaved, avoid it")
 
 
 def check_context_parallel(cfg: Config, lay: Layout) -> None:

@@ -48,8 +48,11 @@ def resolve_device(plan: Plan) -> torch.device:
 def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
     """none; swiglu: the SwiGLU activation and product; core_attn: RoPE and the attention core;
     selective: both; full: each block from its input, on layers i with i % every == 0 (global
-    index: the same layers under any pipeline split; resolve.memory.layer_recompute)."""
-    for layer in model.layers.values():
+    index: the same layers under any pipeline split; resolve.memory.layer_recompute). The MTP
+    depths' blocks (layer ids n_layers + k, on the last chunk) are recomputed by the same rule."""
+    mtp = getattr(model, "mtp", None)
+    blocks = list(model.layers.values()) + ([d.block for d in mtp.layers.values()] if mtp is not None else [])
+    for layer in blocks:
         if mode == "full":
             layer.recompute_full = layer.layer_id % every == 0
         if mode in ("core_attn", "selective"):

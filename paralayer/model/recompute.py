@@ -1,0 +1,201 @@
+"""Activation recomputation that reruns a region once per forward, however many backward passes read it.
+
+Why not ``torch.utils.checkpoint`` as is: its non-reentrant recomputation belongs to the backward's
+graph task. The zero-bubble schedules (zbv, dualpipev) split a microbatch's backward into an input
+pass and one weight pass per parameter group (``torch.distributed.pipelining._backward``), each a
+graph task of its own, so torch reran a checkpointed layer in each of them: on tiny-moe pp2
+dualpipev with full recompute, 2.9 forwards per layer and microbatch on the first pp rank and 4.0
+on the last, where one forward and one recomputation are two (pytorch/pytorch#136766 is the same
+interaction). FLOPs, the MoE all-to-all and the activation peak then exceeded the plan.
+
+Here the recomputed tensors belong to the forward's frame, not to a graph task: the first read in
+any backward pass reruns the region, and later reads (the weight pass) take the same tensors. Each
+is dropped when the autograd node that saved it lets it go: a full backward frees them layer by
+layer as torch's does, and under a split backward they live from the input pass to the weight pass,
+as the schedule's own activations do. The inputs are saved by an autograd node outside the region
+(as torch's ``_NoopSaveInputs``), so saved-tensor hooks around the step (the rehearsal's counter,
+``paralayer/rehearse/memory.py``) see them; :func:`observe` lets such a counter also see what a
+recomputation makes and when it is freed.
+
+The regions we recompute (a block, the attention core, the SwiGLU product) hold no random op, so
+the RNG state is not replayed; autocast's state is. Inside ``torch.compile`` (selective recompute
+traced in a compiled block) torch's own checkpoint is used: the compiler turns it into its graph's
+recomputation.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+_observer: list = [None]  # the rehearsal's counter while :func:`observe` is active (instrumentation only)
+_dropping: list = [None]  # the frames rerun inside :func:`dropped_after`, while it is active
+
+
+@contextlib.contextmanager
+def observe(observer: Any) -> Iterator[None]:
+    """While active, every recomputation calls ``observer.recomputed(tensors) -> tokens`` with the
+    tensors it made (before they are detached: their autograd history is still readable) and
+    ``observer.released(token)`` as each is freed."""
+    prev = _observer[0]
+    _observer[0] = observer
+    try:
+        yield
+    finally:
+        _observer[0] = prev
+
+
+@contextlib.contextmanager
+def dropped_after() -> Iterator[None]:
+    """Frames rerun inside drop what they made at the end (the next read reruns them). The
+    pipeline wraps a split backward's input pass in it (``parallel/pipeline.py``): torch's
+    zero-bubble orders run some weight passes long after their input pass (DualPipeV's last rank
+    holds p of them at once), and keeping a whole chunk's recomputed set through that gap cost
+    263 GiB on DeepSeek-V3's last pp rank; rerun once more in the weight pass it costs one
+    forward of those chunk-microbatches (``resolve/cost.py: recompute_passes``)."""
+    prev = _dropping[0]
+    frames: list = []
+    _dropping[0] = frames
+    try:
+        yield
+    finally:
+        _dropping[0] = prev
+        for f in frames:
+            f.drop()
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the region's tensor inputs through autograd's saved-tensor machinery (so hooks around
+    the step see them) and returns an empty tensor; never part of a backward."""
+
+    @staticmethod
+    def forward(ctx, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty((0,))
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover - the output reaches no loss
+        raise RuntimeError("recompute: the inputs' saver has no backward")
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        if dev == "cuda" and not torch.cuda.is_available():
+            continue
+        out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
+    return out
+
+
+class _Holder:
+    """What autograd keeps for one saved tensor of the region: its index in the forward's order."""
+
+    __slots__ = ("frame", "index", "__weakref__")
+
+    def __init__(self, frame: "_Frame", index: int):
+        self.frame, self.index = frame, index
+
+    def __del__(self):
+        try:
+            self.frame.release(self.index)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Frame:
+    """One forward of one region: how to rerun it, and what its rerun made while anyone needs it."""
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn = fn
+        self.slots = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.autocast = _autocast_state()
+        self.saver: Optional[torch.Tensor] = None
+        self.count = 0                    # tensors the forward saved
+        self.alive: set[int] = set()      # of those, the ones autograd still holds
+        self.store: Optional[dict] = None  # index -> (recomputed tensor, observer token)
+
+    def pack(self, t: torch.Tensor) -> _Holder:
+        i = self.count
+        self.count += 1
+        self.alive.add(i)
+        return _Holder(self, i)
+
+    def unpack(self, h: _Holder) -> torch.Tensor:
+        if self.store is None:
+            self._rerun()
+        try:
+            return self.store[h.index][0]
+        except KeyError:
+            raise RuntimeError(f"recompute: saved tensor {h.index} of {self.count} was not made again by the "
+                               "recomputation (the region is not deterministic)") from None
+
+    def release(self, i: int) -> None:
+        self.alive.discard(i)
+        if self.store is not None and i in self.store:
+            _, token = self.store.pop(i)
+            obs = _observer[0]
+            if obs is not None and token is not None:
+                obs.released(token)
+        if not self.alive:
+            self.saver = None  # the inputs go with the last saved tensor
+
+    def drop(self) -> None:
+        """Forget the rerun's tensors; a later read reruns the region."""
+        store, self.store = self.store, None
+        obs = _observer[0]
+        if store and obs is not None:
+            for _, token in store.values():
+                if token is not None:
+                    obs.released(token)
+
+    def _inputs(self) -> list:
+        args = list(self.slots)
+        for i, t in zip(self.tensor_at, self.saver.grad_fn.saved_tensors):
+            args[i] = t.detach().requires_grad_(t.requires_grad)
+        return args
+
+    def _rerun(self) -> None:
+        made: dict[int, torch.Tensor] = {}
+        k = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if k[0] in self.alive:
+                made[k[0]] = t
+            k[0] += 1
+            return t
+
+        args = self._inputs()
+        with contextlib.ExitStack() as ctx:
+            ctx.enter_context(torch.enable_grad())
+            for dev, enabled, dtype, cache in self.autocast:
+                ctx.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            self.fn(*args)
+        if k[0] != self.count:
+            raise RuntimeError(f"recompute: the recomputation saved {k[0]} tensors where the forward saved "
+                               f"{self.count} (the region is not deterministic)")
+        obs = _observer[0]
+        order = sorted(made)
+        tokens = obs.recomputed([made[i] for i in order]) if obs is not None else [None] * len(order)
+        self.store = {i: (made[i].detach(), tok) for i, tok in zip(order, tokens)}
+        if _dropping[0] is not None:
+            _dropping[0].append(self)
+
+
+def recompute(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, keeping only its inputs for backward: the first backward pass that needs one
+    of the region's saved tensors reruns ``fn`` and every later pass reuses that rerun."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    if torch.compiler.is_compiling():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, *args, use_reentrant=False)
+    frame = _Frame(fn, args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dummy = torch.empty((0,), requires_grad=True)
+    frame.saver = _SaveInputs.apply(dummy, *tensors)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return fn(*args)
