@@ -19,11 +19,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from paralayer.model.recompute import recompute
 
 from paralayer.config import ModelConfig
 from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import apply_rope
+from paralayer.model.recompute import recompute
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

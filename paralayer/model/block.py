@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from paralayer.model.recompute import recompute
 
 from paralayer.config import ModelConfig
 from paralayer.config.layer_pattern import layer_window
 from paralayer.model.attention import Attention
 from paralayer.model.mlp import FeedForward
 from paralayer.model.norms import RMSNorm
+from paralayer.model.recompute import recompute
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:

@@ -27,12 +27,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from paralayer.model.recompute import recompute
 
+from paralayer.compat import aten_op
 from paralayer.config import ModelConfig
 from paralayer.model.attention import AttnFn, core_for, sdpa_causal
 from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import apply_rope
+from paralayer.model.recompute import recompute
 
 
 #: the latent norms' eps: DeepSeek's code and transformers' DeepseekV3Attention build them with the
@@ -83,6 +84,11 @@ class LatentAttention(nn.Module):
         self.window = None
         self.attn_fn: AttnFn = core_for(None)
         self.recompute_core = False
+        #: run the memory-efficient fused kernel's op whatever the device: the rehearsal of a GPU
+        #: layout sets it (rehearse/rank.py), where SDPA would pick it, because on CPU the
+        #: differing q/k and v widths send SDPA to its math path, which saves the score matrix
+        #: (128 heads x 4096 keys per token at DeepSeek-V3's size) that no GPU kernel keeps
+        self.fused_kernel = False
         self.tp_overlap = None
         self.tp_mesh = None  # set by parallel/tensor.py (MLA under tp: the replicated down-projections)
 
@@ -109,6 +115,9 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
+        if self.attn_fn is sdpa_causal and self.fused_kernel:
+            return aten_op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, True,
+                                                                     scale=self.scale)[0]
         if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         # A replaced core (context parallel's ring) runs the CPU flash kernel, which wants one head

@@ -15,7 +15,9 @@ data:
 - the step's scalars (loss, grad norm) stay tensors: nothing is read back to Python;
 - MoE routers spread tokens evenly over the experts (split sizes of the all-to-all are data);
 - the global batch is cut to the fewest microbatches that reach the schedule's steady state
-  (reported; the plan is evaluated for the same batch, so the two are compared like for like).
+  (reported; the plan is evaluated for the same batch, so the two are compared like for like);
+- for a GPU layout, MLA's attention core runs the memory-efficient kernel's op (SDPA's choice on a
+  GPU for its unequal q/k and v widths), not the CPU's math path.
 """
 from __future__ import annotations
 
@@ -103,11 +105,14 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
                     tied_group=tied_group,
                     autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                     ckpt_dir=None, rehearsing=True)
+    gpu = str(getattr(plan, "device", "cpu")) != "cpu"
     for c in built.chunks:  # MoE: even routing, no statistics read back (module docstring)
         for mod in c.modules():
             if hasattr(mod, "even_routing"):
                 mod.even_routing = True
                 mod.count_stats = False
+            if gpu and hasattr(mod, "fused_kernel"):  # MLA: the attention kernel a GPU would run
+                mod.fused_kernel = True
         if getattr(c, "mtp", None) is not None:  # L_MTP joins the gradient; its value is not read
             c.mtp.read_loss = False  # (count_stats, model/mtp.py, gates the MTP pass itself)
     run.runner = T.build_runner(run)

@@ -211,7 +211,8 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     (:func:`rope_bytes`). The last stage also holds, per microbatch whose backward has not begun,
     the fp32 logits 4·s·b·V/t (vocab-parallel) and what the final norm and head save; a
     microbatch's backward frees its own before any layer of it is recomputed, so the recomputed
-    layer's set and that microbatch's head are never live together (the larger one counts)."""
+    layer's set and that microbatch's head are never live together (the larger one counts), except
+    under the V schedules, whose last-chunk rank also recomputes the first chunk."""
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -222,15 +223,23 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     inf = in_flight(lay, r)
     # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
     extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
+    one_pass = 0.0
     if (lay.chunks - 1) in chunks:
         last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
         mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
         head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
+        one_pass = head
         head *= 1 + m.mtp.depth  # each MTP depth's own pass through the shared head
         head += mtp_saved_elems(cfg) * tokens * ab  # and what each depth keeps beside its block
         extra += head * last_in_flight
     saved = inf * per_mb + extra
-    return int(saved + max(recompute_transient(cfg, lay, r) - head, 0.0)), int(saved)
+    # under the V schedules the rank of the last chunk also runs the first: chunk 0's backward
+    # recomputes while the last chunk's head of a later microbatch is live (dualpipev's
+    # overlapped F;B), so nothing is freed for the recomputed layer (tiny-moe pp2: 1.154 before)
+    # with MTP depths, a depth's block is recomputed once its own head pass is freed, while the
+    # main head's is not yet (deepseek-v3-tiny pp2 1F1B: 1.375 counting all freed, 0.873 none)
+    freed = 0.0 if (lay.schedule in ("zbv", "dualpipev") and lay.pp > 1) else (one_pass if m.mtp.depth else head)
+    return int(saved + max(recompute_transient(cfg, lay, r) - freed, 0.0)), int(saved)
 
 
 def mtp_saved_elems(cfg: Config) -> float:
@@ -277,6 +286,12 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     input of the GEMM after the region (wo's, w2's), about what the region recomputes (rehearsed
     selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble
     schedules keep those inputs for the weight pass: 8b tp2 pp4 zbv rehearses 1.023.
+
+    Under a split backward (zbv, dualpipev) a pass keeps its whole graph (torch's input pass
+    retains it for the weight pass), so every saved-tensor holder of the chunk stays alive and the
+    chunk's recomputed regions are live together: the transient is the largest chunk's sum, its MTP
+    blocks included (deepseek-v3-tiny pp2 dualpipev: the last layer's and the MTP block's sets at
+    once, activations 1.49 of a one-layer plan).
     """
     if lay.recompute != "full":
         return 0
@@ -285,6 +300,22 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
+    if lay.pp > 1 and lay.schedule in ("zbv", "dualpipev"):
+        dn = act_elems_per_token(cfg, lay, False, "none") - act_elems_per_token(cfg, lay, False, "full")
+        mn = act_elems_per_token(cfg, lay, True, "none") - act_elems_per_token(cfg, lay, True, "full")
+        return int(max(cd * dn + cm * mn for cd, cm in chunk_recompute_counts(cfg, lay, r)) * tokens * ab)
     return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none")
                    - act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "full") for i in layers) * tokens * ab)
+
+
+def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, int]]:
+    """(dense, MoE) fully recomputed blocks of each chunk of pipeline rank r, the MTP blocks with
+    the last chunk (memory_states.rank_layers puts them there)."""
+    out = []
+    for c in rank_chunks(lay, r):
+        ids = list(lay.stage_layers[c]) + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])
+        full = [i for i in ids if layer_recompute(lay, i) == "full"]
+        moe = sum(1 for i in full if is_moe_layer(cfg, i))
+        out.append((len(full) - moe, moe))
+    return out or [(0, 0)]
 

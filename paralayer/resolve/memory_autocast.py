@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts
+from paralayer.resolve.memory_activations import chunk_recompute_counts
 from paralayer.resolve.memory_states import (
     attn_params,
     expert_params,
@@ -48,7 +49,9 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     if m.moe.num_experts:
         moe = (split + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
                + (m.moe.num_experts / lay.ep) * expert_params(cfg))
-    return lay.padded_vocab * h / t, dense, moe
+    # the head's term also holds each MTP depth's 2h -> h projection (replicated over tp; outside
+    # its block, so not recomputed; deepseek-v3 rank 0 rehearsed 0.19 GiB of it)
+    return lay.padded_vocab * h / t + m.mtp.depth * 2 * h * h, dense, moe
 
 
 def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
@@ -58,6 +61,13 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
         return 0.0
     head, dense, moe = autocast_copy_terms(cfg, lay)
     chunks = rank_chunks(lay, r)
+    if lay.pp > 1 and lay.schedule in ("zbv", "dualpipev") and lay.recompute == "full":
+        # a split backward keeps a chunk's recomputed copies together, beside the head's copy
+        # (memory_activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
+        n = sum(moe if is_moe_layer(cfg, i) else dense for i in rank_layers(cfg, lay, r)
+                if layer_recompute(lay, i) != "full")
+        transient = max(cd * dense + cm * moe for cd, cm in chunk_recompute_counts(cfg, lay, r))
+        return n + ((head if (lay.chunks - 1) in chunks else 0.0) + transient)
     n, transient = 0.0, 0.0
     for i in rank_layers(cfg, lay, r):  # the MTP blocks too, on the last chunk's rank
         if layer_recompute(lay, i) != "full":

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.plan_types import MemPick, Totals
 from paralayer.resolve.rules import Layout, chunk_rank
 
@@ -28,6 +29,9 @@ class RankInfo(NamedTuple):
     last: bool  # holds the output head
     layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
     n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
+    #: under a split backward (zbv, dualpipev) the (global index, is MoE) blocks of each chunk
+    #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
+    split_chunks: tuple = ()
 
 
 def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
@@ -39,9 +43,15 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
+        split = ()
+        if pp > 1 and schedule in ("zbv", "dualpipev"):
+            mtp = tuple(parts.mtp_layers(cfg))
+            split = tuple(tuple((i, mem_mod.is_moe_layer(cfg, i))
+                                for i in tuple(lay.stage_layers[c]) + (mtp if c == lay.chunks - 1 else ()))
+                          for c in mem_mod.rank_chunks(lay, r))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
-                              sum(1 for c in chunks if lay.stage_layers[c])))
+                              sum(1 for c in chunks if lay.stage_layers[c]), split))
     return ranks
 
 
@@ -73,14 +83,18 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
     out = []
     for rk in ranks:
         inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
-        extra, head = inf * rk.n_chunks * rope, 0.0
+        extra, head, one_pass = inf * rk.n_chunks * rope, 0.0, 0.0
         if rk.last:
             lif = mm if (schedule == "gpipe" and pp > 1) else 1
             head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
+            one_pass = head
             head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
             head += mtp_elems * tokens * ab  # memory.mtp_saved_elems
             extra += head * lif
-        out.append((inf, extra, head))
+        # the head freed before a layer is recomputed: none under the V schedules, where the
+        # last chunk's rank recomputes the first chunk too; one pass with MTP (memory.rank_activations)
+        freed = 0.0 if (schedule in ("zbv", "dualpipev") and pp > 1) else (one_pass if head_passes > 1 else head)
+        out.append((inf, extra, freed))
     return out
 
 
@@ -95,14 +109,21 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         if recompute == "full" and (rk.n_dense + rk.n_moe):
             # the recomputed layer's set less its input (memory.recompute_transient), never live
             # beside the same microbatch's logits and head (memory.rank_activations)
-            live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
+            if rk.split_chunks:  # memory.recompute_transient: the largest chunk's sets together
+                dn, mn = nd_none - ed, nm_none - em
+                live = int(max(_chunk_sum(ch, dn, mn) for ch in rk.split_chunks) * tab)
+            else:
+                live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
             a += max(live - head, 0.0)
         a = int(a)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
         # (under full recompute a layer's copies are made again in its backward, never beside the
         # same microbatch's head copy: memory.autocast_copy_params)
-        copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
-                     else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
+        if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
+            copies = int(st[4] + max(_chunk_sum(ch, st[5], st[6]) for ch in rk.split_chunks))
+        else:
+            copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
+                         else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, rk, st, copies, a)  # the MemPick is made once, for the winner
     assert best is not None
@@ -137,7 +158,7 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
 def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: Optional[dict]) -> tuple:
     if shared is None:
         return rank_layer_sums(rk, st, act, every)
-    key = (every, id(act), st[4], st[5], st[6], rk.layers)
+    key = (every, id(act), st[4], st[5], st[6], rk.layers, rk.split_chunks)
     got = shared.get(key)
     if got is None:
         got = shared[key] = rank_layer_sums(rk, st, act, every)
@@ -157,7 +178,20 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
             again = max(again, st[6] if moe else st[5])
         else:
             copies += st[6] if moe else st[5]
+    if rk.split_chunks:  # memory.recompute_transient: a chunk's recomputed sets live together
+        dn, mn = act["none"][0] - act["full"][0], act["none"][1] - act["full"][1]
+        live = max(_chunk_sum(ch, dn, mn, every) for ch in rk.split_chunks)
+        # and its copies, beside the head's (memory.autocast_copy_params)
+        return per, live, int(copies + (st[4] + max(_chunk_sum(ch, st[5], st[6], every) for ch in rk.split_chunks)))
     return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
+
+
+def _chunk_sum(chunk: tuple, dn: float, mn: float, every: int = 1) -> float:
+    """A chunk's fully recomputed blocks' transient elements per token: dense count · dn + MoE count · mn
+    (memory.chunk_recompute_counts: the same counts, the same products)."""
+    cd = sum(1 for i, moe in chunk if not moe and i % every == 0)
+    cm = sum(1 for i, moe in chunk if moe and i % every == 0)
+    return cd * dn + cm * mn
 
 
 def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
