@@ -1,4 +1,4 @@
-"""A rank's plain read of resolved.yaml (paralayer/config/plain.py, issue #36) builds the Config the
+"""A rank's plain read of resolved.yaml (paralayer/config/plain.py, resolved.py; issue #36) builds the Config the
 OmegaConf path built, field for field, and a rank's start-up no longer imports omegaconf."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paralayer import config as config_mod
-from paralayer.config import plain
+from paralayer.config import plain, resolved
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -39,7 +39,7 @@ def typed(tree):
 
 def assert_same(new: config_mod.Config, old: config_mod.Config) -> None:
     assert typed(config_mod.to_dict(new)) == typed(config_mod.to_dict(old))
-    assert typed(plain.to_dict(new)) == typed(config_mod.to_dict(old))  # the rank's to_dict (open_logger)
+    assert typed(resolved.to_dict(new)) == typed(config_mod.to_dict(old))  # the rank's to_dict (open_logger)
     assert new == old
 
 
@@ -54,7 +54,8 @@ def test_every_shipped_recipe_reads_the_same(tmp_path):
     assert len(RECIPES) >= 20
     for name in RECIPES:
         path = write_resolved(tmp_path, name)
-        assert_same(plain.read_resolved(path), old_read(path))
+        assert_same(resolved.read_resolved(path), old_read(path))
+        plain.build_config(plain.load_yaml(Path(path), "recipe"))  # the plain path itself: no Unsure
 
 
 def test_a_planted_difference_fails(tmp_path, monkeypatch):
@@ -68,7 +69,7 @@ def test_a_planted_difference_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plain, "_value", planted)
     with pytest.raises(AssertionError):
-        assert_same(plain.read_resolved(path), old_read(path))
+        assert_same(resolved.read_resolved(path), old_read(path))
 
 
 OVERRIDES = [
@@ -87,8 +88,11 @@ OVERRIDES = [
 @pytest.mark.parametrize("overrides", OVERRIDES)
 def test_overrides_merge_the_same(tmp_path, overrides):
     path = write_resolved(tmp_path, "tiny-moe")
-    new = plain.with_overrides(plain.read_resolved(path), overrides)
+    base = resolved.read_resolved(path)
+    new = resolved.with_overrides(base, overrides)
     assert_same(new, old_read(path, overrides))
+    if "run.name=123" not in overrides:  # the plain path itself took them (no OmegaConf fallback)
+        plain.build_config(plain.merge(plain.as_dict(base), plain.dotlist(overrides)))
 
 
 @pytest.mark.parametrize("bad", ["train.bogus=1", "train.spike.bogus=1", "bogus.x=1", "bogus=1",
@@ -98,7 +102,7 @@ def test_an_unknown_key_is_the_same_error(tmp_path, bad):
     with pytest.raises(config_mod.ConfigError) as old:
         old_read(path, ("train.resume=auto", bad))
     with pytest.raises(config_mod.ConfigError) as new:
-        plain.with_overrides(plain.read_resolved(path), ("train.resume=auto", bad))
+        resolved.with_overrides(resolved.read_resolved(path), ("train.resume=auto", bad))
     assert str(new.value) == str(old.value)
     assert new.value.field == bad.partition("=")[0].split(".x")[0] or new.value.field == "bogus"
     assert "unknown key" in str(new.value)
@@ -110,7 +114,7 @@ def test_a_bad_value_is_the_same_error(tmp_path):
         with pytest.raises(config_mod.ConfigError) as old:
             old_read(path, (bad,))
         with pytest.raises(config_mod.ConfigError) as new:
-            plain.with_overrides(plain.read_resolved(path), (bad,))
+            resolved.with_overrides(resolved.read_resolved(path), (bad,))
         assert str(new.value) == str(old.value)
 
 

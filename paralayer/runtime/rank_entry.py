@@ -13,7 +13,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from paralayer.config import Config
-from paralayer.config import plain as config_plain
+from paralayer.config import resolved as config_resolved
 from paralayer.resolve.plan import Plan
 from paralayer.runtime.build import as_plan
 
@@ -32,10 +32,10 @@ def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
 def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]:
     """resolved.yaml with the launcher's ``key=value`` overrides (a requeued SLURM job passes
     ``train.resume=auto``), and plan.json as a :class:`Plan`."""
-    cfg = config_plain.read_resolved(os.path.join(run_dir, "resolved.yaml"))  # no OmegaConf (issue #36)
+    cfg = config_resolved.read_resolved(os.path.join(run_dir, "resolved.yaml"))  # no OmegaConf (issue #36)
     if overrides:
         users = cfg.train.resume
-        cfg = config_plain.with_overrides(cfg, overrides)
+        cfg = config_resolved.with_overrides(cfg, overrides)
         cfg.train.resume = restart_resume(cfg.train.resume, users, cfg.checkpoint.dir
                                           or os.path.join(run_dir, "checkpoints"))
     with open(os.path.join(run_dir, "plan.json")) as f:
