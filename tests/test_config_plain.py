@@ -118,6 +118,30 @@ def test_a_bad_value_is_the_same_error(tmp_path):
         assert str(new.value) == str(old.value)
 
 
+@pytest.mark.parametrize("text", [
+    "recipe: tiny\ntrain:\n  steps: 3\n  steps: 4\n",  # a duplicate key
+    "recipe: tiny\ntrain: {steps: 3\n",  # a syntax error
+    "recipe: tiny\ndata:\n  blend: [{path: a, weight: 1}, {path: b, weight: 2.5}]\n",
+    "recipe: tiny\ntrain: &t {steps: 3}\n",  # an anchor: OmegaConf's loader reads it
+    "recipe: tiny\ncluster:\n  slurm:\n    srun_args: [1, --x]\n",  # an int in a List[str]: "1"
+    "recipe: tiny\ntrain:\n  steps: '7'\n",  # a string in an int field: 7
+    "recipe: tiny\nrun:\n  name: 12\n",
+    "recipe: tiny\nbogus: 1\n",
+])
+def test_odd_files_read_the_same(tmp_path, text):
+    """What to_yaml never writes: the plain reader hands it to OmegaConf's path, same result or error."""
+    path = tmp_path / "resolved.yaml"
+    path.write_text(text)
+    try:
+        old = old_read(str(path))
+    except config_mod.ConfigError as exc:
+        with pytest.raises(config_mod.ConfigError) as new:
+            resolved.read_resolved(str(path))
+        assert str(new.value) == str(exc)
+        return
+    assert_same(resolved.read_resolved(str(path)), old)
+
+
 def test_a_rank_start_up_imports_no_omegaconf(tmp_path):
     from paralayer.dispatch import prepare_run_dir
     from paralayer.resolve.plan import resolve

@@ -67,7 +67,7 @@ _FLOAT = re.compile(r"""^(?:
 @functools.lru_cache(maxsize=1)
 def plain_loader() -> type:
     """PyYAML's safe loader with OmegaConf's dialect: its float rule, no timestamps, a duplicate
-    key refused (the one place OmegaConf's loader refuses what PyYAML takes in such a file)."""
+    key refused (load_yaml then hands the file to OmegaConf's loader, whose error it is)."""
     import yaml
 
     base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -93,7 +93,8 @@ def plain_loader() -> type:
 def load_yaml(path: Path, field_name: str, loader: Optional[type] = None) -> dict:
     """A YAML file as a plain dict, its texts checked for resolvers (nothing is resolved here).
     ``loader``: OmegaConf's (the launcher, load.py); None = :func:`plain_loader`, which leaves
-    anchors and merge keys (never in a file ``to_yaml`` wrote) to OmegaConf's (:class:`Unsure`)."""
+    anchors, merge keys and any YAML error (none in a file ``to_yaml`` wrote) to OmegaConf's
+    (:class:`Unsure`)."""
     import yaml
 
     untrusted.check_file(str(path), field_name)  # not /proc, /sys, /dev (links followed), not a FIFO
@@ -109,6 +110,8 @@ def load_yaml(path: Path, field_name: str, loader: Optional[type] = None) -> dic
     except (ConfigError, Unsure):
         raise
     except yaml.YAMLError as exc:
+        if loader is None:  # a duplicate key, a python/... tag, a syntax error: OmegaConf's loader says
+            raise Unsure(str(path)) from None
         raise ConfigError(field_name, f"invalid YAML at {yaml_error(path, exc)}") from None
     except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
         raise ConfigError(field_name, f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
@@ -128,6 +131,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _has_reference(value: Any) -> bool:
+    """A ``${...}`` anywhere in a value (OmegaConf would resolve it)."""
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_has_reference(k) or _has_reference(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_reference(v) for v in value)
+    return False
+
+
 def _value(hint: Any, value: Any) -> Any:
     """``value`` as a field of type ``hint`` holds it after OmegaConf's merge and to_object, where
     that needs no conversion beyond int → float; otherwise :class:`Unsure`."""
@@ -140,7 +154,7 @@ def _value(hint: Any, value: Any) -> Any:
             raise Unsure(hint)
         return _value(rest[0], value)
     if hint is Any:
-        if isinstance(value, str) and "${" in value:
+        if _has_reference(value):
             raise Unsure(value)
         return copy.deepcopy(value)
     if value is None:
