@@ -82,6 +82,7 @@ class Hooks(train.StepHooks):
 rc = train.main({copy!r}, "train.resume=auto", "train.steps=2", *{list(extra)!r}, hooks=Hooks())
 mark("the first step to main's end")
 out["_dynamo_imported"] = "torch._dynamo" in sys.modules
+out["_omegaconf_imported"] = "omegaconf" in sys.modules
 out["_rc"] = rc
 print(json.dumps(out))
 """
@@ -134,13 +135,15 @@ def main(argv=None) -> int:
         totals = {c: [sum(r[k][c] for k in pieces) for r in reps] for c in ("cpu_s", "wall_s")}
         med["total"] = {c: statistics.median(v) for c, v in totals.items()}
         report[t] = {"median": med, "totals": totals, "dynamo_imported": [r["_dynamo_imported"] for r in reps],
+                     "omegaconf_imported": [r.get("_omegaconf_imported") for r in reps],
                      "rc": [r["_rc"] for r in reps]}
     report["_loadavg"] = loads
     if args.json:
         print(json.dumps(report))
         return 0
     for t in trees:
-        print(f"== {t} (medians of {args.repeats}; torch._dynamo imported: {report[t]['dynamo_imported']})")
+        print(f"== {t} (medians of {args.repeats}; torch._dynamo imported: {report[t]['dynamo_imported']}; "
+              f"omegaconf imported: {report[t]['omegaconf_imported']})")
         for name, v in report[t]["median"].items():
             print(f"{name:48s} cpu {v['cpu_s']:6.2f} s  wall {v['wall_s']:6.2f} s")
     print("load averages (1, 5, 15 min) before and after each run:", "; ".join(loads))

@@ -9,9 +9,23 @@ import functools
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig
-
 from paralayer.config.schema import Config, ConfigError
+
+
+@functools.lru_cache(maxsize=1)
+def _maps() -> tuple:
+    """dict and OmegaConf's DictConfig (imported here, not at the top: a rank's plain read of
+    resolved.yaml (plain.py) uses this module's key names without loading OmegaConf)."""
+    from omegaconf import DictConfig
+
+    return (dict, DictConfig)
+
+
+@functools.lru_cache(maxsize=1)
+def _lists() -> tuple:
+    from omegaconf import ListConfig
+
+    return (list, ListConfig)
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -60,7 +74,7 @@ def _unknown_key_error(key: str) -> ConfigError:
 def _check_keys(node: Any, cls: type, prefix: str = "") -> None:
     """Unknown keys anywhere in a plain YAML node, with a suggestion; a section (or a map or list
     field, or an item of a list field) given as the wrong kind of value names that field."""
-    if not isinstance(node, (dict, DictConfig)):
+    if not isinstance(node, _maps()):
         raise ConfigError(prefix.rstrip(".") or "recipe", f"must be a mapping of keys, got {_kind(node)}")
     names = {f.name: f for f in fields(cls)}
     for key in node:
@@ -97,15 +111,15 @@ def _shape(type_text: Any, default: Any) -> tuple[str, str]:
 
 def _check_shape(full: str, value: Any, shape: tuple[str, str]) -> None:
     outer, items = shape
-    if outer == "map" and not isinstance(value, (dict, DictConfig)):
+    if outer == "map" and not isinstance(value, _maps()):
         raise ConfigError(full, f"must be a mapping (key: value), got {_kind(value)}")
-    if outer == "list" and not isinstance(value, (list, ListConfig)):
+    if outer == "list" and not isinstance(value, _lists()):
         raise ConfigError(full, f"must be a list, got {_kind(value)}")
-    if outer == "value" and isinstance(value, (dict, list, DictConfig, ListConfig)):
+    if outer == "value" and isinstance(value, _maps() + _lists()):
         raise ConfigError(full, f"must be a single value, got {_kind(value)}")
     if outer == "list" and items == "value":
         for i, item in enumerate(value):
-            if isinstance(item, (dict, list, DictConfig, ListConfig)):
+            if isinstance(item, _maps() + _lists()):
                 raise ConfigError(full, f"item {i} must be a single value, got {_kind(item)}")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, depth, interpolation, model_checks, recipes, untrusted
+from paralayer.config import bounds, depth, interpolation, plain, recipes, untrusted
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -50,6 +50,7 @@ from paralayer.config.schema import (  # noqa: F401 - the schema's names are thi
     TrainConfig,
     WandbConfig,
 )
+from paralayer.config.validate import _choice, _positive, validate_values  # noqa: F401 - this module's API too
 
 
 def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
@@ -105,55 +106,14 @@ def _recipe_path(name: str) -> Path:
     raise ConfigError("recipe", f"no recipe '{name[:80]}'; valid recipes: {choices} (or a path to a .yaml file)")
 
 
-def _yaml_error(path: Path, exc: Exception) -> str:
-    """'FILE line N: problem' for a YAML syntax error (the parser's own text has no line up front)."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    where = f"{path} line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
-    if mark is None and isinstance(getattr(exc, "position", None), int):  # yaml.reader.ReaderError
-        try:
-            head = path.read_text(encoding="utf-8", errors="replace")[:exc.position]  # type: ignore[attr-defined]
-            where = f"{path} line {head.count(chr(10)) + 1}, column {exc.position - head.rfind(chr(10))}"  # type: ignore
-        except OSError:
-            pass
-        problem = f"unacceptable character {chr(exc.character) if isinstance(getattr(exc, 'character', None), int) else getattr(exc, 'character', '?')!r}: {getattr(exc, 'reason', 'control characters are not allowed')}"
-    context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and cmark is not None and mark is not None and cmark.line != mark.line:
-        context += f" that starts at line {cmark.line + 1}"
-    return f"{where}: {problem}" + (f" ({context})" if context else "")
-
-
 def _load_yaml(path: Path, field_name: str) -> dict:
     """A YAML file as a plain dict, its texts checked for resolvers (nothing is resolved here)."""
-    import yaml
-
     try:  # OmegaConf's own YAML dialect (and its alias-expansion limit), without its grammar check
         from omegaconf._yaml import get_yaml_loader
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
-    untrusted.check_file(str(path), field_name)  # not /proc, /sys, /dev (links followed), not a FIFO
-    depth.check_file_size(path, field_name)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(depth.MAX_FILE_BYTES + 1)
-        depth.check_yaml_text(text, field_name, str(path))  # before the recursive composer sees it
-        data = yaml.load(text, Loader=get_yaml_loader())
-        data = {} if data is None else data
-    except ConfigError:
-        raise
-    except yaml.YAMLError as exc:
-        raise ConfigError(field_name, f"invalid YAML at {_yaml_error(path, exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - unreadable file, bad key types, ...
-        raise ConfigError(field_name, f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
-            from None
-    if not isinstance(data, dict):
-        raise ConfigError(field_name, f"{path} must hold a mapping of keys (it holds a {type(data).__name__})")
-    for k in data:
-        if not isinstance(k, str):
-            raise ConfigError(field_name, f"{path}: key {k!r} is not a name")
-    interpolation.check_tree(data, "" if field_name == "recipe" else f"{field_name}.")
-    return data
+    return plain.load_yaml(path, field_name, get_yaml_loader())
 
 
 def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:
@@ -355,81 +315,6 @@ def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
                 bounds.check_int(name, bounds.get(cfg, name))
             except ConfigError as exc:
                 raise ConfigError("model.init", f"{path}/config.json gives {exc.field} that {exc.message}") from None
-
-
-def _choice(field_name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(field_name, f"'{value}' is not one of: {', '.join(map(str, choices))}")
-
-
-def _positive(field_name: str, value: Any, minimum: int = 1) -> None:
-    if value is None or value < minimum:
-        raise ConfigError(field_name, f"must be >= {minimum}, got {value}")
-
-
-def validate_values(cfg: Config) -> None:
-    """Per-field checks (types are already enforced by the schema); layout rules live in resolve/."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len"):
-        _positive(f"model.{name}", getattr(m, name))
-    _positive("model.moe.num_experts", m.moe.num_experts, 0)
-    _positive("model.moe.top_k", m.moe.top_k)
-    _positive("model.moe.every", m.moe.every)
-    _positive("model.moe.ffn_hidden", m.moe.ffn_hidden, 0)
-    if m.moe.capacity_factor is not None and m.moe.capacity_factor <= 0:
-        raise ConfigError("model.moe.capacity_factor", f"must be > 0 or null (dropless), got {m.moe.capacity_factor}")
-    _choice("model.moe.router", m.moe.router, ROUTERS)
-    model_checks.check_model_keys(cfg)  # the family keys (head_dim, RoPE kinds, windows, MLA, MTP, groups)
-    if not (m.init == "random" or m.init.startswith("hf:")):
-        raise ConfigError("model.init", f"'{m.init}' is not one of: random, hf:PATH")
-    for name in ("tp", "pp", "vpp", "cp", "ep"):
-        _positive(f"parallel.{name}", getattr(p, name))
-    if isinstance(p.dp, str):
-        if p.dp != "auto":
-            try:
-                p.dp = int(p.dp)
-            except ValueError:
-                raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'") from None
-    if not isinstance(p.dp, str):
-        if isinstance(p.dp, bool) or not isinstance(p.dp, int):
-            raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'")
-        _positive("parallel.dp", p.dp)
-    _choice("parallel.schedule", p.schedule, SCHEDULES)
-    _choice("parallel.zero", p.zero, (0, 1, 2, 3))
-    _choice("parallel.recompute", p.recompute, RECOMPUTE)
-    if isinstance(p.recompute_every, bool) or not isinstance(p.recompute_every, int) \
-            or not 1 <= p.recompute_every <= 1024:
-        raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "
-                          "(recompute=full: every k-th layer recomputed)")
-    if p.pp_layout is not None:
-        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
-                                          for x in p.pp_layout):
-            raise ConfigError("parallel.pp_layout", "must list positive layer counts (at most 1024 each), one per "
-                              "pipeline chunk (at most 1024 chunks)")
-    for name in ("global_batch", "micro_batch", "steps"):
-        _positive(f"train.{name}", getattr(t, name))
-    _positive("train.warmup_steps", t.warmup_steps, 0)
-    _positive("train.log_every", t.log_every)
-    _positive("train.threads", t.threads, 0)
-    _choice("train.precision", t.precision, PRECISIONS)
-    _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
-    if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
-        raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
-    _choice("data.format", cfg.data.format, DATA_FORMATS)
-    c = cfg.cluster
-    _choice("cluster.backend", c.backend, BACKENDS)
-    _choice("cluster.device", c.device, DEVICES)
-    _positive("cluster.nodes", c.nodes)
-    if c.devices_per_node is not None:
-        _positive("cluster.devices_per_node", c.devices_per_node)
-    if c.device_memory_gib is not None and c.device_memory_gib <= 0:
-        raise ConfigError("cluster.device_memory_gib", f"must be > 0, got {c.device_memory_gib}")
-    if c.peak_tflops is not None and c.peak_tflops <= 0:
-        raise ConfigError("cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
-    _positive("checkpoint.every", cfg.checkpoint.every, 0)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
-    bounds.check_bounds(cfg)
 
 
 # ---------------------------------------------------------------- round trips

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from paralayer import config as config_mod
 from paralayer.config import Config
+from paralayer.config import resolved as config_resolved
 from paralayer.resolve.plan import Plan
 from paralayer.runtime.build import as_plan
 
@@ -32,13 +32,10 @@ def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
 def load_run(run_dir: str, overrides: Sequence[str] = ()) -> tuple[Config, Plan]:
     """resolved.yaml with the launcher's ``key=value`` overrides (a requeued SLURM job passes
     ``train.resume=auto``), and plan.json as a :class:`Plan`."""
-    cfg = config_mod.from_yaml_file(os.path.join(run_dir, "resolved.yaml"))
+    cfg = config_resolved.read_resolved(os.path.join(run_dir, "resolved.yaml"))  # no OmegaConf (issue #36)
     if overrides:
-        from omegaconf import OmegaConf
-
         users = cfg.train.resume
-        merged = OmegaConf.merge(OmegaConf.create(config_mod.to_dict(cfg)), OmegaConf.from_dotlist(list(overrides)))
-        cfg = config_mod.from_dict(OmegaConf.to_container(merged))
+        cfg = config_resolved.with_overrides(cfg, overrides)
         cfg.train.resume = restart_resume(cfg.train.resume, users, cfg.checkpoint.dir
                                           or os.path.join(run_dir, "checkpoints"))
     with open(os.path.join(run_dir, "plan.json")) as f:

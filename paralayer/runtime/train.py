@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from paralayer import config as config_mod
+from paralayer.config import resolved as config_resolved  # to_dict without OmegaConf (issue #36)
 from paralayer.checkpoint.manifest import CheckpointError
 from paralayer.clock import StepClock
 from paralayer.config import Config
@@ -210,7 +210,7 @@ def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progr
 
     cfg = run.cfg
     return metrics_mod.MetricsLogger(  # metrics.jsonl is cut back to start_step - 1 at its first record
-        run_dir, config_mod.to_dict(cfg), run.plan.to_dict(), run.rank == 0, cfg.logging.wandb.mode,
+        run_dir, config_resolved.to_dict(cfg), run.plan.to_dict(), run.rank == 0, cfg.logging.wandb.mode,
         cfg.logging.wandb.project, cfg.logging.wandb.group, cfg.train.steps,
         progress=log_progress and cfg.logging.progress, peak_source=run.peak_source,
         run_name=cfg.run.name or os.path.basename(os.path.normpath(run_dir)), log_every=cfg.train.log_every,

@@ -1,0 +1,96 @@
+"""The per-field checks of a typed Config (types are already the schema's; layout rules live in
+resolve/). Imports neither OmegaConf nor torch: the launcher's loading (load.py) and a rank's
+plain read of resolved.yaml (plain.py) both end here."""
+from __future__ import annotations
+
+from typing import Any
+
+from paralayer.config import bounds, model_checks
+from paralayer.config.schema import (
+    BACKENDS,
+    COMPILE_BACKENDS,
+    DATA_FORMATS,
+    DEVICES,
+    PRECISIONS,
+    RECOMPUTE,
+    ROUTERS,
+    SCHEDULES,
+    WANDB_MODES,
+    Config,
+    ConfigError,
+)
+
+
+def _choice(field_name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(field_name, f"'{value}' is not one of: {', '.join(map(str, choices))}")
+
+
+def _positive(field_name: str, value: Any, minimum: int = 1) -> None:
+    if value is None or value < minimum:
+        raise ConfigError(field_name, f"must be >= {minimum}, got {value}")
+
+
+def validate_values(cfg: Config) -> None:
+    """Per-field checks (types are already enforced by the schema); layout rules live in resolve/."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    _positive("model.moe.num_experts", m.moe.num_experts, 0)
+    _positive("model.moe.top_k", m.moe.top_k)
+    _positive("model.moe.every", m.moe.every)
+    _positive("model.moe.ffn_hidden", m.moe.ffn_hidden, 0)
+    if m.moe.capacity_factor is not None and m.moe.capacity_factor <= 0:
+        raise ConfigError("model.moe.capacity_factor", f"must be > 0 or null (dropless), got {m.moe.capacity_factor}")
+    _choice("model.moe.router", m.moe.router, ROUTERS)
+    model_checks.check_model_keys(cfg)  # the family keys (head_dim, RoPE kinds, windows, MLA, MTP, groups)
+    if not (m.init == "random" or m.init.startswith("hf:")):
+        raise ConfigError("model.init", f"'{m.init}' is not one of: random, hf:PATH")
+    for name in ("tp", "pp", "vpp", "cp", "ep"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    if isinstance(p.dp, str):
+        if p.dp != "auto":
+            try:
+                p.dp = int(p.dp)
+            except ValueError:
+                raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'") from None
+    if not isinstance(p.dp, str):
+        if isinstance(p.dp, bool) or not isinstance(p.dp, int):
+            raise ConfigError("parallel.dp", f"'{p.dp}' is not a positive integer or 'auto'")
+        _positive("parallel.dp", p.dp)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _choice("parallel.zero", p.zero, (0, 1, 2, 3))
+    _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if isinstance(p.recompute_every, bool) or not isinstance(p.recompute_every, int) \
+            or not 1 <= p.recompute_every <= 1024:
+        raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "
+                          "(recompute=full: every k-th layer recomputed)")
+    if p.pp_layout is not None:
+        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
+                                          for x in p.pp_layout):
+            raise ConfigError("parallel.pp_layout", "must list positive layer counts (at most 1024 each), one per "
+                              "pipeline chunk (at most 1024 chunks)")
+    for name in ("global_batch", "micro_batch", "steps"):
+        _positive(f"train.{name}", getattr(t, name))
+    _positive("train.warmup_steps", t.warmup_steps, 0)
+    _positive("train.log_every", t.log_every)
+    _positive("train.threads", t.threads, 0)
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
+    if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
+        raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
+    _choice("data.format", cfg.data.format, DATA_FORMATS)
+    c = cfg.cluster
+    _choice("cluster.backend", c.backend, BACKENDS)
+    _choice("cluster.device", c.device, DEVICES)
+    _positive("cluster.nodes", c.nodes)
+    if c.devices_per_node is not None:
+        _positive("cluster.devices_per_node", c.devices_per_node)
+    if c.device_memory_gib is not None and c.device_memory_gib <= 0:
+        raise ConfigError("cluster.device_memory_gib", f"must be > 0, got {c.device_memory_gib}")
+    if c.peak_tflops is not None and c.peak_tflops <= 0:
+        raise ConfigError("cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
+    _positive("checkpoint.every", cfg.checkpoint.every, 0)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    bounds.check_bounds(cfg)
