@@ -148,6 +148,11 @@ def _tail(path: str, n: int = 30) -> str:
         return "(no file)\n"
 
 
+def _names_error(path: str) -> bool:
+    """Whether a task's stderr holds a rank's one-line error (``error: ...``)."""
+    return any(line.startswith("error: ") for line in _tail(path, 200).splitlines())
+
+
 # states in which the job is not running its current attempt: result pickles seen now were left by
 # an attempt that was requeued (scontrol requeue, preemption, timeout) and say nothing yet
 _NOT_RUNNING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING",
@@ -344,6 +349,9 @@ def _report_end(w: _Watch, result: SubmitResult, failed: list, stream) -> None:
         oc = w.outcomes[jid]
         bad = [t for t, o in enumerate(oc) if o is None or o[0] != "success"] or [0]
         t = next((t for t in bad if oc[t] is not None), bad[0])
+        if oc[t] is None:  # no traceback: the task whose log names the error (a rank's one line,
+            # ``error: rank N on HOST: ...``) rather than one that srun terminated before it wrote
+            t = next((u for u in range(len(result.stderr[i])) if _names_error(result.stderr[i][u])), t)
         print(f"[paralayer.slurm] job {jid} failed ({result.states[jid]}); run {result.run_dirs[i]}",
               file=stream, flush=True)
         if oc[t] is not None and oc[t][0] == "error":
