@@ -1,9 +1,9 @@
 """Full recompute's activation peak, measured by the rehearsal's ``SavedPeak`` on a real model
 (one process, fp32, tiny shapes) against the plan's ``memory.rank_activations``.
 
-Non-reentrant checkpoint keeps the recomputed layer's tensors behind its own saved-tensor hooks:
-``SavedPeak`` counts them when the recomputation ends (``recompute_bytes``), on top of the live
-bytes. The plan's transient is the layer's "none" set less its input (saved already), and it is
+paralayer.model.recompute keeps the recomputed layer's tensors behind its own saved-tensor hooks
+and reports them to ``SavedPeak``, which counts them live from the rerun until they are freed
+(``recompute_bytes``: their peak), on top of the other live bytes. The plan's transient is the layer's "none" set less its input (saved already), and it is
 never live beside the same microbatch's logits and head (freed before the first layer's backward)."""
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ on the last, where one forward and one recomputation are two (pytorch/pytorch#13
 interaction). FLOPs, the MoE all-to-all and the activation peak then exceeded the plan.
 
 Here the recomputed tensors belong to the forward's frame, not to a graph task: the first read in
-any backward pass reruns the region, and later reads (the weight pass) take the same tensors. Each
-is dropped when the autograd node that saved it lets it go: a full backward frees them layer by
-layer as torch's does, and under a split backward they live from the input pass to the weight pass,
-as the schedule's own activations do. The inputs are saved by an autograd node outside the region
-(as torch's ``_NoopSaveInputs``), so saved-tensor hooks around the step (the rehearsal's counter,
-``paralayer/rehearse/memory.py``) see them; :func:`observe` lets such a counter also see what a
+a backward pass reruns the region, and later reads take the same tensors (a weight pass's parameter
+groups share one rerun). Each is dropped when the autograd node that saved it lets it go, so a full
+backward frees them layer by layer as torch's does; a split backward's input pass drops its rerun
+when it ends (:func:`dropped_after`), and the weight pass reruns once more. The inputs are saved
+by an autograd node outside the region (as torch's ``_NoopSaveInputs``), so saved-tensor hooks
+around the step (the rehearsal's counter, ``paralayer/rehearse/memory.py``) see them; :func:`observe` lets such a counter also see what a
 recomputation makes and when it is freed.
 
 The regions we recompute (a block, the attention core, the SwiGLU product) hold no random op, so
@@ -49,11 +49,11 @@ def observe(observer: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def dropped_after() -> Iterator[None]:
     """Frames rerun inside drop what they made at the end (the next read reruns them). The
-    pipeline wraps a split backward's input pass in it (``parallel/pipeline.py``): torch's
+    pipeline wraps a split backward's input pass in it (``parallel/split_backward.py``): torch's
     zero-bubble orders run some weight passes long after their input pass (DualPipeV's last rank
     holds p of them at once), and keeping a whole chunk's recomputed set through that gap cost
     263 GiB on DeepSeek-V3's last pp rank; rerun once more in the weight pass it costs one
-    forward of those chunk-microbatches (``resolve/cost.py: recompute_passes``)."""
+    forward of those chunk-microbatches (``resolve/memory_states.py: input_pass_reruns``)."""
     prev = _dropping[0]
     frames: list = []
     _dropping[0] = frames
@@ -91,7 +91,7 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
 class _Holder:
     """What autograd keeps for one saved tensor of the region: its index in the forward's order."""
 
-    __slots__ = ("frame", "index", "__weakref__")
+    __slots__ = ("frame", "index")
 
     def __init__(self, frame: "_Frame", index: int):
         self.frame, self.index = frame, index

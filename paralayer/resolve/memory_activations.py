@@ -36,13 +36,14 @@ from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory_states import (
     ACT_BYTES,
+    chunk_blocks,
     is_moe_layer,
     layer_recompute,
     precision_mode,
     rank_chunks,
     rank_layers,
 )
-from paralayer.resolve.rules import Layout
+from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
 def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None) -> float:
@@ -238,7 +239,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     # overlapped F;B), so nothing is freed for the recomputed layer (tiny-moe pp2: 1.154 before)
     # with MTP depths, a depth's block is recomputed once its own head pass is freed, while the
     # main head's is not yet (deepseek-v3-tiny pp2 1F1B: 1.375 counting all freed, 0.873 none)
-    freed = 0.0 if (lay.schedule in ("zbv", "dualpipev") and lay.pp > 1) else (one_pass if m.mtp.depth else head)
+    freed = 0.0 if (lay.schedule in V_SCHEDULES and lay.pp > 1) else (one_pass if m.mtp.depth else head)
     return int(saved + max(recompute_transient(cfg, lay, r) - freed, 0.0)), int(saved)
 
 
@@ -300,7 +301,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
-    if lay.pp > 1 and lay.schedule in ("zbv", "dualpipev"):
+    if lay.pp > 1 and lay.schedule in V_SCHEDULES:
         dn = act_elems_per_token(cfg, lay, False, "none") - act_elems_per_token(cfg, lay, False, "full")
         mn = act_elems_per_token(cfg, lay, True, "none") - act_elems_per_token(cfg, lay, True, "full")
         return int(max(cd * dn + cm * mn for cd, cm in chunk_recompute_counts(cfg, lay, r)) * tokens * ab)
@@ -312,8 +313,7 @@ def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, 
     """(dense, MoE) fully recomputed blocks of each chunk of pipeline rank r, the MTP blocks with
     the last chunk (memory_states.rank_layers puts them there)."""
     out = []
-    for c in rank_chunks(lay, r):
-        ids = list(lay.stage_layers[c]) + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])
+    for ids in chunk_blocks(cfg, lay, r):
         full = [i for i in ids if layer_recompute(lay, i) == "full"]
         moe = sum(1 for i in full if is_moe_layer(cfg, i))
         out.append((len(full) - moe, moe))

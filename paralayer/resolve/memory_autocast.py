@@ -19,7 +19,7 @@ from paralayer.resolve.memory_states import (
     rank_chunks,
     rank_layers,
 )
-from paralayer.resolve.rules import Layout
+from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
 def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
@@ -61,7 +61,7 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
         return 0.0
     head, dense, moe = autocast_copy_terms(cfg, lay)
     chunks = rank_chunks(lay, r)
-    if lay.pp > 1 and lay.schedule in ("zbv", "dualpipev") and lay.recompute == "full":
+    if lay.pp > 1 and lay.schedule in V_SCHEDULES and lay.recompute == "full":
         # a split backward keeps a chunk's recomputed copies together, beside the head's copy
         # (memory_activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
         n = sum(moe if is_moe_layer(cfg, i) else dense for i in rank_layers(cfg, lay, r)

@@ -69,7 +69,7 @@ def layer_reruns(lay: Layout, i: int) -> float:
     split backward (:func:`input_pass_reruns` of its chunk; the MTP blocks sit on the last)."""
     if layer_recompute(lay, i) != "full":
         return 0.0
-    if lay.pp <= 1 or lay.schedule not in ("zbv", "dualpipev") or lay.microbatches <= 0:
+    if lay.pp <= 1 or lay.schedule not in V_SCHEDULES or lay.microbatches <= 0:
         return 1.0
     chunk = next((c for c, ls in enumerate(lay.stage_layers) if i in ls), lay.chunks - 1)
     return 1.0 + input_pass_reruns(lay.schedule, lay.pp, lay.microbatches, chunk) / lay.microbatches
@@ -188,6 +188,13 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
             else:
                 dense += mlp
     return dense, expert, len(layers) + (cfg.model.mtp.depth if last else 0)
+
+
+def chunk_blocks(cfg: Config, lay: Layout, r: int) -> list[list[int]]:
+    """Global indices of the blocks of each chunk pipeline rank r runs, the MTP blocks with the
+    last chunk (the per-chunk view of :func:`rank_layers`)."""
+    mtp = parts.mtp_layers(cfg) if cfg.model.mtp.depth else []
+    return [list(lay.stage_layers[c]) + (mtp if c == lay.chunks - 1 else []) for c in rank_chunks(lay, r)]
 
 
 def rank_layers(cfg: Config, lay: Layout, r: int) -> list[int]:

@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve import model_parts as parts
+from paralayer.resolve.memory_states import chunk_blocks
 from paralayer.resolve.plan_types import MemPick, Totals
-from paralayer.resolve.rules import Layout, chunk_rank
+from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
 
 
 class RankInfo(NamedTuple):
@@ -44,11 +44,9 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         split = ()
-        if pp > 1 and schedule in ("zbv", "dualpipev"):
-            mtp = tuple(parts.mtp_layers(cfg))
-            split = tuple(tuple((i, mem_mod.is_moe_layer(cfg, i))
-                                for i in tuple(lay.stage_layers[c]) + (mtp if c == lay.chunks - 1 else ()))
-                          for c in mem_mod.rank_chunks(lay, r))
+        if pp > 1 and schedule in V_SCHEDULES:
+            split = tuple(tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in blocks)
+                          for blocks in chunk_blocks(cfg, lay, r))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
                               sum(1 for c in chunks if lay.stage_layers[c]), split))
@@ -93,7 +91,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             extra += head * lif
         # the head freed before a layer is recomputed: none under the V schedules, where the
         # last chunk's rank recomputes the first chunk too; one pass with MTP (memory.rank_activations)
-        freed = 0.0 if (schedule in ("zbv", "dualpipev") and pp > 1) else (one_pass if head_passes > 1 else head)
+        freed = 0.0 if (schedule in V_SCHEDULES and pp > 1) else (one_pass if head_passes > 1 else head)
         out.append((inf, extra, freed))
     return out
 
