@@ -116,6 +116,12 @@ class LatentAttention(nn.Module):
         k_rot = apply_rope(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
         if self.attn_fn is sdpa_causal and self.fused_kernel:
+            # as CUDA's autocast casts SDPA's inputs before its kernel (the aten op has no autocast
+            # rule of its own on CPU, where the rehearsal runs it: it would keep fp32 q and k)
+            dev = q.device.type
+            if torch.is_autocast_enabled(dev):
+                dt = torch.get_autocast_dtype(dev)
+                q, k, v = q.to(dt), k.to(dt), v.to(dt)
             return aten_op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, True,
                                                                      scale=self.scale)[0]
         if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does

@@ -27,6 +27,7 @@ from paralayer.resolve.memory_activations import (  # noqa: F401 - re-exported: 
     rope_bytes,
     rope_bytes_for,
     routed_rows_per_token,
+    v_peak,
 )
 from paralayer.resolve.memory_autocast import autocast_copy_params, autocast_copy_terms  # noqa: F401
 from paralayer.resolve.memory_states import (  # noqa: F401 - re-exported: the memory model's API

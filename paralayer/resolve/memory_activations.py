@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
+from paralayer.resolve import v_flight
 from paralayer.resolve.memory_states import (
     ACT_BYTES,
     chunk_blocks,
@@ -52,11 +53,11 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     mode = recompute or lay.recompute
     elems = _act_elems(cfg, lay, moe, mode)
     if lay.precision == "bf16":
-        elems += bf16_extra_elems(cfg, lay, mode)
+        elems += bf16_extra_elems(cfg, lay, mode, moe)
     return elems
 
 
-def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
+def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> float:
     """What a bf16 run keeps in fp32, as extra 2-byte elements per token per layer (measured on
     our block at tp 1 and 2, with bf16 weights as FSDP's MixedPrecisionPolicy runs it and under
     autocast, tests/test_tensor_memory.py):
@@ -68,6 +69,15 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
       fp32 too: 2·h/t more; without SP every linear saves its own bf16 cast of the input: q, k, v
       three and w1, w3 two where one was counted: 3h more.
       Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
+    - qk_norm: its 1/rms per head, (a + g)/t more (Qwen3's widths, fake tensors, tp 1);
+    - MLA: its two inner norms' 1/rms, 2 more; under autocast without SP two GEMMs read the
+      attention norm's output (q_a or wq, and kv_a), not three: h fewer.
+    - MoE: the router's scores are fp32, E more; under autocast each routed row's input is cast
+      again for its expert's GEMM (not under ep, where the rows travel in bf16) and the router's
+      input for its own: rows·h + h more, and 2h
+      fewer without a shared expert (no w1/w3 cast of the whole token stream).
+    The MLA and MoE terms were measured on one block of DeepSeek-V3's widths and of
+    deepseek-v3-tiny's, with the rehearsal's GPU kernel (fake tensors) and on CPU, tp 1.
     """
     m = cfg.model
     h, a, t = m.d_model, m.n_heads, lay.tp
@@ -80,6 +90,19 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str) -> float:
         extra += a / t
     if autocast:
         extra += 2 * h / t if sp else 3 * h
+    if parts.attention_kind(cfg) == "mla":
+        extra += 2 - (h if autocast and not sp else 0)
+        if autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") \
+                and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg):
+            # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
+            extra += a * (2 * parts.qk_head_dim(cfg) + parts.v_head_dim(cfg) + m.seq_len) / t
+    elif m.qk_norm:  # the q and k norms' 1/rms per head (attn_saved_elems' a + g)
+        extra += (a + m.n_kv_heads) / t
+    if moe:
+        # (and without a shared expert no w1/w3 cast of the token stream: 2h fewer)
+        # under ep the rows travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts
+        casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if m.moe.shared_ffn_hidden else 2)
+        extra += m.moe.num_experts + (casts * h if autocast else 0)
     return extra
 
 
@@ -101,6 +124,9 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
         fe = mo.ffn_hidden or f
         rows = routed_rows_per_token(cfg)
         moe_whole = 3 * rows * h + mo.num_experts + 4 * (rows * fe + mo.shared_ffn_hidden)
+        # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
+        # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
+        moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows
     else:
         shard += ffn_mult * f
     if lay.sequence_parallel:
@@ -136,6 +162,9 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
             # CPU SDPA has no fused kernel for q/k wider than v: its math path keeps the a·s
             # probabilities, q, k, a contiguous v, and no lse nor kv_b's output
             return 2 * a * dqk + 2 * a * dv + a * cfg.model.seq_len
+        if lay.device != "cpu":
+            # a GPU kernel's output is laid out (b, s, a, d_v): wo's input is a view of it
+            return 2 * a * dqk + a * dv + a + a * (nope + dv)
         return 2 * a * dqk + 2 * a * dv + a + a * (nope + dv)
     hd, g = parts.head_dim(cfg), m.n_kv_heads
     q, kv = a * hd, g * hd
@@ -161,7 +190,9 @@ def attn_replicated_elems(cfg: Config, mode: str) -> float:
         return 0.0
     ml = cfg.model.mla
     ql = ml.q_lora_rank or 0
-    return 2 * ql + (1 if ql else 0) + 2 * ml.kv_lora_rank + 1 + ml.qk_rope_head_dim
+    # and the attention norm's output, which the down-projections read (GQA's fit has it in its
+    # d_model-wide term): d_model more
+    return 2 * ql + (1 if ql else 0) + 2 * ml.kv_lora_rank + 1 + ml.qk_rope_head_dim + cfg.model.d_model
 
 
 def routed_rows_per_token(cfg: Config) -> float:
@@ -213,34 +244,77 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     the fp32 logits 4·s·b·V/t (vocab-parallel) and what the final norm and head save; a
     microbatch's backward frees its own before any layer of it is recomputed, so the recomputed
     layer's set and that microbatch's head are never live together (the larger one counts), except
-    under the V schedules, whose last-chunk rank also recomputes the first chunk."""
+    under the V schedules, whose last-chunk rank also recomputes the first chunk. Under the V
+    schedules the peak is the largest backward pass of torch's order (:func:`v_peak`)."""
     m = cfg.model
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     chunks = rank_chunks(lay, r)
     layers = rank_layers(cfg, lay, r)
-    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
-                 for i in layers) * tokens * ab
-    inf = in_flight(lay, r)
-    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
-    extra, head = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay), 0.0
-    one_pass = 0.0
+    head, one_pass = 0.0, 0.0
     if (lay.chunks - 1) in chunks:
-        last_in_flight = lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1
         mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
         head = 4 * tokens * lay.padded_vocab / lay.tp + head_saved_elems(lay, m.d_model, mode) * tokens * ab
         one_pass = head
         head *= 1 + m.mtp.depth  # each MTP depth's own pass through the shared head
         head += mtp_saved_elems(cfg) * tokens * ab  # and what each depth keeps beside its block
-        extra += head * last_in_flight
+    if lay.pp > 1 and lay.schedule in V_SCHEDULES:
+        return v_rank_activations(cfg, lay, r, head, tokens, ab)
+    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
+                 for i in layers) * tokens * ab
+    inf = in_flight(lay, r)
+    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
+    extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
+    if head:
+        extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
     saved = inf * per_mb + extra
-    # under the V schedules the rank of the last chunk also runs the first: chunk 0's backward
-    # recomputes while the last chunk's head of a later microbatch is live (dualpipev's
-    # overlapped F;B), so nothing is freed for the recomputed layer (tiny-moe pp2: 1.154 before)
     # with MTP depths, a depth's block is recomputed once its own head pass is freed, while the
     # main head's is not yet (deepseek-v3-tiny pp2 1F1B: 1.375 counting all freed, 0.873 none)
-    freed = 0.0 if (lay.schedule in V_SCHEDULES and lay.pp > 1) else (one_pass if m.mtp.depth else head)
+    freed = one_pass if m.mtp.depth else head
     return int(saved + max(recompute_transient(cfg, lay, r) - freed, 0.0)), int(saved)
+
+
+def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: float, ab: int) -> tuple[int, int]:
+    """:func:`rank_activations` under zbv and dualpipev (pp > 1): per chunk its saved set and RoPE
+    tables per chunk-microbatch it holds, the head's bytes once (the last chunk's rank also runs
+    the first chunk, whose backward recomputes while a later microbatch's head is live: nothing
+    freed), and the transient of the pass: a full backward recomputes one layer at a time, a split
+    pass keeps its chunk's recomputed sets together (:func:`recompute_transient`)."""
+    rope = rope_bytes(cfg, lay)
+    dn, mn = _transient_elems(cfg, lay, False), _transient_elems(cfg, lay, True)
+    full = lay.recompute == "full"
+    saved, split_t, full_t = [], [], []
+    for c, ids, (cd, cm) in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_recompute_counts(cfg, lay, r)):
+        # by kind and mode, as the planner's tables count them (plan_memory.peak_memory: the same bytes)
+        kinds: dict = {}
+        for i in ids:
+            key = (is_moe_layer(cfg, i), layer_recompute(lay, i))
+            kinds[key] = kinds.get(key, 0) + 1
+        elems = sum(n * act_elems_per_token(cfg, lay, moe, mode) for (moe, mode), n in sorted(kinds.items()))
+        saved.append(elems * tokens * ab + (rope if lay.stage_layers[c] else 0.0))
+        split_t.append((cd * dn + cm * mn) * tokens * ab if full else 0.0)
+        full_t.append(max(dn if cd else 0.0, mn if cm else 0.0) * tokens * ab if full else 0.0)
+    peak, kept = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
+    return int(peak), int(kept)
+
+
+def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float]:
+    """(peak, saved) bytes over a V-schedule rank's backward passes (``v_flight.moments``): the
+    chunk-microbatches each chunk holds times its ``saved`` bytes, plus ``fixed``, plus the pass's
+    transient (``split_t`` of its chunk for an input or weight pass, ``full_t`` for a full
+    backward). The resolver and the planner (plan_memory) both sum through here."""
+    peak, kept = 0.0, 0.0
+    for mo in moments:
+        held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed
+        t = split_t if mo.split else full_t
+        peak = max(peak, held + (t[mo.chunk] if mo.chunk < len(t) else 0.0))
+        kept = max(kept, held)
+    return peak, kept
+
+
+def _transient_elems(cfg: Config, lay: Layout, moe: bool) -> float:
+    """A fully recomputed layer's "none" set less its input (:func:`recompute_transient`)."""
+    return act_elems_per_token(cfg, lay, moe, "none") - act_elems_per_token(cfg, lay, moe, "full")
 
 
 def mtp_saved_elems(cfg: Config) -> float:

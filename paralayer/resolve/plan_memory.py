@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import v_flight
 from paralayer.resolve.memory_states import chunk_blocks
 from paralayer.resolve.plan_types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
@@ -32,24 +33,32 @@ class RankInfo(NamedTuple):
     #: under a split backward (zbv, dualpipev) the (global index, is MoE) blocks of each chunk
     #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
     split_chunks: tuple = ()
+    chunk_has_layers: tuple = ()  # per chunk of split_chunks: it has pipeline layers (its RoPE tables)
+    chunk_counts: tuple = ()  # per chunk of split_chunks: its (dense, MoE) blocks
 
 
 def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
-    """The ranks that can be the most loaded: first, second, second to last, last."""
+    """The ranks that can be the most loaded: first, second, second to last, last; under the V
+    schedules every rank (a rank's peak weighs its two chunks by unequal in-flight counts,
+    v_flight.moments, so with recompute_every a middle rank's mix of recomputed layers can hold
+    the most)."""
     pp, schedule = lay.pp, lay.schedule
     ranks = []
-    for r in sorted({0, 1, pp - 2, pp - 1} & set(range(pp))):
+    every = pp > 1 and schedule in V_SCHEDULES
+    for r in (range(pp) if every else sorted({0, 1, pp - 2, pp - 1} & set(range(pp)))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        split = ()
+        split, has, counts = (), (), ()
         if pp > 1 and schedule in V_SCHEDULES:
             split = tuple(tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in blocks)
                           for blocks in chunk_blocks(cfg, lay, r))
+            has = tuple(bool(lay.stage_layers[c]) for c in chunks)
+            counts = tuple(_chunk_counts(ch) for ch in split)
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
-                              sum(1 for c in chunks if lay.stage_layers[c]), split))
+                              sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts))
     return ranks
 
 
@@ -62,7 +71,8 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
     for overlap in overlaps:
         for fsdp in (False, True):
             lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
-            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1)
+            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1,
+                    lay.ep > 1)  # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
             if akey not in act_cache:
                 act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
                                               mem_mod.act_elems_per_token(cfg, lay, True, mode))
@@ -76,24 +86,36 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
                rope: float, mode: str, head_passes: int = 1, mtp_elems: float = 0.0) -> list[tuple]:
     """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
     RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
-    stage holds —, one microbatch's logits and head if it is last: memory.rank_activations)."""
+    stage holds —, one microbatch's logits and head if it is last: memory.rank_activations).
+    Under the V schedules (a rank with ``split_chunks``): (its backward passes' in-flight counts,
+    v_flight.moments; the head's bytes; ``rope``): memory.v_rank_activations."""
     pp, schedule = lay.pp, lay.schedule
     out = []
     for rk in ranks:
-        inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
-        extra, head, one_pass = inf * rk.n_chunks * rope, 0.0, 0.0
+        head, one_pass = 0.0, 0.0
         if rk.last:
-            lif = mm if (schedule == "gpipe" and pp > 1) else 1
             head = 4 * tokens * lay.padded_vocab / lay.tp + mem_mod.head_saved_elems(lay, h, mode) * tokens * ab
             one_pass = head
             head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
             head += mtp_elems * tokens * ab  # memory.mtp_saved_elems
-            extra += head * lif
-        # the head freed before a layer is recomputed: none under the V schedules, where the
-        # last chunk's rank recomputes the first chunk too; one pass with MTP (memory.rank_activations)
-        freed = 0.0 if (schedule in V_SCHEDULES and pp > 1) else (one_pass if head_passes > 1 else head)
-        out.append((inf, extra, freed))
+        if rk.split_chunks:
+            out.append((v_flight.moments(schedule, pp, mm, rk.rank), head, rope))
+            continue
+        inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
+        extra = inf * rk.n_chunks * rope
+        if rk.last:
+            extra += head * (mm if (schedule == "gpipe" and pp > 1) else 1)
+        # the head freed before a layer is recomputed; one pass with MTP (memory.rank_activations)
+        out.append((inf, extra, one_pass if head_passes > 1 else head))
     return out
+
+
+def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t: list, tab: float) -> int:
+    """memory.v_rank_activations from the planner's tables: per chunk its saved elements ``per``
+    (times ``tab``, plus RoPE's tables if it has layers), the head once, the pass's transient."""
+    moments, head, rope = flight
+    saved = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
+    return int(mem_mod.v_peak(moments, saved, head, [x * tab for x in split_t], [x * tab for x in full_t])[0])
 
 
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -102,17 +124,24 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
     ed, em = act[recompute]
     nd_none, nm_none = act["none"]
     best: Optional[tuple] = None
-    for rk, st, (inf, extra, head) in zip(ranks, states, flight):
-        a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
-        if recompute == "full" and (rk.n_dense + rk.n_moe):
-            # the recomputed layer's set less its input (memory.recompute_transient), never live
-            # beside the same microbatch's logits and head (memory.rank_activations)
-            if rk.split_chunks:  # memory.recompute_transient: the largest chunk's sets together
+    for rk, st, fl in zip(ranks, states, flight):
+        if rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
+            cts = rk.chunk_counts
+            per = [cd * ed + cm * em for cd, cm in cts]
+            if recompute == "full":
                 dn, mn = nd_none - ed, nm_none - em
-                live = int(max(_chunk_sum(ch, dn, mn) for ch in rk.split_chunks) * tab)
+                a = _v_activations(rk, fl, per, [cd * dn + cm * mn for cd, cm in cts],
+                                   [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts], tab)
             else:
+                a = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab)
+        else:
+            inf, extra, head = fl
+            a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
+            if recompute == "full" and (rk.n_dense + rk.n_moe):
+                # the recomputed layer's set less its input (memory.recompute_transient), never live
+                # beside the same microbatch's logits and head (memory.rank_activations)
                 live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
-            a += max(live - head, 0.0)
+                a += max(live - head, 0.0)
         a = int(a)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
         # (under full recompute a layer's copies are made again in its backward, never beside the
@@ -144,8 +173,12 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
         if layer_sums is not None:
             layer_sums[every] = sums
     best: Optional[tuple] = None
-    for rk, st, (inf, extra, head), (per, live, copies) in zip(ranks, states, flight, sums):
-        a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
+    for rk, st, fl, (per, live, copies) in zip(ranks, states, flight, sums):
+        if rk.split_chunks:  # per, live: per chunk (rank_layer_sums)
+            a = _v_activations(rk, fl, per, live[0], live[1], tab)
+        else:
+            inf, extra, head = fl
+            a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, rk, st, copies, a)
     assert best is not None
@@ -176,19 +209,40 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
             again = max(again, st[6] if moe else st[5])
         else:
             copies += st[6] if moe else st[5]
-    if rk.split_chunks:  # memory.recompute_transient: a chunk's recomputed sets live together
+    if rk.split_chunks:  # memory.v_rank_activations: per chunk its saved set and its passes' transients
         dn, mn = act["none"][0] - act["full"][0], act["none"][1] - act["full"][1]
-        live = max(_chunk_sum(ch, dn, mn, every) for ch in rk.split_chunks)
-        # and its copies, beside the head's (memory.autocast_copy_params)
-        return per, live, int(copies + (st[4] + max(_chunk_sum(ch, st[5], st[6], every) for ch in rk.split_chunks)))
+        pers = [_chunk_saved(ch, act, every) for ch in rk.split_chunks]
+        cts = [_chunk_counts(ch, every) for ch in rk.split_chunks]
+        live_v = ([cd * dn + cm * mn for cd, cm in cts], [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts])
+        # and a chunk's copies together, beside the head's (memory.autocast_copy_params)
+        return pers, live_v, int(copies + (st[4] + max(_chunk_sum(ch, st[5], st[6], every) for ch in rk.split_chunks)))
     return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
 
 
-def _chunk_sum(chunk: tuple, dn: float, mn: float, every: int = 1) -> float:
-    """A chunk's fully recomputed blocks' transient elements per token: dense count · dn + MoE count · mn
-    (memory.chunk_recompute_counts: the same counts, the same products)."""
+_ZEROS = [0.0, 0.0]
+
+
+def _chunk_saved(chunk: tuple, act: dict, every: int) -> float:
+    """A chunk's saved elements per token under recompute=full on every ``every``-th block, summed
+    by (MoE, mode) as memory.v_rank_activations sums them (the same order, the same bytes)."""
+    kinds: dict = {}
+    for i, moe in chunk:
+        key = (moe, "full" if i % every == 0 else "none")
+        kinds[key] = kinds.get(key, 0) + 1
+    return sum(n * act[mode][1 if moe else 0] for (moe, mode), n in sorted(kinds.items()))
+
+
+def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, int]:
+    """A chunk's fully recomputed (dense, MoE) blocks (memory.chunk_recompute_counts)."""
     cd = sum(1 for i, moe in chunk if not moe and i % every == 0)
     cm = sum(1 for i, moe in chunk if moe and i % every == 0)
+    return cd, cm
+
+
+def _chunk_sum(chunk: tuple, dn: float, mn: float, every: int = 1) -> float:
+    """A chunk's fully recomputed blocks' elements per token: dense count · dn + MoE count · mn
+    (memory.chunk_recompute_counts: the same counts, the same products)."""
+    cd, cm = _chunk_counts(chunk, every)
     return cd * dn + cm * mn
 
 

@@ -297,7 +297,7 @@ class _Context(NamedTuple):
     tot: Totals
     fixed: dict
     drop: Any
-    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards) -> act_elems_per_token table
+    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards, ep > 1) -> act_elems_per_token table
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
     layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
     fits: list  # [layouts that fit so far, of which untimed] (stats["listed"], stats["untimed"])
