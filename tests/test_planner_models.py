@@ -74,6 +74,8 @@ BAD = [
     ("model.mla.kv_lora_rank=16 model.mla.qk_rope_head_dim=8 model.mla.v_head_dim=16 model.n_kv_heads=2",
      "model.n_kv_heads: must equal model.n_heads=4 with MLA"),
     ("model.mtp.depth=-1", "model.mtp.depth: must be an integer from 0 to 16"),
+    ("model.moe.num_experts=8 model.moe.seq_aux_loss_coef=0.001 parallel.cp=2 parallel.dp=1",
+     "model.moe.seq_aux_loss_coef: model.moe.seq_aux_loss_coef=0.001 is not built with parallel.cp > 1"),
     ("model.mtp.depth=200", "model.mtp.depth: must be an integer from 0 to 16"),
 ]
 

@@ -126,11 +126,11 @@ class LatentAttention(nn.Module):
                                                                      scale=self.scale)[0]
         if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        # A replaced core (context parallel's ring) runs the CPU flash kernel, which wants one head
-        # width for q, k and v: v is padded with zeros to q's width (its extra output columns are
-        # zero and cut off; exact), so the ring carries V at nope+rope, not v_head_dim.
-        width = q.shape[-1]
-        if v.shape[-1] > width:
+        # A replaced core (context parallel's ring) carries K at nope+rope and V at v_head_dim; its
+        # CPU flash kernel, which wants one head width, pads V per block after the ring
+        # (parallel/context.py _block_fwd)
+        if v.shape[-1] > q.shape[-1]:
             raise ValueError("model.mla.v_head_dim > qk_nope_head_dim + qk_rope_head_dim is not built under cp")
-        v_pad = F.pad(v, (0, width - v.shape[-1])) if v.shape[-1] < width else v.contiguous()
-        return self.attn_fn(q * self.q_gain, k, v_pad)[..., : v.shape[-1]]
+        if self.fused_kernel:  # the rehearsal of a GPU layout: the ring's blocks as a GPU runs them
+            return self.attn_fn(q * self.q_gain, k, v.contiguous(), backend="cuda")
+        return self.attn_fn(q * self.q_gain, k, v.contiguous())

@@ -128,6 +128,11 @@ def _block_fwd(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scal
     """Attention of one block. Returns (out in q.dtype, lse fp32 contiguous (b, h, s_q))."""
     sq = q.size(2)
     if backend == "cpu":
+        dv = v.size(-1)
+        if dv != q.size(-1):  # its one head width: V padded with zeros here, after the ring carried it
+            out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
+                q, k, F.pad(v, (0, q.size(-1) - dv)), 0.0, causal, scale=scale)
+            return out[..., :dv], lse.float().contiguous()
         out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
             q, k, v, 0.0, causal, scale=scale)
     elif backend == "cuda":
@@ -145,6 +150,12 @@ def _block_bwd(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                lse: Tensor, causal: bool, scale: float):
     """Gradients of one block given the GLOBAL (merged) out and lse of these query rows."""
     if backend == "cpu":
+        w = v.size(-1)
+        if w != q.size(-1):  # as _block_fwd: zero columns of V, of the output and of its gradient
+            pad = (0, q.size(-1) - w)
+            dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
+                F.pad(dout, pad), q, k, F.pad(v, pad), F.pad(out, pad), lse, 0.0, causal, scale=scale)
+            return dq, dk, dv[..., :w]
         dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     elif backend == "cuda":
@@ -288,7 +299,8 @@ class _RingAttnFn(torch.autograd.Function):
         # out.transpose(1, 2).reshape(b, s, -1) is then a view, not a second copy kept for wo.
         out_acc = torch.empty(b, s, h, v.size(-1), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        dk = k.size(-1)
+        kv = torch.cat([k, v], dim=-1).contiguous()  # one message, K and V at their own widths
         seen = set()
         if stats is not None:
             stats.last_step_times_fwd_s = []
@@ -299,7 +311,7 @@ class _RingAttnFn(torch.autograd.Function):
                 if stats is not None:
                     stats.add_sent("kv", kv.numel() * kv.element_size())
             t0 = time.perf_counter()
-            kb, vb = kv[0], kv[1]
+            kb, vb = kv[..., :dk], kv[..., dk:]
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
                 o, lse = _block_fwd(backend, q[:, :, qr], _expand(kb[:, :, kr], groups),
                                     _expand(vb[:, :, kr], groups), blk_causal, scale)
@@ -334,7 +346,8 @@ class _RingAttnFn(torch.autograd.Function):
         dout = dout.contiguous()
 
         dq = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        dk_w = k.size(-1)
+        kv = torch.cat([k, v], dim=-1).contiguous()
         dkv_acc: Tensor | None = None
         dkv_works = None
         dkv_next: Tensor | None = None
@@ -345,7 +358,7 @@ class _RingAttnFn(torch.autograd.Function):
             if step < cp - 1:
                 kv_next, kv_works = ring.exchange(kv, _KV_TAG)
             t0 = time.perf_counter()
-            kb, vb = kv[0], kv[1]
+            kb, vb = kv[..., :dk_w], kv[..., dk_w:]
             part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
                 # lse rows must be contiguous for the kernels
@@ -354,8 +367,8 @@ class _RingAttnFn(torch.autograd.Function):
                     _expand(vb[:, :, kr], groups), out[:, :, qr], lse[:, :, qr].contiguous(),
                     blk_causal, scale)
                 dq[:, :, qr] += dq_.float()
-                part[0][:, :, kr] += _reduce(dk_.float(), groups)
-                part[1][:, :, kr] += _reduce(dv_.float(), groups)
+                part[:, :, kr, :dk_w] += _reduce(dk_.float(), groups)
+                part[:, :, kr, dk_w:] += _reduce(dv_.float(), groups)
                 if stats is not None:
                     stats.pairs_bwd += _pairs(qr, kr, blk_causal)
             if stats is not None:
@@ -379,7 +392,7 @@ class _RingAttnFn(torch.autograd.Function):
             ring.wait(dkv_works)
             dkv_acc = dkv_next
         assert dkv_acc is not None
-        return (dq.to(q.dtype), dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype),
+        return (dq.to(q.dtype), dkv_acc[..., :dk_w].to(k.dtype), dkv_acc[..., dk_w:].to(v.dtype),
                 None, None, None, None, None)
 
 
@@ -436,10 +449,11 @@ class RingAttention(nn.Module):
 
 def make_ring_attention(group: dist.ProcessGroup | None = None,
                         stats: RingStats | None = None) -> Callable[..., Tensor]:
-    """A function ``attn(q, k, v, is_causal=True, scale=None)`` running ring attention on ``group``."""
+    """A function ``attn(q, k, v, is_causal=True, scale=None, backend=None)`` running ring
+    attention on ``group`` (``backend``: :func:`ring_attention`'s)."""
 
     def attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True,
-             scale: float | None = None) -> Tensor:
-        return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats)
+             scale: float | None = None, backend: str | None = None) -> Tensor:
+        return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats, backend=backend)
 
     return attn

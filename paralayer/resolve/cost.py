@@ -468,9 +468,13 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
     total = 0.0
     # forward + the fused kernel's backward (2.5: it recomputes the scores); SDPA's CPU math path
     # (MLA with d_qk != d_v: memory_activations.attn_saved_elems) keeps them: 1 + 2
-    math_path = (lay.device == "cpu" and parts.attention_kind(cfg) == "mla"
-                 and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg))
+    unequal = (lay.device == "cpu" and parts.attention_kind(cfg) == "mla"
+               and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg))
+    math_path = unequal and lay.cp == 1
     core_passes = 3.0 if math_path else 3.5
+    if unequal and lay.cp > 1:  # the cp ring's CPU flash blocks pad V to q's width (parallel/context.py)
+        dqk, dv = parts.qk_head_dim(cfg), parts.v_head_dim(cfg)
+        core_full *= 2 * dqk / (dqk + dv)
     last = (lay.chunks - 1) in rank_chunks(lay, r)
     for i in rank_layers(cfg, lay, r):
         core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)

@@ -92,7 +92,11 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> 
         extra += 2 * h / t if sp else 3 * h
     if parts.attention_kind(cfg) == "mla":
         extra += 2 - (h if autocast and not sp else 0)
-        if autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") \
+        if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
+            # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
+            # count twice, and wo casts the output again
+            extra += a * (2 * parts.qk_head_dim(cfg) + 2 * parts.v_head_dim(cfg)) / t
+        elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") \
                 and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg):
             # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
             extra += a * (2 * parts.qk_head_dim(cfg) + parts.v_head_dim(cfg) + m.seq_len) / t
@@ -158,6 +162,10 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
         dqk, dv, nope = parts.qk_head_dim(cfg), parts.v_head_dim(cfg), cfg.model.mla.qk_nope_head_dim
         if mode in ("core_attn", "selective"):
             return a * dqk + a * (nope + dv) + a * dv
+        if lay.cp > 1:
+            # the ring (parallel/context.py) saves q, k, a contiguous v, its output (wo's input
+            # is a view of it) and the lse; kv_b's output is not kept
+            return 2 * a * dqk + 2 * a * dv + a
         if lay.device == "cpu" and dqk != dv:
             # CPU SDPA has no fused kernel for q/k wider than v: its math path keeps the a·s
             # probabilities, q, k, a contiguous v, and no lse nor kv_b's output

@@ -251,9 +251,11 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
         padded = int(math.ceil(m_.vocab_size / tp) * tp)
         for cp in _allowed(fixed, "cp", divisors(world // tp)):
-            if cp > 1 and (tot.seq % (2 * cp) or (m_.moe.num_experts and m_.moe.capacity_factor is not None)
+            if cp > 1 and (tot.seq % (2 * cp) or (m_.moe.num_experts and (m_.moe.capacity_factor is not None
+                                                                         or m_.moe.seq_aux_loss_coef > 0))
                            or m_.mtp.depth):
-                continue  # (capacity or MTP under cp: refused by rules.check_experts / check_model_parts)
+                continue  # (capacity, the sequence-wise loss or MTP under cp: refused by rules.check_experts /
+                # check_model_parts)
             if sp and tot.seq % (cp * tp):
                 drop("sequence parallel: seq_len/cp not divisible by tp")
                 continue

@@ -382,6 +382,11 @@ def check_model_parts(cfg: Config, lay: Layout) -> None:
         if why:
             _error(lay, "model.mtp.depth", f"model.mtp.depth={m.mtp.depth} is not built with {why}; use "
                    "model.mtp.depth=0 or change the layout")
+    if m.moe.num_experts > 0 and m.moe.seq_aux_loss_coef > 0 and p.cp > 1:
+        # a sequence's balance loss needs its whole sequence's routing; each cp rank holds a zigzag shard
+        _error(lay, "model.moe.seq_aux_loss_coef", f"model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is not "
+               "built with parallel.cp > 1 (each context rank holds part of every sequence); use "
+               "model.moe.seq_aux_loss_coef=0 or parallel.cp=1")
     if m.mla.kv_lora_rank > 0 and p.tp > 1 and p.tp_overlap:
         _error(lay, "parallel.tp_overlap", "parallel.tp_overlap=true is not built with MLA (model.mla.kv_lora_rank="
                f"{m.mla.kv_lora_rank}); valid: false")
