@@ -104,6 +104,9 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
     def __call__(self) -> Any:
         import submitit.helpers
 
+        from paralayer.runtime import startup_gc
+
+        startup_gc.pause()  # through the rank's start-up: train() turns it back on
         for k in _DIST_VARS:
             os.environ.pop(k, None)
         os.environ.update(self.env)

@@ -28,6 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+if __name__ == "__main__":  # a rank of the local launcher: the collector off while it starts
+    from paralayer.runtime import startup_gc
+
+    startup_gc.pause()
+
 import torch
 import torch.distributed as dist
 
@@ -47,6 +52,7 @@ from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
 from paralayer.runtime import evaluate, optimizer, placement, precision
 from paralayer.runtime import moe_step as moe_step
+from paralayer.runtime import startup_gc
 from paralayer.runtime import mtp_step
 from paralayer.runtime import stability as stab_mod
 from paralayer.runtime.batch import rank_batch
@@ -402,6 +408,7 @@ def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, l
     records: list[dict] = []
     preempt = PreemptSave()
     finished = False
+    startup_gc.resume()  # off through the start-up (runtime/startup_gc.py)
     try:
         step = start_step
         while step <= stop:
