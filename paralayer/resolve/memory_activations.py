@@ -221,7 +221,9 @@ def in_flight(lay: Layout, r: int) -> float:
     whole round of its earlier chunks; gpt3-175b's last stage rehearsed 3.04× that).
     ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
-    chunk-microbatches on every rank, half a rank's layers each. Never more than m."""
+    chunk-microbatches on every rank, half a rank's layers each. Never more than m. (The memory
+    plan under the V schedules takes its peak per chunk over the order's backward passes instead:
+    :func:`v_rank_activations`, resolve/v_flight.py.)"""
     return in_flight_count(lay.pp, lay.microbatches, lay.schedule, lay.vpp, r)
 
 
