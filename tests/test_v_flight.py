@@ -97,3 +97,30 @@ def test_dualpipev_full_recompute_rehearses_the_plans_activations(monkeypatch):
     monkeypatch.setattr(memory_activations.v_flight, "moments", planted)
     last = _rehearse_dualpipev_pp4()[1]
     assert last["ratios"]["activations"] < 0.95, last["ratios"]
+
+
+def test_moments_do_not_change_past_the_cap():
+    """moments() caps m at 2p + 2 (the steady round repeats): the uncapped walk gives the same
+    counts for every m up to 8p, every rank, p = 2..10."""
+    from collections import defaultdict
+
+    def uncapped(schedule, p, m, r):
+        held, seen = [0, 0], defaultdict(set)
+        for kind, c in v_flight.v_order(schedule, p, m, r):
+            if kind == "F":
+                held[c] += 1
+                continue
+            seen[(c, kind != "B")].add(tuple(held))
+            if kind in ("B", "W"):
+                held[c] -= 1
+        return {k: {(a, b) for a, b in v if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in v)}
+                for k, v in seen.items()}
+
+    for schedule in ("zbv", "dualpipev"):
+        for p in range(2, 11):
+            for m in range(2 * p if schedule == "dualpipev" else p, 8 * p + 1, 3):
+                for r in range(p):
+                    got: dict = {}
+                    for mo in v_flight.moments(schedule, p, m, r):
+                        got.setdefault((mo.chunk, mo.split), set()).add((mo.held0, mo.held1))
+                    assert got == uncapped(schedule, p, m, r), (schedule, p, m, r)

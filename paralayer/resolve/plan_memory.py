@@ -14,9 +14,9 @@ from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import v_flight
-from paralayer.resolve.memory_states import chunk_blocks
+from paralayer.resolve.memory_states import chunk_blocks, rank_chunks
 from paralayer.resolve.plan_types import MemPick, Totals
-from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
+from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
 class RankInfo(NamedTuple):
@@ -37,17 +37,25 @@ class RankInfo(NamedTuple):
     chunk_counts: tuple = ()  # per chunk of split_chunks: its (dense, MoE) blocks
 
 
+#: pipelines up to this depth have every rank weighed under the V schedules (candidate_ranks)
+V_RANKS_ALL = 16
+
+
 def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
     """The ranks that can be the most loaded: first, second, second to last, last; under the V
-    schedules every rank (a rank's peak weighs its two chunks by unequal in-flight counts,
-    v_flight.moments, so with recompute_every a middle rank's mix of recomputed layers can hold
-    the most)."""
+    schedules every rank up to :data:`V_RANKS_ALL` (a rank's peak weighs its two chunks by unequal
+    in-flight counts, v_flight.moments, so with recompute_every a middle rank's mix of recomputed
+    layers can hold the most)."""
     pp, schedule = lay.pp, lay.schedule
     ranks = []
-    every = pp > 1 and schedule in V_SCHEDULES
-    for r in (range(pp) if every else sorted({0, 1, pp - 2, pp - 1} & set(range(pp)))):
+    picked = {0, 1, pp - 2, pp - 1}
+    if pp > 1 and schedule in V_SCHEDULES:
+        # up to V_RANKS_ALL every rank; deeper pipelines (none published) the ends and every
+        # pp // V_RANKS_ALL-th rank between, which may miss a middle rank's recompute_every mix
+        picked |= set(range(0, pp, 1 if pp <= V_RANKS_ALL else pp // V_RANKS_ALL))
+    for r in sorted(picked & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
-        chunks = [c for c in range(lay.chunks) if chunk_rank(c, pp, schedule) == r]
+        chunks = rank_chunks(lay, r)  # not a walk over every chunk: O(pp) ranks under the V schedules
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         split, has, counts = (), (), ()
@@ -91,6 +99,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
     v_flight.moments; the head's bytes; ``rope``): memory.v_rank_activations."""
     pp, schedule = lay.pp, lay.schedule
     out = []
+    groups: dict = {}  # V ranks alike but for their order's counts: peak_memory weighs them as one
     for rk in ranks:
         head, one_pass = 0.0, 0.0
         if rk.last:
@@ -99,7 +108,16 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
             head += mtp_elems * tokens * ab  # memory.mtp_saved_elems
         if rk.split_chunks:
-            out.append((v_flight.moments(schedule, pp, mm, rk.rank), head, rope))
+            mo = v_flight.moments(schedule, pp, mm, rk.rank)
+            key = (rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.chunk_has_layers)
+            tagged = [(m, rk.rank) for m in mo]
+            if key in groups:  # a follower: its counts join its group's leader's (index groups[key])
+                lead = out[groups[key]]
+                out[groups[key]] = lead[:3] + (lead[3] + tuple(tagged),)
+                out.append((mo, head, rope, None))
+            else:
+                groups[key] = len(out)
+                out.append((mo, head, rope, tuple(tagged)))
             continue
         inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
         extra = inf * rk.n_chunks * rope
@@ -110,12 +128,24 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
     return out
 
 
-def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t: list, tab: float) -> int:
+def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t: list, tab: float,
+                   moments: Optional[tuple] = None) -> tuple[int, int]:
     """memory.v_rank_activations from the planner's tables: per chunk its saved elements ``per``
-    (times ``tab``, plus RoPE's tables if it has layers), the head once, the pass's transient."""
-    moments, head, rope = flight
-    saved = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
-    return int(mem_mod.v_peak(moments, saved, head, [x * tab for x in split_t], [x * tab for x in full_t])[0])
+    (times ``tab``, plus RoPE's tables if it has layers), the head once, the pass's transient
+    (memory.v_peak's sum, unrolled: the planner asks it for every rank of every candidate).
+    ``moments``: (moment, rank) pairs of ranks alike but for their counts (in_flight's groups);
+    returns (peak bytes, the rank holding it)."""
+    own, head, rope = flight[0], flight[1], flight[2]
+    has = rk.chunk_has_layers
+    s0 = per[0] * tab + (rope if has[0] else 0.0)
+    s1 = (per[1] * tab + (rope if has[1] else 0.0)) if len(per) > 1 else 0.0
+    peak, at = 0.0, rk.rank
+    for mo, r in (moments if moments is not None else ((m, rk.rank) for m in own)):
+        t = split_t if mo.split else full_t
+        v = mo.held0 * s0 + mo.held1 * s1 + head + t[mo.chunk] * tab
+        if v > peak:
+            peak, at = v, r
+    return int(peak), at
 
 
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -125,15 +155,18 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
     nd_none, nm_none = act["none"]
     best: Optional[tuple] = None
     for rk, st, fl in zip(ranks, states, flight):
+        at = rk.rank
         if rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
+            if fl[3] is None:
+                continue  # weighed with its group's leader (in_flight)
             cts = rk.chunk_counts
             per = [cd * ed + cm * em for cd, cm in cts]
             if recompute == "full":
                 dn, mn = nd_none - ed, nm_none - em
-                a = _v_activations(rk, fl, per, [cd * dn + cm * mn for cd, cm in cts],
-                                   [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts], tab)
+                a, at = _v_activations(rk, fl, per, [cd * dn + cm * mn for cd, cm in cts],
+                                       [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts], tab, fl[3])
             else:
-                a = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab)
+                a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
         else:
             inf, extra, head = fl
             a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
@@ -147,15 +180,15 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         # (under full recompute a layer's copies are made again in its backward, never beside the
         # same microbatch's head copy: memory.autocast_copy_params)
         if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
-            copies = int(st[4] + max(_chunk_sum(ch, st[5], st[6]) for ch in rk.split_chunks))
+            copies = int(st[4] + max(cd * st[5] + cm * st[6] for cd, cm in rk.chunk_counts))
         else:
             copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
                          else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
         if best is None or st[3] + copies + a > best[0]:
-            best = (st[3] + copies + a, rk, st, copies, a)  # the MemPick is made once, for the winner
+            best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
     assert best is not None
-    total, rk, st, copies, a = best
-    return MemPick(total, rk.rank, st[0] + copies, st[1], st[2], a)
+    total, at, st, copies, a = best
+    return MemPick(total, at, st[0] + copies, st[1], st[2], a)
 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -174,8 +207,8 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
             layer_sums[every] = sums
     best: Optional[tuple] = None
     for rk, st, fl, (per, live, copies) in zip(ranks, states, flight, sums):
-        if rk.split_chunks:  # per, live: per chunk (rank_layer_sums)
-            a = _v_activations(rk, fl, per, live[0], live[1], tab)
+        if rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
+            a = _v_activations(rk, fl, per, live[0], live[1], tab)[0]
         else:
             inf, extra, head = fl
             a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))

@@ -146,10 +146,17 @@ def _zbv(p: int, m: int, r: int) -> list[tuple[str, int]]:
     return out
 
 
-@lru_cache(maxsize=4096)
 def moments(schedule: str, p: int, m: int, r: int) -> tuple[Moment, ...]:
     """The backward passes of rank r that can hold its peak: for each (chunk, split) the counts
-    no other pass of the same kind holds at least as many of on both chunks."""
+    no other pass of the same kind holds at least as many of on both chunks. Past 2p + 2
+    microbatches the orders only repeat their steady round (a forward and a backward per chunk,
+    the counts back where they were), so m is capped there (tests/test_v_flight.py: equal for
+    every m up to 8p): the planner asks for every rank of every candidate."""
+    return _moments(schedule, p, min(m, 2 * p + 2), r)
+
+
+@lru_cache(maxsize=8192)
+def _moments(schedule: str, p: int, m: int, r: int) -> tuple[Moment, ...]:
     held = [0, 0]
     seen: dict[tuple[int, bool], set[tuple[int, int]]] = {}
     for kind, c in v_order(schedule, p, m, r):
@@ -161,7 +168,11 @@ def moments(schedule: str, p: int, m: int, r: int) -> tuple[Moment, ...]:
             held[c] -= 1
     out = []
     for (c, split), pairs in sorted(seen.items()):
-        for a, b in sorted(pairs):
-            if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in pairs):
-                out.append(Moment(c, split, a, b))
+        best1 = -1  # the Pareto front: by held0 descending, each pair holding more of chunk 1
+        front = []
+        for a, b in sorted(pairs, reverse=True):
+            if b > best1:
+                front.append(Moment(c, split, a, b))
+                best1 = b
+        out += sorted(front, key=lambda mo: (mo.held0, mo.held1))
     return tuple(out)
