@@ -304,22 +304,25 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
         saved.append(elems * tokens * ab + (rope if lay.stage_layers[c] else 0.0))
         split_t.append((cd * dn + cm * mn) * tokens * ab if full else 0.0)
         full_t.append(max(dn if cd else 0.0, mn if cm else 0.0) * tokens * ab if full else 0.0)
-    peak, kept = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
+    peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
     return int(peak), int(kept)
 
 
-def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float]:
-    """(peak, saved) bytes over a V-schedule rank's backward passes (``v_flight.moments``): the
-    chunk-microbatches each chunk holds times its ``saved`` bytes, plus ``fixed``, plus the pass's
-    transient (``split_t`` of its chunk for an input or weight pass, ``full_t`` for a full
-    backward). The resolver and the planner (plan_memory) both sum through here."""
-    peak, kept = 0.0, 0.0
-    for mo in moments:
+def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float, int]:
+    """(peak, saved) bytes over a V-schedule rank's backward passes (``v_flight.moments``), and the
+    index of the pass that holds the peak: the chunk-microbatches each chunk holds times its
+    ``saved`` bytes, plus ``fixed``, plus the pass's transient (``split_t`` of its chunk for an
+    input or weight pass, ``full_t`` for a full backward). The resolver and the planner
+    (plan_memory) both sum through here."""
+    peak, kept, at = 0.0, 0.0, 0
+    for j, mo in enumerate(moments):
         held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed
         t = split_t if mo.split else full_t
-        peak = max(peak, held + (t[mo.chunk] if mo.chunk < len(t) else 0.0))
+        v = held + (t[mo.chunk] if mo.chunk < len(t) else 0.0)
+        if v > peak:
+            peak, at = v, j
         kept = max(kept, held)
-    return peak, kept
+    return peak, kept, at
 
 
 def _transient_elems(cfg: Config, lay: Layout, moe: bool) -> float:

@@ -110,14 +110,14 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
         if rk.split_chunks:
             mo = v_flight.moments(schedule, pp, mm, rk.rank)
             key = (rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.chunk_has_layers)
-            tagged = [(m, rk.rank) for m in mo]
-            if key in groups:  # a follower: its counts join its group's leader's (index groups[key])
-                lead = out[groups[key]]
-                out[groups[key]] = lead[:3] + (lead[3] + tuple(tagged),)
+            if key in groups:  # a follower: its counts join its group's leader's
+                joined, owners = groups[key]
+                joined += mo
+                owners += [rk.rank] * len(mo)
                 out.append((mo, head, rope, None))
             else:
-                groups[key] = len(out)
-                out.append((mo, head, rope, tuple(tagged)))
+                groups[key] = (list(mo), [rk.rank] * len(mo))
+                out.append((mo, head, rope, groups[key]))
             continue
         inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
         extra = inf * rk.n_chunks * rope
@@ -129,23 +129,16 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
 
 
 def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t: list, tab: float,
-                   moments: Optional[tuple] = None) -> tuple[int, int]:
-    """memory.v_rank_activations from the planner's tables: per chunk its saved elements ``per``
-    (times ``tab``, plus RoPE's tables if it has layers), the head once, the pass's transient
-    (memory.v_peak's sum, unrolled: the planner asks it for every rank of every candidate).
-    ``moments``: (moment, rank) pairs of ranks alike but for their counts (in_flight's groups);
-    returns (peak bytes, the rank holding it)."""
+                   group: Optional[tuple] = None) -> tuple[int, int]:
+    """memory.v_rank_activations from the planner's tables, through memory.v_peak: per chunk its
+    saved elements ``per`` (times ``tab``, plus RoPE's tables if it has layers), the head once, the
+    pass's transient. ``group``: (moments, their ranks) of the ranks alike but for their counts
+    (in_flight's groups), weighed in one pass. Returns (peak bytes, the rank holding it)."""
     own, head, rope = flight[0], flight[1], flight[2]
-    has = rk.chunk_has_layers
-    s0 = per[0] * tab + (rope if has[0] else 0.0)
-    s1 = (per[1] * tab + (rope if has[1] else 0.0)) if len(per) > 1 else 0.0
-    peak, at = 0.0, rk.rank
-    for mo, r in (moments if moments is not None else ((m, rk.rank) for m in own)):
-        t = split_t if mo.split else full_t
-        v = mo.held0 * s0 + mo.held1 * s1 + head + t[mo.chunk] * tab
-        if v > peak:
-            peak, at = v, r
-    return int(peak), at
+    saved = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
+    moments, owners = group if group is not None else (own, None)
+    peak, _, j = mem_mod.v_peak(moments, saved, head, [x * tab for x in split_t], [x * tab for x in full_t])
+    return int(peak), (owners[j] if owners else rk.rank)
 
 
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -248,7 +241,7 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
         cts = [_chunk_counts(ch, every) for ch in rk.split_chunks]
         live_v = ([cd * dn + cm * mn for cd, cm in cts], [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts])
         # and a chunk's copies together, beside the head's (memory.autocast_copy_params)
-        return pers, live_v, int(copies + (st[4] + max(_chunk_sum(ch, st[5], st[6], every) for ch in rk.split_chunks)))
+        return pers, live_v, int(copies + (st[4] + max(cd * st[5] + cm * st[6] for cd, cm in cts)))
     return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
 
 
@@ -270,13 +263,6 @@ def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, int]:
     cd = sum(1 for i, moe in chunk if not moe and i % every == 0)
     cm = sum(1 for i, moe in chunk if moe and i % every == 0)
     return cd, cm
-
-
-def _chunk_sum(chunk: tuple, dn: float, mn: float, every: int = 1) -> float:
-    """A chunk's fully recomputed blocks' elements per token: dense count · dn + MoE count · mn
-    (memory.chunk_recompute_counts: the same counts, the same products)."""
-    cd, cm = _chunk_counts(chunk, every)
-    return cd * dn + cm * mn
 
 
 def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
