@@ -4,6 +4,7 @@ depths stored as decoder layers ``model.layers.{n_layers+k}``. Its checkpoints m
 shared key's rope dims out in interleaved pairs (``rope_interleave``). Torch-free."""
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from paralayer.families.common import ExpertNames, Traits, float_key, int_key
@@ -29,10 +30,22 @@ MTP_AS_LAYERS = True  # MTP depth k is model.layers.{n_layers+k} (checkpoint/hf_
 
 
 def read_attention(hf: dict, fp: str, d: int, heads: int) -> dict:
-    """MLA: its widths go to model.mla (:func:`read_parts`). config.json's head_dim is not read:
-    transformers 5.25's DeepseekV3Config.__post_init__ sets head_dim = qk_rope_head_dim whatever
-    the file says. No q/k norms (MLA's norms are on the latents), no window."""
+    """MLA: its widths go to model.mla (:func:`read_parts`, which also checks head_dim). No q/k
+    norms (MLA's norms are on the latents), no window."""
     return {"layer_types": None, "head_dim": None, "qk_norm": False, "sliding_window": None}
+
+
+def _check_rope_width(hf: dict, fp: str, d: int, heads: int, rope: int) -> None:
+    """config.json's head_dim as transformers 5.25 reads it: DeepseekV3Config.__post_init__ sets
+    head_dim = qk_rope_head_dim, but a head_dim in the file is set after it, and the rotary
+    embedding takes ``head_dim or hidden_size // num_attention_heads`` as the width of its
+    cos/sin tables. Our decoupled RoPE key is qk_rope_head_dim wide: any other width is refused
+    (transformers' own model cannot apply it to its rope dims)."""
+    hd = hf["head_dim"] if "head_dim" in hf else rope
+    width = hd or d // heads
+    if width != rope:
+        raise HFFormatError(f"{fp}: head_dim={json.dumps(hd)[:40]} makes transformers' RoPE tables {width} wide; "
+                            f"deepseek_v3 rotates qk_rope_head_dim={rope} (leave head_dim out or set it to {rope})")
 
 
 def read_parts(hf: dict, fp: str, out: dict) -> dict:
@@ -60,6 +73,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
            "qk_rope_head_dim": int_key(hf, "qk_rope_head_dim", fp), "v_head_dim": int_key(hf, "v_head_dim", fp)}
     if mla["qk_rope_head_dim"] % 2:
         raise HFFormatError(f"{fp}: qk_rope_head_dim={mla['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    _check_rope_width(hf, fp, out["d_model"], out["n_heads"], mla["qk_rope_head_dim"])
     return {"moe": moe, "mla": mla}
 
 
