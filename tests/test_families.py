@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralayer.checkpoint.hf import apply_hf_config, load_hf_config, load_hf_weights, ours_to_hf
+from paralayer.checkpoint.hf import load_hf_weights
 from paralayer.config import ModelConfig
+from paralayer.families import apply_hf_config, load_hf_config
+from paralayer.families.names import ours_to_hf
 from paralayer.model.transformer import Transformer
 from tests import families as fam
 from tests.dist import run_ranks, write_tokens
@@ -268,8 +270,8 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
     """transformers loads each export (its own class for the family) and its logits equal ours
     within 1e-6; the tp2 and pp2 exports equal the one-rank export (the heads and the layers are
     split and merged back right)."""
-    from safetensors.torch import load_file
     import transformers
+    from safetensors.torch import load_file
 
     outs = {}
     for lay, extra in ROUND_TRIP.items():

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from paralayer.checkpoint.hf import apply_hf_config, export_hf, hf_to_ours, load_hf_config, load_hf_weights, ours_to_hf
+from paralayer.checkpoint.hf import export_hf, load_hf_weights
 from paralayer.config import ModelConfig
+from paralayer.families import apply_hf_config, load_hf_config
+from paralayer.families.names import hf_to_ours, ours_to_hf
 from paralayer.model.transformer import Transformer, padded_vocab
 from tests.dist import cfg_and_plan, run_ranks
 

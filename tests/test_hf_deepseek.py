@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from paralayer.checkpoint import hf as hfmod
 from paralayer.config.schema import ModelConfig
+from paralayer.families import apply_hf_config
+from paralayer.families.names import ours_to_hf
 from paralayer.model import routing
 from paralayer.model.transformer import Transformer
 from tests.families import widen
@@ -48,7 +50,7 @@ def saved(tmp_path_factory):
 def _ours(path, mtp_depth: int = 0, init_std=None, seed: int = 0):
     """Our model with the weights of ``path`` (MTP depths and a fresh depth's init: test_hf_mtp)."""
     mcfg = ModelConfig()
-    hfmod.apply_hf_config(mcfg, path)
+    apply_hf_config(mcfg, path)
     mcfg.mtp.depth = mtp_depth
     if init_std is not None:
         mcfg.init_std = init_std
@@ -71,7 +73,7 @@ def _hf_grad(hf: dict, name: str, mcfg, rows) -> torch.Tensor:
             return hf[f"model.layers.{i}.mlp.experts.down_proj"].grad
         gu = hf[f"model.layers.{i}.mlp.experts.gate_up_proj"].grad
         return gu[:, :f] if w == "w1" else gu[:, f:]
-    key = hfmod.ours_to_hf(name, family="qwen3_moe")  # mlp.gate.weight for the router
+    key = ours_to_hf(name, family="qwen3_moe")  # mlp.gate.weight for the router
     return hfmod._deinterleave_rope(hf[key].grad, name, rows)
 
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralayer.checkpoint.hf import HFFormatError, apply_hf_config, load_hf_config, load_hf_weights
+from paralayer.checkpoint.hf import load_hf_weights
 from paralayer.config.schema import ModelConfig
+from paralayer.families import HFFormatError, apply_hf_config, load_hf_config
 from paralayer.model.transformer import Transformer
 from tests.dist import run_ranks, write_tokens
 from tests.families import widen
@@ -76,7 +77,7 @@ def _hf_grad(hf: dict, name: str, ffn: int) -> torch.Tensor:
             return gu[:, :ffn] if w == "w1" else gu[:, ffn:]
     if m:
         return hf[f"model.layers.{m.group(1)}.mlp.gate.weight"].grad
-    from paralayer.checkpoint.hf import ours_to_hf
+    from paralayer.families.names import ours_to_hf
 
     return hf[ours_to_hf(name)].grad
 

@@ -19,6 +19,8 @@ import torch
 from paralayer.checkpoint import hf as hfmod
 from paralayer.checkpoint import hf_moe
 from paralayer.config.schema import ModelConfig
+from paralayer.families import HFFormatError, apply_hf_config
+from paralayer.families.names import ours_to_hf
 from paralayer.model.transformer import Transformer
 from tests.families import widen
 from tests.test_hf_deepseek import CFG, SEQ, VOCAB
@@ -85,10 +87,10 @@ def _mtp_mismatches(model, t: dict) -> list:
         else:
             inner = f"layers.{N}." + name[len("mtp.layers.0.block."):]
             if inner.split(".")[-1] in ("w1", "w2", "w3"):
-                want = torch.stack([t[hfmod.ours_to_hf(inner, expert=j, family="deepseek_v3")]
+                want = torch.stack([t[ours_to_hf(inner, expert=j, family="deepseek_v3")]
                                     for j in range(p.shape[0])])
             else:
-                want = hfmod._deinterleave_rope(t[hfmod.ours_to_hf(inner, family="deepseek_v3")], inner, rows)
+                want = hfmod._deinterleave_rope(t[ours_to_hf(inner, family="deepseek_v3")], inner, rows)
         if not torch.equal(p.detach(), want):
             bad.append(name)
     return bad
@@ -137,8 +139,8 @@ def test_bad_num_nextn_predict_layers_is_refused(source, tmp_path):
     cfg = json.load(open(os.path.join(bad, "config.json")))
     cfg["num_nextn_predict_layers"] = -1
     json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
-    with pytest.raises(hfmod.HFFormatError, match="num_nextn_predict_layers"):
-        hfmod.apply_hf_config(ModelConfig(), bad)
+    with pytest.raises(HFFormatError, match="num_nextn_predict_layers"):
+        apply_hf_config(ModelConfig(), bad)
 
 
 def _overrides(path: str, data: str, layout: list) -> list:

@@ -1,38 +1,28 @@
-"""Hugging Face format (Llama, Mistral, Qwen3, Mixtral: checkpoint/hf_families.py): config, weight
-import into any layout, export.
+"""Hugging Face format: weight import into any layout, export. What each family is (config.json
+→ our keys, its weight names both ways, its export) is paralayer/families/; this module is the
+tensor side, asking the family.
 
-Import (``model.init=hf:PATH``): ``config.json`` gives the model shape (:func:`load_hf_config`,
-:func:`apply_hf_config`); the weights come from ``model.safetensors`` or the shards listed in
-``model.safetensors.index.json``, read with ``safetensors.safe_open`` (never pickle). Each rank
-reads only the slice it holds (``safe_open(...).get_slice(key)[region]``): the region of a DTensor
-parameter is its local shard (``compute_local_shape_and_global_offset`` over its mesh and
+Import (``model.init=hf:PATH``): ``config.json`` gives the model shape
+(``paralayer.families.apply_hf_config``); the weights come from ``model.safetensors`` or the shards
+listed in ``model.safetensors.index.json``, read with ``safetensors.safe_open`` (never pickle). Each
+rank reads only the slice it holds (``safe_open(...).get_slice(key)[region]``): the region of a
+DTensor parameter is its local shard (``compute_local_shape_and_global_offset`` over its mesh and
 placements, any mix of tp / fsdp sharding), a replicated parameter is read whole, experts under
 expert parallel are read for this rank's experts only; padded vocab rows are zero. So 512 ranks
 read the model about once between them, plus what each holds replicated, not 512 times.
 
-Names (ours ← Hugging Face)::
-
-    tok_embeddings.weight                       model.embed_tokens.weight
-    layers.{i}.attention.wq|wk|wv|wo.weight     model.layers.{i}.self_attn.q_proj|k_proj|v_proj|o_proj.weight
-    layers.{i}.attention.q_norm|k_norm.weight   model.layers.{i}.self_attn.q_norm|k_norm.weight        (Qwen3)
-    layers.{i}.attention_norm.weight            model.layers.{i}.input_layernorm.weight
-    layers.{i}.ffn_norm.weight                  model.layers.{i}.post_attention_layernorm.weight
-    layers.{i}.feed_forward.w1|w3|w2.weight     model.layers.{i}.mlp.gate_proj|up_proj|down_proj.weight   (dense)
-    layers.{i}.feed_forward.gate.weight         model.layers.{i}.block_sparse_moe.gate.weight              (Mixtral)
-    layers.{i}.feed_forward.w1|w3|w2 (E, ...)   model.layers.{i}.block_sparse_moe.experts.{j}.w1|w3|w2.weight, stacked
-    norm.weight                                 model.norm.weight
-    output.weight                               lm_head.weight (embed_tokens when tie_word_embeddings)
-
+Names: paralayer/families/names.py (the shared table) and each family's ``NAMES`` / ``EXPERTS``.
 Mixtral: transformers 5 keeps experts fused in memory (``mlp.experts.gate_up_proj`` (E, 2F, d),
 ``mlp.experts.down_proj`` (E, d, F), ``mlp.gate.weight``) but ``save_pretrained`` writes the
-per-expert layout above; both are read here, and the export writes the per-expert layout.
-RoPE is rotate-half on both sides: q/k need no permutation.
+per-expert layout; both are read here, and the export writes the per-expert layout.
+RoPE is rotate-half on both sides (but DeepSeek-V3's interleaved rows, checkpoint/hf_moe.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,81 +30,21 @@ from torch import nn
 
 from paralayer.checkpoint import hf_mtp
 from paralayer.checkpoint.expert_keys import expert_owners
-from paralayer.checkpoint.hf_moe import (_deinterleave_rope, _export_rope_rows, _load_router_bias, _mtp_to_deepseek,
-                                         _reordered, _rope_rows, mtp_as_layer, mtp_hf_key)
-from paralayer.checkpoint.hf_families import (DEEPSEEK_V3_NAMES, QWEN3_NAMES, deepseek_v3_config, family_config,
-                                              family_of, qwen3_moe_config, rope_parameters)
+from paralayer.checkpoint.hf_moe import (
+    _deinterleave_rope,
+    _load_router_bias,
+    _mtp_to_deepseek,
+    _reordered,
+    _rope_rows,
+    mtp_as_layer,
+    mtp_hf_key,
+)
+from paralayer.families import HFFormatError, family_for_config
+from paralayer.families.names import expert_keys, ours_to_hf, router_keys
+from paralayer.families.rope import rope_parameters
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-from paralayer.config.hf_config import HFFormatError, _read_config, _rope_theta, apply_hf_config, load_hf_config  # noqa: E402,F401
-
-# ------------------------------------------------------------------ names
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-          "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-          "feed_forward.w2.weight": "mlp.down_proj.weight",
-          "feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
-_DENSE.update(QWEN3_NAMES)  # the families' additions (checkpoint/hf_families.py)
-_DENSE.update(DEEPSEEK_V3_NAMES)
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_EXPERT = ("w1", "w2", "w3")  # our stacked expert names = Mixtral's per-expert names
-QWEN3_MOE_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Qwen3-MoE's per-expert names
-_HF_QWEN3_MOE_EXPERT = {v: k for k, v in QWEN3_MOE_EXPERT.items()}
-
-
-def ours_to_hf(name: str, expert: Optional[int] = None, family: str = "mixtral") -> str:
-    """Our parameter name → the Hugging Face key. Stacked experts (``layers.{i}.feed_forward.w1``)
-    need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral), or
-    with ``family="qwen3_moe"`` ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (and the
-    router ``mlp.gate.weight``)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = _LAYER.match(name)
-    if m:
-        i, rest = m.groups()
-        if family in ("qwen3_moe", "deepseek_v3") and rest == "feed_forward.gate.weight":
-            return f"model.layers.{i}.mlp.gate.weight"
-        if rest == "feed_forward.expert_bias":  # DeepSeek-V3's selection bias (a buffer)
-            return f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-        if rest in _DENSE:
-            return f"model.layers.{i}.{_DENSE[rest]}"
-        ff = re.match(r"^feed_forward\.(w[123])$", rest)
-        if ff:
-            if expert is None:
-                raise KeyError(f"{name}: a stacked expert weight; pass expert=j")
-            if family in ("qwen3_moe", "deepseek_v3"):
-                return f"model.layers.{i}.mlp.experts.{expert}.{QWEN3_MOE_EXPERT[ff.group(1)]}.weight"
-            return f"model.layers.{i}.block_sparse_moe.experts.{expert}.{ff.group(1)}.weight"
-    raise KeyError(f"{name}: no Hugging Face equivalent")
-
-
-_HF_TOP = {v: k for k, v in _TOP.items()}
-_HF_DENSE = {v: k for k, v in _DENSE.items()}
-_HF_DENSE["mlp.gate.weight"] = "feed_forward.gate.weight"  # transformers 5 in-memory Mixtral name
-
-
-def hf_to_ours(key: str) -> tuple[str, Optional[int]]:
-    """Hugging Face key → (our name, expert index or None)."""
-    if key in _HF_TOP:
-        return _HF_TOP[key], None
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
-    if m:
-        i, rest = m.groups()
-        if rest in _HF_DENSE:
-            return f"layers.{i}.{_HF_DENSE[rest]}", None
-        e = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
-        if e:
-            return f"layers.{i}.feed_forward.{e.group(2)}", int(e.group(1))
-        q = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
-        if q:
-            return f"layers.{i}.feed_forward.{_HF_QWEN3_MOE_EXPERT[q.group(2)]}", int(q.group(1))
-    raise KeyError(f"{key}: not a Llama/Mixtral weight we know")
 
 
 # ------------------------------------------------------------------ reading safetensors
@@ -200,9 +130,9 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
     if m:
         i, w = m.groups()
         start, count = experts if experts else (0, shape[0])
-        per = f"model.layers.{i}.block_sparse_moe.experts.{{j}}.{w}.weight"
-        if per.format(j=start) not in reader:  # Qwen3-MoE's per-expert names
-            per = f"model.layers.{i}.mlp.experts.{{j}}.{QWEN3_MOE_EXPERT[w]}.weight"
+        for per in expert_keys(i, w):  # each family's per-expert names, the first the checkpoint has
+            if per.format(j=start) in reader:
+                break
         if per.format(j=start) in reader:
             return torch.stack([reader.get(per.format(j=j)) for j in range(start, start + count)])
         fused_gu = f"model.layers.{i}.mlp.experts.gate_up_proj"
@@ -284,7 +214,8 @@ def _hf_key(reader: _Reader, name: str) -> str:
         return "model.embed_tokens.weight"  # tied embeddings
     key = ours_to_hf(name)
     if key not in reader and name.endswith("feed_forward.gate.weight"):
-        return ours_to_hf(name, family="qwen3_moe")  # Qwen3-MoE's router: mlp.gate.weight
+        keys = router_keys(name)  # each family's router name, the first the checkpoint has
+        return next((k for k in keys if k in reader), keys[-1])
     return key
 
 
@@ -417,11 +348,10 @@ def gather_full_state(model_parts: Sequence[nn.Module], group=None) -> dict[str,
 
 
 def hf_config_dict(cfg) -> dict:
-    """Our ModelConfig → a transformers config.json (the family of checkpoint/hf_families.py)."""
+    """Our ModelConfig → a transformers config.json (the family's: paralayer/families/)."""
     from paralayer.model.attention import head_dim_of
 
-    m = cfg.moe
-    family = family_of(cfg)
+    fam = family_for_config(cfg)
     base = {
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
@@ -431,43 +361,29 @@ def hf_config_dict(cfg) -> dict:
         "attention_dropout": 0.0, "initializer_range": cfg.init_std, "dtype": "float32",
         "torch_dtype": "float32", "use_cache": True,
     }
-    if family == "deepseek_v3":
-        base.update(deepseek_v3_config(cfg))
-    elif m.num_experts > 0 and family == "qwen3_moe":
-        base.update(qwen3_moe_config(cfg))
-    elif m.num_experts > 0:
-        if m.every != 1 or m.shared_ffn_hidden or m.router != "softmax" or m.first_k_dense:
-            raise HFFormatError("model.moe: only Mixtral-style MoE exports (every=1, router=softmax, no shared "
-                                f"expert); got every={m.every}, router={m.router}, "
-                                f"shared_ffn_hidden={m.shared_ffn_hidden}")
-        base.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                     "intermediate_size": m.ffn_hidden or cfg.ffn_hidden, "num_local_experts": m.num_experts,
-                     "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
-                     "router_jitter_noise": 0.0, "output_router_logits": False,
-                     "sliding_window": cfg.sliding_window if family_config(cfg, "mistral")["sliding_window"] else None})
-    else:
-        base.update(family_config(cfg, family))
+    base.update(fam.export_config(cfg))
     return base
 
 
 def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    family = family_of(cfg)
-    rows = _export_rope_rows(cfg) if family == "deepseek_v3" else None
+    fam = family_for_config(cfg)
+    names = partial(ours_to_hf, family=fam.NAME)
+    rows = fam.export_rope_rows(cfg) if fam.export_rope_rows else None
     for name, t in full.items():
         if name.startswith("mtp."):
-            if family == "deepseek_v3":
-                out.update(_mtp_to_deepseek(name, t, cfg, rows, ours_to_hf))
+            if fam.MTP_AS_LAYERS:
+                out.update(_mtp_to_deepseek(name, t, cfg, rows, names))
             continue  # other families have no MTP layers
-        if name.endswith("feed_forward.expert_bias") and family != "deepseek_v3":
+        if name.endswith("feed_forward.expert_bias") and not (fam.EXPERTS and fam.EXPERTS.bias):
             continue
         if rows:
             t = _deinterleave_rope(t, name, rows, inverse=True)
         if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", name):
             for j in range(t.shape[0]):
-                out[ours_to_hf(name, expert=j, family=family)] = t[j].contiguous()
+                out[names(name, expert=j)] = t[j].contiguous()
         else:
-            out[ours_to_hf(name, family=family)] = t.contiguous()
+            out[names(name)] = t.contiguous()
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out

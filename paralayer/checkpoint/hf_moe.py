@@ -16,17 +16,16 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def _rope_rows(path: str) -> Optional[dict]:
-    """DeepSeek's checkpoints (``rope_interleave``) lay the rope dims of q and of the shared key out
-    in interleaved pairs; our RoPE is rotate-half: {our name: (row offset in a head, rope dims,
-    head width)} of the rows to reorder on import (None when nothing is to reorder)."""
-    from paralayer.config.hf_config import _read_config
+    """{our name: (row offset in a head, rope dims, head width)} of the rows to reorder on import,
+    as the checkpoint's family says (paralayer/families/: DeepSeek's ``rope_interleave`` lays the
+    rope dims of q and of the shared key out in interleaved pairs; ours is rotate-half); None when
+    nothing is to reorder."""
+    from paralayer.families import by_type
+    from paralayer.families.common import read_config
 
-    hf = _read_config(path)
-    if hf.get("model_type") != "deepseek_v3" or not hf.get("rope_interleave", True):
-        return None
-    nope, rope, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["kv_lora_rank"]
-    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
-            "attention.kv_a.weight": (rank, rope, rank + rope)}
+    hf = read_config(path)
+    fam = by_type(hf.get("model_type"))
+    return fam.rope_rows(hf) if fam is not None and fam.rope_rows else None
 
 
 def _reordered(reader, name: str) -> bool:
@@ -61,13 +60,6 @@ def _load_router_bias(model: nn.Module, reader) -> None:
         if key is not None and getattr(mod, "router", None) == "sigmoid" and key in reader:
             with torch.no_grad():
                 mod.expert_bias.copy_(reader.get(key).to(mod.expert_bias.dtype))
-
-
-def _export_rope_rows(cfg) -> dict:
-    a = cfg.mla
-    nope, rope, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
-    return {"attention.wq.weight": (nope, rope, nope + rope), "attention.q_b.weight": (nope, rope, nope + rope),
-            "attention.kv_a.weight": (rank, rope, rank + rope)}
 
 
 _MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -110,8 +102,8 @@ def mtp_depths_in(reader, n_layers: int) -> int:
 
 def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows, ours_to_hf) -> dict[str, torch.Tensor]:
     """MTP depth k in DeepSeek's own naming, ``model.layers.{n_layers+k}.*`` (its block as a
-    decoder layer's, plus enorm, hnorm, eh_proj, shared_head.norm; ``ours_to_hf``: hf.py's name
-    table, passed in so the two modules do not import each other); the embedding copy of a pp run
+    decoder layer's, plus enorm, hnorm, eh_proj, shared_head.norm; ``ours_to_hf``: the family's
+    name table, families/names.py's with the family bound); the embedding copy of a pp run
     is the model's and is not written twice. transformers' class does not read these layers."""
     m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
     if m is None:
@@ -123,5 +115,5 @@ def _mtp_to_deepseek(name: str, t: torch.Tensor, cfg, rows, ours_to_hf) -> dict[
     inner = f"layers.{i}.{rest[len('block.'):]}"
     t = _deinterleave_rope(t, inner, rows, inverse=True) if rows else t
     if re.match(r"^layers\.\d+\.feed_forward\.w[123]$", inner):
-        return {ours_to_hf(inner, expert=j, family="deepseek_v3"): t[j].contiguous() for j in range(t.shape[0])}
-    return {ours_to_hf(inner, family="deepseek_v3"): t.contiguous()}
+        return {ours_to_hf(inner, expert=j): t[j].contiguous() for j in range(t.shape[0])}
+    return {ours_to_hf(inner): t.contiguous()}

@@ -1,6 +1,6 @@
 """The recipe as a typed config: schema (schema.py), loading, overrides and sweeps (load.py),
-a rank's plain read of resolved.yaml (plain.py, resolved.py), and Hugging Face config.json import
-(hf_config.py). ``paralayer.config`` is the public face.
+and a rank's plain read of resolved.yaml (plain.py, resolved.py); a Hugging Face config.json is read
+by its family (paralayer/families/). ``paralayer.config`` is the public face.
 
 The schema's names are here at once; every other name (load_config, to_dict, ...) is load.py's,
 imported on first use: load.py imports OmegaConf, which a rank reading resolved.yaml does not

@@ -300,7 +300,7 @@ def finish_config(cfg: Config, overridden: list[str]) -> None:
 
 def _apply_hf_shape(cfg: Config, overridden: list[str]) -> None:
     """model.init=hf:PATH: the model's shape comes from PATH/config.json (seq_len stays the recipe's)."""
-    from paralayer.config.hf_config import HFFormatError, apply_hf_config
+    from paralayer.families import HFFormatError, apply_hf_config
 
     path = cfg.model.init[3:]
     try:

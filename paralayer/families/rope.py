@@ -1,4 +1,5 @@
-"""The RoPE of a Hugging Face config.json → ``model.rope_theta`` and ``model.rope`` fields, torch-free.
+"""The RoPE of a Hugging Face config.json → ``model.rope_theta`` and ``model.rope`` fields, and back
+(:func:`rope_parameters`, for export); shared by every family, torch-free.
 
 Both spellings: ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5, which
 also holds rope_theta). The kinds we build exactly: default, llama3, yarn. Anything else — another
@@ -11,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from paralayer.config.hf_errors import HFFormatError
+from paralayer.families.errors import HFFormatError
 
 SUPPORTED = ("default", "llama3", "yarn")
 # the keys each kind takes (besides rope_type/type and rope_theta); transformers' own validation lists
@@ -106,3 +107,20 @@ def read_rope(hf: dict, fp: str) -> tuple[float, dict]:
         raise _err(fp, f"{where}.high_freq_factor={out['high_freq_factor']} must exceed low_freq_factor="
                        f"{out['low_freq_factor']}")
     return float(theta), out
+
+
+def rope_parameters(cfg) -> dict:
+    """Our RoPE (``cfg``: a ModelConfig) as transformers 5's ``rope_parameters``."""
+    r = cfg.rope
+    out: dict[str, Any] = {"rope_type": r.type, "rope_theta": cfg.rope_theta}
+    if r.type == "llama3":
+        out.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                   original_max_position_embeddings=r.original_max_position)
+    elif r.type == "yarn":
+        out.update(factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow,
+                   original_max_position_embeddings=r.original_max_position)
+        if r.attention_factor is not None:
+            out["attention_factor"] = r.attention_factor
+        if r.mscale and r.mscale_all_dim:
+            out.update(mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
+    return out

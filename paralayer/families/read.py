@@ -1,0 +1,52 @@
+"""config.json → our ModelConfig fields through the family its ``model_type`` names: torch-free,
+so the resolver can take a model's shape from ``model.init=hf:PATH`` before any rank starts."""
+from __future__ import annotations
+
+import json
+import os
+
+from paralayer.families.common import read_config, seq_len_field, shared_fields
+from paralayer.families.errors import HFFormatError
+from paralayer.families.registry import MODEL_TYPES, by_type
+
+
+def load_hf_config(path: str) -> dict:
+    """``config.json`` of a checkpoint of any family in families/ → ModelConfig fields (a dict;
+    ``rope`` is a dict of RopeConfig fields; ``moe`` one of MoEConfig fields, present for the MoE
+    families; ``mla`` one of MLAConfig fields for DeepSeek-V3). ``seq_len`` comes from
+    ``max_position_embeddings``: use it only if the recipe did not give one. Any malformed
+    setting raises HFFormatError naming the file and the setting."""
+    hf = read_config(path)
+    fp = os.path.join(path, "config.json")
+    mtype = hf.get("model_type", "llama")
+    fam = by_type(mtype)
+    if fam is None:
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({', '.join(MODEL_TYPES)})")
+    out = shared_fields(hf, fp)
+    out.update(fam.read_attention(hf, fp, out["d_model"], out["n_heads"]))
+    out.update(seq_len_field(hf, fp))
+    out.update(fam.read_parts(hf, fp, out))
+    return out
+
+
+def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
+    """Set the shape fields of a ModelConfig from ``path``/config.json, in place. ``seq_len`` is
+    replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
+    from paralayer.config.schema import MLAConfig, RopeConfig
+
+    fields = load_hf_config(path)
+    moe = fields.pop("moe", None)
+    mla = fields.pop("mla", None)
+    model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()
+    model_cfg.rope = RopeConfig(**fields.pop("rope"))
+    model_cfg.full_attention_every = 0
+    seq = fields.pop("seq_len", None)
+    for k, v in fields.items():
+        setattr(model_cfg, k, v)
+    if seq is not None and not keep_seq_len:
+        model_cfg.seq_len = seq
+    if moe is not None:
+        for k, v in moe.items():
+            setattr(model_cfg.moe, k, v)
+    else:
+        model_cfg.moe.num_experts = 0

@@ -1,0 +1,83 @@
+"""The families we import and export, by config.json ``model_type``, and the one that expresses a
+ModelConfig on export. Torch-free.
+
+A family is one module of this package; what it must define is :data:`REQUIRED` (checked when the
+package is imported, so a module missing a piece fails at once, naming it)."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Optional
+
+from paralayer.families import deepseek_v3, llama, mistral, mixtral, qwen3, qwen3_moe
+from paralayer.families.common import traits
+from paralayer.families.errors import HFFormatError
+
+#: What each family module defines (name → what it is).
+REQUIRED = {
+    "NAME": "its name (= its first model_type)",
+    "MODEL_TYPES": "the config.json model_type values it reads",
+    "HF_CLASS": "the transformers class its export loads as",
+    "TINY_RECIPE": "the recipes/*.yaml that exercises it on a CPU, or None (say why beside it)",
+    "NAMES": "what it adds to the shared weight-name table (families/names.py): ours → theirs",
+    "EXPERTS": "its experts' names (common.ExpertNames), or None for a dense family",
+    "MTP_AS_LAYERS": "whether its MTP depths are stored as decoder layers n_layers+k",
+    "rope_rows": "import: config.json → rows to reorder into rotate-half, or None",
+    "export_rope_rows": "export: ModelConfig → the same rows, or None",
+    "read_attention": "(hf, fp, d, heads) → layer_types, head_dim, qk_norm, sliding_window",
+    "read_parts": "(hf, fp, fields) → its further parts (moe, mla), or {}",
+    "claims": "(Traits) → True when it is the family that expresses the config on export",
+    "export_refusal": "(cfg, Traits) → why a config it claims exports as no family, or None",
+    "export_config": "(cfg) → its keys of config.json (raises HFFormatError for what it cannot say)",
+}
+
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3)
+
+
+def check_family(mod: ModuleType) -> None:
+    """Raise ValueError naming the first piece of :data:`REQUIRED` that ``mod`` lacks."""
+    for key, what in REQUIRED.items():
+        if not hasattr(mod, key):
+            raise ValueError(f"{mod.__name__}: family module lacks {key} ({what})")
+    if mod.NAME != mod.MODEL_TYPES[0]:
+        raise ValueError(f"{mod.__name__}: NAME={mod.NAME!r} must be its first model_type {mod.MODEL_TYPES}")
+
+
+def _build(modules: tuple) -> dict[str, ModuleType]:
+    out: dict[str, ModuleType] = {}
+    for mod in modules:
+        check_family(mod)
+        for t in mod.MODEL_TYPES:
+            if t in out:
+                raise ValueError(f"model_type {t!r} is claimed by {out[t].__name__} and {mod.__name__}")
+            out[t] = mod
+    return out
+
+
+#: model_type → family module, in the order the refusals list them.
+FAMILIES: dict[str, ModuleType] = _build(_MODULES)
+MODEL_TYPES = tuple(FAMILIES)
+
+
+def by_type(model_type: Any) -> Optional[ModuleType]:
+    """The family reading config.json's ``model_type`` (any JSON value), or None."""
+    return FAMILIES.get(model_type) if isinstance(model_type, str) else None
+
+
+def family(name: str) -> ModuleType:
+    """The family module called ``name`` (KeyError naming the known ones)."""
+    if name not in FAMILIES:
+        raise KeyError(f"{name!r}: not a family ({', '.join(MODEL_TYPES)})")
+    return FAMILIES[name]
+
+
+def family_for_config(cfg) -> ModuleType:
+    """The family whose config.json expresses ``cfg`` (a ModelConfig) exactly, for export: the one
+    family that claims its traits; HFFormatError (naming the key) when that family cannot."""
+    t = traits(cfg)
+    claimed = [m for m in _MODULES if m.claims(t)]
+    if len(claimed) != 1:  # the claims partition every config: a new family must keep them so
+        raise AssertionError(f"{t}: claimed by {[m.NAME for m in claimed]}, not by exactly one family")
+    why = claimed[0].export_refusal(cfg, t)
+    if why:
+        raise HFFormatError(why)
+    return claimed[0]

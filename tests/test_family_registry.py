@@ -1,0 +1,104 @@
+"""The family registry (paralayer/families/): every family is one module holding its reader, its
+name table, its export and its tiny recipe; a module missing a piece is refused when the registry
+is built; export's claims pick exactly one family for any config. Fast: no rank is started."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from paralayer.config import load_config
+from paralayer.families import FAMILIES, MODEL_TYPES, by_type, family, family_for_config, registry
+from paralayer.families.common import ExpertNames, Traits
+from paralayer.families.names import hf_to_ours, ours_to_hf
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+#: the families with no CPU recipe of their own (each says why beside its TINY_RECIPE)
+NO_TINY = {"mistral", "qwen3_moe"}
+
+
+def test_the_families_listed():
+    assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+    assert [by_type(t).NAME for t in MODEL_TYPES] == list(MODEL_TYPES)
+    assert by_type("olmo3") is None and by_type(["llama"]) is None and by_type(None) is None
+    with pytest.raises(KeyError, match="olmo3"):
+        family("olmo3")
+
+
+@pytest.mark.parametrize("name", MODEL_TYPES)
+def test_each_family_has_its_pieces(name):
+    fam = FAMILIES[name]
+    registry.check_family(fam)
+    for fn in ("read_attention", "read_parts", "claims", "export_refusal", "export_config"):
+        assert callable(getattr(fam, fn)), fn
+    assert fam.HF_CLASS.endswith("ForCausalLM")
+    assert isinstance(fam.NAMES, dict)
+    if fam.EXPERTS is not None:
+        assert isinstance(fam.EXPERTS, ExpertNames) and set(fam.EXPERTS.w) == {"w1", "w2", "w3"}
+    for ours in fam.NAMES:  # its table both ways
+        theirs = ours_to_hf(f"layers.2.{ours}", family=name)
+        assert hf_to_ours(theirs) == (f"layers.2.{ours}", None)
+    if fam.EXPERTS is not None:
+        for w in ("w1", "w2", "w3"):
+            theirs = ours_to_hf(f"layers.2.feed_forward.{w}", expert=5, family=name)
+            assert hf_to_ours(theirs) == (f"layers.2.feed_forward.{w}", 5)
+
+
+def test_hf_class_is_transformers_class_for_the_model_type():
+    """The outside oracle: transformers' own causal-LM table names the same class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as table
+
+    assert {t: FAMILIES[t].HF_CLASS for t in MODEL_TYPES} == {t: table[t] for t in MODEL_TYPES}
+
+
+@pytest.mark.parametrize("name", MODEL_TYPES)
+def test_each_family_has_its_tiny_recipe(name):
+    fam = FAMILIES[name]
+    if name in NO_TINY:
+        assert fam.TINY_RECIPE is None
+        return
+    assert (RECIPES / f"{fam.TINY_RECIPE}.yaml").is_file(), fam.TINY_RECIPE
+    cfg = load_config(recipe=fam.TINY_RECIPE)
+    assert family_for_config(cfg.model) is fam  # the recipe exercises this family, not another
+
+
+def test_a_planted_missing_piece_is_refused():
+    for key in registry.REQUIRED:
+        planted = ModuleType("planted")
+        planted.__dict__.update({k: v for k, v in vars(FAMILIES["llama"]).items()
+                                 if k != key and not k.startswith("__")})
+        with pytest.raises(ValueError, match=f"planted: family module lacks {key} "):
+            registry.check_family(planted)
+    renamed = ModuleType("renamed")
+    renamed.__dict__.update({k: v for k, v in vars(FAMILIES["llama"]).items() if not k.startswith("__")},
+                            NAME="llama2")
+    with pytest.raises(ValueError, match="must be its first model_type"):
+        registry.check_family(renamed)
+    with pytest.raises(ValueError, match="'llama' is claimed by"):
+        registry._build((FAMILIES["llama"], FAMILIES["llama"]))
+
+
+def test_export_claims_partition_every_config():
+    """Exactly one family claims each combination of the traits export decides by."""
+    kinds = [frozenset(), frozenset({"full"}), frozenset({"sliding"}), frozenset({"full", "sliding"})]
+    for mla, moe, qk, k in itertools.product([False, True], [False, True], [False, True], kinds):
+        t = Traits(mla, moe, qk, k)
+        claimed = [f.NAME for f in FAMILIES.values() if f.claims(t)]
+        assert len(claimed) == 1, (t, claimed)
+
+
+def test_families_never_reach_torch():
+    from tests.test_imports import _graph
+
+    graph = _graph()
+    starts = [m for m in graph if m.startswith("paralayer.families")]
+    assert len(starts) >= len(MODEL_TYPES) + 1
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            assert d != "torch", "paralayer.families reaches torch"
+            if d in graph and d not in seen:
+                seen.add(d)
+                todo.append(d)
