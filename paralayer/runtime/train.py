@@ -501,7 +501,7 @@ def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
 
 
 def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:
-    from paralayer.parallel.timeline import plot_timeline
+    from paralayer.parallel.pipeline.timeline import plot_timeline
 
     events = runner.last_timeline
     gathered: list = [None] * meshes["pp"].size()

@@ -60,8 +60,8 @@ from paralayer.clock import StepClock
 from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel.comm_trace import optional_collective, optional_region
-from paralayer.parallel.early_recv import EarlyRecv
-from paralayer.parallel.split_backward import drop_recompute_after_input_pass
+from paralayer.parallel.pipeline.early_recv import EarlyRecv
+from paralayer.parallel.pipeline.split_backward import drop_recompute_after_input_pass
 from paralayer.resolve.plan import plan_field
 
 V_SCHEDULES = ("zbv", "dualpipev")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.parallel.pipeline import chunk_to_rank
+from paralayer.parallel.pipeline.runner import chunk_to_rank
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _META_LEN = 8  # dtype code, ndim, up to 6 dims

@@ -1,0 +1,20 @@
+"""Pipeline parallel: the runner of torch's schedules (runner.py), and beside it what the pipeline
+axis needs: early receives (early_recv.py), the V schedules' split backward (split_backward.py),
+the measured timeline (timeline.py) and the forward-only pass of evaluation (forward_only.py).
+
+The names ``paralayer.parallel.pipeline`` always had are re-exported here; a test that replaces
+one must patch the module that holds it (``paralayer.parallel.pipeline.runner``), not this one."""
+from paralayer.parallel.pipeline.runner import (
+    SCHEDULES,
+    V_SCHEDULES,
+    PipelineRunner,
+    auto_balance,
+    chunk_to_rank,
+    chunks_per_rank,
+    default_stage_layers,
+    rank_chunks,
+    split_model,
+)
+
+__all__ = ["SCHEDULES", "V_SCHEDULES", "PipelineRunner", "auto_balance", "chunk_to_rank", "chunks_per_rank",
+           "default_stage_layers", "rank_chunks", "split_model"]
