@@ -4,7 +4,7 @@
 
 Each configuration starts pp gloo ranks (one thread each), runs 2 warm-up steps and ``--steps``
 measured steps, and reports the median of ``PipelineRunner.bubble_measured`` (the definition is
-in paralayer/parallel/pipeline.py and docs/pipeline.md). The microbatch is fixed (so m grows
+in paralayer/parallel/pipeline/runner.py and docs/pipeline.md). The microbatch is fixed (so m grows
 with the batch, as in the schedule papers). Prints a markdown table; writes a timeline PNG of
 one measured step.
 """

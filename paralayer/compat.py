@@ -105,8 +105,8 @@ def fake_store() -> Any:
 #: private modules and names reached by path: (module, attribute or None for the module itself)
 PRIVATE_NAMES = (
     ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
-    ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
-    ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
+    ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline/stage_hooks.py
+    ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline/rehearsal.py
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # rehearse/rank.py
     ("torch._subclasses.fake_tensor", "FakeTensor"),               # rehearse/flops.py
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # rehearse/flops.py

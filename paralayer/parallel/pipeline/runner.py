@@ -1,19 +1,9 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: split, schedule, measure the bubble.
+"""Pipeline parallel on ``torch.distributed.pipelining``: one step through torch's schedule, and the
+bubble measured.
 
-Why this file is long: one concept, torch's pipelining driven for every schedule, whose parts (the
-chunk split, the stage hooks, the runner and its measured bubble) share the layout conventions
-below and change together (the schedules' own code is torch's; what is ours is the glue).
-
-Layout (the plan's convention, see docs/pipeline.md)
-    ``plan["stage_layers"][c]`` lists the GLOBAL layer indices of pipeline chunk ``c`` (there are
-    pp·v chunks). Chunk 0 also owns the embedding, the last chunk the final norm + head (+ loss).
-    Which pp rank runs chunk ``c``:
-      gpipe, 1f1b, interleaved   c % pp                (Megatron's looped/interleaved layout)
-      zbv, dualpipev             c for c < pp, 2pp−1−c after (the "V": rank 0 holds the first
-                                 and the last chunk; two chunks per rank, always)
-    A chunk is the plain :class:`~paralayer.model.transformer.Transformer` with the other layers deleted and
-    ``tok_embeddings`` / ``norm`` + ``output`` set to None where not owned, so parameter names are
-    the same under every layout and :func:`paralayer.model.transformer.init_weights` gives the same weights.
+This rank's chunks come from :func:`~paralayer.parallel.pipeline.split.split_model` (the layout:
+split.py); what is hung on each chunk and stage, stage_hooks.py; the rehearsal's static stages,
+rehearsal.py. The schedules' own code is torch's; what is ours is the glue.
 
 Schedules (all torch's)
     gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B,
@@ -48,7 +38,6 @@ The measured bubble (``runner.bubble_measured``, every step)
 from __future__ import annotations
 
 import contextlib
-import copy
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,301 +46,21 @@ import torch.distributed as dist
 from torch import nn
 
 from paralayer.clock import StepClock
-from paralayer.compat import all_gather_single, is_view, private, stage_action_methods
+from paralayer.compat import all_gather_single, stage_action_methods
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel.comm_trace import optional_collective, optional_region
 from paralayer.parallel.pipeline.early_recv import EarlyRecv
+from paralayer.parallel.pipeline.rehearsal import static_stage_args, static_warmup
+from paralayer.parallel.pipeline.split import chunk_to_rank, plan_layout, rank_chunks
 from paralayer.parallel.pipeline.split_backward import drop_recompute_after_input_pass
+from paralayer.parallel.pipeline.stage_hooks import (
+    aux_hook,
+    boundary_hooks,
+    stage_reducing_each_microbatch,
+    unview,
+    unview_hook,
+)
 from paralayer.resolve.plan import plan_field
-
-V_SCHEDULES = ("zbv", "dualpipev")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-
-
-# ------------------------------------------------------------------ layout (torch-free helpers)
-def chunks_per_rank(schedule: str, vpp: int = 1) -> int:
-    """Chunks each pp rank holds: vpp for gpipe/1f1b/interleaved (gpipe/1f1b want 1), 2 for V."""
-    if schedule in V_SCHEDULES:
-        return 2
-    return max(1, int(vpp))
-
-
-def chunk_to_rank(chunk: int, pp: int, schedule: str) -> int:
-    """The pp rank that runs ``chunk`` (see the module docstring)."""
-    if schedule in V_SCHEDULES:
-        return chunk if chunk < pp else 2 * pp - 1 - chunk
-    return chunk % pp
-
-
-def rank_chunks(pp_rank: int, pp: int, n_chunks: int, schedule: str) -> list[int]:
-    """Chunk indices held by ``pp_rank``, in pipeline order (ascending)."""
-    return [c for c in range(n_chunks) if chunk_to_rank(c, pp, schedule) == pp_rank]
-
-
-def auto_balance(n_layers: int, chunks: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[int]:
-    """Layers per chunk (contiguous, ≥ 1 each) minimising the most loaded chunk's cost.
-
-    A layer costs 1; the embedding counts ``embed_cost`` layer-equivalents on chunk 0 and the final
-    norm + head + loss ``head_cost`` on the last chunk (Megatron's
-    ``account_for_embedding/loss_in_pipeline_split`` count one layer each, the default here).
-    Ties go to the split closest to even. Examples: 6 layers on 4 chunks → [1, 2, 2, 1]
-    (costs 2, 2, 2, 2); 8 layers on 4 chunks → [2, 2, 2, 2] (costs 3, 2, 2, 3; the unevener
-    [1, 3, 3, 1] has the same maximum, 3, and loses the tie).
-    """
-    if chunks < 1 or n_layers < chunks:
-        raise ValueError(f"cannot split {n_layers} layers into {chunks} chunks of at least one layer")
-    extra = [0.0] * chunks
-    extra[0] += embed_cost
-    extra[-1] += head_cost
-    even = n_layers / chunks
-    # dp[c][n] = (max cost, squared deviation) best for the first c chunks holding n layers.
-    INF = (float("inf"), float("inf"))
-    best = [[INF] * (n_layers + 1) for _ in range(chunks + 1)]
-    choice = [[0] * (n_layers + 1) for _ in range(chunks + 1)]
-    best[0][0] = (0.0, 0.0)
-    for c in range(1, chunks + 1):
-        for n in range(c, n_layers - (chunks - c) + 1):
-            for k in range(1, n - (c - 1) + 1):
-                prev = best[c - 1][n - k]
-                if prev[0] == float("inf"):
-                    continue
-                cand = (max(prev[0], k + extra[c - 1]), prev[1] + (k - even) ** 2)
-                if cand < best[c][n]:
-                    best[c][n] = cand
-                    choice[c][n] = k
-    out, n = [], n_layers
-    for c in range(chunks, 0, -1):
-        k = choice[c][n]
-        out.append(k)
-        n -= k
-    return out[::-1]
-
-
-def default_stage_layers(n_layers: int, pp: int, vpp: int = 1, schedule: str = "1f1b",
-                         pp_layout: Optional[Sequence[int]] = None) -> list[list[int]]:
-    """Global layer indices per pipeline chunk (pp·v chunks; v = 2 for zbv/dualpipev).
-
-    ``pp_layout`` (layers per chunk, in chunk order) gives an explicit uneven split; without it
-    the split is even when the layers divide, else :func:`auto_balance`.
-    """
-    n_chunks = pp * chunks_per_rank(schedule, vpp)
-    if pp_layout is not None:
-        counts = [int(x) for x in pp_layout]
-        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts) < 1:
-            raise ValueError(f"parallel.pp_layout must list {n_chunks} positive layer counts summing to "
-                             f"model.n_layers={n_layers}, got {list(pp_layout)}")
-    elif n_layers % n_chunks == 0:
-        counts = [n_layers // n_chunks] * n_chunks
-    else:
-        counts = auto_balance(n_layers, n_chunks)
-    out, start = [], 0
-    for k in counts:
-        out.append(list(range(start, start + k)))
-        start += k
-    return out
-
-
-def _plan_layout(plan: Any) -> tuple[int, str, list[list[int]]]:
-    pp = int(plan_field(plan, "degrees")["pp"])
-    schedule = str(plan_field(plan, "schedule"))
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    stage_layers = plan_field(plan, "stage_layers")
-    if not stage_layers:
-        raise ValueError("plan has no stage_layers (the resolver lists the layers of every pipeline chunk)")
-    return pp, schedule, [list(map(int, s)) for s in stage_layers]
-
-
-# ------------------------------------------------------------------ split
-def split_model(model: nn.Module, plan: Any, pp_rank: int) -> list[nn.Module]:
-    """This rank's pipeline chunks, in pipeline order: deep copies of the (meta) model holding
-    only their layers; the embedding stays on chunk 0, norm + head on the last chunk.
-
-    Each returned chunk carries ``pp_chunk`` (its global chunk index) for :class:`PipelineRunner`.
-    """
-    pp, schedule, stage_layers = _plan_layout(plan)
-    n_chunks = len(stage_layers)
-    mine = rank_chunks(pp_rank, pp, n_chunks, schedule)
-    if not mine:
-        raise ValueError(f"pp rank {pp_rank} holds no chunk of {n_chunks} (pp={pp}, schedule={schedule})")
-    chunks = []
-    for c in mine:
-        keep = {str(i) for i in stage_layers[c]}
-        chunk = copy.deepcopy(model)
-        for name in list(chunk.layers.keys()):
-            if name not in keep:
-                del chunk.layers[name]
-        if c != 0:
-            chunk.tok_embeddings = None
-        if c != n_chunks - 1:
-            chunk.norm = None
-            chunk.output = None
-            chunk.mtp = None
-        elif getattr(chunk, "mtp", None) is not None:
-            chunk.mtp.add_embedding_copy()  # MTP reads the embedding on the last stage (model/mtp.py)
-        chunk.pp_chunk = c
-        chunks.append(chunk)
-    return chunks
-
-
-# ------------------------------------------------------------------ MoE aux loss through the pipe
-class _AttachAux(torch.autograd.Function):
-    """Identity on ``h``; in backward gives ``aux`` the gradient ``coef`` (Megatron's
-    MoEAuxLossAutoScaler), so each chunk's load-balancing loss joins the backward of its own
-    microbatch without travelling down the pipe. The schedule's final ÷m applies to it too."""
-
-    @staticmethod
-    def forward(ctx, h, aux, coef):
-        ctx.coef = coef
-        ctx.aux_shape = aux.shape
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        return grad_h, torch.full(ctx.aux_shape, ctx.coef, dtype=grad_h.dtype, device=grad_h.device), None
-
-
-def _aux_hook(coef: float, attr: str = "aux_loss"):
-    def hook(module, inputs, output):
-        aux_fn = getattr(module, attr, None)
-        aux = aux_fn() if aux_fn is not None else None
-        if aux is None or not torch.is_grad_enabled():
-            return output
-        return _AttachAux.apply(output, aux, coef)
-
-    return hook
-
-
-def _unview(t):
-    """A copy of ``t`` if it is a view. The zero-bubble schedules split backward into input and
-    weight passes and ``detach_()`` the stage output in between, which autograd refuses on a view
-    (a chunk ending in the MoE aux hook, the vocab-parallel loss, DTensor's ``to_local``)."""
-    return t.clone() if is_view(t) else t
-
-
-def _unview_hook(module, inputs, output):
-    return _unview(output)
-
-
-def _boundary_hooks(mod: nn.Module, first: bool, last: bool, dtype: torch.dtype) -> None:
-    """Under autocast the residual stream is fp32 inside a chunk; between chunks it travels in
-    ``dtype`` (bf16), as Megatron sends it: half the pp bytes. A chunk that is not the last casts
-    its output down, one that is not the first casts its input back up (the cast's backward
-    returns the received activation's grad in ``dtype`` too)."""
-    if not last:
-        mod.register_forward_hook(lambda m, args, out: out.to(dtype))
-    if not first:
-        mod.register_forward_pre_hook(lambda m, args: tuple(a.float() if torch.is_floating_point(a) else a
-                                                            for a in args))
-
-
-# ------------------------------------------------------------------ ZeRO-2/3 under pp
-def _stage_reducing_each_microbatch(stage, reshard_weights: bool) -> None:
-    """Make an FSDP stage reduce-scatter its gradients after EVERY microbatch's backward.
-
-    torch's stages turn FSDP's gradient sync off for all but the step's last backward, so a data
-    rank holds its stage's whole gradients (fp32) through the step — ZeRO 2/3 then save nothing
-    where gradients weigh most. Here each backward reduce-scatters, FSDP accumulates into the
-    1/dp shard and frees the full gradient: at the peak a rank holds 1/dp of its stage's
-    gradients (and, under ZeRO-3, weights), at the price of one reduce-scatter per microbatch
-    instead of one per step (DeepSpeed ZeRO-2's accumulation; the resolver counts it so).
-    The V schedules split input and weight grads: their weight pass runs after FSDP's
-    post-backward hook, so the reduce-scatter is started by hand once the weight pass is done
-    (as torch's own REDUCE_GRAD does at the step's end).
-    Under ZeRO-3 both passes first unshard the chunk's FSDP modules (a no-op when they are
-    already unsharded): torch's input pass finds the weights' gradient nodes through
-    ``submod.parameters()`` BEFORE FSDP's pre-backward hook swaps the unsharded parameters in, and
-    its weight pass maps gradients back through the same call, after another microbatch's forward
-    may have resharded them. Against the sharded parameters the input pass found no weight of a
-    resharded layer: those layers' weight gradients came only from the microbatches whose weight
-    pass happened to run unsharded (dualpipev: grad norm 6.86 instead of 7.25), and zbv crashed.
-    """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    stage_backward = private("torch.distributed.pipelining._backward", "stage_backward")
-
-    mod = stage.submod
-    if not isinstance(mod, FSDPModule):
-        return
-    base = stage.backward_maybe_with_nosync
-
-    def sync_on() -> None:
-        mod.set_is_last_backward(False)  # the schedule's REDUCE_GRAD finalises at the step's end
-        mod.set_reshard_after_backward(reshard_weights)
-        mod.set_requires_gradient_sync(True)
-
-    fsdp_mods = [m for m in mod.modules() if isinstance(m, FSDPModule)]
-
-    def unshard_all() -> None:
-        for m in fsdp_mods:
-            m.unshard()
-
-    def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type == "input":  # the weight grads come in the weight pass
-            if reshard_weights:
-                unshard_all()
-            return base(backward_type, bwd_kwargs, last_backward=last_backward)
-        if backward_type == "weight":
-            if reshard_weights:
-                unshard_all()
-            out = base(backward_type, bwd_kwargs, last_backward=last_backward)
-            sync_on()
-            state = fully_shard.state(mod)
-            for st in state._state_ctx.all_states:
-                for group in st._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
-            return out
-        sync_on()
-        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                               bwd_kwargs["input_values"])
-        return grads, None
-
-    stage.backward_maybe_with_nosync = backward
-
-
-# ------------------------------------------------------------------ rehearsal (fake tensors)
-def _static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
-    """The schedule's P2P warm-up, rehearsed: its vote (an all-reduce read back with ``.item()``)
-    and its pickled shapes cannot cross the fake process group, and every stage was built with
-    static shapes (``_static_stage_args``), which is what the vote would have agreed on."""
-    InferenceMode = private("torch.distributed.pipelining._utils", "InferenceMode")
-
-    for st in stages:
-        st._inference_mode = InferenceMode.STATIC
-
-
-def _static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> dict:
-    """Example input and output of each of this rank's chunks, for ``PipelineStage``'s static mode.
-
-    A chunk's input is the token ids (chunk 0) or the residual stream, in the autocast dtype if
-    any else fp32 (:func:`_boundary_hooks`), (b, s/cp, h), split
-    over tp under sequence parallel; its output comes from running the chunk once without grad."""
-    d = plan_field(plan, "degrees")
-    b, s = runner.microbatch_shape
-    tp = int(d["tp"])
-    out: dict = {}
-    for c, mod in zip(runner.chunk_ids, runner.chunks):
-        if c == 0:
-            x = torch.zeros((b, s), dtype=torch.long, device=runner.device)
-        else:
-            s_stream = s // tp if (tp > 1 and plan_field(plan, "sequence_parallel")) else s
-            x = torch.zeros((b, s_stream, mod.cfg.d_model), dtype=autocast_dtype or torch.float32, device=runner.device,
-                            requires_grad=True)  # received activations carry the backward
-        ctx = contextlib.ExitStack()
-        if runner.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            ctx.enter_context(loss_parallel())
-        if autocast_dtype is not None:
-            ctx.enter_context(torch.autocast(runner.device.type, dtype=autocast_dtype))
-        with ctx, torch.no_grad():
-            y = mod(x)
-        y = y.detach().requires_grad_(True)
-        last = c == runner.n_chunks - 1
-        out[c] = {"input_args": (x,), "output_args": (y,),
-                  "output_grads": (None,) if last else (torch.zeros_like(y),),
-                  "input_grads": (None,) if c == 0 else (torch.zeros_like(x),)}
-    return out
 
 
 # ------------------------------------------------------------------ the runner
@@ -387,7 +96,8 @@ class PipelineRunner:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device | str = "cpu", *, microbatch_shape: Optional[tuple] = None,
                  microbatch_dtype: Optional[torch.dtype] = None, loss_parallel: bool = False,
-                 aux_loss_coef: float = 0.0, seq_aux_loss_coef: float = 0.0, measure: bool = True, pp_rank: Optional[int] = None,
+                 aux_loss_coef: float = 0.0, seq_aux_loss_coef: float = 0.0, measure: bool = True,
+                 pp_rank: Optional[int] = None,
                  scale_grads: bool = True, reduce_each_microbatch: Optional[str] = None,
                  rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None):
         from torch.distributed.pipelining import PipelineStage
@@ -395,7 +105,7 @@ class PipelineRunner:
         if hasattr(pp_group, "get_group"):  # DeviceMesh
             pp_group = pp_group.get_group()
         self.group = pp_group
-        self.pp, self.schedule_name, stage_layers = _plan_layout(plan)
+        self.pp, self.schedule_name, stage_layers = plan_layout(plan)
         if dist.get_world_size(pp_group) != self.pp:
             raise ValueError(f"pp group has {dist.get_world_size(pp_group)} ranks, plan says pp={self.pp}")
         self.pp_rank = dist.get_rank(pp_group) if pp_rank is None else pp_rank
@@ -418,24 +128,24 @@ class PipelineRunner:
         split_backward = self.schedule_name in ("zbv", "dualpipev")
         for mod in self.chunks:
             if aux_loss_coef:
-                mod.register_forward_hook(_aux_hook(float(aux_loss_coef)))
+                mod.register_forward_hook(aux_hook(float(aux_loss_coef)))
             if seq_aux_loss_coef:
-                mod.register_forward_hook(_aux_hook(float(seq_aux_loss_coef), "seq_aux_loss"))
+                mod.register_forward_hook(aux_hook(float(seq_aux_loss_coef), "seq_aux_loss"))
             if split_backward:
-                mod.register_forward_hook(_unview_hook)
+                mod.register_forward_hook(unview_hook)
         if autocast_dtype is not None:
             for c, mod in zip(ids, self.chunks):
-                _boundary_hooks(mod, c == 0, c == self.n_chunks - 1, autocast_dtype)
+                boundary_hooks(mod, c == 0, c == self.n_chunks - 1, autocast_dtype)
 
         self.trace = None  # a paralayer.parallel.comm_trace.CommTrace, set by the runtime
         self.events: list[dict] = []  # start/end are clock marks until _finish_measure reads them
         self.clock = StepClock(self.device)
         self.stages = []
-        static = _static_stage_args(self, plan, autocast_dtype) if rehearse else {}
+        static = static_stage_args(self, plan, autocast_dtype) if rehearse else {}
         for c, mod in zip(ids, self.chunks):
             st = PipelineStage(mod, c, self.n_chunks, self.device, group=pp_group, **static.get(c, {}))
             if reduce_each_microbatch:
-                _stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
+                stage_reducing_each_microbatch(st, reduce_each_microbatch == "weights")
             if split_backward:
                 drop_recompute_after_input_pass(st)
             self._instrument(st, c)
@@ -447,7 +157,7 @@ class PipelineRunner:
         self.last_stage_rank = chunk_to_rank(self.n_chunks - 1, self.pp, self.schedule_name)
         self.schedule = self._make_schedule(loss_fn, split_backward, scale_grads)
         if rehearse:
-            self.schedule._warmup_p2p = _static_warmup
+            self.schedule._warmup_p2p = static_warmup
         self.last_timeline: list[dict] = []
         self.bubble_measured: Optional[float] = None
         self.busy_by_rank: list[float] = []
@@ -461,7 +171,7 @@ class PipelineRunner:
         def timed_loss(logits, labels):
             loss = loss_fn(logits, labels)
             if split_backward:
-                loss = _unview(loss)
+                loss = unview(loss)
             if self.measure and self.events:
                 self.events[-1]["end"] = self.clock.mark()  # the loss belongs to F
             return loss
