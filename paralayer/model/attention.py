@@ -7,7 +7,7 @@ and the layer pattern of paralayer/config/layer_pattern.py):
     WindowAttention(w)       the key j of query i counts when 0 <= i - j < w (transformers'
                              sliding_window: the query itself and the w-1 before it)
 
-Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context_layers.py), which reads
+Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context/layers.py), which reads
 ``window`` to mask its blocks and skip those outside every local query's window.
 ``head_dim`` is ``model.head_dim`` (default d_model / n_heads); q_norm / k_norm weights are
 (head_dim,), shared by every head, so under tensor parallel they are replicated.

@@ -128,7 +128,7 @@ class LatentAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         # A replaced core (context parallel's ring) carries K at nope+rope and V at v_head_dim; its
         # CPU flash kernel, which wants one head width, pads V per block after the ring
-        # (parallel/context.py _block_fwd)
+        # (parallel/context/ring.py _block_fwd)
         if v.shape[-1] > q.shape[-1]:
             raise ValueError("model.mla.v_head_dim > qk_nope_head_dim + qk_rope_head_dim is not built under cp")
         if self.fused_kernel:  # the rehearsal of a GPU layout: the ring's blocks as a GPU runs them
