@@ -89,7 +89,7 @@ class Attention(nn.Module):
         # Replaced by ring attention under context parallel; wrapped by selective recompute.
         self.attn_fn: AttnFn = core_for(window)
         self.recompute_core = False
-        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tp_overlap.py)
+        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tensor/tp_overlap.py)
         self.tp_overlap = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
