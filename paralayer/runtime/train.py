@@ -17,7 +17,7 @@ stability verdict and :func:`roll_back`).
 Why this file is long: it is the step loop and every named step of it, read top to bottom in one
 place (~545 lines); what is not the loop lives beside it: building the model, optimizer, data and
 pipeline (runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), run
-health (runtime/health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
+health (runtime/health/run_health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from paralayer.runtime import evaluate, optimizer, placement, precision
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import startup_gc
 from paralayer.runtime import mtp_step
-from paralayer.runtime import stability as stab_mod
+from paralayer.runtime.health import stability as stab_mod
 from paralayer.runtime.batch import rank_batch
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
@@ -72,7 +72,7 @@ from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the
     make_loss_fn,
     resolve_device,
 )
-from paralayer.runtime.preempt import Preempted, PreemptSave
+from paralayer.runtime.health.preempt import Preempted, PreemptSave
 from paralayer.runtime.rank_entry import _report_input_error, init_distributed, load_run  # noqa: F401
 
 
@@ -126,7 +126,7 @@ class RankRun:
     hooks: StepHooks = field(default_factory=StepHooks)
     checkpointer: Any = None  # paralayer.checkpoint.dcp.Checkpointer, made by checkpoints()
     comm: CommTrace = field(default_factory=CommTrace)  # where am I; our collectives (parallel/comm_trace.py)
-    stability: Any = None  # runtime/stability.py: non-finite and spiking losses, the data skipped by rollbacks
+    stability: Any = None  # runtime/health/stability.py: non-finite and spiking losses, batches skipped by rollbacks
 
     @property
     def rank(self) -> int:
@@ -288,7 +288,7 @@ def _clip(run: RankRun, built: Built, meshes: Meshes, tie: bool) -> torch.Tensor
 
 
 def bad_step(run: RankRun, step: int, loss: float, grad_norm: float) -> Optional[stab_mod.Verdict]:
-    """A non-finite or spiking loss (runtime/stability.py): None to go on with the update; the
+    """A non-finite or spiking loss (runtime/health/stability.py): None to go on with the update; the
     verdict when the update is skipped (skip) or the loop must roll back; raises on stop."""
     v = run.stability.check(step, loss, grad_norm)
     if v is None or v.action == "warn":
@@ -394,7 +394,7 @@ def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, 
 def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, log_progress: bool = False,
           hooks: Optional[StepHooks] = None) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
-    from paralayer.runtime.health import RunHealth
+    from paralayer.runtime.health.run_health import RunHealth
 
     marks = {"train_start": time.time()}  # when each start-up part ended (goodput.json: recovery time)
     run = setup(cfg, as_plan(plan), run_dir, hooks)
@@ -451,7 +451,7 @@ def run_step(run: RankRun, health, step: int, stop: int, logger, records: list, 
 
 def roll_back(run: RankRun, health, step: int, verdict, logger, records: list) -> int:
     """train.on_nonfinite / train.spike.action = rollback: reload the newest verified checkpoint
-    before ``step``, skip the batches since (runtime/stability.py); the step to run next."""
+    before ``step``, skip the batches since (runtime/health/stability.py); the step to run next."""
     t0 = time.perf_counter()
     if health.watchdog is not None:
         health.watchdog.pause()  # the load has checkpoint.timeout_s
@@ -518,7 +518,7 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
     launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
-    from paralayer.runtime.orphans import die_with_launcher
+    from paralayer.runtime.health.orphans import die_with_launcher
 
     die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
     cfg, plan = load_run(run_dir, overrides)
