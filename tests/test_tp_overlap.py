@@ -49,8 +49,7 @@ def _traffic_worker(rank, world, n_layers_list, moe):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from paralayer.parallel.tensor import tp_overlap
-    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss, tp_overlap
 
     sent = {"n": 0, "bytes": 0}
     start = tp_overlap._Ring.start
