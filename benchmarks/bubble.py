@@ -4,7 +4,7 @@
 
 Each configuration starts pp gloo ranks (one thread each), runs 2 warm-up steps and ``--steps``
 measured steps, and reports the median of ``PipelineRunner.bubble_measured`` (the definition is
-in paralayer/parallel/pipeline.py and docs/pipeline.md). The microbatch is fixed (so m grows
+in paralayer/parallel/pipeline/runner.py and docs/pipeline.md). The microbatch is fixed (so m grows
 with the batch, as in the schedule papers). Prints a markdown table; writes a timeline PNG of
 one measured step.
 """
@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model.transformer import Transformer, init_weights, lm_loss  # noqa: E402
 from paralayer.parallel import pipeline as pl  # noqa: E402
-from paralayer.parallel import timeline as tl  # noqa: E402
+from paralayer.parallel.pipeline import timeline as tl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 CFG = dict(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=688, vocab_size=256, seq_len=128)

@@ -27,9 +27,8 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from calibrate_gpu import write_named_section  # noqa: E402 - the same section writer as the planner examples
-
 import numpy as np
+from doc_sections import write_named_section  # noqa: E402 - the same section writer as the planner examples
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

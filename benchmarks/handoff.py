@@ -2,7 +2,7 @@
 
     python benchmarks/handoff.py [--m 16] [--steps 3]
 
-Two runners over the same stages (torch's schedule alone, and with parallel/early_recv.py) take
+Two runners over the same stages (torch's schedule alone, and with parallel/pipeline/early_recv.py) take
 turns, step by step, so machine noise hits both alike. For each measured step: the bubble, the
 replay of its recorded action durations with no time between actions (benchmarks/bubble.py's
 ``simulate``), their ratio, and the time between a rank's consecutive actions per unit of busy
@@ -28,18 +28,19 @@ from torch.distributed.pipelining import schedules as S  # noqa: E402
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model.transformer import Transformer, init_weights, lm_loss  # noqa: E402
 from paralayer.parallel import pipeline as pl  # noqa: E402
-from paralayer.parallel import timeline as tl  # noqa: E402
+from paralayer.parallel.pipeline import runner as plr  # noqa: E402 - where PipelineRunner looks EarlyRecv up
+from paralayer.parallel.pipeline import timeline as tl  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 
 def _runner(chunks, plan, cfg, early: bool):
-    real = pl.EarlyRecv
+    real = plr.EarlyRecv
     if not early:
-        pl.EarlyRecv = lambda stage, m: None  # torch's schedule alone
+        plr.EarlyRecv = lambda stage, m: None  # torch's schedule alone
     try:
         return pl.PipelineRunner(chunks, dist.group.WORLD, plan, lambda lg, lb: lm_loss(lg, lb, cfg.vocab_size))
     finally:
-        pl.EarlyRecv = real
+        plr.EarlyRecv = real
 
 
 def _worker(rank, world, m, steps):

@@ -37,7 +37,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from calibrate_gpu import write_named_section  # noqa: E402
+from doc_sections import write_named_section  # noqa: E402
 
 CONF = "/tmp/paralayer-slurm-2node/etc/slurm.conf"
 ARGS = ["recipe=tiny", "model.d_model=64", "model.seq_len=32", "model.ffn_hidden=128", "model.n_layers=2",

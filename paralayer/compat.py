@@ -104,9 +104,9 @@ def fake_store() -> Any:
 
 #: private modules and names reached by path: (module, attribute or None for the module itself)
 PRIVATE_NAMES = (
-    ("torch.distributed._functional_collectives", None),          # parallel/sequence_parallel.py
-    ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline.py (rehearsal)
-    ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline.py (rehearsal)
+    ("torch.distributed._functional_collectives", None),          # parallel/tensor/sequence_parallel.py
+    ("torch.distributed.pipelining._backward", "stage_backward"),  # parallel/pipeline/stage_hooks.py
+    ("torch.distributed.pipelining._utils", "InferenceMode"),      # parallel/pipeline/rehearsal.py
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),           # rehearse/rank.py
     ("torch._subclasses.fake_tensor", "FakeTensor"),               # rehearse/flops.py
     ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),  # rehearse/flops.py
@@ -116,7 +116,7 @@ PRIVATE_NAMES = (
     ("torch", "_foreach_mul_"),                                    # parallel/data.py (clip)
     ("torch._dynamo.utils", "counters"),                           # tests/test_compile.py
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),  # checkpoint/hf.py
-    ("torch._C", "_will_engine_execute_node"),                     # parallel/backward_pass.py
+    ("torch._C", "_will_engine_execute_node"),                     # parallel/tensor/backward_pass.py
 )
 
 

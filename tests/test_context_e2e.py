@@ -176,7 +176,7 @@ def test_attention_work_balanced_through_the_model(saved, cp):
 # --------------------------------------------------------------------------------- ring traffic
 def _ring_bytes(rank, world, overrides):
     """Bytes this rank sends around the cp ring in one optimizer step (one microbatch)."""
-    from paralayer.parallel import context
+    from paralayer.parallel.context import ring as context
     from paralayer.runtime.train import train
 
     sent = {"bytes": 0, "count": 0}

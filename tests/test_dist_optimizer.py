@@ -1,4 +1,4 @@
-"""The distributed optimizer under pipeline parallelism (ZeRO 2/3 + pp, parallel/pipeline.py
+"""The distributed optimizer under pipeline parallelism (ZeRO 2/3 + pp, parallel/pipeline/stage_hooks.py
 ``reduce_each_microbatch``): every microbatch's gradients are reduce-scattered into the 1/dp shard.
 
 Parity: pp 2 × dp 2 (4 gloo ranks) against the whole model in one process, wide init (std 0.2),

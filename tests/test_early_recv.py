@@ -1,4 +1,4 @@
-"""parallel/early_recv.py: gpipe/1f1b post every receive but the first one ahead of the action
+"""parallel/pipeline/early_recv.py: gpipe/1f1b post every receive but the first one ahead of the action
 that needs it, send without waiting, and train exactly as torch's schedule alone does."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ def _step(rank, world, schedule, m):
 
     from paralayer.config import ModelConfig
     from paralayer.model.transformer import Transformer, init_weights, lm_loss
-    from paralayer.parallel import early_recv as er
     from paralayer.parallel import pipeline as pl
+    from paralayer.parallel.pipeline import early_recv as er
+    from paralayer.parallel.pipeline import runner as plr  # where PipelineRunner looks EarlyRecv up
 
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16,
                       init_std=0.2)
@@ -47,11 +48,11 @@ def _step(rank, world, schedule, m):
                     return ops
                 return counted
 
-        pl.EarlyRecv = Counting if early else (lambda stage, n: None)
+        plr.EarlyRecv = Counting if early else (lambda stage, n: None)
         try:
             runner = pl.PipelineRunner(chunks, dist.group.WORLD, plan, lambda lg, lb: lm_loss(lg, lb, cfg.vocab_size))
         finally:
-            pl.EarlyRecv = real
+            plr.EarlyRecv = real
         loss = runner.step(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
         grads = torch.cat([p.grad.flatten() for c in chunks for p in c.parameters()])
         out[early] = (float(loss), grads.tolist(), posted)

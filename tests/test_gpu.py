@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralayer.parallel import context as ctx
+from paralayer.parallel.context import ring as ctx
 from tests.dist import TINY_SMALL, paired, run_ranks, train_records
 
 NO_GPU = "no CUDA device visible: the CUDA kernels, bf16/compile on GPU and llama-1b need one (benchmarks/gpu.sh)"

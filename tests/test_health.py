@@ -170,7 +170,7 @@ def test_goodput_sums_the_attempts_of_a_resumed_run(tmp_path, capfd):
 def test_hang_diagnosis_names_missing_behind_or_idle_ranks(tmp_path):
     """diagnose() on written reports: a rank with no report, else one behind, else one not inside
     the collective the others wait in."""
-    from paralayer.runtime.watchdog import diagnose
+    from paralayer.runtime.health.watchdog import diagnose
 
     def write(rank, step, inside=True):
         last = {"axis": "dp_cp", "op": "grad_reduce", "step": step, "phase": "reduce", "microbatch": None}
@@ -193,7 +193,7 @@ def test_hang_diagnosis_names_missing_behind_or_idle_ranks(tmp_path):
 
 def _stuck_rank(run_dir):
     from paralayer.parallel.comm_trace import CommTrace
-    from paralayer.runtime.watchdog import Watchdog
+    from paralayer.runtime.health.watchdog import Watchdog
 
     trace = CommTrace(rank=0)
     trace.new_step(7)

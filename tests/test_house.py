@@ -2,7 +2,10 @@
 
 - No function in paralayer/ over 80 lines (signature, docstring and body): a longer one does
   several things, and gets split into named steps.
-- No module in paralayer/ over 500 lines unless its docstring says why ("Why this file is long:").
+- No module in paralayer/, benchmarks/ or tests/ over 500 lines unless its docstring says why
+  ("Why this file is long:"; none does now).
+- No folder of the package holds more than 15 modules: a job with several files gets its own
+  sub-package (parallel/pipeline/, runtime/health/).
 """
 from __future__ import annotations
 
@@ -96,6 +99,41 @@ def test_the_long_file_check_finds_a_501_line_file_and_passes_a_reason(tmp_path)
 
 
 def test_no_file_over_500_lines_without_its_reason():
-    long = [f for f in _long_files() if f.split(":")[0] not in WAITING]
+    long = [f for root in (PKG, PKG.parent / "benchmarks", PKG.parent / "tests") for f in _long_files(root)
+            if f.split(":")[0] not in WAITING]
     assert not long, (f"modules over {MAX_FILE_LINES} lines (split them by concept, or say at the top of the "
                       f"docstring, on a line starting '{LONG_MARKER}', why not):\n" + "\n".join(long))
+
+
+#: The most modules (``__init__.py`` not counted) one folder of the package may hold.
+MAX_FOLDER_MODULES = 15
+#: Folders allowed over the bound while their split is under way, each with the reason.
+WAITING_FOLDERS: dict[str, str] = {
+    "resolve": "issue 43 item 2: resolve/ into sub-packages (in flight)",
+    "config": "issue 43 items 1 and 3: HF readers to families/, input discipline to its own package (in flight)",
+}
+
+
+def _crowded_folders(root: Path = PKG, most: int = MAX_FOLDER_MODULES) -> list[str]:
+    """``folder: N modules`` for every folder under root with more than ``most`` modules."""
+    out = []
+    for folder in sorted({p.parent for p in root.rglob("*.py")}):
+        n = sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")
+        if n > most:
+            out.append(f"{folder.relative_to(root).as_posix() or '.'}: {n} modules")
+    return out
+
+
+def test_the_folder_check_finds_16_modules_and_passes_15(tmp_path):
+    for name, n in (("ok", MAX_FOLDER_MODULES), ("crowded", MAX_FOLDER_MODULES + 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        for i in range(n):
+            (tmp_path / name / f"m{i}.py").write_text("")
+    assert _crowded_folders(tmp_path) == [f"crowded: {MAX_FOLDER_MODULES + 1} modules"]
+
+
+def test_no_folder_over_15_modules():
+    crowded = [f for f in _crowded_folders() if f.split(":")[0] not in WAITING_FOLDERS]
+    assert not crowded, (f"folders of the package over {MAX_FOLDER_MODULES} modules (group a job's files into "
+                         f"a sub-package):\n" + "\n".join(crowded))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from paralayer.config import ModelConfig
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
 from paralayer.parallel import pipeline as pl
-from paralayer.parallel import timeline as tl
+from paralayer.parallel.pipeline import timeline as tl
 from paralayer.runtime.activation_memory import ActivationMemory
 from tests.dist import max_rel_err, paired, run_ranks, write_tokens
 

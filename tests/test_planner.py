@@ -149,7 +149,7 @@ def test_tp_across_nodes_ranks_below_its_in_node_twins():
             faster = min(t["step_time_s"] for t in twins) < d["step_time_s"]
             if d["zero"] == 3 and g["pp"] > 1:
                 # ZeRO-3 under pp gathers the weights twice and reduce-scatters the grads once per
-                # microbatch (1/dp of the grads at the peak, parallel/pipeline.py): a twin whose
+                # microbatch (1/dp of the grads at the peak, parallel/pipeline/stage_hooks.py): a twin whose
                 # only fit widens dp·cp pays that every microbatch, which can outweigh tp across nodes
                 exceptions += not faster
                 continue

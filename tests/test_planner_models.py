@@ -189,7 +189,7 @@ def test_window_counted_in_flops_step_time_and_mfu():
 def test_cp_ring_sends_only_the_chunks_a_window_can_see():
     """window = seq/4 under cp4 (zigzag chunks of c = s/8; ranks hold chunks (0,7) (1,6) (2,5)
     (3,4); a query chunk sees the two chunks before it): the ranks need 2, 3, 4 and 2 chunks,
-    and send 2, 3, 3 and 3 of their own (parallel/window_ring.py sends each chunk straight to
+    and send 2, 3, 3 and 3 of their own (parallel/context/window_ring.py sends each chunk straight to
     the ranks that see it, once per forward; backward returns the received chunks' dK/dV and
     moves no K/V): 11 chunks of the 24 a full ring's forward moves. The plan's entry is the
     busiest rank's (rank 2: 3 sent, 4 received)."""

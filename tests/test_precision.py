@@ -130,7 +130,7 @@ def _shared_vs_per_microbatch(rank, world, overrides):
     model/moe.py shared_weight_casts); bf16 with a copy per microbatch (before: the context a no-op)."""
     import contextlib
 
-    from paralayer.parallel import pipeline
+    from paralayer.parallel.pipeline import runner as pipeline  # the module whose step() looks it up
     from paralayer.runtime import train as T
 
     fp32 = train_records(overrides + ["train.precision=fp32"])

@@ -1,6 +1,6 @@
 """Recompute options (parallel.recompute = none | swiglu | core_attn | selective | full, and
 parallel.recompute_every = k for full recompute of every k-th layer) under tensor + sequence
-parallel (the column GEMMs saving their sequence shard, parallel/sequence_parallel.py).
+parallel (the column GEMMs saving their sequence shard, parallel/tensor/sequence_parallel.py).
 
 Parity: every mode at tp 2 and tp 4 (SP on), and split into two pipeline stages, against one
 process without recompute — loss and every gradient within 1e-5 at a wide init (std 0.2, so the

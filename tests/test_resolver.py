@@ -132,7 +132,7 @@ def test_memory_follows_zero_recompute_and_schedule():
          for z in range(4)}
     assert m[0]["optimizer"] > m[1]["optimizer"] == m[2]["optimizer"] == m[3]["optimizer"]
     assert m[1]["grads"] > m[2]["grads"] and m[2]["params"] > m[3]["params"]
-    # under pp our stages reduce-scatter every microbatch (parallel/pipeline.py): ZeRO 2/3 hold
+    # under pp our stages reduce-scatter every microbatch (parallel/pipeline/stage_hooks.py): ZeRO 2/3 hold
     # 1/dp of the stage's grads at the peak, as without pp (tests/test_dist_optimizer.py measures it)
     q = {z: plan("recipe=llama3-70b", f"parallel.zero={z}").memory_per_device_bytes for z in (1, 2, 3)}
     assert q[1]["grads"] == pytest.approx(16 * q[2]["grads"], rel=1e-6) and q[2]["grads"] == q[3]["grads"]

@@ -38,10 +38,11 @@ def _full_params(chunks) -> dict:
 def _rank_train(rank, world, cfg, plan, run_dir):
     """train(), and the full parameters at its checkpoint save and right after its resume (the
     runtime's own _save and resume, wrapped in this forked rank only)."""
+    from paralayer.runtime import rank_checkpoints as C
     from paralayer.runtime import train as T
 
     seen: dict = {}
-    save, resume = T._save, T.resume
+    save, resume = C._save, C.resume
 
     def saving(run, step):
         seen["saved"] = _full_params(run.built.chunks)
@@ -52,7 +53,7 @@ def _rank_train(rank, world, cfg, plan, run_dir):
         seen["loaded"] = _full_params(run.built.chunks)
         return start
 
-    T._save, T.resume = saving, resuming
+    C._save, C.resume = saving, resuming  # where train() and save_if_due look them up
     recs = T.train(cfg, plan, run_dir)
     out = [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"]} for r in recs]
     return out, seen
@@ -123,6 +124,7 @@ def test_exact_resume_async_save(tmp_path):
 def _decay_after_resume(rank, world, tmp, run_dir):
     """Train 2 steps with weight decay 0.1 (a checkpoint at step 2), then set up the run again
     with 0.03 and resume: the optimizer's groups hold the recipe's 0.03, not the checkpoint's."""
+    from paralayer.runtime import rank_checkpoints as C
     from paralayer.runtime import train as T
 
     def cfg_plan(wd):
@@ -133,7 +135,7 @@ def _decay_after_resume(rank, world, tmp, run_dir):
     T.train(*cfg_plan(0.1), run_dir=run_dir)
     cfg, plan = cfg_plan(0.03)
     run = T.setup(cfg, plan, run_dir)
-    start = T.resume(run)
+    start = C.resume(run)
     return start, sorted({g["weight_decay"] for g in run.opt.param_groups})
 
 

@@ -74,8 +74,8 @@ def _train(rank, world, data, run_dir, poisoned, drop_ckpts_at=None, bug=None):
     """train() with the poison hook: {"read": [(step, batch)], "losses": [(step, loss)], "events"}."""
     import torch
 
-    from paralayer.runtime import stability as stab_mod
     from paralayer.runtime import train as T
+    from paralayer.runtime.health import stability as stab_mod
 
     if bug:
         _planted(stab_mod, bug)

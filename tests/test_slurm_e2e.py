@@ -186,10 +186,10 @@ def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
 
     1. a bare `scontrol requeue`: SLURM sends SIGTERM (submitit ignores it), then SIGKILL, and re-runs
        the batch script from its start; the ranks save at the step's end on SIGTERM
-       (paralayer/runtime/preempt.py), and the rerun comes back with resume=auto (SLURM_RESTART_COUNT > 0)
+       (paralayer/runtime/health/preempt.py), and the rerun comes back with resume=auto (SLURM_RESTART_COUNT > 0)
        and loads that checkpoint;
     2. USR2, what `--signal=USR2@90` sends before the time limit: the ranks finish the step, save a
-       checkpoint there (paralayer/runtime/preempt.py), and hand the signal to submitit, which calls
+       checkpoint there (paralayer/runtime/health/preempt.py), and hand the signal to submitit, which calls
        RankTask.checkpoint on rank 0 and requeues the job with resume=auto — so the rerun starts at
        the step after the signal, not at the last periodic checkpoint.
     Both times it resumes from a checkpoint, and in the end every step is logged exactly once."""

@@ -36,7 +36,7 @@ def _counting(impl: str, group):
     """The fused GEMM helper, and a dict counting its collectives by kind."""
     counts = {"gather": 0, "scatter": 0, "ring": 0}
     if impl == "sp":
-        from paralayer.parallel import sequence_parallel as sp
+        from paralayer.parallel.tensor import sequence_parallel as sp
 
         gemms = sp.SpGemms(group)
         start_gather, start_scatter = sp._start_gather, sp._start_scatter
@@ -51,7 +51,7 @@ def _counting(impl: str, group):
 
         sp._start_gather, sp._start_scatter = gather, scatter  # in this child process only
     else:
-        from paralayer.parallel.tp_overlap import TpOverlap
+        from paralayer.parallel.tensor.tp_overlap import TpOverlap
 
         gemms = TpOverlap(group)
         start = gemms.ring.start

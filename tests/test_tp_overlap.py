@@ -1,4 +1,4 @@
-"""parallel.tp_overlap (paralayer/parallel/tp_overlap.py): the sequence-parallel all-gathers and
+"""parallel.tp_overlap (paralayer/parallel/tensor/tp_overlap.py): the sequence-parallel all-gathers and
 reduce-scatters decomposed into the GEMMs over the tp ring. Same numbers as one process, the
 traffic and saved activations the plan says."""
 from __future__ import annotations
@@ -49,8 +49,7 @@ def _traffic_worker(rank, world, n_layers_list, moe):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from paralayer.parallel import tp_overlap
-    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss
+    from paralayer.parallel.tensor import loss_parallel_ctx, tp_loss, tp_overlap
 
     sent = {"n": 0, "bytes": 0}
     start = tp_overlap._Ring.start

@@ -1,4 +1,4 @@
-"""Context parallel with a sliding window (paralayer/parallel/window_ring.py).
+"""Context parallel with a sliding window (paralayer/parallel/context/window_ring.py).
 
 - the kernel: out and dQ/dK/dV of every rank equal the matching rows of windowed causal SDPA on
   the full sequence (cp2 and cp4; windows below one chunk, across chunks, and wider than the
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralayer.parallel.window_ring import chunk_sends, needed
+from paralayer.parallel.context.window_ring import chunk_sends, needed
 from tests.dist import run_ranks, write_tokens
 
 S, B, H, HKV, D = 32, 2, 4, 2, 8
@@ -40,7 +40,7 @@ def _kernel_worker(rank, world, windows):
     import torch.distributed as dist
 
     from paralayer.parallel.context import RingStats, zigzag_shard
-    from paralayer.parallel.window_ring import window_ring_attention
+    from paralayer.parallel.context.window_ring import window_ring_attention
 
     res = []
     for window in windows:

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from paralayer.runtime import watchdog
+from paralayer.runtime.health import watchdog
 
 
 def rank_children(marker: str = "paralayer.runtime.train") -> list[int]:

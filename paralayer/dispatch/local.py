@@ -113,7 +113,7 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     if os.path.exists(error_file):
         os.remove(error_file)
     from paralayer.dispatch.hang_monitor import HangMonitor
-    from paralayer.runtime.watchdog import clear as clear_hang_reports
+    from paralayer.runtime.health.watchdog import clear as clear_hang_reports
 
     clear_hang_reports(run_dir)
     args = ["-u", "-m", "paralayer.runtime.train", run_dir]

@@ -52,7 +52,7 @@ def last_logged_step(path: str) -> Optional[int]:
 
 
 def _kept(rec: Dict[str, Any], step: int) -> bool:
-    """A step's record up to ``step``; a rollback event (paralayer/runtime/stability.py) when the
+    """A step's record up to ``step``; a rollback event (paralayer/runtime/health/stability.py) when the
     checkpoint resumed from was taken after it, i.e. its ``from_step`` is before ``step``."""
     if rec.get("event") == "rollback" and isinstance(rec.get("from_step"), int):
         return rec["from_step"] < step

@@ -61,7 +61,7 @@ class MetricsLogger:
         self._console.step(step, rec)
 
     def rewind(self, step: int, event: Dict[str, Any]) -> None:
-        """A rollback (paralayer/runtime/stability.py): drop the records after ``step`` (they will be
+        """A rollback (paralayer/runtime/health/stability.py): drop the records after ``step`` (they will be
         run again), then write the ``event`` line; W&B keeps it in the summary (its history cannot
         go back in steps)."""
         if not self.enabled or self._closed:

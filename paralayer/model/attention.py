@@ -7,7 +7,7 @@ and the layer pattern of paralayer/config/layer_pattern.py):
     WindowAttention(w)       the key j of query i counts when 0 <= i - j < w (transformers'
                              sliding_window: the query itself and the w-1 before it)
 
-Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context_layers.py), which reads
+Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context/layers.py), which reads
 ``window`` to mask its blocks and skip those outside every local query's window.
 ``head_dim`` is ``model.head_dim`` (default d_model / n_heads); q_norm / k_norm weights are
 (head_dim,), shared by every head, so under tensor parallel they are replicated.
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         # Replaced by ring attention under context parallel; wrapped by selective recompute.
         self.attn_fn: AttnFn = core_for(window)
         self.recompute_core = False
-        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tp_overlap.py)
+        # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tensor/tp_overlap.py)
         self.tp_overlap = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ q_rot's and k_rot's rows, which an importer applies to the weights (tests/test_l
 The plain causal core gets the softmax scale as SDPA's ``scale`` (as transformers passes it); a
 replaced core (context parallel's ring) takes (q, k, v) with its own 1/sqrt(q width),
 so q is multiplied by ``q_gain`` before it. Tensor and context parallel are not built for MLA
-Under tensor parallel (parallel/tensor.py ``_latent_plan``) the heads split; under context
+Under tensor parallel (parallel/tensor/layout.py ``_latent_plan``) the heads split; under context
 parallel the ring carries K at nope+rope and V zero-padded to the same width (see ``_core``).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class LatentAttention(nn.Module):
         #: (128 heads x 4096 keys per token at DeepSeek-V3's size) that no GPU kernel keeps
         self.fused_kernel = False
         self.tp_overlap = None
-        self.tp_mesh = None  # set by parallel/tensor.py (MLA under tp: the replicated down-projections)
+        self.tp_mesh = None  # set by parallel/tensor/layout.py (MLA under tp: the replicated down-projections)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
@@ -128,7 +128,7 @@ class LatentAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         # A replaced core (context parallel's ring) carries K at nope+rope and V at v_head_dim; its
         # CPU flash kernel, which wants one head width, pads V per block after the ring
-        # (parallel/context.py _block_fwd)
+        # (parallel/context/ring.py _block_fwd)
         if v.shape[-1] > q.shape[-1]:
             raise ValueError("model.mla.v_head_dim > qk_nope_head_dim + qk_rope_head_dim is not built under cp")
         if self.fused_kernel:  # the rehearsal of a GPU layout: the ring's blocks as a GPU runs them

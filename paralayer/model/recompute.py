@@ -49,7 +49,7 @@ def observe(observer: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def dropped_after() -> Iterator[None]:
     """Frames rerun inside drop what they made at the end (the next read reruns them). The
-    pipeline wraps a split backward's input pass in it (``parallel/split_backward.py``): torch's
+    pipeline wraps a split backward's input pass in it (``parallel/pipeline/split_backward.py``): torch's
     zero-bubble orders run some weight passes long after their input pass (DualPipeV's last rank
     holds p of them at once), and keeping a whole chunk's recomputed set through that gap cost
     263 GiB on DeepSeek-V3's last pp rank; rerun once more in the weight pass it costs one

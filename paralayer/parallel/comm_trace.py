@@ -4,7 +4,7 @@ Our own blocking collective call sites (the data-parallel gradient reduction, th
 the gradient-norm sums, the pipeline's loss broadcast) run inside :meth:`CommTrace.collective`.
 That costs one dict and two clock reads per collective, and buys three things:
 
-- the watchdog (paralayer/runtime/watchdog.py) writes ``last`` (mesh axis, op, step, phase,
+- the watchdog (paralayer/runtime/health/watchdog.py) writes ``last`` (mesh axis, op, step, phase,
   microbatch) next to the stacks when a step hangs, so the launcher can name the rank that never
   entered the collective the others wait in;
 - ``blocked_s`` (time inside those calls this step) is the "time in collectives" of the per-rank

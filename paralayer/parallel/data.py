@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from paralayer.compat import private
 from paralayer.parallel.grad_sync import GradReducer  # noqa: F401 - ZeRO-0/1 gradient averaging lives there
-from paralayer.parallel.tensor import local_tensor as _local
+from paralayer.parallel.local_shard import local_tensor as _local
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: Optional[torch.dtype] = None,

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from paralayer.parallel.tensor import local_tensor
+from paralayer.parallel.local_shard import local_tensor
 
 
 @dataclass(frozen=True)

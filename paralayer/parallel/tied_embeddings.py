@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.parallel.tensor import align_grad, local_tensor
+from paralayer.parallel.local_shard import local_tensor
+from paralayer.parallel.tensor.layout import align_grad
 
 
 def tied_params(chunks: Sequence[nn.Module]) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:

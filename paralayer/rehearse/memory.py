@@ -101,7 +101,7 @@ def weight_copy_of(t: torch.Tensor):
         name = type(fn).__name__
         if name == "AccumulateGrad":
             # a Parameter only: a pipeline stage's received input is a leaf too, and under
-            # autocast its cast back to fp32 (pipeline._boundary_hooks) is an activation
+            # autocast its cast back to fp32 (parallel/pipeline/stage_hooks.py boundary_hooks) is an activation
             return fn.variable if cast and isinstance(fn.variable, torch.nn.Parameter) else None
         if not name.startswith(_WEIGHT_PATH):
             return None

@@ -1,1 +1,3 @@
-"""The run loop: the training step and schedule (train.py), MoE step statistics, preemption, activation accounting."""
+"""The run loop: the training step and schedule (train.py), building a rank (build.py), its
+checkpoints (rank_checkpoints.py), MoE and MTP step statistics, evaluation, activation accounting,
+and run health (health/: watchdog, stability, preemption, orphans)."""

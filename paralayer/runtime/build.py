@@ -106,7 +106,7 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
             apply_tensor_parallel(chunk, meshes["tp"], bool(plan.sequence_parallel), overlap=bool(plan.tp_overlap))
         if cp > 1:
-            from paralayer.parallel.context_layers import apply_context_parallel
+            from paralayer.parallel.context.layers import apply_context_parallel
 
             apply_context_parallel(chunk, meshes["cp"].get_group(), cfg.model.seq_len)
         if ep > 1:

@@ -9,7 +9,7 @@ cp rank its zigzag shard, and the share is split into the training's microbatche
 with the training dataset's ``get_batch(step, dp_rank, dp_size, global_batch)`` can be evaluated.
 
 How, per layout. pp = 1: the model's forward and the training's ``loss_fn`` per microbatch. pp > 1:
-a forward-only pass over the pp group (paralayer/parallel/pipeline_eval.py); the training's
+a forward-only pass over the pp group (paralayer/parallel/pipeline/forward_only.py); the training's
 schedule is not touched. tp: under ``loss_parallel`` as in training. cp: ring attention and the
 cp loss weight (both inside the model and ``loss_fn``). ep: the same all-to-all dispatch. dp and
 ZeRO: each rank's mean loss averaged over dp·cp, as the training loss is.
@@ -117,7 +117,7 @@ def _batch_loss(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.T
     """This rank's mean loss over the batch's microbatches (as the training step's local loss)."""
     m, dtype, tp = run.scaling.microbatches, run.autocast_dtype, run.degree["tp"]
     if run.degree["pp"] > 1:
-        from paralayer.parallel.pipeline_eval import forward_loss
+        from paralayer.parallel.pipeline.forward_only import forward_loss
 
         return forward_loss(run.built.chunks, run.meshes["pp"].get_group(), len(run.plan.stage_layers),
                             run.plan.schedule, run.loss_fn, tokens, labels, m, loss_parallel=tp > 1,

@@ -24,7 +24,7 @@ def init_distributed(device_type: str, timeout_s: float = 120.0) -> None:
     if device_type == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo") if os.environ.get("MASTER_ADDR", "127.0.0.1") in (
             "127.0.0.1", "localhost") else None
-    else:  # NCCL's flight recorder: the watchdog dumps it beside a hang report (runtime/watchdog.py)
+    else:  # NCCL's flight recorder: the watchdog dumps it beside a hang report (runtime/health/watchdog.py)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 

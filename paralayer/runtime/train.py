@@ -6,23 +6,21 @@ changes what a rank does. :func:`train` runs on an already-initialised process g
 it directly on forked gloo ranks); :func:`main` is the entry point the dispatchers start.
 
 The steps, in order: :func:`setup` (device, mesh, model, optimizer, gradient reduction, data,
-pipeline, peak FLOP/s, all held by one :class:`RankRun`) → :func:`resume` → :func:`open_logger` →
+pipeline, peak FLOP/s, all held by one :class:`RankRun`) → resume → :func:`open_logger` →
 per step :func:`train_step` (:func:`step_batch` → :func:`forward_backward` →
-:func:`reduce_and_clip` → optimizer → :func:`step_record`) → :func:`save_if_due` →
-:func:`stop_if_signalled`. Who divides each gradient by what is stated once, in
-paralayer/parallel/grad_scaling.py. Tests reach into a step only through :class:`StepHooks`.
+:func:`reduce_and_clip` → optimizer → :func:`step_record`) → save if due → stop if signalled (the
+checkpoint steps: runtime/rank_checkpoints.py). Who divides each gradient by what is stated once,
+in paralayer/parallel/grad_scaling.py. Tests reach into a step only through :class:`StepHooks`.
 Each step runs through :func:`run_step` (health: timing, watchdog, profiler; evaluation; the
 stability verdict and :func:`roll_back`).
 
-Why this file is long: it is the step loop and every named step of it, read top to bottom in one
-place (~545 lines); what is not the loop lives beside it: building the model, optimizer, data and
-pipeline (runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), run
-health (runtime/health.py, watchdog.py, stability.py), evaluation (runtime/evaluate.py).
+What is not the loop lives beside it: building the model, optimizer, data and pipeline
+(runtime/build.py), the rank's environment and run directory (runtime/rank_entry.py), resuming and
+saving (runtime/rank_checkpoints.py), run health (runtime/health/), evaluation (runtime/evaluate.py).
 """
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,11 +48,12 @@ from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
 from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
-from paralayer.runtime import evaluate, optimizer, placement, precision
+from paralayer.runtime import evaluate, placement, precision
 from paralayer.runtime import moe_step as moe_step
 from paralayer.runtime import startup_gc
 from paralayer.runtime import mtp_step
-from paralayer.runtime import stability as stab_mod
+from paralayer.runtime import rank_checkpoints
+from paralayer.runtime.health import stability as stab_mod
 from paralayer.runtime.batch import rank_batch
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
@@ -72,7 +71,7 @@ from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the
     make_loss_fn,
     resolve_device,
 )
-from paralayer.runtime.preempt import Preempted, PreemptSave
+from paralayer.runtime.health.preempt import Preempted, PreemptSave
 from paralayer.runtime.rank_entry import _report_input_error, init_distributed, load_run  # noqa: F401
 
 
@@ -126,7 +125,7 @@ class RankRun:
     hooks: StepHooks = field(default_factory=StepHooks)
     checkpointer: Any = None  # paralayer.checkpoint.dcp.Checkpointer, made by checkpoints()
     comm: CommTrace = field(default_factory=CommTrace)  # where am I; our collectives (parallel/comm_trace.py)
-    stability: Any = None  # runtime/stability.py: non-finite and spiking losses, the data skipped by rollbacks
+    stability: Any = None  # runtime/health/stability.py: non-finite and spiking losses, batches skipped by rollbacks
 
     @property
     def rank(self) -> int:
@@ -172,42 +171,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
 
 
 
-# ------------------------------------------------------------------ resume and logging
-def resume(run: RankRun) -> int:
-    """Load ``train.resume`` (auto: the newest good checkpoint, a path, or none); the first step to run."""
-    resume_from = run.cfg.train.resume
-    if resume_from == "none" or run.ckpt_dir is None:
-        return 1
-    from paralayer.checkpoint import dcp as ckpt
-
-    group = checkpoints(run).group
-    recipe_values = optimizer.recipe_hyperparams(run.opt)  # the recipe's decay/betas win over the checkpoint's
-    if resume_from == "auto":  # falls back past damaged ones; raises if some exist but none loads
-        found = ckpt.resume_latest(run.ckpt_dir, run.built.chunks, [run.opt], group=group)
-    else:
-        found = (resume_from, ckpt.load_checkpoint(resume_from, run.built.chunks, [run.opt], group=group))
-    if found is None:
-        return 1
-    optimizer.reapply_hyperparams(run.opt, recipe_values)
-    path, extra = found
-    restore_extra(run, extra)
-    start_step = int(extra["step"]) + 1
-    if run.rank == 0:
-        print(f"paralayer: resumed from {path} at step {start_step}", flush=True)
-    return start_step
-
-
-def restore_extra(run: RankRun, extra: dict, rolling_back: bool = False) -> None:
-    """A loaded checkpoint's small state: the LR schedule, the RNG, the data skipped by rollbacks."""
-    from paralayer.checkpoint import dcp as ckpt
-
-    run.sched.load_state_dict(extra["scheduler"])
-    ckpt.set_rng_state(extra["rng"])
-    run.stability.load_state_dict(extra.get("stability"), rolling_back)
-    if extra.get("data") and hasattr(run.dataset, "load_state_dict"):  # a blend's schedule, O(sources)
-        run.dataset.load_state_dict(extra["data"])
-
-
+# ------------------------------------------------------------------ logging
 def open_logger(run: RankRun, run_dir: Optional[str], start_step: int, log_progress: bool):
     """metrics.jsonl (cut back to the resumed step), console and W&B; None without a run directory."""
     if run_dir is None:
@@ -288,7 +252,7 @@ def _clip(run: RankRun, built: Built, meshes: Meshes, tie: bool) -> torch.Tensor
 
 
 def bad_step(run: RankRun, step: int, loss: float, grad_norm: float) -> Optional[stab_mod.Verdict]:
-    """A non-finite or spiking loss (runtime/stability.py): None to go on with the update; the
+    """A non-finite or spiking loss (runtime/health/stability.py): None to go on with the update; the
     verdict when the update is skipped (skip) or the loop must roll back; raises on stop."""
     v = run.stability.check(step, loss, grad_norm)
     if v is None or v.action == "warn":
@@ -360,46 +324,16 @@ def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: floa
     return rec
 
 
-# ------------------------------------------------------------------ checkpoints and signals
-def save_if_due(run: RankRun, step: int, stop: int) -> bool:
-    """A periodic checkpoint (every ``checkpoint.every`` steps and at the run's last step)."""
-    every = run.cfg.checkpoint.every
-    if not (every and run.ckpt_dir and (step % every == 0 or step == stop)):
-        if run.checkpointer is not None:
-            run.checkpointer.poll()  # an asynchronous save becomes COMPLETE once every rank wrote it
-        return False
-    _save(run, step)
-    return True
-
-
-def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, saved: bool, logger) -> None:
-    """SLURM's USR2/TERM, agreed by every rank: save (unless just saved), hand the signal on, raise."""
-    sig = preempt.agreed(run.device) if (preempt.active and step < stop) else None
-    if sig is None:
-        return
-    if run.ckpt_dir and not saved:
-        _save(run, step)
-    if run.checkpointer is not None:
-        run.checkpointer.wait()
-    if run.rank == 0:
-        then = "handing the signal to the requeue" if sig == signal.SIGUSR2 else "waiting for SLURM"
-        print(f"paralayer: {sig.name} after step {step}: checkpoint saved, {then}", flush=True)
-    if logger is not None:
-        logger.close()
-    preempt.hand_on(sig)
-    raise Preempted(f"stopped after step {step} on {sig.name}")
-
-
 # ------------------------------------------------------------------ the loop
 def train(cfg: Config, plan: Union[Plan, dict], run_dir: Optional[str] = None, log_progress: bool = False,
           hooks: Optional[StepHooks] = None) -> list[dict]:
     """Train on the initialised process group; return the per-step metrics (identical on every rank)."""
-    from paralayer.runtime.health import RunHealth
+    from paralayer.runtime.health.run_health import RunHealth
 
     marks = {"train_start": time.time()}  # when each start-up part ended (goodput.json: recovery time)
     run = setup(cfg, as_plan(plan), run_dir, hooks)
     marks["setup"] = time.time()
-    start_step = resume(run)
+    start_step = rank_checkpoints.resume(run)
     marks["loaded"] = time.time()
     stop = cfg.train.stop_at_step or cfg.train.steps
     validator = evaluate.build_validator(run)  # None unless train.eval_every > 0
@@ -442,20 +376,21 @@ def run_step(run: RankRun, health, step: int, stop: int, logger, records: list, 
     if logger is not None:
         logger.log(step, out)
     with health.timed("checkpoint"):
-        saved = save_if_due(run, step, stop)
+        saved = rank_checkpoints.save_if_due(run, step, stop)
     if saved:
         health.saved(step)
-    stop_if_signalled(run, preempt, step, stop, saved, logger)
+    rank_checkpoints.stop_if_signalled(run, preempt, step, stop, saved, logger)
     return step + 1
 
 
 def roll_back(run: RankRun, health, step: int, verdict, logger, records: list) -> int:
     """train.on_nonfinite / train.spike.action = rollback: reload the newest verified checkpoint
-    before ``step``, skip the batches since (runtime/stability.py); the step to run next."""
+    before ``step``, skip the batches since (runtime/health/stability.py); the step to run next."""
     t0 = time.perf_counter()
     if health.watchdog is not None:
         health.watchdog.pause()  # the load has checkpoint.timeout_s
-    event = stab_mod.rollback(run, step, checkpoints(run).group, lambda extra: restore_extra(run, extra, True))
+    event = stab_mod.rollback(run, step, rank_checkpoints.checkpoints(run).group,
+                             lambda extra: rank_checkpoints.restore_extra(run, extra, True))
     health.beat()
     from_step, skipped = event["from_step"], event["skipped_batches"]
     records[:] = [r for r in records if r["step"] <= from_step]
@@ -466,28 +401,6 @@ def roll_back(run: RankRun, health, step: int, verdict, logger, records: list) -
               f"batches {skipped[0]}..{skipped[-1]}", flush=True)
     health.rolled_back(from_step, time.perf_counter() - t0)
     return from_step + 1
-
-
-def checkpoints(run: RankRun):
-    """The run's Checkpointer: its own gloo group with checkpoint.timeout_s (collective on first use)."""
-    if run.checkpointer is None:
-        from paralayer.checkpoint import dcp as ckpt
-        from paralayer.checkpoint.group import checkpoint_group
-
-        c = run.cfg.checkpoint
-        run.checkpointer = ckpt.Checkpointer(run.ckpt_dir, c.keep, checkpoint_group(c.timeout_s),
-                                             async_save=c.async_save, timeout_s=c.timeout_s)
-    return run.checkpointer
-
-
-def _save(run: RankRun, step: int) -> None:
-    from paralayer.checkpoint import dcp as ckpt
-
-    extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),
-             "stability": run.stability.state_dict(),
-             "data": run.dataset.state_dict() if hasattr(run.dataset, "state_dict") else None}
-    run.hooks.before_save(run.rank, step)
-    checkpoints(run).save(step, run.built.chunks, [run.opt], extra)
 
 
 def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
@@ -501,7 +414,7 @@ def _global_loss(loss_sum: torch.Tensor, meshes: Meshes) -> torch.Tensor:
 
 
 def _write_timeline(runner, meshes: Meshes, run_dir: str) -> None:
-    from paralayer.parallel.timeline import plot_timeline
+    from paralayer.parallel.pipeline.timeline import plot_timeline
 
     events = runner.last_timeline
     gathered: list = [None] * meshes["pp"].size()
@@ -518,7 +431,7 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
     launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
-    from paralayer.runtime.orphans import die_with_launcher
+    from paralayer.runtime.health.orphans import die_with_launcher
 
     die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
     cfg, plan = load_run(run_dir, overrides)

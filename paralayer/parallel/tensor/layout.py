@@ -8,7 +8,7 @@ Layout for one rank of a ``tp``-sized group (see docs/tensor-parallel.md and doc
     attention_norm   SequenceParallel  (SP only) the norm sees s/tp tokens
     attention        PrepareModuleInput  x: Shard(1) -> Replicate (no SP; under SP the column GEMMs
                                        gather it themselves and save only the shard:
-                                       parallel/sequence_parallel.py)
+                                       parallel/tensor/sequence_parallel.py)
       wq, wk, wv     ColwiseParallel   whole heads per rank (n_heads % tp == 0, n_kv_heads % tp == 0)
       wo             RowwiseParallel   partial sums -> Shard(1) (SP: reduce-scatter) or Replicate
     ffn_norm         SequenceParallel  (SP only; without SP the norms hold Replicate DTensors)
@@ -22,15 +22,7 @@ Per layer, forward: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (
 same again (the conjugate collectives). The residual stream between the blocks is a plain local
 tensor: (b, s/tp, d) under SP, (b, s, d) replicated without it.
 
-The loss: :func:`tp_loss` computes the vocab-parallel cross-entropy of the Shard(-1) logits with
-``torch.distributed.tensor.parallel.loss_parallel``; padded vocab columns (vocab rounded up to a
-multiple of tp) get a large negative added so they never count. ``loss_parallel`` must be active
-for the forward-loss-backward together::
-
-    with loss_parallel_ctx(tp > 1):
-        logits = model(tokens)
-        loss = tp_loss(logits, labels, cfg.model.vocab_size)
-        loss.backward()            # or the pipeline schedule's step(), which runs backward
+The loss over the vocab-sharded logits: paralayer/parallel/tensor/loss.py.
 
 MoE blocks are not split by tensor parallel: their input is gathered to the full sequence and the
 expert block runs replicated on every tp rank (expert parallelism is the axis that splits them).
@@ -41,11 +33,9 @@ sets ``model.positions`` to the full ``arange`` when nothing else (context paral
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -54,15 +44,10 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
-from paralayer.parallel.local_shard import local_tensor  # noqa: F401 - callers import it from here too
-from paralayer.parallel.sequence_parallel import SpGemms
-
-# Added to the padded vocab columns of the logits: exp(-1e9 - max) is exactly 0 in fp32/bf16.
-_PAD_LOGIT = -1.0e9
+from paralayer.parallel.tensor.sequence_parallel import SpGemms
 
 
 def check_tp_shapes(model: nn.Module, tp: int) -> None:
@@ -89,7 +74,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
     Call on the meta-device model, before ``to_empty`` and ``init_weights``. tp == 1 is a no-op.
     ``overlap`` (needs sequence parallel): the split linears keep their DTensor weights, but the
-    all-gathers and reduce-scatters run inside the GEMMs, chunk by chunk (parallel/tp_overlap.py).
+    all-gathers and reduce-scatters run inside the GEMMs, chunk by chunk (parallel/tensor/tp_overlap.py).
     """
     tp = tp_mesh.size()
     if tp == 1:
@@ -107,7 +92,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     # rings fused into the GEMMs (tp_overlap.py). Their linears' own DTensor hooks never run.
     fused = None
     if overlap:
-        from paralayer.parallel.tp_overlap import TpOverlap
+        from paralayer.parallel.tensor.tp_overlap import TpOverlap
 
         fused = TpOverlap(tp_mesh.get_group())
     elif sp:
@@ -305,51 +290,6 @@ def _full_positions_hook(tp: int):
         return None
 
     return hook
-
-
-# ------------------------------------------------------------------ the vocab-parallel loss
-def loss_parallel_ctx(enabled: bool) -> contextlib.AbstractContextManager:
-    """``loss_parallel()`` when enabled (tp > 1), else a no-op. Wrap forward + loss + backward."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def tp_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of vocab-sharded logits; padded vocab columns never count.
-
-    ``logits``: a DTensor (b, s, V_padded) placed Shard(-1) on the tp mesh (the output layer of
-    :func:`apply_tensor_parallel`), or a plain tensor (tp == 1: falls back to ``lm_loss``).
-    Must run inside :func:`loss_parallel_ctx` (and so must the backward). Returns a plain scalar
-    tensor (the same value on every tp rank) that can be mixed with other plain tensors.
-    """
-    if not isinstance(logits, DTensor):
-        from paralayer.model.transformer import lm_loss
-
-        return lm_loss(logits, labels, vocab_size)
-    mesh, placements = logits.device_mesh, logits.placements
-    if len(placements) != 1 or not placements[0].is_shard() or \
-            placements[0].dim not in (-1, logits.ndim - 1):
-        raise ValueError(f"tp_loss expects logits placed Shard(-1) on a 1-D mesh, got {placements}")
-    v_pad = logits.shape[-1]
-    local = logits.to_local().float()
-    if vocab_size is not None and v_pad > vocab_size:
-        # Columns of this rank: [start, start + width); mask those >= vocab_size.
-        width = local.shape[-1]
-        start = mesh.get_local_rank() * width
-        cols = torch.arange(start, start + width, device=local.device)
-        mask = torch.where(cols >= vocab_size, _PAD_LOGIT, 0.0).to(local.dtype)
-        local = local + mask
-    logits = DTensor.from_local(local, mesh, [Shard(local.ndim - 1)], run_check=False,
-                                shape=logits.shape, stride=_contig_stride(logits.shape))
-    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
-def _contig_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 # ------------------------------------------------------------------ helpers for tests and metrics

@@ -1,8 +1,8 @@
 """The run-health pieces one training run holds, behind a few calls the step loop makes.
 
 :class:`RunHealth` owns the profiler (paralayer/metrics/profile.py), the per-rank timing and
-straggler watch (metrics/rank_timing.py), the hang watchdog (runtime/watchdog.py) and the goodput
-account (metrics/goodput.py); the loss-spike and rollback logic is runtime/stability.py.
+straggler watch (metrics/rank_timing.py), the hang watchdog (runtime/health/watchdog.py) and the goodput
+account (metrics/goodput.py); the loss-spike and rollback logic is runtime/health/stability.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from paralayer.metrics import rank_timing
 from paralayer.metrics.goodput import Goodput
 from paralayer.metrics.profile import StepProfiler
-from paralayer.runtime.watchdog import Watchdog
+from paralayer.runtime.health.watchdog import Watchdog
 
 
 def hang_timeout(train_cfg: Any) -> float:

@@ -118,7 +118,7 @@ def rollback(run: Any, bad_step: int, group: Any, load_extra) -> dict:
     """Load the newest verified checkpoint before ``bad_step`` into the run; the rollback event.
 
     ``load_extra(extra)`` restores the scheduler, RNG and this module's state from the loaded
-    checkpoint's extra (runtime/train.py owns those). Collective over the checkpoint group."""
+    checkpoint's extra (runtime/rank_checkpoints.py owns those). Collective over the checkpoint group."""
     from paralayer.checkpoint import dcp as ckpt
     from paralayer.checkpoint import group as grp
     from paralayer.checkpoint.manifest import CheckpointError

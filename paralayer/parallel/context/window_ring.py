@@ -1,6 +1,6 @@
 """Context parallel for a sliding-window layer: only the K/V chunks some local query can see move.
 
-The sequence is zigzag-sharded as for full attention (paralayer/parallel/context.py): 2·cp chunks
+The sequence is zigzag-sharded as for full attention (paralayer/parallel/context/zigzag.py): 2·cp chunks
 of c tokens, rank r holds chunks r and 2cp−1−r, so the balance of the causal work is kept. With
 a window w, query chunk a sees key chunk b only when a ≥ b and (a−b)·c − (c−1) < w; every other
 (query chunk, key chunk) pair is skipped: no send, no compute. Each rank sends ITS OWN chunks
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from paralayer.config.cp_window import blocks, chunk_sends, needed  # noqa: F401 - chunk_sends: callers import it here
-from paralayer.parallel.context import RingStats, _backend_for, _block_bwd, _block_fwd, _expand, _merge, _reduce
+from paralayer.parallel.context.ring import RingStats, _backend_for, _block_bwd, _block_fwd, _expand, _merge, _reduce
 
 _WKV_TAG, _WDKV_TAG = 21, 22
 

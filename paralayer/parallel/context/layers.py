@@ -1,12 +1,13 @@
 """Context parallel applied to a model: each attention layer gets the ring its core needs — the
-full ring (paralayer/parallel/context.py) or, for a sliding-window layer, the window ring that
-moves only the chunks its queries see (paralayer/parallel/window_ring.py)."""
+full ring (paralayer/parallel/context/ring.py) or, for a sliding-window layer, the window ring that
+moves only the chunks its queries see (paralayer/parallel/context/window_ring.py)."""
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from paralayer.parallel.context import RingStats, make_ring_attention, zigzag_indices
-from paralayer.parallel.window_ring import make_window_ring_attention
+from paralayer.parallel.context.ring import RingStats, make_ring_attention
+from paralayer.parallel.context.window_ring import make_window_ring_attention
+from paralayer.parallel.context.zigzag import zigzag_indices
 
 
 def apply_context_parallel(model, group: dist.ProcessGroup, seq_len: int) -> None:

@@ -1,6 +1,6 @@
 """A forward-only pass through the pipeline, for the validation loss (paralayer/runtime/evaluate.py).
 
-Each pp rank runs its chunks (from :func:`paralayer.parallel.pipeline.split_model`, in pipeline
+Each pp rank runs its chunks (from :func:`paralayer.parallel.pipeline.split.split_model`, in pipeline
 order) over the step's microbatches, chunk by chunk and, inside a chunk, microbatch by
 microbatch: it receives a microbatch's activation from the rank holding the previous chunk
 (blocking), runs the chunk, and sends the result on without waiting. Every rank takes the
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralayer.parallel.pipeline import chunk_to_rank
+from paralayer.parallel.pipeline.split import chunk_to_rank
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _META_LEN = 8  # dtype code, ndim, up to 6 dims

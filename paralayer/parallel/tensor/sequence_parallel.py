@@ -7,7 +7,7 @@ shrink with tp (at tp 8 about 40% of a layer's saved bytes). Korthikanti et al. 
 Activation Recomputation", §4.2.2) keep the s/tp shard instead and all-gather it again in the
 backward pass, overlapped with the input-gradient GEMM. That is what :class:`SpGemms` does, with
 one bulk collective per GEMM (``parallel.tp_overlap`` decomposes the same collectives over a ring
-instead: parallel/tp_overlap.py; both expose ``gather_matmul`` / ``matmul_scatter``).
+instead: parallel/tensor/tp_overlap.py; both expose ``gather_matmul`` / ``matmul_scatter``).
 
     column  forward   x_full = all_gather(x)            out_i = x_full @ W_iᵀ     saves x (s/tp)
             backward  start all_gather(x) ─┐  gx_full = Σ g_i @ W_i
@@ -16,7 +16,7 @@ instead: parallel/tp_overlap.py; both expose ``gather_matmul`` / ``matmul_scatte
             backward  g_full = all_gather(g); gy = g_full @ W; gW = g_fullᵀ @ y
 
 Under the zero-bubble schedules' split backward (zbv, dualpipev: an input-grad pass, later a
-weight-grad pass over the same graph) each pass does only its own half (parallel/backward_pass.py):
+weight-grad pass over the same graph) each pass does only its own half (parallel/tensor/backward_pass.py):
 
     column  input pass   gx_full = Σ g_i @ W_i, reduce_scatter       weight pass  all_gather(x); gW_i
     row     input pass   g_full = all_gather(g); gy = g_full @ W     weight pass  gW from the kept g_full
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from paralayer.compat import private
-from paralayer.parallel.backward_pass import keep, kept, later, wanted
 from paralayer.parallel.local_shard import local_tensor as _local
+from paralayer.parallel.tensor.backward_pass import keep, kept, later, wanted
 
 funcol = private("torch.distributed._functional_collectives")
 

@@ -16,7 +16,7 @@ weight grad re-gathers the input, chunk by chunk, on the same ring: only the loc
 not the gathered sequence), the row GEMM's output grad is all-gathered chunk by chunk. Under a
 split backward (zbv, dualpipev) the input pass walks the column's scatter ring and the row's gather
 ring (keeping the gathered output grad), the weight pass the column's gather ring and the row's
-weight-grad GEMM on what was kept: the rings of one plain backward (parallel/backward_pass.py).
+weight-grad GEMM on what was kept: the rings of one plain backward (parallel/tensor/backward_pass.py).
 
 Plain send/recv on the tp group, no symmetric memory: works on gloo (CPU) and NCCL alike. Results
 equal the two-step path up to the order of the reduction's sums (tests/test_tp_overlap.py).
@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from paralayer.parallel.backward_pass import keep, kept, later, wanted
 from paralayer.parallel.local_shard import local_tensor
+from paralayer.parallel.tensor.backward_pass import keep, kept, later, wanted
 
 
 class _Ring:
