@@ -115,9 +115,10 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
 # ------------------------------------------------------------------ the plan's figures per rank
 def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | None = None) -> dict:
     """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free);
-    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/zero1.py), ``cp_index``
+    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/memory/zero1.py), ``cp_index``
     its cp ring's sends and core blocks (a window's differ per cp rank; None: the busiest's)."""
-    from paralayer.resolve import cost, memory, rules, zero1
+    from paralayer.resolve import cost, memory, rules
+    from paralayer.resolve.memory import zero1
 
     lay = rules.check(cfg)
     p, g, o, a = memory.rank_memory(cfg, lay, pp_rank)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve import v_flight
-from paralayer.resolve.memory_states import (
+from paralayer.resolve.memory import v_flight
+from paralayer.resolve.memory.states import (
     ACT_BYTES,
     chunk_blocks,
     is_moe_layer,
@@ -223,7 +223,7 @@ def in_flight(lay: Layout, r: int) -> float:
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m. (The memory
     plan under the V schedules takes its peak per chunk over the order's backward passes instead:
-    :func:`v_rank_activations`, resolve/v_flight.py.)"""
+    :func:`v_rank_activations`, resolve/memory/v_flight.py.)"""
     return in_flight_count(lay.pp, lay.microbatches, lay.schedule, lay.vpp, r)
 
 
@@ -398,7 +398,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
 
 def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, int]]:
     """(dense, MoE) fully recomputed blocks of each chunk of pipeline rank r, the MTP blocks with
-    the last chunk (memory_states.rank_layers puts them there)."""
+    the last chunk (states.rank_layers puts them there)."""
     out = []
     for ids in chunk_blocks(cfg, lay, r):
         full = [i for i in ids if layer_recompute(lay, i) == "full"]
