@@ -223,7 +223,7 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
 
 
 def _time_rows(t: Any, d: dict, cfg: Any) -> None:
-    """The calibrated GPU time model's prediction (resolve/step_time.py), when the plan has one."""
+    """The calibrated GPU time model's prediction (resolve/cost/step_time.py), when the plan has one."""
     if d.get("step_time_s") is None:
         return
     dev = (d.get("gpu") or "device").upper()

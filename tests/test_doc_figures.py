@@ -45,7 +45,7 @@ def _json(args: str) -> object:
     cfg = load_config(overrides)
     if "--plan" in flags:
         from paralayer.resolve import plan_report
-        from paralayer.resolve.machine import GPU_CALIBRATION
+        from paralayer.resolve.cost.machine import GPU_CALIBRATION
         from paralayer.resolve.planner import plan_layouts
 
         cal = dict(GPU_CALIBRATION, **{k: float(v) for k, v in calib.items()}) if calib else None

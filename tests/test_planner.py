@@ -86,7 +86,7 @@ def test_tp_overlap_exposes_one_chunk_per_ring_step_only_when_the_wire_is_slower
     peak); on a link 100× slower the same layout shows the transfers the GEMMs cannot cover, exactly
     as a hand count of one layer's 10 rings gives."""
     from paralayer.resolve import cost
-    from paralayer.resolve.machine import tp_overlap_seconds
+    from paralayer.resolve.cost.machine import tp_overlap_seconds
 
     ov = H100_70B + ["parallel.tp=8", "parallel.pp=1", "parallel.dp=64", "parallel.zero=3",
                      "parallel.tp_overlap=true", "parallel.recompute=none", "train.micro_batch=1"]

@@ -5,7 +5,7 @@ pass (``stage.backward_maybe_with_nosync("input" | "weight")``). A recomputed re
 (``paralayer.model.recompute``) reruns once per pass here: what its input pass made is dropped when
 that pass ends, so a chunk-microbatch waiting for its weight pass holds only its inputs, and the
 weight pass reruns the region once for all its parameter groups. The plan counts that second
-rerun (``resolve/memory/states.py: input_pass_reruns``).
+rerun (``resolve/memory_states.py: input_pass_reruns``).
 """
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | N
         "plan_comm": {ax: int(e["bytes_per_step"]) for ax, e in comm.items() if e["bytes_per_step"]},
         "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank, cp_rank=cp_index)),
         # the plan counts tp's sequence-parallel all-gather + reduce-scatter as one all-reduce's
-        # payload per pair (resolve/cost.py; machine.comm_seconds); ZeRO-2/3's pairs count each
+        # payload per pair (resolve/cost/terms.py; machine.comm_seconds); ZeRO-2/3's pairs count each
         "plan_comm_pairs": [ax for ax, e in comm.items()
                             if ax == "tp" and e["collective"] == "all-gather+reduce-scatter"],
         # rings (cp's K/V, tp_overlap's fused chunks) are counted by their sends

@@ -10,7 +10,7 @@ call for each (class, zero), the same zero's dp line from the same class — on 
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine
+from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.plan_comm import COMM_CLASS, affine_line, comm_points, first_zero, fsdp_able, set_axes
 from paralayer.resolve.plan_types import Structure
 

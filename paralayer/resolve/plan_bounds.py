@@ -9,11 +9,11 @@ terms that are ≥ 0, so a layout that fits is left untimed, its traffic never c
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine
+from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.plan_comm import affine_line, comm_points, first_zero, tp_overlap_options
 from paralayer.resolve.plan_types import Structure, Totals
 from paralayer.resolve.rules import Layout
-from paralayer.resolve.step_time import replicated_elementwise_seconds
+from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
 
 
 def structure_work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from paralayer.config import Config
 from paralayer.config.echo import markup_safe
 from paralayer.resolve import strict_json
-from paralayer.resolve.machine import Machine, machine_for
+from paralayer.resolve.cost.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.planner import plan_layouts
 

@@ -15,7 +15,7 @@ affine in the number of microbatches). ``tests/test_planner.py`` checks a sample
 against the full ``resolve()``: no errors, same memory total, bubble, spans and comm times.
 
 The cost model (one step, one device; every term is reported per layout; the machine's side —
-peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.machine``, the table and the
+peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.cost.machine``, the table and the
 CLI ``paralayer.resolve.plan_report``; the memory fast path ``plan_memory``, the communication
 lines ``plan_comm``, the records ``plan_types`` and the listed rows ``plan_rows``):
 
@@ -61,7 +61,7 @@ from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
 from paralayer.resolve.gc_pause import gc_paused
 from paralayer.resolve.lazy_lines import LazyLines
-from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
+from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
     comm_seconds,
@@ -101,8 +101,8 @@ from paralayer.resolve.rules import (
     valid_tp,
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
-from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.step_time import compute_seconds, time_plan
+from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
+from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
@@ -466,7 +466,7 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
 def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     """The cost model's prediction for the config's own layout (for calibration): memory from
     ``resolve()`` (the same numbers the planner mirrors), time from the same terms as the ranking
-    (``paralayer.resolve.step_time``). Raises ValueError if the layout is not valid."""
+    (``paralayer.resolve.cost.step_time``). Raises ValueError if the layout is not valid."""
     from paralayer.resolve.plan import resolve
 
     plan = resolve(cfg)

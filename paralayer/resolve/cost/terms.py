@@ -13,7 +13,7 @@ import functools
 
 from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
 from paralayer.resolve.memory import (
     ACT_BYTES,
     BYTES_PER_PARAM,
