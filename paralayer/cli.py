@@ -271,7 +271,7 @@ def _check_data(cfg: Any, plan: Any) -> None:
 
 
 def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
-    from paralayer.resolve import plan_report
+    from paralayer.resolve.planner import report as plan_report
 
     cfg = config_mod.load_config(overrides)
     return int(plan_report.run(cfg, args, plan_report.fixed_from_overrides(overrides, cfg)))

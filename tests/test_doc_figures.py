@@ -44,7 +44,7 @@ def _json(args: str) -> object:
     overrides = [t for t in tokens if not t.startswith(("--", "calib:"))]
     cfg = load_config(overrides)
     if "--plan" in flags:
-        from paralayer.resolve import plan_report
+        from paralayer.resolve.planner import report as plan_report
         from paralayer.resolve.cost.machine import GPU_CALIBRATION
         from paralayer.resolve.planner import plan_layouts
 

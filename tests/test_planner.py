@@ -1,4 +1,4 @@
-"""The layout planner (paralayer/resolve/planner.py): the seeds' rules of thumb come out of the cost
+"""The layout planner (paralayer/resolve/planner/): the seeds' rules of thumb come out of the cost
 model, every listed layout passes the resolver with the same numbers, and it is fast."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from paralayer.config import load_config
-from paralayer.resolve import plan_report, planner
+from paralayer.resolve import planner
+from paralayer.resolve.planner import report as plan_report
 from paralayer.resolve.plan import resolve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -351,7 +352,7 @@ def test_untimed_layouts_leave_the_top_n_unchanged(monkeypatch):
     """Layouts that fit but whose step without traffic exceeds the top-N bar are left untimed
     (issue #37 item 6): the top N, every field, are still the exhaustive ranking's first N; a
     bound that overestimates (a planted error) changes them."""
-    from paralayer.resolve import plan_bounds
+    from paralayer.resolve.planner import bounds as plan_bounds
 
     cfg = load_config(["recipe=llama3-8b"])
     full = planner.plan_layouts(cfg)

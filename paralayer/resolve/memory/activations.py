@@ -273,7 +273,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
                  for i in layers) * tokens * ab
     inf = in_flight(lay, r)
-    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
+    # summed in the planner's order (planner.memory.in_flight, peak_memory: the same bytes to the unit)
     extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
     if head:
         extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
@@ -295,7 +295,7 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     full = lay.recompute == "full"
     saved, split_t, full_t = [], [], []
     for c, ids, (cd, cm) in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_recompute_counts(cfg, lay, r)):
-        # by kind and mode, as the planner's tables count them (plan_memory.peak_memory: the same bytes)
+        # by kind and mode, as the planner's tables count them (planner.memory.peak_memory: the same bytes)
         kinds: dict = {}
         for i in ids:
             key = (is_moe_layer(cfg, i), layer_recompute(lay, i))
@@ -313,7 +313,7 @@ def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: lis
     index of the pass that holds the peak: the chunk-microbatches each chunk holds times its
     ``saved`` bytes, plus ``fixed``, plus the pass's transient (``split_t`` of its chunk for an
     input or weight pass, ``full_t`` for a full backward). The resolver and the planner
-    (plan_memory) both sum through here."""
+    (planner.memory) both sum through here."""
     peak, kept, at = 0.0, 0.0, 0
     for j, mo in enumerate(moments):
         held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed

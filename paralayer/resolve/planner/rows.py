@@ -7,8 +7,8 @@ import dataclasses
 
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
-from paralayer.resolve.plan_comm import fsdp_key, recompute_key
-from paralayer.resolve.plan_types import Candidate, Totals
+from paralayer.resolve.planner.comm import fsdp_key, recompute_key
+from paralayer.resolve.planner.types import Candidate, Totals
 from paralayer.resolve.cost.step_time import time_to_train
 
 
