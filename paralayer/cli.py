@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from paralayer import config as config_mod
 from paralayer.config import ConfigError, recipes
-from paralayer.config.echo import markup_safe, one_line
+from paralayer.inputs.echo import markup_safe, one_line
 
 EXIT_OK, EXIT_INVALID, EXIT_INTERNAL = 0, 2, 3
 #: runs one sweep may hold (each is resolved before anything starts)
@@ -76,13 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _err(msg: str) -> None:
-    """One error line on stderr: what the user typed is echoed escaped (config/echo.py)."""
+    """One error line on stderr: what the user typed is echoed escaped (inputs/echo.py)."""
     print(f"error: {one_line(msg)}", file=sys.stderr)
 
 
 def dumps(obj: Any) -> str:
     """Strict JSON (NaN/inf as null)."""
-    from paralayer.resolve.strict_json import dumps as strict
+    from paralayer.inputs.strict_json import dumps as strict
 
     return strict(obj)
 

@@ -249,7 +249,7 @@ def test_top_n_is_the_exhaustive_ranking_cut():
 
 
 def _largest(kind: str) -> list[str]:
-    from paralayer.config.bounds import INT_BOUNDS, MAX_WORLD
+    from paralayer.inputs.bounds import INT_BOUNDS, MAX_WORLD
 
     if kind == "layers":  # the most layers the config allows, on 1,024 devices
         return ["recipe=tiny", "cluster=h100-80gb-8x", "cluster.nodes=128",

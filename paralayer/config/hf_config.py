@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from paralayer.config.depth import MAX_JSON_BYTES, check_json_text
+from paralayer.inputs.depth import MAX_JSON_BYTES, check_json_text
 from paralayer.config.hf_errors import HFFormatError
 from paralayer.config.hf_rope import read_rope
 

@@ -6,8 +6,8 @@ import sys
 from typing import Any, Optional
 
 from paralayer.config import Config
-from paralayer.config.echo import markup_safe
-from paralayer.resolve import strict_json
+from paralayer.inputs import strict_json
+from paralayer.inputs.echo import markup_safe
 from paralayer.resolve.cost.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
 from paralayer.resolve.planner.search import plan_layouts
