@@ -46,7 +46,7 @@ from paralayer.data.errors import DataError
 from paralayer.data.indexed import IndexedShard, IndexedWriter, fsync_dir, write_index
 from paralayer.data.preflight import check_file, data_files
 from paralayer.data.tokenizers import load_tokenizer
-from paralayer.resolve.idx_header import optimal_dtype_code
+from paralayer.inputs.idx_header import optimal_dtype_code
 
 _PART_VERSION = 1
 

@@ -5,7 +5,8 @@ outside: ``untrusted`` checks a path before it is opened (no /proc, no FIFO, no 
 is not ours) and reads bounded; ``depth`` bounds a file's size and nesting before a parser recurses
 into it; ``bounds`` the range of every number and text a recipe may hold; ``interpolation`` which
 ``${...}`` a recipe may hold (no resolvers, no environment); ``echo`` escapes what is echoed back;
-``strict_json`` keeps what goes out as ``--json`` parseable. Bad input is exit 2, one line naming
+``strict_json`` keeps what goes out as ``--json`` parseable; ``idx_header`` reads and checks a
+Megatron shard's header (for the resolver and for data/). Bad input is exit 2, one line naming
 the field or file.
 
 It sits beside ``paralayer.config`` (it raises the schema's ConfigError), below everything else.
