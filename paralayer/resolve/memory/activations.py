@@ -78,36 +78,72 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> 
       fewer without a shared expert (no w1/w3 cast of the whole token stream).
     The MLA and MoE terms were measured on one block of DeepSeek-V3's widths and of
     deepseek-v3-tiny's, with the rehearsal's GPU kernel (fake tensors) and on CPU, tp 1.
+
+    One row per part (the block's norms and casts; the attention by kind, ``_ATTN_BF16``; the FFN,
+    ``_FFN_BF16``): a new attention kind or FFN is one entry. Each part gives its terms in the order
+    they are summed, so the sum is the same to the bit whatever the part's shape.
     """
-    m = cfg.model
-    h, a, t = m.d_model, m.n_heads, lay.tp
-    sp = lay.sequence_parallel
+    h = cfg.model.d_model
     autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
     if mode == "full":
-        return (h / t if sp else h) if autocast else 0.0
-    extra = (2 + (2 * h if autocast else 0)) / (t if sp else 1)
-    if mode not in ("core_attn", "selective"):
-        extra += a / t
-    if autocast:
-        extra += 2 * h / t if sp else 3 * h
-    if parts.attention_kind(cfg) == "mla":
-        extra += 2 - (h if autocast and not sp else 0)
-        if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
-            # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
-            # count twice, and wo casts the output again
-            extra += a * (2 * parts.qk_head_dim(cfg) + 2 * parts.v_head_dim(cfg)) / t
-        elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") \
-                and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg):
-            # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
-            extra += a * (2 * parts.qk_head_dim(cfg) + parts.v_head_dim(cfg) + m.seq_len) / t
-    elif m.qk_norm:  # the q and k norms' 1/rms per head (attn_saved_elems' a + g)
-        extra += (a + m.n_kv_heads) / t
-    if moe:
-        # (and without a shared expert no w1/w3 cast of the token stream: 2h fewer)
-        # under ep the rows travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts
-        casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if m.moe.shared_ffn_hidden else 2)
-        extra += m.moe.num_experts + (casts * h if autocast else 0)
+        return (h / lay.tp if lay.sequence_parallel else h) if autocast else 0.0
+    extra = 0.0
+    for part in (_block_bf16, _ATTN_BF16[parts.attention_kind(cfg)], _FFN_BF16["moe" if moe else "mlp"]):
+        for term in part(cfg, lay, mode, autocast):
+            extra += term
     return extra
+
+
+def _block_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The norms' 1/rms (and under autocast their fp32 inputs), SDPA's logsumexp, autocast's casts."""
+    h, a, t, sp = cfg.model.d_model, cfg.model.n_heads, lay.tp, lay.sequence_parallel
+    terms = [(2 + (2 * h if autocast else 0)) / (t if sp else 1)]
+    if mode not in ("core_attn", "selective"):
+        terms.append(a / t)
+    if autocast:
+        terms.append(2 * h / t if sp else 3 * h)
+    return terms
+
+
+def _gqa_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """qk_norm: the q and k norms' 1/rms per head (attn_saved_elems' a + g)."""
+    m = cfg.model
+    return [(m.n_heads + m.n_kv_heads) / lay.tp] if m.qk_norm else []
+
+
+def _mla_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The two inner norms' 1/rms; two GEMMs read the attention norm's output, not three; under cp
+    or CPU's math path the attention's fp32 copies."""
+    m, t = cfg.model, lay.tp
+    a, dqk, dv = m.n_heads, parts.qk_head_dim(cfg), parts.v_head_dim(cfg)
+    terms = [2 - (m.d_model if autocast and not lay.sequence_parallel else 0)]
+    if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
+        # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
+        # count twice, and wo casts the output again
+        terms.append(a * (2 * dqk + 2 * dv) / t)
+    elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") and dqk != dv:
+        # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
+        terms.append(a * (2 * dqk + dv + m.seq_len) / t)
+    return terms
+
+
+def _mlp_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """A dense FFN keeps nothing in fp32 beyond the block's terms."""
+    return []
+
+
+def _moe_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The router's fp32 scores; under autocast the casts of the routed rows and the router's input
+    (and without a shared expert no w1/w3 cast of the token stream: 2h fewer). Under ep the rows
+    travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts."""
+    mo = cfg.model.moe
+    casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if mo.shared_ffn_hidden else 2)
+    return [mo.num_experts + (casts * cfg.model.d_model if autocast else 0)]
+
+
+#: What each part keeps in fp32 under bf16, by kind (model_parts.attention_kind; dense or MoE FFN).
+_ATTN_BF16 = {"gqa": _gqa_bf16, "mla": _mla_bf16}
+_FFN_BF16 = {"mlp": _mlp_bf16, "moe": _moe_bf16}
 
 
 def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
