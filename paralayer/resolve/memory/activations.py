@@ -411,11 +411,10 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble
     schedules keep those inputs for the weight pass: 8b tp2 pp4 zbv rehearses 1.023.
 
-    Under a split backward (zbv, dualpipev) a pass keeps its whole graph (torch's input pass
-    retains it for the weight pass), so every saved-tensor holder of the chunk stays alive and the
-    chunk's recomputed regions are live together: the transient is the largest chunk's sum, its MTP
-    blocks included (deepseek-v3-tiny pp2 dualpipev: the last layer's and the MTP block's sets at
-    once, activations 1.49 of a one-layer plan).
+    Not for the V schedules (zbv, dualpipev at pp > 1): there a split backward keeps its whole graph
+    (torch's input pass retains it for the weight pass), so a chunk's recomputed regions are live
+    together, and :func:`v_rank_activations` takes each pass's transient (its chunk's sum, MTP
+    blocks included: deepseek-v3-tiny pp2 dualpipev, activations 1.49 of a one-layer plan).
     """
     if lay.recompute != "full":
         return 0
@@ -424,12 +423,7 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
-    if lay.pp > 1 and lay.schedule in V_SCHEDULES:
-        dn = act_elems_per_token(cfg, lay, False, "none") - act_elems_per_token(cfg, lay, False, "full")
-        mn = act_elems_per_token(cfg, lay, True, "none") - act_elems_per_token(cfg, lay, True, "full")
-        return int(max(cd * dn + cm * mn for cd, cm in chunk_recompute_counts(cfg, lay, r)) * tokens * ab)
-    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none")
-                   - act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "full") for i in layers) * tokens * ab)
+    return int(max(_transient_elems(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab)
 
 
 def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, int]]:
