@@ -69,9 +69,9 @@ if REPO not in sys.path:
 from paralayer.config import load_config  # noqa: E402
 from paralayer.resolve import cost as cost_mod  # noqa: E402
 from paralayer.resolve.cost.machine import GPU_CALIBRATION, machine_for  # noqa: E402
+from paralayer.resolve.cost.step_time import RUNTIME, Framework, step_shape, time_plan  # noqa: E402
 from paralayer.resolve.plan import resolve  # noqa: E402
 from paralayer.resolve.planner import config_for, plan_layouts  # noqa: E402
-from paralayer.resolve.cost.step_time import RUNTIME, Framework, step_shape, time_plan  # noqa: E402
 
 TABLE = os.path.join(REPO, "benchmarks", "published_runs.csv")
 PROFILE = {"a100": "a100-80gb-8x", "h100": "h100-80gb-8x", "h200": "h200-141gb-8x"}
@@ -516,8 +516,8 @@ EXAMPLES = [
 
 
 def _example_table(ov: str, n: int) -> list[str]:
-    from paralayer.resolve.planner import report as plan_report
     from paralayer.resolve.plan import resolve
+    from paralayer.resolve.planner import report as plan_report
 
     cfg = load_config(ov.split())
     stats: dict = {}

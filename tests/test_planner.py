@@ -14,8 +14,8 @@ import pytest
 
 from paralayer.config import load_config
 from paralayer.resolve import planner
-from paralayer.resolve.planner import report as plan_report
 from paralayer.resolve.plan import resolve
+from paralayer.resolve.planner import report as plan_report
 
 REPO = Path(__file__).resolve().parent.parent
 H100_70B = ["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64"]

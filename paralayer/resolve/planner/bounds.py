@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
 from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, tp_overlap_options
 from paralayer.resolve.planner.types import Structure, Totals
 from paralayer.resolve.rules import Layout
-from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
 
 
 def structure_work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:

@@ -59,8 +59,6 @@ from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
-from paralayer.resolve.planner.gc_pause import gc_paused
-from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -71,6 +69,8 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
     tp_overlap_seconds,
     wire_factor,
 )
+from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
+from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
 from paralayer.resolve.planner.comm import (
@@ -80,6 +80,8 @@ from paralayer.resolve.planner.comm import (
     set_axes,
     tp_overlap_options,
 )
+from paralayer.resolve.planner.gc_pause import gc_paused
+from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
     RankInfo,
     act_tables,
@@ -101,8 +103,6 @@ from paralayer.resolve.rules import (
     valid_tp,
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
-from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
