@@ -411,7 +411,7 @@ def _report(rows, failed, cal, rho, a, peak, cores, load, seconds) -> str:
              "(MoE rows add " + " ".join(MOE) + f"); {a.steps} steps per run, {a.repeat} runs per layout "
              f"(round-robin); step time = min over steps 2..{a.steps} of all runs, bubble = median.")
     L.append("")
-    L.append("Fitted `local` calibration (paralayer/resolve/machine.py `LOCAL_CALIBRATION`): "
+    L.append("Fitted `local` calibration (paralayer/resolve/cost/machine.py `LOCAL_CALIBRATION`): "
              f"efficiency {cal['efficiency']:.3f} of the one-thread GEMM peak, effective cores {cal['cores']:.1f} "
              f"(of {cores}; shared with other jobs), per-collective latency "
              f"{cal['latency_s'] * 1e3:.3f} ms, gloo loopback bandwidth {cal['bandwidth_gbps']:.3f} GB/s, "

@@ -22,7 +22,7 @@ EXAMPLES = [
 
 
 def _example_table(ov: str, n: int) -> list[str]:
-    from paralayer.resolve import plan_report
+    from paralayer.resolve.planner import report as plan_report
     from paralayer.resolve.plan import resolve
 
     cfg = load_config(ov.split())

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from paralayer import config as config_mod
 from paralayer.config import ConfigError, recipes
-from paralayer.config.echo import markup_safe, one_line
+from paralayer.inputs.echo import markup_safe, one_line
 
 EXIT_OK, EXIT_INVALID, EXIT_INTERNAL = 0, 2, 3
 #: runs one sweep may hold (each is resolved before anything starts)
@@ -76,13 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _err(msg: str) -> None:
-    """One error line on stderr: what the user typed is echoed escaped (config/echo.py)."""
+    """One error line on stderr: what the user typed is echoed escaped (inputs/echo.py)."""
     print(f"error: {one_line(msg)}", file=sys.stderr)
 
 
 def dumps(obj: Any) -> str:
     """Strict JSON (NaN/inf as null)."""
-    from paralayer.resolve.strict_json import dumps as strict
+    from paralayer.inputs.strict_json import dumps as strict
 
     return strict(obj)
 
@@ -223,7 +223,7 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
 
 
 def _time_rows(t: Any, d: dict, cfg: Any) -> None:
-    """The calibrated GPU time model's prediction (resolve/step_time.py), when the plan has one."""
+    """The calibrated GPU time model's prediction (resolve/cost/step_time.py), when the plan has one."""
     if d.get("step_time_s") is None:
         return
     dev = (d.get("gpu") or "device").upper()
@@ -271,7 +271,7 @@ def _check_data(cfg: Any, plan: Any) -> None:
 
 
 def _run_planner(overrides: list[str], args: argparse.Namespace) -> int:
-    from paralayer.resolve import plan_report
+    from paralayer.resolve.planner import report as plan_report
 
     cfg = config_mod.load_config(overrides)
     return int(plan_report.run(cfg, args, plan_report.fixed_from_overrides(overrides, cfg)))

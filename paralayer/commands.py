@@ -43,7 +43,7 @@ def _delegate(module: str, prog: str, fix: Optional[Callable[[list], list]] = No
     def run(argv: list) -> int:
         if importlib.util.find_spec(module) is None:
             return _err(f"{prog}: {module} is not part of this paralayer install")
-        from paralayer.config.untrusted import guard
+        from paralayer.inputs.untrusted import guard
 
         return guard(prog, lambda: importlib.import_module(module).main(fix(argv) if fix else argv))
 
@@ -91,7 +91,7 @@ MAX_LOCAL_NODES = 12
 def slurm_args_problem(argv: Sequence[str]) -> Optional[str]:
     """The one-line problem with ``paralayer slurm ACTION ARGS``, checked before bash sees them
     (a bare ``--nodes`` looped forever in the script; a huge one was bash's overflow error)."""
-    from paralayer.config.echo import one_line
+    from paralayer.inputs.echo import one_line
 
     action, rest = argv[0], list(argv[1:])
     if action == "install-deps":
@@ -112,7 +112,7 @@ def slurm_args_problem(argv: Sequence[str]) -> Optional[str]:
 
 def _slurm(argv: list) -> int:
     from paralayer.config import recipes
-    from paralayer.config.echo import one_line
+    from paralayer.inputs.echo import one_line
 
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]

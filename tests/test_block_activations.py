@@ -16,7 +16,9 @@ import torch
 from paralayer import config as config_mod
 from paralayer.model.transformer import Transformer
 from paralayer.rehearse.memory import weight_copy_of
-from paralayer.resolve import memory_activations, memory_states, rules
+from paralayer.resolve import rules
+from paralayer.resolve.memory import activations as memory_activations
+from paralayer.resolve.memory import states as memory_states
 
 GPU = ["cluster=h800-80gb-8x", "cluster.nodes=1", "cluster.devices_per_node=1"]
 CASES = {

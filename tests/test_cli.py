@@ -220,7 +220,7 @@ def test_json_is_strict_even_for_invalid_plans(capsys):
     assert main(["parallel.tp=3", "--dry-run", "--json"]) == 2
     d = _strict_json(capsys.readouterr().out)
     assert d["errors"] and not d["valid"]
-    from paralayer.resolve.strict_json import dumps
+    from paralayer.inputs.strict_json import dumps
     assert dumps({"a": float("nan"), "b": [float("inf"), 1.5]}) == '{"a": null, "b": [null, 1.5]}'
 
 

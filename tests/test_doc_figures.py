@@ -44,9 +44,9 @@ def _json(args: str) -> object:
     overrides = [t for t in tokens if not t.startswith(("--", "calib:"))]
     cfg = load_config(overrides)
     if "--plan" in flags:
-        from paralayer.resolve import plan_report
-        from paralayer.resolve.machine import GPU_CALIBRATION
+        from paralayer.resolve.cost.machine import GPU_CALIBRATION
         from paralayer.resolve.planner import plan_layouts
+        from paralayer.resolve.planner import report as plan_report
 
         cal = dict(GPU_CALIBRATION, **{k: float(v) for k, v in calib.items()}) if calib else None
         return plan_layouts(cfg, calibration=cal, top=3, fixed=plan_report.fixed_from_overrides(overrides, cfg))

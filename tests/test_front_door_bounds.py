@@ -15,9 +15,10 @@ import time
 import pytest
 
 from paralayer import cli
-from paralayer.config import depth, interpolation, load_config, to_dict
+from paralayer.config import load_config, to_dict
 from paralayer.config.sweep_base import SweepBase
-from paralayer.resolve import plan_report
+from paralayer.inputs import depth, interpolation
+from paralayer.resolve.planner import report as plan_report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import front_door_corpus as corpus  # noqa: E402

@@ -108,10 +108,7 @@ def test_no_file_over_500_lines_without_its_reason():
 #: The most modules (``__init__.py`` not counted) one folder of the package may hold.
 MAX_FOLDER_MODULES = 15
 #: Folders allowed over the bound while their split is under way, each with the reason.
-WAITING_FOLDERS: dict[str, str] = {
-    "resolve": "issue 43 item 2: resolve/ into sub-packages (in flight)",
-    "config": "issue 43 items 1 and 3: HF readers to families/, input discipline to its own package (in flight)",
-}
+WAITING_FOLDERS: dict[str, str] = {}
 
 
 def _crowded_folders(root: Path = PKG, most: int = MAX_FOLDER_MODULES) -> list[str]:

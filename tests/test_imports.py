@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parent.parent / "paralayer"
 #: The layers, lowest first: a module may import its own layer and the ones below it.
 #: compat (torch version guards) and clock (step timing) are tools every layer above config may use.
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "families"),  # families/ reads config.json into the schema; config/load.py asks it
+    ("config", "families", "inputs"),  # families/ reads config.json into the schema (config/load.py asks it); inputs/ raises the schema's ConfigError
     ("compat", "clock"),
     ("resolve",),
     ("model",),

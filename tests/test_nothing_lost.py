@@ -1,6 +1,6 @@
 """Nothing is lost (issue 35): no command writes over its own inputs, deletes what it did not create,
 reuses another run's folder, or truncates what it found when it fails at the start. Each case here
-failed before the input discipline (paralayer/config/untrusted.py): the file named was replaced,
+failed before the input discipline (paralayer/inputs/untrusted.py): the file named was replaced,
 deleted or emptied. Every protected file is compared byte for byte afterwards."""
 from __future__ import annotations
 

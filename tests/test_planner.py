@@ -1,4 +1,4 @@
-"""The layout planner (paralayer/resolve/planner.py): the seeds' rules of thumb come out of the cost
+"""The layout planner (paralayer/resolve/planner/): the seeds' rules of thumb come out of the cost
 model, every listed layout passes the resolver with the same numbers, and it is fast."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from paralayer.config import load_config
-from paralayer.resolve import plan_report, planner
+from paralayer.resolve import planner
 from paralayer.resolve.plan import resolve
+from paralayer.resolve.planner import report as plan_report
 
 REPO = Path(__file__).resolve().parent.parent
 H100_70B = ["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64"]
@@ -86,7 +87,7 @@ def test_tp_overlap_exposes_one_chunk_per_ring_step_only_when_the_wire_is_slower
     peak); on a link 100× slower the same layout shows the transfers the GEMMs cannot cover, exactly
     as a hand count of one layer's 10 rings gives."""
     from paralayer.resolve import cost
-    from paralayer.resolve.machine import tp_overlap_seconds
+    from paralayer.resolve.cost.machine import tp_overlap_seconds
 
     ov = H100_70B + ["parallel.tp=8", "parallel.pp=1", "parallel.dp=64", "parallel.zero=3",
                      "parallel.tp_overlap=true", "parallel.recompute=none", "train.micro_batch=1"]
@@ -351,7 +352,7 @@ def test_untimed_layouts_leave_the_top_n_unchanged(monkeypatch):
     """Layouts that fit but whose step without traffic exceeds the top-N bar are left untimed
     (issue #37 item 6): the top N, every field, are still the exhaustive ranking's first N; a
     bound that overestimates (a planted error) changes them."""
-    from paralayer.resolve import plan_bounds
+    from paralayer.resolve.planner import bounds as plan_bounds
 
     cfg = load_config(["recipe=llama3-8b"])
     full = planner.plan_layouts(cfg)

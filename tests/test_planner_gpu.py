@@ -1,6 +1,6 @@
 """The planner on GPU profiles: the published-runs table, the fitted constants against it, the time
-and cost to train in the dry run, and --plan narrowed by overrides and --top (resolve/step_time.py,
-resolve/machine.py GPU_CALIBRATION, benchmarks/calibrate_gpu.py)."""
+and cost to train in the dry run, and --plan narrowed by overrides and --top (resolve/cost/step_time.py,
+resolve/cost/machine.py GPU_CALIBRATION, benchmarks/calibrate_gpu.py)."""
 from __future__ import annotations
 
 import functools
@@ -15,8 +15,8 @@ import pytest
 
 from paralayer.config import load_config
 from paralayer.resolve import planner
-from paralayer.resolve.machine import GPU_CALIBRATION, machine_for
-from paralayer.resolve.step_time import DP_SYNCS
+from paralayer.resolve.cost.machine import GPU_CALIBRATION, machine_for
+from paralayer.resolve.cost.step_time import DP_SYNCS
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -129,7 +129,7 @@ def test_framework_terms_can_fail():
     """The published rows' frameworks are timed as they move their traffic: Megatron-Core's distributed
     optimizer hides most of the dp traffic our ZeRO-1 shows (its 16B row: runtime dp exposed ≥ 25% of
     the step, distopt ≤ 5%); Megatron-LM 2021's all-reduce after the backward shows whole."""
-    from paralayer.resolve.step_time import RUNTIME, Framework, time_plan
+    from paralayer.resolve.cost.step_time import RUNTIME, Framework, time_plan
 
     cal = calibrate_gpu.shipped()
     rows = {x["id"]: calibrate_gpu.Row(x) for x in calibrate_gpu.load_rows() if x["id"] in ("mc-16b", "n21-1.7b")}
@@ -249,7 +249,7 @@ def test_top_n_is_the_exhaustive_ranking_cut():
 
 
 def _largest(kind: str) -> list[str]:
-    from paralayer.config.bounds import INT_BOUNDS, MAX_WORLD
+    from paralayer.inputs.bounds import INT_BOUNDS, MAX_WORLD
 
     if kind == "layers":  # the most layers the config allows, on 1,024 devices
         return ["recipe=tiny", "cluster=h100-80gb-8x", "cluster.nodes=128",

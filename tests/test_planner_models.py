@@ -18,8 +18,9 @@ import pytest
 
 from paralayer import cli
 from paralayer.config import load_config
-from paralayer.resolve import cost, memory, model_parts, plan_report, planner
+from paralayer.resolve import cost, memory, model_parts, planner
 from paralayer.resolve.plan import resolve
+from paralayer.resolve.planner import report as plan_report
 from paralayer.resolve.rules import check
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -158,7 +158,7 @@ def test_experts_share_one_bf16_copy_with_the_same_numbers(world, extra):
 
 def _copies_expected(cfg, lay, pp_rank: int) -> float:
     """The weight elements whose bf16 copy pp_rank keeps at its peak, counted here from the model's
-    shapes (not with resolve/memory.py's function): the head; the layers' GEMMs without SP; an MoE
+    shapes (not with resolve/memory/autocast.py's function): the head; the layers' GEMMs without SP; an MoE
     block's router, shared expert and local experts; a fully recomputed layer's copies are made
     again in its backward, after the head's backward (the larger of the two)."""
     from paralayer.resolve.memory import rank_chunks

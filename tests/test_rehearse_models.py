@@ -78,8 +78,8 @@ def test_deepseek_v3_tiny_rehearses_under_pp2_with_mtp():
     """pp2 (1F1B) with MTP depth 1: the last stage holds the MTP block and its own copy of the
     embedding, paired with the first stage's (parallel/tied_embeddings.py). The pair group is read
     off the mesh's rank table, which must happen outside the fake mode (it failed with
-    DataDependentOutputException: issue #34), and the plan counts the copy (resolve/memory_states.py,
-    resolve/zero1.py): states exact on both stages."""
+    DataDependentOutputException: issue #34), and the plan counts the copy (resolve/memory/states.py,
+    resolve/memory/zero1.py): states exact on both stages."""
     out = _rehearse(["recipe=deepseek-v3-tiny", "parallel.pp=2"])
     assert out["ok"] and [r["rank"] for r in out["ranks"]] == [0, 2], out.get("errors")
     first, last = out["ranks"]
@@ -92,7 +92,7 @@ def test_deepseek_v3_tiny_rehearses_under_pp2_with_mtp():
     # the embedding copy sits on the last stage (its plan holds it)
     assert last["plan_memory_bytes"]["params"] > first["plan_memory_bytes"]["params"]
     # both stages within 1% (measured 1.0025 and 0.9941; 1.0506 and 1.035 before MLA's attention
-    # norm output was counted: resolve/memory_activations.py attn_replicated_elems)
+    # norm output was counted: resolve/memory/activations.py attn_replicated_elems)
     assert abs(last["ratios"]["activations"] - 1) < 0.01, last["ratios"]
     assert abs(first["ratios"]["activations"] - 1) < 0.01, first["ratios"]
 
@@ -101,11 +101,11 @@ def test_a_failing_rank_names_the_module_even_from_a_checkout_under_rehearse():
     """The error line names the innermost paralayer module outside the rehearsal (this checkout may
     sit in a folder named ``rehearse``: the pp2 MTP failure read "in ?")."""
     from paralayer.rehearse.rank import _module_of
-    from paralayer.resolve import zero1
+    from paralayer.resolve.memory import zero1
 
     with pytest.raises(ValueError) as info:
         zero1.share([1], 0, 0)  # min() of no data ranks
-    assert _module_of(info.value).startswith("paralayer.resolve.zero1:"), _module_of(info.value)
+    assert _module_of(info.value).startswith("paralayer.resolve.memory.zero1:"), _module_of(info.value)
     with pytest.raises(KeyError) as info:
         R.driver.rank_of({"degrees": {}}, pp=1)  # only the rehearsal's own frames: none named
     assert _module_of(info.value) == "?"

@@ -198,7 +198,7 @@ def _torch_order(schedule: str, p: int, m: int, rank: int) -> list[tuple[int, st
 def test_input_pass_reruns_are_torchs_split_backwards(schedule):
     """The plan's count of split backwards per chunk (each reruns a fully recomputed layer once
     more) is torch's order's count of input passes, for every chunk of p = 2..16, m from 2p."""
-    from paralayer.resolve.memory_states import input_pass_reruns
+    from paralayer.resolve.memory.states import input_pass_reruns
 
     for p in (2, 3, 4, 8, 16):
         for m in (2 * p, 2 * p + 3, 8 * p):
@@ -222,7 +222,7 @@ def test_v_schedules_full_recompute_rehearse_the_plans_flops_and_all_to_all(sche
     cfg = config_mod.load_config(["recipe=tiny-moe", "parallel.pp=2", "train.precision=fp32",
                                   f"parallel.schedule={schedule}", "parallel.recompute=full", "train.micro_batch=2"])
     from paralayer.resolve.memory import is_moe_layer
-    from paralayer.resolve.memory_states import input_pass_reruns
+    from paralayer.resolve.memory.states import input_pass_reruns
 
     plan = resolve(cfg).to_dict()
     out = R.rehearse(cfg, plan, [0, 2])

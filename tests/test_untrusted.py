@@ -1,4 +1,4 @@
-"""The one input discipline (paralayer/config/untrusted.py), directly: each rule refuses by name,
+"""The one input discipline (paralayer/inputs/untrusted.py), directly: each rule refuses by name,
 in one line, and lets the good input through."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from paralayer.config import untrusted as u
+from paralayer.inputs import untrusted as u
 
 
 @pytest.mark.parametrize("out,says", [

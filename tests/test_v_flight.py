@@ -1,4 +1,4 @@
-"""The V schedules' in-flight counts (paralayer/resolve/v_flight.py) are torch's own orders.
+"""The V schedules' in-flight counts (paralayer/resolve/memory/v_flight.py) are torch's own orders.
 
 The memory plan under zbv and dualpipev takes its peak over a rank's backward passes
 (memory.v_rank_activations), so the order it walks must be the one torch runs: the same actions,
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from paralayer.resolve import v_flight
+from paralayer.resolve.memory import v_flight
 
 
 def _torch_order(schedule: str, p: int, m: int, rank: int) -> list[tuple[str, int]]:
@@ -92,7 +92,7 @@ def test_dualpipev_full_recompute_rehearses_the_plans_activations(monkeypatch):
     p = 4
     planted = lambda schedule, pp, m, r: tuple(  # noqa: E731 - every split pass at the steady count
         v_flight.Moment(c, True, p + 1, p) for c in (0, 1))
-    from paralayer.resolve import memory_activations
+    from paralayer.resolve.memory import activations as memory_activations
 
     monkeypatch.setattr(memory_activations.v_flight, "moments", planted)
     last = _rehearse_dualpipev_pp4()[1]

@@ -9,7 +9,7 @@ Without ``--checkpoint`` export picks as ``train.resume=auto`` does: the newest 
 loads and verifies, falling back past each damaged or mismatched one and naming it (on stderr).
 Unlike resume it moves nothing: the run folder is input, read only. The files are written under
 temporary names and renamed into ``--out`` when whole. The run folder, its resolved.yaml and its
-checkpoints are untrusted input (paralayer/config/untrusted.py): bad input is exit 2, one line.
+checkpoints are untrusted input (paralayer/inputs/untrusted.py): bad input is exit 2, one line.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import shutil
 import sys
 import tempfile
 
-from paralayer.config.echo import one_line
-from paralayer.config.untrusted import ArgParser, BadInput, check_dir, check_file, check_out, guard, refuse_overwrite, show
+from paralayer.inputs.echo import one_line
+from paralayer.inputs.untrusted import ArgParser, BadInput, check_dir, check_file, check_out, guard, refuse_overwrite, show
 
 
 def _candidates(root: str) -> list[str]:

@@ -1,5 +1,5 @@
 """Which K/V chunks a sliding-window layer moves under context parallel: torch-free, so the runtime
-(paralayer/parallel/window_ring.py) and the planner's communication count read one definition.
+(paralayer/parallel/context/window_ring.py) and the planner's communication count read one definition.
 
 Zigzag: 2·cp chunks of c tokens, rank r holds chunks r and 2cp−1−r (slots 0 and 1). Query chunk a
 sees key chunk b only when a ≥ b and (a−b)·c − (c−1) < w. Per layer call the forward sends

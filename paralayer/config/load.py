@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paralayer.config import bounds, depth, interpolation, plain, recipes, untrusted
+from paralayer.config import plain, recipes
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -51,6 +51,7 @@ from paralayer.config.schema import (  # noqa: F401 - the schema's names are thi
     WandbConfig,
 )
 from paralayer.config.validate import _choice, _positive, validate_values  # noqa: F401 - this module's API too
+from paralayer.inputs import bounds, depth, interpolation, untrusted
 
 
 def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:

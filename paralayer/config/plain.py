@@ -26,9 +26,9 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from paralayer.config import depth, interpolation, untrusted
 from paralayer.config.keys import _unknown_key_error
 from paralayer.config.schema import Config, ConfigError
+from paralayer.inputs import depth, interpolation, untrusted
 
 
 class Unsure(Exception):

@@ -140,7 +140,7 @@ SPIKE_ACTIONS = ("warn", "skip", "rollback", "stop")
 
 @dataclass
 class SpikeConfig:
-    """A loss above mean + threshold_sigma·std of the last ``window`` steps (paralayer/runtime/stability.py)."""
+    """A loss above mean + threshold_sigma·std of the last ``window`` steps (paralayer/runtime/health/stability.py)."""
     window: int = 50
     threshold_sigma: float = 0.0  # 0 = off
     action: str = "warn"  # warn | skip | rollback | stop

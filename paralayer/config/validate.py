@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paralayer.config import bounds, model_checks
+from paralayer.config import model_checks
 from paralayer.config.schema import (
     BACKENDS,
     COMPILE_BACKENDS,
@@ -19,6 +19,7 @@ from paralayer.config.schema import (
     Config,
     ConfigError,
 )
+from paralayer.inputs import bounds
 
 
 def _choice(field_name: str, value: Any, choices: tuple) -> None:

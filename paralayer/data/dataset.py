@@ -39,7 +39,7 @@ from paralayer.data.preflight import FORMATS, check_file, data_files
 from paralayer.data.sampler import global_batch_indices, rank_share
 from paralayer.data.stream import PackedSequences, TokenStream
 from paralayer.data.tokenizers import load_tokenizer
-from paralayer.resolve.idx_header import IdxError, indexed_prefixes
+from paralayer.inputs.idx_header import IdxError, indexed_prefixes
 
 _CACHE_VERSION = 2
 

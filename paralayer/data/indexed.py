@@ -1,7 +1,7 @@
 """Megatron's indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``, MMIDIDX v1): our own small reader
 and writer, numpy memory maps only (megatron-core is the oracle in the tests, never a dependency).
 
-Opening a shard reads its header only (paralayer/resolve/idx_header.py): a 4 GB shard opens like a
+Opening a shard reads its header only (paralayer/inputs/idx_header.py): a 4 GB shard opens like a
 10 MB one. The index and the ids are memory-mapped (``tokens``, :meth:`document`); the training
 path reads a sequence with one ``pread`` (:meth:`read`) instead of through the map, because pages
 touched through a map count in the rank's resident memory (here in 2 MB folios: ~1.8 MB per random
@@ -20,7 +20,7 @@ from typing import List, Optional
 import numpy as np
 
 from paralayer.data.errors import DataError
-from paralayer.resolve.idx_header import DTYPES, MAGIC, IdxError, IdxHeader, read_header
+from paralayer.inputs.idx_header import DTYPES, MAGIC, IdxError, IdxHeader, read_header
 
 
 def open_header(prefix: str, field: str = "data.path") -> IdxHeader:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any, List
 
-from paralayer.config.untrusted import forbidden
 from paralayer.data.errors import DataError
+from paralayer.inputs.untrusted import forbidden
 from paralayer.resolve.data_plan import valid_shares
 
 FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")

@@ -15,7 +15,7 @@ same) and writes the rest. The parts are then joined into ``PREFIX.bin/.idx`` un
 and renamed, .idx last: a prefix whose .idx exists is complete. Training (``data.format`` text,
 jsonl, parquet) runs the same code into ``data.cache_dir``, so there is one reader.
 
-Nothing is lost (paralayer/config/untrusted.py): the inputs are untrusted (never under /proc,
+Nothing is lost (paralayer/inputs/untrusted.py): the inputs are untrusted (never under /proc,
 /sys, /dev; never a FIFO); an ``--out`` whose files would write over an input is refused; a
 ``PREFIX.parts`` found at the start is resumed only when it holds this prepare's parts with the
 same key, else refused and left as it is (never deleted); one this invocation made is removed
@@ -37,16 +37,16 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from paralayer.config.depth import MAX_DEPTH, json_depth
-from paralayer.config.echo import one_line
-from paralayer.config.untrusted import ArgParser, BadInput, check_dir, check_file as check_input, check_out, guard
-from paralayer.config.untrusted import read_json, refuse_overwrite, show
+from paralayer.inputs.depth import MAX_DEPTH, json_depth
+from paralayer.inputs.echo import one_line
+from paralayer.inputs.untrusted import ArgParser, BadInput, check_dir, check_file as check_input, check_out, guard
+from paralayer.inputs.untrusted import read_json, refuse_overwrite, show
 from paralayer.data import readers
 from paralayer.data.errors import DataError
 from paralayer.data.indexed import IndexedShard, IndexedWriter, fsync_dir, write_index
 from paralayer.data.preflight import check_file, data_files
 from paralayer.data.tokenizers import load_tokenizer
-from paralayer.resolve.idx_header import optimal_dtype_code
+from paralayer.inputs.idx_header import optimal_dtype_code
 
 _PART_VERSION = 1
 
@@ -381,7 +381,7 @@ def _main(argv: Optional[List[str]]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The command: prints documents, tokens, shards, bytes; exit 2 with one line for bad input
-    (paralayer/config/untrusted.py), naming the argument, the file and the line."""
+    (paralayer/inputs/untrusted.py), naming the argument, the file and the line."""
     return guard("prepare", lambda: _main(argv))
 
 

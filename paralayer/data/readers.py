@@ -29,8 +29,8 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 import numpy as np  # noqa: E402
 
-from paralayer.config.depth import MAX_DEPTH, json_depth  # noqa: E402
 from paralayer.data.errors import DataError  # noqa: E402
+from paralayer.inputs.depth import MAX_DEPTH, json_depth  # noqa: E402
 
 
 def _one(files: List[str]) -> Optional[str]:

@@ -14,8 +14,8 @@ from typing import Any
 
 from paralayer import config as config_mod
 from paralayer.config import Config
-from paralayer.config.echo import one_line
 from paralayer.dispatch.errors import LaunchError
+from paralayer.inputs.echo import one_line
 from paralayer.resolve.rules import auto_device
 
 
@@ -104,7 +104,6 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
     run_dir = prepare_run_dir(cfg, plan)
     if cfg.cluster.backend == "slurm":
         from paralayer.dispatch import slurm
-
         from paralayer.metrics.goodput import process_start_time
 
         res = slurm.submit([run_dir], _slurm_settings(cfg, [plan]), folder=_slurm_folder(cfg, run_dir),

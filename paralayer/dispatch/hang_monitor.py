@@ -1,4 +1,4 @@
-"""The local launcher's side of a hang (paralayer/runtime/watchdog.py is the ranks' side).
+"""The local launcher's side of a hang (paralayer/runtime/health/watchdog.py is the ranks' side).
 
 A thread polls ``run.dir/hang/``. Once reports have appeared and no new one came for
 ``settle_s`` (or every rank wrote one), it keeps :func:`~paralayer.runtime.watchdog.diagnose`'s

@@ -434,8 +434,8 @@ def load_profile(path: str) -> dict:
 
     from paralayer import config as config_mod
     from paralayer.config import ConfigError
-    from paralayer.config.depth import MAX_FILE_BYTES
-    from paralayer.config.untrusted import BadInput, read_yaml, show
+    from paralayer.inputs.depth import MAX_FILE_BYTES
+    from paralayer.inputs.untrusted import BadInput, read_yaml, show
 
     prof = read_yaml(path, "--profile", MAX_FILE_BYTES)
     if not isinstance(prof, dict):
@@ -454,7 +454,7 @@ def load_profile(path: str) -> dict:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from paralayer.config.untrusted import ArgParser, BadInput, check_dir, check_file
+    from paralayer.inputs.untrusted import ArgParser, BadInput, check_dir, check_file
 
     ap = ArgParser(prog="python -m paralayer.dispatch.slurm", description=main.__doc__)
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -481,7 +481,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m paralayer.dispatch.slurm RUN_DIR... --profile cluster/profiles/local-slurm.yaml``"""
-    from paralayer.config.untrusted import guard
+    from paralayer.inputs.untrusted import guard
 
     return guard("resubmit", lambda: _main(argv))
 

@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any, NamedTuple, Optional
 
-from paralayer.config.depth import MAX_JSON_BYTES, check_json_text
+from paralayer.inputs.depth import MAX_JSON_BYTES, check_json_text
 from paralayer.config.layer_pattern import layer_types
 from paralayer.families.errors import HFFormatError
 from paralayer.families.rope import read_rope

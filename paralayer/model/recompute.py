@@ -53,7 +53,7 @@ def dropped_after() -> Iterator[None]:
     zero-bubble orders run some weight passes long after their input pass (DualPipeV's last rank
     holds p of them at once), and keeping a whole chunk's recomputed set through that gap cost
     263 GiB on DeepSeek-V3's last pp rank; rerun once more in the weight pass it costs one
-    forward of those chunk-microbatches (``resolve/memory_states.py: input_pass_reruns``)."""
+    forward of those chunk-microbatches (``resolve/memory/states.py: input_pass_reruns``)."""
     prev = _dropping[0]
     frames: list = []
     _dropping[0] = frames

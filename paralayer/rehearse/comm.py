@@ -7,7 +7,7 @@ them, whoever issued it, without touching the code that issues them. DTensor ops
 first (``NotImplemented``, as torch's ``CommDebugMode`` does) so that their redistributions reach
 the mode as the collectives they desugar into.
 
-``message_bytes`` follows the plan's convention (resolve/cost.py): one collective's payload, the
+``message_bytes`` follows the plan's convention (resolve/cost/terms.py): one collective's payload, the
 whole tensor of a gather or a scatter (the larger side), the buffer of an all-reduce, broadcast or
 send, the input of an all-to-all.
 """
@@ -130,7 +130,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 #: Axes whose plan figure counts a ring's sends only (cp: each K/V block once, by its sender; tp
-#: under tp_overlap); the pipeline's counts both directions of a stage boundary (resolve/cost.py).
+#: under tp_overlap); the pipeline's counts both directions of a stage boundary (resolve/cost/terms.py).
 SENDS_ONLY = ("cp",)
 
 

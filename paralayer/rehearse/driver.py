@@ -115,9 +115,10 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
 # ------------------------------------------------------------------ the plan's figures per rank
 def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | None = None) -> dict:
     """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free);
-    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/zero1.py), ``cp_index``
+    ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/memory/zero1.py), ``cp_index``
     its cp ring's sends and core blocks (a window's differ per cp rank; None: the busiest's)."""
-    from paralayer.resolve import cost, memory, rules, zero1
+    from paralayer.resolve import cost, memory, rules
+    from paralayer.resolve.memory import zero1
 
     lay = rules.check(cfg)
     p, g, o, a = memory.rank_memory(cfg, lay, pp_rank)
@@ -134,7 +135,7 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | N
         "plan_comm": {ax: int(e["bytes_per_step"]) for ax, e in comm.items() if e["bytes_per_step"]},
         "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank, cp_rank=cp_index)),
         # the plan counts tp's sequence-parallel all-gather + reduce-scatter as one all-reduce's
-        # payload per pair (resolve/cost.py; machine.comm_seconds); ZeRO-2/3's pairs count each
+        # payload per pair (resolve/cost/terms.py; machine.comm_seconds); ZeRO-2/3's pairs count each
         "plan_comm_pairs": [ax for ax, e in comm.items()
                             if ax == "tp" and e["collective"] == "all-gather+reduce-scatter"],
         # rings (cp's K/V, tp_overlap's fused chunks) are counted by their sends

@@ -21,7 +21,7 @@ microbatch calls it). Autocast's weight copies made again there count with the w
 Not measured: a weight cast that a cache holds while no saved tensor does: under pp with
 recompute=full, autocast's cache (one region per step) keeps the bf16 copy of a recomputed layer's
 GEMM weights without SP, and the experts' shared copy (model/moe.py), for the whole step; the plan
-does not count them either (resolve/memory.py ``autocast_copy_terms``).
+does not count them either (resolve/memory/autocast.py ``autocast_copy_terms``).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any, List, Optional
 
-from paralayer.resolve.idx_header import IdxError, indexed_prefixes, read_header
+from paralayer.inputs.idx_header import IdxError, indexed_prefixes, read_header
 from paralayer.resolve.rules import Issue
 
 #: A source read more than this many times over the run gets a warning.

@@ -193,9 +193,9 @@ def resolve(cfg: Config) -> Plan:
         tp_overlap=lay.tp_overlap,
     )
     if plan.valid and lay.device != "cpu":
-        # the calibrated GPU time model (resolve/step_time.py): step_time_s, tokens_per_s, mfu and
+        # the calibrated GPU time model (resolve/cost/step_time.py): step_time_s, tokens_per_s, mfu and
         # the time and device-hours to train on train.tokens (or train.steps)
-        from paralayer.resolve.step_time import plan_timing
+        from paralayer.resolve.cost.step_time import plan_timing
 
         plan.extra.update(plan_timing(cfg, plan))
     from paralayer.resolve import data_plan

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from paralayer.config.untrusted import ArgParser, check_out, guard
+from paralayer.inputs.untrusted import ArgParser, check_out, guard
 from paralayer.metrics.report.runs import (  # noqa: F401 - the report's API
     ERROR_FILE,
     QUANTITIES,
@@ -138,7 +138,7 @@ def log_to_wandb(rep: Report, mode: str, project: str, group: Optional[str], fol
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m paralayer.report DIR [DIR ...] [--out DIR] [--wandb MODE]``: exit 0 when every
     run completed, 1 when one did not, 2 for bad input (nothing to report on, or a run folder whose
-    files cannot be trusted: paralayer/config/untrusted.py), one line naming the folder or file."""
+    files cannot be trusted: paralayer/inputs/untrusted.py), one line naming the folder or file."""
     return guard("report", lambda: _main(argv))
 
 

@@ -11,9 +11,9 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from paralayer.config import untrusted
-from paralayer.config.echo import one_line
-from paralayer.config.untrusted import BadInput, show
+from paralayer.inputs import untrusted
+from paralayer.inputs.echo import one_line
+from paralayer.inputs.untrusted import BadInput, show
 from paralayer.metrics.throughput import summarize
 
 #: (key, what) of each quantity set side by side; the CSV has predicted_KEY, measured_KEY, ratio_KEY
@@ -25,7 +25,7 @@ ERROR_FILE = "error.txt"
 
 class ReportError(BadInput):
     """Nothing to report on (a folder that does not exist or holds no run), or a run folder whose
-    files cannot be trusted (paralayer/config/untrusted.py): exit 2, naming the folder or file."""
+    files cannot be trusted (paralayer/inputs/untrusted.py): exit 2, naming the folder or file."""
 
     def __init__(self, message: str, field: str = "DIR"):
         super().__init__(field, message)

@@ -7,7 +7,7 @@ import csv
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from paralayer.config.echo import one_line
+from paralayer.inputs.echo import one_line
 from paralayer.metrics.report.runs import QUANTITIES, Row
 
 

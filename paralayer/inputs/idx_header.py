@@ -1,7 +1,10 @@
 """The header of a Megatron indexed dataset (``PREFIX.idx``, MMIDIDX version 1), read with struct.
 
 Torch- and numpy-free so the resolver can state the tokens of every source before launch;
-paralayer/data/indexed.py builds its memory-mapped reader on it. Layout (little-endian), as
+paralayer/data/indexed.py builds its memory-mapped reader on it. It lives with the input
+discipline, not in paralayer/data/: a shard is untrusted input (every field checked against the
+file's size, a refusal names the field and its byte offset), and the resolver may not import
+data/, which sits above it (data/preflight.py reads resolve/data_plan.py). Layout (little-endian), as
 ``megatron.core.datasets.indexed_dataset`` writes it::
 
     b"MMIDIDX\\x00\\x00" | <Q version=1 | <B dtype code | <Q sequence_count | <Q document_count

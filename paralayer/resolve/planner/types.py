@@ -2,7 +2,7 @@
 computed once for it (Structure), and one weighed layout before it becomes a row (Candidate).
 
 Why its own module: the search (``planner``), its memory and communication fast paths
-(``plan_memory``, ``plan_comm``) and the rows (``plan_rows``) all read them.
+(``planner.memory``, ``planner.comm``) and the rows (``planner.rows``) all read them.
 """
 from __future__ import annotations
 

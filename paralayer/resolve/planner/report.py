@@ -6,11 +6,11 @@ import sys
 from typing import Any, Optional
 
 from paralayer.config import Config
-from paralayer.config.echo import markup_safe
-from paralayer.resolve import strict_json
-from paralayer.resolve.machine import Machine, machine_for
+from paralayer.inputs import strict_json
+from paralayer.inputs.echo import markup_safe
+from paralayer.resolve.cost.machine import Machine, machine_for
 from paralayer.resolve.memory import GIB
-from paralayer.resolve.planner import plan_layouts
+from paralayer.resolve.planner.search import plan_layouts
 
 
 def finish(plans: list[dict], cfg: Config, mach: Optional[Machine] = None, upto: Optional[int] = None) -> None:
@@ -105,7 +105,7 @@ def run(cfg: Config, args: Any, fixed: Optional[dict] = None) -> int:  # noqa: D
     plans = plan_layouts(cfg, stats=stats, top=limit, fixed=fixed)
     finish(plans, cfg)
     if not plans:  # say so on stderr, with the closest layouts and why each fails (exit 2 below)
-        from paralayer.resolve import no_fit
+        from paralayer.resolve.planner import no_fit
 
         no_fit.report(cfg, stats, fixed)
     if as_json:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts
-from paralayer.resolve.memory_activations import chunk_recompute_counts
-from paralayer.resolve.memory_states import (
+from paralayer.resolve.memory.activations import chunk_recompute_counts
+from paralayer.resolve.memory.states import (
     attn_params,
     expert_params,
     is_moe_layer,
@@ -63,7 +63,7 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     chunks = rank_chunks(lay, r)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES and lay.recompute == "full":
         # a split backward keeps a chunk's recomputed copies together, beside the head's copy
-        # (memory_activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
+        # (activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
         n = sum(moe if is_moe_layer(cfg, i) else dense for i in rank_layers(cfg, lay, r)
                 if layer_recompute(lay, i) != "full")
         transient = max(cd * dense + cm * moe for cd, cm in chunk_recompute_counts(cfg, lay, r))

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Optional
 
 from paralayer.config import Config
-from paralayer.resolve import cost, model_parts
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts
+from paralayer.resolve.cost import terms as cost
 from paralayer.resolve.rules import chunk_rank
 
 

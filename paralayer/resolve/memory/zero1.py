@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts
-from paralayer.resolve.memory import is_moe_layer, rank_chunks
+from paralayer.resolve.memory.states import is_moe_layer, rank_chunks
 from paralayer.resolve.rules import Layout
 
 

@@ -13,7 +13,7 @@ import functools
 
 from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
 from paralayer.resolve.memory import (
     ACT_BYTES,
     BYTES_PER_PARAM,
@@ -25,7 +25,7 @@ from paralayer.resolve.memory import (
     rank_chunks,
     routed_rows_per_token,
 )
-from paralayer.resolve.memory_states import layer_reruns, rank_layers
+from paralayer.resolve.memory.states import layer_reruns, rank_layers
 from paralayer.resolve.rules import Layout
 
 
@@ -467,7 +467,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
     attn_mat = 2.0 * (split_w / t + rep_w)
     total = 0.0
     # forward + the fused kernel's backward (2.5: it recomputes the scores); SDPA's CPU math path
-    # (MLA with d_qk != d_v: memory_activations.attn_saved_elems) keeps them: 1 + 2
+    # (MLA with d_qk != d_v: memory.activations.attn_saved_elems) keeps them: 1 + 2
     unequal = (lay.device == "cpu" and parts.attention_kind(cfg) == "mla"
                and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg))
     math_path = unequal and lay.cp == 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine
-from paralayer.resolve.plan_comm import fsdp_key, recompute_key
-from paralayer.resolve.plan_types import Candidate, Totals
-from paralayer.resolve.step_time import time_to_train
+from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.cost.step_time import time_to_train
+from paralayer.resolve.planner.comm import fsdp_key, recompute_key
+from paralayer.resolve.planner.types import Candidate, Totals
 
 
 def materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: Totals, rank: int) -> dict:

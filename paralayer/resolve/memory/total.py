@@ -1,52 +1,18 @@
-"""Memory per device, for the most loaded pipeline rank (usually the first stage).
+"""Memory per device: each pipeline rank's states and activations added up, and the most loaded
+rank picked (usually the first stage).
 
 Why: a layout that does not fit should be rejected before minutes of start-up, and the planner
 needs the number for thousands of layouts, so this is plain arithmetic on the config (no torch).
-
-One concept per module, all re-exported here (``paralayer.resolve.memory`` is the public face):
-model states — parameter counts, what each pipeline rank holds, ZeRO's sharding, bytes per
-parameter by precision — in ``memory_states``; the bf16 weight copies autocast keeps in
-``memory_autocast``; activations (saved sets, microbatches in flight, RoPE tables, the head,
-full recompute's transient; the measured constants and their sources) in ``memory_activations``.
-This module adds them up per rank and picks the most loaded one.
+The terms are their own modules in this package (see ``paralayer.resolve.memory``, the public face).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from paralayer.config import Config
-from paralayer.resolve.memory_activations import (  # noqa: F401 - re-exported: the memory model's API
-    act_elems_per_token,
-    bf16_extra_elems,
-    head_saved_elems,
-    in_flight,
-    in_flight_count,
-    mtp_saved_elems,
-    rank_activations,
-    recompute_transient,
-    rope_bytes,
-    rope_bytes_for,
-    routed_rows_per_token,
-    v_peak,
-)
-from paralayer.resolve.memory_autocast import autocast_copy_params, autocast_copy_terms  # noqa: F401
-from paralayer.resolve.memory_states import (  # noqa: F401 - re-exported: the memory model's API
-    ACT_BYTES,
-    BYTES_PER_PARAM,
-    HELD_BYTES,
-    attn_params,
-    expert_params,
-    is_moe_layer,
-    layer_params,
-    layer_recompute,
-    matmul_params,
-    parameter_counts,
-    precision_mode,
-    rank_chunks,
-    rank_layers,
-    rank_params,
-    state_bytes,
-)
+from paralayer.resolve.memory.activations import rank_activations
+from paralayer.resolve.memory.autocast import autocast_copy_params
+from paralayer.resolve.memory.states import rank_params, state_bytes
 from paralayer.resolve.rules import Layout
 
 GIB = 1024 ** 3
@@ -114,7 +80,3 @@ def memory(cfg: Config, lay: Layout) -> Memory:
 def gib(n: float | None) -> str:
     return "unknown" if n is None else f"{n / GIB:.2f} GiB"
 
-
-__all__ = ["Memory", "memory", "parameter_counts", "matmul_params", "rank_memory", "rank_activations", "in_flight",
-           "autocast_copy_params", "autocast_copy_terms",
-           "act_elems_per_token", "rank_chunks", "is_moe_layer", "layer_recompute"]

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve import v_flight
-from paralayer.resolve.memory_states import (
+from paralayer.resolve.memory import v_flight
+from paralayer.resolve.memory.states import (
     ACT_BYTES,
     chunk_blocks,
     is_moe_layer,
@@ -78,36 +78,72 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> 
       fewer without a shared expert (no w1/w3 cast of the whole token stream).
     The MLA and MoE terms were measured on one block of DeepSeek-V3's widths and of
     deepseek-v3-tiny's, with the rehearsal's GPU kernel (fake tensors) and on CPU, tp 1.
+
+    One row per part (the block's norms and casts; the attention by kind, ``_ATTN_BF16``; the FFN,
+    ``_FFN_BF16``): a new attention kind or FFN is one entry. Each part gives its terms in the order
+    they are summed, so the sum is the same to the bit whatever the part's shape.
     """
-    m = cfg.model
-    h, a, t = m.d_model, m.n_heads, lay.tp
-    sp = lay.sequence_parallel
+    h = cfg.model.d_model
     autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
     if mode == "full":
-        return (h / t if sp else h) if autocast else 0.0
-    extra = (2 + (2 * h if autocast else 0)) / (t if sp else 1)
-    if mode not in ("core_attn", "selective"):
-        extra += a / t
-    if autocast:
-        extra += 2 * h / t if sp else 3 * h
-    if parts.attention_kind(cfg) == "mla":
-        extra += 2 - (h if autocast and not sp else 0)
-        if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
-            # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
-            # count twice, and wo casts the output again
-            extra += a * (2 * parts.qk_head_dim(cfg) + 2 * parts.v_head_dim(cfg)) / t
-        elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") \
-                and parts.qk_head_dim(cfg) != parts.v_head_dim(cfg):
-            # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
-            extra += a * (2 * parts.qk_head_dim(cfg) + parts.v_head_dim(cfg) + m.seq_len) / t
-    elif m.qk_norm:  # the q and k norms' 1/rms per head (attn_saved_elems' a + g)
-        extra += (a + m.n_kv_heads) / t
-    if moe:
-        # (and without a shared expert no w1/w3 cast of the token stream: 2h fewer)
-        # under ep the rows travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts
-        casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if m.moe.shared_ffn_hidden else 2)
-        extra += m.moe.num_experts + (casts * h if autocast else 0)
+        return (h / lay.tp if lay.sequence_parallel else h) if autocast else 0.0
+    extra = 0.0
+    for part in (_block_bf16, _ATTN_BF16[parts.attention_kind(cfg)], _FFN_BF16["moe" if moe else "mlp"]):
+        for term in part(cfg, lay, mode, autocast):
+            extra += term
     return extra
+
+
+def _block_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The norms' 1/rms (and under autocast their fp32 inputs), SDPA's logsumexp, autocast's casts."""
+    h, a, t, sp = cfg.model.d_model, cfg.model.n_heads, lay.tp, lay.sequence_parallel
+    terms = [(2 + (2 * h if autocast else 0)) / (t if sp else 1)]
+    if mode not in ("core_attn", "selective"):
+        terms.append(a / t)
+    if autocast:
+        terms.append(2 * h / t if sp else 3 * h)
+    return terms
+
+
+def _gqa_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """qk_norm: the q and k norms' 1/rms per head (attn_saved_elems' a + g)."""
+    m = cfg.model
+    return [(m.n_heads + m.n_kv_heads) / lay.tp] if m.qk_norm else []
+
+
+def _mla_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The two inner norms' 1/rms; two GEMMs read the attention norm's output, not three; under cp
+    or CPU's math path the attention's fp32 copies."""
+    m, t = cfg.model, lay.tp
+    a, dqk, dv = m.n_heads, parts.qk_head_dim(cfg), parts.v_head_dim(cfg)
+    terms = [2 - (m.d_model if autocast and not lay.sequence_parallel else 0)]
+    if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
+        # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
+        # count twice, and wo casts the output again
+        terms.append(a * (2 * dqk + 2 * dv) / t)
+    elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") and dqk != dv:
+        # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
+        terms.append(a * (2 * dqk + dv + m.seq_len) / t)
+    return terms
+
+
+def _mlp_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """A dense FFN keeps nothing in fp32 beyond the block's terms."""
+    return []
+
+
+def _moe_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
+    """The router's fp32 scores; under autocast the casts of the routed rows and the router's input
+    (and without a shared expert no w1/w3 cast of the token stream: 2h fewer). Under ep the rows
+    travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts."""
+    mo = cfg.model.moe
+    casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if mo.shared_ffn_hidden else 2)
+    return [mo.num_experts + (casts * cfg.model.d_model if autocast else 0)]
+
+
+#: What each part keeps in fp32 under bf16, by kind (model_parts.attention_kind; dense or MoE FFN).
+_ATTN_BF16 = {"gqa": _gqa_bf16, "mla": _mla_bf16}
+_FFN_BF16 = {"mlp": _mlp_bf16, "moe": _moe_bf16}
 
 
 def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
@@ -223,7 +259,7 @@ def in_flight(lay: Layout, r: int) -> float:
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m. (The memory
     plan under the V schedules takes its peak per chunk over the order's backward passes instead:
-    :func:`v_rank_activations`, resolve/v_flight.py.)"""
+    :func:`v_rank_activations`, resolve/memory/v_flight.py.)"""
     return in_flight_count(lay.pp, lay.microbatches, lay.schedule, lay.vpp, r)
 
 
@@ -273,7 +309,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
                  for i in layers) * tokens * ab
     inf = in_flight(lay, r)
-    # summed in the planner's order (plan_memory.in_flight, peak_memory: the same bytes to the unit)
+    # summed in the planner's order (planner.memory.in_flight, peak_memory: the same bytes to the unit)
     extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
     if head:
         extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
@@ -295,7 +331,7 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     full = lay.recompute == "full"
     saved, split_t, full_t = [], [], []
     for c, ids, (cd, cm) in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_recompute_counts(cfg, lay, r)):
-        # by kind and mode, as the planner's tables count them (plan_memory.peak_memory: the same bytes)
+        # by kind and mode, as the planner's tables count them (planner.memory.peak_memory: the same bytes)
         kinds: dict = {}
         for i in ids:
             key = (is_moe_layer(cfg, i), layer_recompute(lay, i))
@@ -313,7 +349,7 @@ def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: lis
     index of the pass that holds the peak: the chunk-microbatches each chunk holds times its
     ``saved`` bytes, plus ``fixed``, plus the pass's transient (``split_t`` of its chunk for an
     input or weight pass, ``full_t`` for a full backward). The resolver and the planner
-    (plan_memory) both sum through here."""
+    (planner.memory) both sum through here."""
     peak, kept, at = 0.0, 0.0, 0
     for j, mo in enumerate(moments):
         held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed
@@ -375,11 +411,10 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     selective rows within 1% without it; counting it made 8b tp4 pp2 0.95). Zero-bubble
     schedules keep those inputs for the weight pass: 8b tp2 pp4 zbv rehearses 1.023.
 
-    Under a split backward (zbv, dualpipev) a pass keeps its whole graph (torch's input pass
-    retains it for the weight pass), so every saved-tensor holder of the chunk stays alive and the
-    chunk's recomputed regions are live together: the transient is the largest chunk's sum, its MTP
-    blocks included (deepseek-v3-tiny pp2 dualpipev: the last layer's and the MTP block's sets at
-    once, activations 1.49 of a one-layer plan).
+    Not for the V schedules (zbv, dualpipev at pp > 1): there a split backward keeps its whole graph
+    (torch's input pass retains it for the weight pass), so a chunk's recomputed regions are live
+    together, and :func:`v_rank_activations` takes each pass's transient (its chunk's sum, MTP
+    blocks included: deepseek-v3-tiny pp2 dualpipev, activations 1.49 of a one-layer plan).
     """
     if lay.recompute != "full":
         return 0
@@ -388,17 +423,12 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
-    if lay.pp > 1 and lay.schedule in V_SCHEDULES:
-        dn = act_elems_per_token(cfg, lay, False, "none") - act_elems_per_token(cfg, lay, False, "full")
-        mn = act_elems_per_token(cfg, lay, True, "none") - act_elems_per_token(cfg, lay, True, "full")
-        return int(max(cd * dn + cm * mn for cd, cm in chunk_recompute_counts(cfg, lay, r)) * tokens * ab)
-    return int(max(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "none")
-                   - act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), "full") for i in layers) * tokens * ab)
+    return int(max(_transient_elems(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab)
 
 
 def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, int]]:
     """(dense, MoE) fully recomputed blocks of each chunk of pipeline rank r, the MTP blocks with
-    the last chunk (memory_states.rank_layers puts them there)."""
+    the last chunk (states.rank_layers puts them there)."""
     out = []
     for ids in chunk_blocks(cfg, lay, r):
         full = [i for i in ids if layer_recompute(lay, i) == "full"]

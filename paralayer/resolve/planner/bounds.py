@@ -1,6 +1,6 @@
 """The planner's lower bounds on step time: what lets it skip work that cannot change its answer.
 
-Why they are their own module: each must never exceed the step ``planner._timed`` computes for
+Why they are their own module: each must never exceed the step ``search._timed`` computes for
 any layout it covers (or the top N would differ from the exhaustive ranking's), and that is
 easier to check with the bounds side by side: per structure (``structure_bound``, then
 ``refined_bound`` with its least traffic) and per layout (``slower_than``: the step without its
@@ -9,11 +9,11 @@ terms that are ≥ 0, so a layout that fits is left untimed, its traffic never c
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine
-from paralayer.resolve.plan_comm import affine_line, comm_points, first_zero, tp_overlap_options
-from paralayer.resolve.plan_types import Structure, Totals
+from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
+from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, tp_overlap_options
+from paralayer.resolve.planner.types import Structure, Totals
 from paralayer.resolve.rules import Layout
-from paralayer.resolve.step_time import replicated_elementwise_seconds
 
 
 def structure_work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:

@@ -12,7 +12,7 @@ from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
-from paralayer.resolve.memory_states import rank_layers
+from paralayer.resolve.memory.states import rank_layers
 from paralayer.resolve.rules import Layout, chunk_rank
 
 
@@ -42,7 +42,7 @@ def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
 def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
     and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch:
-    the V schedules' second rerun in a split backward's weight pass (memory_states.layer_reruns,
+    the V schedules' second rerun in a split backward's weight pass (memory.states.layer_reruns,
     counted in FLOPs) is not in the traffic, whose lines the planner takes as affine in m (that
     term goes as 1/m)."""
     cache, key = layout_cache(cfg, lay, ("full", tuple(layers), lay.recompute, lay.recompute_every))

@@ -262,7 +262,7 @@ def check_bounds(cfg: Config) -> None:
 
 
 def check_health(cfg: Config) -> None:
-    """Run-health keys (paralayer/runtime/watchdog.py, stability.py, metrics/profile.py)."""
+    """Run-health keys (paralayer/runtime/health/watchdog.py, stability.py, metrics/profile.py)."""
     from paralayer.config.schema import NONFINITE_ACTIONS, SPIKE_ACTIONS
 
     t = cfg.train

@@ -1,5 +1,5 @@
 """Strict JSON for ``--json``: NaN and infinities become null, never bare ``NaN`` (which is not
-JSON: ``jq`` and most parsers refuse it). Inputs are bounded and finite (paralayer.config.bounds),
+JSON: ``jq`` and most parsers refuse it). Inputs are bounded and finite (paralayer.inputs.bounds),
 so a non-finite number here is a derived one (a ratio over a zero term); null says "no value"."""
 from __future__ import annotations
 

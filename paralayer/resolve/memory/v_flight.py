@@ -2,7 +2,7 @@
 
 Why its own module: under the V schedules a rank holds two chunks, and the peak is not one count
 times one saved set. A full backward recomputes one layer at a time, while a split pass (an input
-or weight pass) keeps its whole chunk's recomputed sets (``memory_activations.recompute_transient``),
+or weight pass) keeps its whole chunk's recomputed sets (``activations.recompute_transient``),
 and torch's orders run some split passes when fewer microbatches are in flight: DualPipeV's last
 rank holds 2p + 1 chunk-microbatches around its full backwards but only p at its split passes.
 The memory plan takes the largest of these moments.

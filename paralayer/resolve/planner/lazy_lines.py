@@ -1,6 +1,6 @@
 """The planner's communication lines, computed only when a layout needs them (issue #37 item 6).
 
-Why: ``plan_comm.comm_lines`` evaluated ``cost.comm`` for every traffic class and ZeRO stage of a
+Why: ``planner.comm.comm_lines`` evaluated ``cost.comm`` for every traffic class and ZeRO stage of a
 structure up front (~a third of ``--plan`` for 405B), yet with ``top`` most layouts that fit are
 already slower, before any traffic, than the best ``top`` found so far: their compute, recompute,
 dispatch and bubble alone exceed it (every omitted term, comm and exposed dp, is ≥ 0). Their
@@ -10,9 +10,9 @@ call for each (class, zero), the same zero's dp line from the same class — on 
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.resolve.machine import Machine
-from paralayer.resolve.plan_comm import COMM_CLASS, affine_line, comm_points, first_zero, fsdp_able, set_axes
-from paralayer.resolve.plan_types import Structure
+from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.planner.comm import COMM_CLASS, affine_line, comm_points, first_zero, fsdp_able, set_axes
+from paralayer.resolve.planner.types import Structure
 
 CLASSES = ("none", "core_attn", "full")
 

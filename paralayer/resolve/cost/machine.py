@@ -11,7 +11,7 @@ import os
 from typing import Optional
 
 from paralayer.config import Config
-from paralayer.resolve.cost import tp_plain_collectives
+from paralayer.resolve.cost.terms import tp_plain_collectives
 from paralayer.resolve.memory import GIB, attn_params, expert_params
 from paralayer.resolve.rules import resolve_device
 

@@ -127,7 +127,7 @@ def report(cfg: Config, stats: dict, fixed: Optional[dict] = None, file=None) ->
     closest layouts and why each fails (every line one line: echoed text is escaped)."""
     import sys
 
-    from paralayer.config.echo import one_line
+    from paralayer.inputs.echo import one_line
 
     out = file or sys.stderr
     world = int((stats.get("machine") or {}).get("world") or 1)

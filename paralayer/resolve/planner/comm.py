@@ -11,8 +11,8 @@ from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.machine import Machine, comm_seconds, dp_reduce_seconds
-from paralayer.resolve.plan_types import Structure
+from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds
+from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 
 # recompute modes with the same traffic in cost.comm: swiglu reruns no collective, selective's reruns

@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve import v_flight
-from paralayer.resolve.memory_states import chunk_blocks, rank_chunks
-from paralayer.resolve.plan_types import MemPick, Totals
+from paralayer.resolve.memory import v_flight
+from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
+from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 

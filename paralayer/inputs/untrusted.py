@@ -24,9 +24,9 @@ import os
 import stat
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from paralayer.config.depth import MAX_DEPTH, json_depth
-from paralayer.config.echo import has_unsafe, one_line
 from paralayer.config.schema import ConfigError
+from paralayer.inputs.depth import MAX_DEPTH, json_depth
+from paralayer.inputs.echo import has_unsafe, one_line
 
 #: folders whose files are the environment or devices, never read as input
 FORBIDDEN = ("/proc", "/sys", "/dev")
@@ -174,7 +174,7 @@ def read_yaml(path: str, field: str, max_bytes: int = MAX_YAML_BYTES) -> Any:
     """A YAML file (bounded; nesting and alias expansion checked before it is composed)."""
     import yaml
 
-    from paralayer.config.depth import check_yaml_text
+    from paralayer.inputs.depth import check_yaml_text
 
     text = decode(read_bytes(path, field, max_bytes), path, field)
     check_yaml_text(text, field, show(path))

@@ -4,17 +4,17 @@ Why its own file: the dry run (``resolve``), the planner's ``predict`` (the cali
 sweep report all time a single plan; the planner's ranking loop evaluates the same terms in closed
 form for thousands of layouts (``paralayer.resolve.planner``). The terms are listed in the
 planner's docstring; the machine side (peak, efficiency, links, overlaps) is
-``paralayer.resolve.machine``. Torch-free.
+``paralayer.resolve.cost.machine``. Torch-free.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 from paralayer.config import Config
-from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
-from paralayer.resolve.machine import (
+from paralayer.resolve.cost import terms as cost_mod
+from paralayer.resolve.cost.machine import (
     Machine,
     comm_seconds,
     distopt_dp_seconds,
@@ -24,9 +24,9 @@ from paralayer.resolve.machine import (
     tp_overlap_seconds,
     wire_factor,
 )
+from paralayer.resolve.cost.split import layer_work, rank_work
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.rules import V_SCHEDULES, chunk_rank
-from paralayer.resolve.split import layer_work, rank_work
 
 AXES = ("tp", "pp", "cp", "ep", "dp")
 SECONDS_PER_DAY = 86400.0

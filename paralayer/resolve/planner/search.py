@@ -15,9 +15,9 @@ affine in the number of microbatches). ``tests/test_planner.py`` checks a sample
 against the full ``resolve()``: no errors, same memory total, bubble, spans and comm times.
 
 The cost model (one step, one device; every term is reported per layout; the machine's side —
-peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.machine``, the table and the
-CLI ``paralayer.resolve.plan_report``; the memory fast path ``plan_memory``, the communication
-lines ``plan_comm``, the records ``plan_types`` and the listed rows ``plan_rows``):
+peak, links, calibration, ``comm_seconds`` — is ``paralayer.resolve.cost.machine``, the table and the
+CLI ``paralayer.resolve.planner.report``; the memory fast path ``planner.memory``, the communication
+lines ``planner.comm``, the records ``planner.types`` and the listed rows ``planner.rows``):
 
     compute   = flops_per_step / (world · peak · efficiency)          (model FLOPs, 6N + 12·L·h·s)
     imbalance = FLOPs of the busiest pipeline rank / the mean (the output head sits on the last
@@ -40,7 +40,7 @@ Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTUR
 MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
 their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
 ranking's first ``top``); inside a structure a layout that fits but whose step without its traffic
-already exceeds the ``top``-th best so far is left untimed (``plan_bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
+already exceeds the ``top``-th best so far is left untimed (``planner.bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
 
 "tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
 whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
@@ -59,9 +59,7 @@ from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
-from paralayer.resolve.gc_pause import gc_paused
-from paralayer.resolve.lazy_lines import LazyLines
-from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
+from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
     comm_seconds,
@@ -71,16 +69,20 @@ from paralayer.resolve.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_
     tp_overlap_seconds,
     wire_factor,
 )
+from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
+from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
-from paralayer.resolve.plan_bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.plan_comm import (
+from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
+from paralayer.resolve.planner.comm import (
     comm_points,
     fsdp_key,
     recompute_key,
     set_axes,
     tp_overlap_options,
 )
-from paralayer.resolve.plan_memory import (
+from paralayer.resolve.planner.gc_pause import gc_paused
+from paralayer.resolve.planner.lazy_lines import LazyLines
+from paralayer.resolve.planner.memory import (
     RankInfo,
     act_tables,
     candidate_ranks,
@@ -89,9 +91,9 @@ from paralayer.resolve.plan_memory import (
     peak_memory_every,
     state_table,
 )
-from paralayer.resolve.plan_rows import config_for, materialise, override_prefix
-from paralayer.resolve.plan_types import Candidate, Structure, Totals
-from paralayer.resolve.plan_types import MemPick as MemPick  # noqa: F401 - a planner name too
+from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
+from paralayer.resolve.planner.types import Candidate, Structure, Totals
+from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
 from paralayer.resolve.rules import (
     V_SCHEDULES,
     Layout,
@@ -101,8 +103,6 @@ from paralayer.resolve.rules import (
     valid_tp,
 )
 from paralayer.resolve.rules import stage_layers as make_stage_layers
-from paralayer.resolve.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
-from paralayer.resolve.step_time import compute_seconds, time_plan
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
@@ -466,7 +466,7 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
 def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:
     """The cost model's prediction for the config's own layout (for calibration): memory from
     ``resolve()`` (the same numbers the planner mirrors), time from the same terms as the ranking
-    (``paralayer.resolve.step_time``). Raises ValueError if the layout is not valid."""
+    (``paralayer.resolve.cost.step_time``). Raises ValueError if the layout is not valid."""
     from paralayer.resolve.plan import resolve
 
     plan = resolve(cfg)
