@@ -133,3 +133,24 @@ def test_markers_and_the_line(tmp_path):
     assert completion.exit_line({0: -11, 3: 1}) == (
         "paralayer: rank 0 was killed at exit (signal 11, SIGSEGV); rank 3 exited with code 1 at exit after "
         "finishing every step; the run is complete")
+
+
+def test_slurm_job_failed_at_exit_after_every_rank_finished(tmp_path, monkeypatch):
+    """The SLURM follower's verdict (no cluster needed): a job SLURM calls FAILED, one task with
+    no result, is a failure while a rank's marker is missing and a finished run once both are."""
+    from paralayer.dispatch import slurm_jobs as sj
+    from paralayer.runtime import completion
+
+    run = str(tmp_path)
+    (tmp_path / "plan.json").write_text(json.dumps({"world_size": 2}))
+    monkeypatch.setattr(sj, "_sacct_states", lambda ids, starts=None: {"7": "FAILED"})
+    w = sj._Watch(["7"], run_dirs={"7": run})
+    w.outcomes["7"] = [("success", 0), None]
+    res = sj.SubmitResult(job_ids=["7"], run_dirs=[run], folder=run, stdout=[[]], stderr=[[]], array=False)
+    completion.mark_done(run, 0, 4)
+    assert sj._final_states(w, res) == ["7"] and res.finished_at_exit == {}
+    completion.mark_done(run, 1, 4)
+    assert sj._final_states(w, res) == []
+    assert res.states["7"] == "FAILED"  # SLURM's word stays as it was; the run is complete
+    assert res.finished_at_exit["7"].endswith("after every rank finished every step (a task failed at exit); "
+                                              "the run is complete")
