@@ -133,6 +133,29 @@ def private(module: str, name: Optional[str] = None) -> Any:
     return mod if name is None else _attr(mod, name, what)
 
 
+def release_mesh_groups() -> int:
+    """After ``destroy_process_group``: empty every DeviceMesh's ``_pg_registry`` (a private
+    instance attribute of torch 2.13's DeviceMesh, absent on older torch: nothing to do there).
+
+    Why: destroy forgets the process groups, but a mesh keeps its groups in that dict and DTensor's
+    sharding caches keep the meshes for the life of the process, so the groups' C++ objects, and
+    the native threads each gloo group runs, lived on into interpreter finalization (issue 48).
+    Only for a process that is ending: a cached mesh equal to a later one would then have no
+    groups. Returns how many meshes held groups."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):  # type(), not isinstance: no __class__ lookups on proxies
+            registry = getattr(obj, "_pg_registry", None)
+            if registry:
+                registry.clear()
+                n += 1
+    return n
+
+
 # ------------------------------------------------------------------ newer public APIs, with fallbacks
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                       _api: Optional[Callable[..., Any]] = None) -> None:

@@ -155,6 +155,23 @@ def _freeze(rank: int, step: int, where: str) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _abort_at_exit(spec: str) -> None:
+    """``abortexit:RANK:0``: once ``main`` has returned on that rank (its run finished, its done
+    marker written, its teardown over), abort the process as the interpreter exits (SIGABRT from
+    an atexit handler: a native abort after the last step, issue 48)."""
+    for part in spec.split(","):
+        kind, rank_s, _ = part.split(":")
+        if kind == "abortexit" and int(os.environ.get("RANK", "-1")) == int(rank_s):
+            import atexit
+
+            def abort(rank_s: str = rank_s) -> None:
+                print(f"paralayer: injecting abort at exit on rank {rank_s} at unix time {time.time():.3f}",
+                      file=sys.stderr, flush=True)
+                os.abort()
+
+            atexit.register(abort)
+
+
 class _InstallOnImport(importlib.abc.MetaPathFinder):
     def __init__(self, spec: str):
         self.spec = spec
@@ -174,7 +191,9 @@ class _InstallOnImport(importlib.abc.MetaPathFinder):
             @functools.wraps(main)
             def main_with_fault(run_dir, *args, **kwargs):
                 kwargs.setdefault("hooks", make_hooks(module, self.spec))
-                return main(run_dir, *args, **kwargs)
+                out = main(run_dir, *args, **kwargs)
+                _abort_at_exit(self.spec)
+                return out
 
             module.main = main_with_fault
 

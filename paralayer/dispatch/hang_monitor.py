@@ -1,7 +1,7 @@
 """The local launcher's side of a hang (paralayer/runtime/health/watchdog.py is the ranks' side).
 
 A thread polls ``run.dir/hang/``. Once reports have appeared and no new one came for
-``settle_s`` (or every rank wrote one), it keeps :func:`~paralayer.runtime.watchdog.diagnose`'s
+``settle_s`` (or every rank wrote one), it keeps :func:`~paralayer.runtime.health.watchdog.diagnose`'s
 line and SIGKILLs the rank processes: a rank frozen by SIGSTOP ignores the agent's SIGTERM, and
 the agent would wait 30 s before its own SIGKILL.
 """

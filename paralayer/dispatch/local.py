@@ -33,13 +33,15 @@ def root_failure(failures: dict) -> tuple:
     (gloo raises on the dropped connection before the agent's next poll) or one the agent stopped
     (SIGTERM). Those come after a rank that failed on its own: killed by another signal, or an
     error of its own making."""
+    return min(failures.items(), key=lambda kv: (_secondary(kv[1]), kv[1].timestamp or 0, kv[0]))
+
+
+def _secondary(f) -> bool:
+    """A rank stopped by the agent (SIGTERM) or one that only saw its peer vanish."""
     import signal
 
-    def secondary(f) -> bool:
-        msg = f.message if isinstance(f.message, str) else json.dumps(f.message)
-        return f.exitcode == -int(signal.SIGTERM) or any(k in str(msg).lower() for k in _PEER_LOSS)
-
-    return min(failures.items(), key=lambda kv: (secondary(kv[1]), kv[1].timestamp or 0, kv[0]))
+    msg = f.message if isinstance(f.message, str) else json.dumps(f.message)
+    return f.exitcode == -int(signal.SIGTERM) or any(k in str(msg).lower() for k in _PEER_LOSS)
 
 
 def run_local(run_dir: str, plan: dict, max_restarts: Optional[int] = None, since: Optional[float] = None) -> int:
@@ -113,9 +115,11 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     if os.path.exists(error_file):
         os.remove(error_file)
     from paralayer.dispatch.hang_monitor import HangMonitor
+    from paralayer.runtime import completion
     from paralayer.runtime.health.watchdog import clear as clear_hang_reports
 
     clear_hang_reports(run_dir)
+    completion.clear(run_dir)  # only this attempt's ranks can say they finished
     args = ["-u", "-m", "paralayer.runtime.train", run_dir]
     if attempt > 1:
         args.append("train.resume=auto")  # the newest verified checkpoint (none yet: from step 1)
@@ -125,6 +129,13 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     except ChildFailedError as exc:
         monitor.stop()
         failed = sorted(exc.failures)
+        if completion.all_done(run_dir, world):  # every rank finished first: how it exited does not undo that
+            own = {r: f for r, f in exc.failures.items() if not _secondary(f)} or exc.failures
+            codes = {r: f.exitcode for r, f in own.items()}
+            line = completion.exit_line(codes)
+            print(line, file=sys.stderr, flush=True)
+            return 0, "done", {"exit_code": 0, "line": line, "ranks_failed": failed,
+                               "after_done": {str(r): f.exitcode for r, f in sorted(exc.failures.items())}}
         if monitor.line is not None:
             print(monitor.line, file=sys.stderr, flush=True)
             with open(error_file, "w", encoding="utf-8") as f:

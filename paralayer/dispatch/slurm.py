@@ -150,6 +150,10 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
             # a rank's exit status (2: bad input, reported as one line): the task and the job fail,
             # rather than submitit recording it as a successful result
             sys.exit(out)
+        if out in (0, None):  # finished: a native abort in the interpreter's teardown cannot fail the job
+            from paralayer.runtime import completion
+
+            completion.exit_zero_at_exit(self.run_dir, dist_env.rank)
         return out
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -361,6 +365,10 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [str(run_dirs)]
     dirs = _check_run_dirs(run_dirs)
+    from paralayer.runtime import completion
+
+    for d in dirs:  # only this submission's ranks can say they finished (runtime/completion.py)
+        completion.clear(d)
     cluster = normalize_cluster(cluster)
     params = executor_parameters(cluster)
     _ensure_slurm(cluster)

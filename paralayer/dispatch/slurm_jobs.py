@@ -34,6 +34,7 @@ class SubmitResult:
     status: int | None = None  # set by wait(): 0 all completed, 1 failed, 124 wait deadline passed
     states: dict[str, str] = dataclasses.field(default_factory=dict)
     elastic: tuple | None = None  # (min_nodes, nodes, tasks_per_node) with cluster.slurm.min_nodes
+    finished_at_exit: dict[str, str] = dataclasses.field(default_factory=dict)  # job id -> the line (issue 48)
 
     @property
     def hint(self) -> str:
@@ -251,6 +252,8 @@ def _follow(result: SubmitResult, timeout_s: float | None = None, poll_s: float 
         echo.poll()
     failed = _final_states(w, result)
     result.status = 1 if failed else 0
+    for line in result.finished_at_exit.values():
+        print(line, file=stream, flush=True)
     if verbose:
         _report_end(w, result, failed, stream)
     return result.status
@@ -333,10 +336,21 @@ def _final_states(w: _Watch, result: SubmitResult) -> list:
             ok = all(o is None or o[0] == "success" for o in oc)
         if ok and st in _TERMINAL_STATES - {"COMPLETED"}:
             ok = False
+        if not ok and _finished(w.run_dirs.get(jid)):  # every rank finished first: a task's end does not undo it
+            ok = True
+            result.finished_at_exit[jid] = (f"paralayer: job {jid} ended {st} after every rank finished every step "
+                                            f"(a task failed at exit); the run is complete")
         result.states[jid] = st if not (ok and st not in _TERMINAL_STATES) else "COMPLETED"
         if not ok:
             failed.append(jid)
     return failed
+
+
+def _finished(run_dir: str | None) -> bool:
+    """Every rank of the run wrote its done marker (paralayer/runtime/completion.py)."""
+    from paralayer.runtime import completion
+
+    return bool(run_dir) and completion.all_done(run_dir, completion.plan_world(run_dir))
 
 
 def _report_end(w: _Watch, result: SubmitResult, failed: list, stream) -> None:

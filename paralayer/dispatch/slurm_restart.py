@@ -137,6 +137,9 @@ def resubmitter(params: dict, folder: str, max_num_timeout: int, task: Any, run_
             extra["exclude"] = ",".join(exclude)
         if extra:
             p["slurm_additional_parameters"] = extra
+        from paralayer.runtime import completion
+
+        completion.clear(run_dir)  # only the new attempt's ranks can say they finished
         ex = submitit.AutoExecutor(folder=os.path.join(folder, f"attempt-{attempt}"), cluster="slurm",
                                    slurm_max_num_timeout=max_num_timeout)
         ex.update_parameters(**p)

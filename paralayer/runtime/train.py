@@ -431,9 +431,10 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     What a rank does is decided by resolved.yaml and plan.json (plus ``overrides`` from the
     launcher); the environment only carries the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and SLURM's SLURM_CPUS_PER_TASK."""
+    from paralayer.runtime import completion, teardown
     from paralayer.runtime.health.orphans import die_with_launcher
 
-    die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
+    watch = die_with_launcher()  # a launcher killed with SIGKILL takes this rank with it
     cfg, plan = load_run(run_dir, overrides)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     slurm_cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)  # SLURM's share for this task
@@ -442,9 +443,12 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
     device = resolve_device(plan)
     init_distributed(device.type, cfg.train.collective_timeout_s)
     rank = dist.get_rank()
+    ok = False
     try:
         train(cfg, plan, run_dir, log_progress=True, hooks=hooks)
-        dist.barrier()
+        # every step logged, the final state written: the run is done whatever this process does next
+        completion.mark_done(run_dir, rank, cfg.train.stop_at_step or cfg.train.steps)
+        ok = True
     except (NonFiniteLoss, stab_mod.LossSpike) as exc:
         print(f"paralayer: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise
@@ -459,10 +463,11 @@ def main(run_dir: str, *overrides: str, hooks: Optional[StepHooks] = None) -> in
             time.sleep(1)
         return 3
     finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        try:  # barrier, destroy, the groups' threads joined here (runtime/teardown.py, issue 48)
+            teardown.finish(ok, cfg.train.collective_timeout_s)
+        finally:
+            if watch is not None:
+                watch.stop()
     return 0
 
 

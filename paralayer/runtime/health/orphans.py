@@ -27,9 +27,31 @@ def _prctl_pdeathsig(sig: int) -> bool:
         return False
 
 
-def die_with_launcher(poll_s: float = 1.0) -> Optional[int]:
+class LauncherWatch:
+    """The thread that watches the launcher's pid; :meth:`stop` ends and joins it (the rank's
+    teardown: no thread of ours is left running while the interpreter exits)."""
+
+    def __init__(self, launcher: int, poll_s: float):
+        self.pid = launcher
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="paralayer-launcher-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            if os.getppid() != self.pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def die_with_launcher(poll_s: float = 1.0) -> Optional[LauncherWatch]:
     """In a rank of the local launcher: end this process when the launcher (its parent) dies.
-    Returns the launcher's pid, or None elsewhere (SLURM, a test calling ``main`` directly)."""
+    Returns the watch (its ``pid`` is the launcher's), or None elsewhere (SLURM, a test calling
+    ``main`` directly)."""
     if "TORCHELASTIC_ERROR_FILE" not in os.environ:
         return None
     launcher = os.getppid()
@@ -38,12 +60,4 @@ def die_with_launcher(poll_s: float = 1.0) -> Optional[int]:
     _prctl_pdeathsig(int(signal.SIGKILL))
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
-
-    def watch() -> None:
-        stop = threading.Event()
-        while not stop.wait(poll_s):
-            if os.getppid() != launcher:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="paralayer-launcher-watch", daemon=True).start()
-    return launcher
+    return LauncherWatch(launcher, poll_s)
