@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from paralayer.config import bounds, depth, interpolation, plain, recipes, untrusted
+from paralayer.config.echo import one_line
 from paralayer.config.keys import (  # noqa: F401 - part of this module's API
     _check_keys,
     _check_override_shape,
@@ -113,7 +114,13 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
-    return plain.load_yaml(path, field_name, get_yaml_loader())
+    try:  # it reads OMEGACONF_MAX_YAML_EXPANDED_NODES from the environment
+        loader = get_yaml_loader()
+    except ValueError:
+        var = "OMEGACONF_MAX_YAML_EXPANDED_NODES"
+        raise ConfigError(var, f"the environment variable is {one_line(os.environ.get(var, ''), 40)!r}; valid: a "
+                          "positive integer or 'none' (unset: 10,000)") from None
+    return plain.load_yaml(path, field_name, loader)
 
 
 def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:
