@@ -139,7 +139,8 @@ def gen_prepare_input(r: random.Random) -> Case:
         files["c/b.parquet"] = _parquet(r.choice([{"text": [1, 2]}, {"body": ["x"]}, {"text": ["x"], "n": [1]}]))
         inp, fmt = "{t}/c", "parquet"
     workers = "2" if kind.startswith("list") else "1"
-    return Case("prepare-input", ["prepare", inp, "--out", "{t}/o", "--format", fmt, "--workers", workers, "--no-progress"],
+    argv = ["prepare", inp, "--out", "{t}/o", "--format", fmt, "--workers", workers, "--no-progress"]
+    return Case("prepare-input", argv,
                 files=files, links=links, fifos=fifos)
 
 

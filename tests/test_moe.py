@@ -248,6 +248,17 @@ def test_expert_parallel_forced_imbalance(capacity_factor):
         assert (w1_grad > 0) == (r == 0)  # experts 0,1 live on rank 0; rank 1's experts get nothing
 
 
+def _count_reruns(rc, backward) -> int:
+    """How many recompute regions ``backward()`` reran."""
+    reruns, real = [], rc._Frame._rerun
+    rc._Frame._rerun = lambda self: (reruns.append(1), real(self))[1]
+    try:
+        backward()
+    finally:
+        rc._Frame._rerun = real
+    return len(reruns)
+
+
 def test_swiglu_recompute_in_the_experts_gives_the_same_gradients():
     """recompute=swiglu in an MoE block (model/moe.py swiglu): the routed experts' and the shared
     expert's output and every gradient are those without it, bit for bit (the same ops rerun), and
@@ -262,14 +273,8 @@ def test_swiglu_recompute_in_the_experts_gives_the_same_gradients():
         assert m.shared.recompute_act is on
         xi = x.clone().requires_grad_()
         y = m(xi)
-        reruns = []
-        real = rc._Frame._rerun
-        rc._Frame._rerun = lambda self: (reruns.append(1), real(self))[1]
-        try:
-            (y * y).sum().backward()
-        finally:
-            rc._Frame._rerun = real
-        out[on] = (y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}, len(reruns))
+        reruns = _count_reruns(rc, lambda: (y * y).sum().backward())
+        out[on] = (y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}, reruns)
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
     for n, g in out[False][2].items():
         assert torch.equal(out[True][2][n], g), n

@@ -161,13 +161,15 @@ def test_a_slurm_folder_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
             rc = cli.main(["recipe=tiny", "parallel.tp=1", "cluster=local-slurm", f"cluster.slurm.folder={folder}",
                            f"run.dir={run}", "--no-rehearse", *sweep])
             err = capsys.readouterr().err.strip().splitlines()
-            assert rc == 2 and len(err) == 1 and err[0].startswith("error: cluster.slurm.folder: ") and why in err[0], err
+            assert rc == 2 and len(err) == 1, err
+            assert err[0].startswith("error: cluster.slurm.folder: ") and why in err[0], err
             assert not run.exists()
     monkeypatch.setattr(slurm_mod, "_ensure_slurm", lambda cluster: None)
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "resolved.yaml").write_text("recipe: tiny\n")
     (tmp_path / "r" / "plan.json").write_text("{}")
-    with pytest.raises(slurm_mod.DispatchError, match=r"^cluster\.slurm\.folder: cannot make .*f/x \(Not a directory\)"):
+    want = r"^cluster\.slurm\.folder: cannot make .*f/x \(Not a directory\)"
+    with pytest.raises(slurm_mod.DispatchError, match=want):
         slurm_mod.submit([str(tmp_path / "r")], {"nodes": 1, "devices_per_node": 1}, folder=str(tmp_path / "f" / "x"))
 
 
