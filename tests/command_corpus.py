@@ -89,9 +89,19 @@ def gen_prepare_out(r: random.Random) -> Case:
                 files={"in.txt": DOCS})
 
 
+def _parquet(columns: dict) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink)
+    return sink.getvalue().to_pybytes()
+
+
 def gen_prepare_input(r: random.Random) -> Case:
     kind = r.choice(["environ", "fifo", "zero", "dir-link", "nul", "int-text", "deep-jsonl", "binary-shard", "missing",
-                     "control-name", "empty", "utf16", "not-json"])
+                     "control-name", "empty", "utf16", "not-json", "list-doc", "list-line", "int-parquet",
+                     "mixed-parquet"])
     files, links, fifos, fmt, inp = {"ok.txt": DOCS}, {}, [], "text", "{t}/x.txt"
     if kind == "environ":
         links["x.txt"] = "/proc/self/environ"
@@ -119,7 +129,18 @@ def gen_prepare_input(r: random.Random) -> Case:
         files["x.txt"] = DOCS.encode("utf-16")
     elif kind == "not-json":
         files["x.txt"], fmt = "{not json\n", "jsonl"
-    return Case("prepare-input", ["prepare", inp, "--out", "{t}/o", "--format", fmt, "--workers", "1", "--no-progress"],
+    elif kind in ("list-doc", "list-line"):  # enough rows for the workers of datasets.map
+        bad = '{"text": ["a", "list"]}' if kind == "list-doc" else "[1, 2, 3]"
+        files["x.txt"], fmt = '{"text": "a doc"}\n' * r.choice([3, 40]) + bad + "\n", "jsonl"
+    elif kind == "int-parquet":
+        files["x.txt"], fmt = _parquet({"text": list(range(r.choice([1, 50])))}), "parquet"
+    elif kind == "mixed-parquet":
+        files["c/a.parquet"] = _parquet({"text": ["a doc", "another"]})
+        files["c/b.parquet"] = _parquet(r.choice([{"text": [1, 2]}, {"body": ["x"]}, {"text": ["x"], "n": [1]}]))
+        inp, fmt = "{t}/c", "parquet"
+    workers = "2" if kind.startswith("list") else "1"
+    argv = ["prepare", inp, "--out", "{t}/o", "--format", fmt, "--workers", workers, "--no-progress"]
+    return Case("prepare-input", argv,
                 files=files, links=links, fifos=fifos)
 
 

@@ -132,6 +132,23 @@ def paired(got, want) -> zip:
     return zip(got, want)
 
 
+def plant_halved_expert_grads() -> None:
+    """A planted bug for the MoE parity tests, in this rank: under ep > 1 every expert gradient is
+    halved after the reduction (a divisor counted twice), which losses alone do not show."""
+    from paralayer.runtime import train as T
+
+    real = T.finish_grads
+
+    def halved(scaling, reducer, expert_params, *a, **k):
+        real(scaling, reducer, expert_params, *a, **k)
+        if scaling.ep > 1:
+            for p in expert_params:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    T.finish_grads = halved
+
+
 def max_rel_err(got, want) -> float:
     """The largest |got − want| / |want| over paired records (fails on empty or mismatched ones)."""
     return max(abs(a - b) / abs(b) for a, b in paired(got, want))

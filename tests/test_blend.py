@@ -176,13 +176,41 @@ def _rank_train(rank, world, cfg, plan, run_dir):
     return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr", "source_sequences")} for r in recs]
 
 
-def _run(tmp, name, blend, extra):
+def _rank_train_counted(rank, world, cfg, plan, run_dir, plant_never_loaded=False):
+    """train(), counting the blend schedule's draws in this rank: (records, draws, positions loaded).
+    ``plant_never_loaded``: the stored state is dropped as restore_extra reads it (the planted bug
+    of issue 46), so the schedule replays from position 0."""
+    from paralayer.data import blend as blend_mod
+
+    seen = {"draws": 0, "loaded": []}
+    pick, load = blend_mod._Schedule._pick, blend_mod.BlendedDataset.load_state_dict
+
+    def counted(self, t):
+        seen["draws"] += 1
+        return pick(self, t)
+
+    def loaded(self, state):
+        if plant_never_loaded:
+            return False
+        took = load(self, state)
+        seen["loaded"].append(self._schedule.pos if took else None)
+        return took
+
+    blend_mod._Schedule._pick, blend_mod.BlendedDataset.load_state_dict = counted, loaded
+    try:
+        recs = _rank_train(rank, world, cfg, plan, run_dir)
+    finally:
+        blend_mod._Schedule._pick, blend_mod.BlendedDataset.load_state_dict = pick, load
+    return recs, seen["draws"], seen["loaded"]
+
+
+def _run(tmp, name, blend, extra, fn=_rank_train, *fn_args):
     run_dir = os.path.join(tmp, name)
     cfg = load_config(BASE + [f"data.blend={blend}", f"checkpoint.dir={os.path.join(tmp, 'ckpt-' + name[:2])}",
                               f"run.dir={run_dir}", f"data.cache_dir={tmp}/cache"] + extra)
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
-    return run_ranks(_rank_train, plan["world_size"], cfg, plan, run_dir, timeout_s=300)[0], run_dir, plan
+    return run_ranks(fn, plan["world_size"], cfg, plan, run_dir, *fn_args, timeout_s=300)[0], run_dir, plan
 
 
 def test_blend_resume_is_bit_identical(tmp_path):
@@ -193,8 +221,17 @@ def test_blend_resume_is_bit_identical(tmp_path):
     blend = "[" + ",".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(src, [0.5, 0.3, 0.2])) + "]"
     straight, run_dir, plan = _run(tmp, "s1-straight", blend, ["checkpoint.every=0"])
     first, _, _ = _run(tmp, "r1-first", blend, ["train.stop_at_step=2", "checkpoint.every=2"])
-    second, _, _ = _run(tmp, "r1-second", blend, ["train.resume=auto", "checkpoint.every=2"])
+    # the planted "never loaded" (it writes no checkpoint): the same resume replays from 0, so the
+    # oracle below can fail while the losses and counts, equal either way, cannot tell
+    (planted, draws, loaded), _, _ = _run(tmp, "r1-planted", blend, ["train.resume=auto", "checkpoint.every=0"],
+                                          _rank_train_counted, True)
+    assert loaded == [] and draws == 5 * 8 and first + planted == straight
+    (second, draws, loaded), _, _ = _run(tmp, "r1-second", blend, ["train.resume=auto", "checkpoint.every=2"],
+                                         _rank_train_counted)
     assert [r["step"] for r in straight] == [1, 2, 3, 4, 5] and [r["step"] for r in second] == [3, 4, 5]
+    # the stored state was loaded through train() (position 16 = 2 steps of 8) and used: the resumed run
+    # drew its own 3 steps' 24 positions, not the 16 before them again (a replay from 0 draws 40)
+    assert loaded == [16] and draws == 3 * 8, (loaded, draws)
     assert first + second == straight  # bitwise: loss, grad norm, lr, source counts
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [ln["source_sequences"][src[0]] for ln in lines] == [4, 8, 12, 16, 20]

@@ -30,17 +30,21 @@ CASES = {
 }
 
 
-def _block_saved(overrides: list[str], precision: str) -> list[tuple[int, float]]:
-    """[(saved bytes, the plan's bytes)] of layer 0 (dense) and layer 1 (MoE), one microbatch."""
+def _block_saved(overrides: list[str], precision: str, mode: str = "none") -> list[tuple[int, float]]:
+    """[(saved bytes, the plan's bytes)] of layer 0 (dense) and layer 1 (MoE), one microbatch,
+    under ``parallel.recompute=mode`` (built as the runtime builds it: apply_recompute)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paralayer.runtime.build import apply_recompute
 
     cfg = config_mod.load_config(overrides + [
         "model.n_layers=2", "model.mtp.depth=0", "parallel.pp=1", "parallel.ep=1", "parallel.dp=1",
-        "parallel.recompute=none", f"train.precision={precision}", "train.micro_batch=1", "train.global_batch=1"])
+        f"parallel.recompute={mode}", f"train.precision={precision}", "train.micro_batch=1", "train.global_batch=1"])
     lay = rules.check(cfg)
     key = lambda t: t.untyped_storage()._cdata  # noqa: E731 - fake storages have no address
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = Transformer(cfg.model)
+        apply_recompute(model, mode)
         for mod in model.modules():
             if hasattr(mod, "even_routing"):
                 mod.even_routing, mod.count_stats = True, False
@@ -71,7 +75,7 @@ def _block_saved(overrides: list[str], precision: str) -> list[tuple[int, float]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             model(torch.zeros((1, cfg.model.seq_len), dtype=torch.long))
     tokens = cfg.model.seq_len
-    return [(total[i], memory_activations.act_elems_per_token(cfg, lay, memory_states.is_moe_layer(cfg, i), "none")
+    return [(total[i], memory_activations.act_elems_per_token(cfg, lay, memory_states.is_moe_layer(cfg, i), mode)
              * tokens * memory_states.ACT_BYTES[lay.precision]) for i in (0, 1)]
 
 
@@ -81,6 +85,22 @@ def test_block_saved_set_is_the_plans(name, precision):
     for i, (got, plan) in enumerate(_block_saved(CASES[name], precision)):
         assert got > 0
         assert abs(got / plan - 1) < 1e-3, (name, precision, i, got, plan)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3-tiny-cpu"])
+def test_swiglu_recompute_in_the_experts_is_the_plans(name, precision):
+    """recompute=swiglu in an MoE block: each routed expert's and the shared expert's silu(gate) is
+    not kept (issue 46: the experts ignored it and kept 4 expert widths a row). The saved set is the
+    plan's (3·k·f_E + 3·f_S), and it is smaller than recompute=none's by exactly one expert width a
+    routed row plus the shared expert's width, per token."""
+    cfg = config_mod.load_config(CASES[name])
+    mo, seq = cfg.model.moe, cfg.model.seq_len
+    width = memory_states.ACT_BYTES[precision] * seq * (mo.top_k * mo.ffn_hidden + mo.shared_ffn_hidden)
+    none, swiglu = _block_saved(CASES[name], precision), _block_saved(CASES[name], precision, "swiglu")
+    for i, (got, plan) in enumerate(swiglu):
+        assert abs(got / plan - 1) < 1e-3, (name, precision, i, got, plan)
+    assert none[1][0] - swiglu[1][0] == width, (none[1][0], swiglu[1][0], width)
 
 
 def test_a_planted_moe_cast_term_fails(monkeypatch):

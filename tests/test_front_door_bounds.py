@@ -78,6 +78,20 @@ def test_an_alias_bomb_and_a_big_file_are_refused(tmp_path):
     _one_error(err, "big.yaml", f"at most {depth.MAX_FILE_BYTES:,}")
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-5", ""])
+def test_a_bad_omegaconf_expansion_limit_in_the_environment_names_the_variable(monkeypatch, value):
+    """omegaconf reads OMEGACONF_MAX_YAML_EXPANDED_NODES when a recipe is read: a bad value was exit 3
+    ("internal error", issue 46); now exit 2 naming the variable and its valid values."""
+    monkeypatch.setenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", value)
+    for argv in (["recipe=tiny", "--dry-run"], ["recipe=tiny", "--dry-run", "-m", "train.lr=0.1,0.2"]):
+        rc, _, _, err = _run(argv)
+        assert rc == 2 and err.strip().splitlines() == [
+            f"error: OMEGACONF_MAX_YAML_EXPANDED_NODES: the environment variable is {value!r}; valid: a positive "
+            "integer or 'none' (unset: 10,000)"], err
+    monkeypatch.setenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", "none")
+    assert _run(["recipe=tiny", "--dry-run"])[0] == 0
+
+
 @pytest.mark.parametrize("value", ["[" * 500 + "]" * 500, "{a: " * 100 + "1" + "}" * 100, "[" + "1," * 9000 + "1]"])
 def test_a_deep_or_huge_override_value_names_the_field(value):
     rc, _, _, err = _run(["parallel.pp_layout=" + value, "--dry-run"])

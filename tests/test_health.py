@@ -167,6 +167,41 @@ def test_goodput_sums_the_attempts_of_a_resumed_run(tmp_path, capfd):
     assert "paralayer: goodput" in capfd.readouterr().out
 
 
+def _train_recording_goodput(rank, world, overrides, run_dir, spec=None):
+    """_train, recording each (step, seconds, counted) the runtime hands goodput."""
+    from paralayer.metrics import goodput
+
+    calls, real = [], goodput.Goodput.step
+
+    def step(self, step, seconds, counted=True):
+        calls.append((step, seconds, counted))
+        return real(self, step, seconds, counted)
+
+    goodput.Goodput.step = step
+    try:
+        return dict(_train(rank, world, overrides, run_dir, spec), calls=calls)
+    finally:
+        goodput.Goodput.step = real
+
+
+def test_goodput_puts_a_skipped_step_in_skipped(tmp_path):
+    """train.on_nonfinite=skip with step 2's loss NaN: goodput.json's ``skipped`` is that step's
+    time (and only it), ``steps`` the three counted steps' step_time_s of metrics.jsonl, and the
+    buckets add up to the wall time."""
+    out = run_ranks(_train_recording_goodput, 1, ["train.steps=4", "train.on_nonfinite=skip"], str(tmp_path),
+                    "nan:0:2")[0]
+    assert [(s, c) for s, _, c in out["calls"]] == [(1, True), (2, False), (3, True), (4, True)]
+    skipped = out["calls"][1][1]
+    t = json.loads((tmp_path / "goodput.json").read_text())["totals"]
+    assert skipped > 0 and t["goodput_skipped_s"] == skipped, (t, out["calls"])
+    lines = [x for x in _lines(tmp_path) if "event" not in x]
+    assert [x["step"] for x in lines] == [1, 3, 4]
+    assert t["goodput_steps_s"] == pytest.approx(sum(x["step_time_s"] for x in lines), rel=1e-12)
+    buckets = sum(v for k, v in t.items() if k.endswith("_s") and k != "goodput_wall_s")
+    assert buckets == pytest.approx(t["goodput_wall_s"], rel=1e-6)
+    assert t["goodput"] == pytest.approx(t["goodput_steps_s"] / t["goodput_wall_s"], rel=1e-12)
+
+
 def test_hang_diagnosis_names_missing_behind_or_idle_ranks(tmp_path):
     """diagnose() on written reports: a rank with no report, else one behind, else one not inside
     the collective the others wait in."""

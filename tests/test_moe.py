@@ -246,3 +246,37 @@ def test_expert_parallel_forced_imbalance(capacity_factor):
         assert dropped == world * dropped_per_rank
         assert err < 1e-5, err
         assert (w1_grad > 0) == (r == 0)  # experts 0,1 live on rank 0; rank 1's experts get nothing
+
+
+def _count_reruns(rc, backward) -> int:
+    """How many recompute regions ``backward()`` reran."""
+    reruns, real = [], rc._Frame._rerun
+    rc._Frame._rerun = lambda self: (reruns.append(1), real(self))[1]
+    try:
+        backward()
+    finally:
+        rc._Frame._rerun = real
+    return len(reruns)
+
+
+def test_swiglu_recompute_in_the_experts_gives_the_same_gradients():
+    """recompute=swiglu in an MoE block (model/moe.py swiglu): the routed experts' and the shared
+    expert's output and every gradient are those without it, bit for bit (the same ops rerun), and
+    the backward reran the product (one region per expert with rows, one for the shared expert)."""
+    from paralayer.model import recompute as rc
+
+    x = torch.randn(2, 6, D)
+    out = {}
+    for on in (False, True):
+        m = make_moe(shared=10)
+        m.recompute_expert_act = on
+        assert m.shared.recompute_act is on
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        reruns = _count_reruns(rc, lambda: (y * y).sum().backward())
+        out[on] = (y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}, reruns)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    for n, g in out[False][2].items():
+        assert torch.equal(out[True][2][n], g), n
+    used = int((torch.bincount(make_moe(shared=10).route(x.reshape(-1, D))[0].reshape(-1), minlength=E) > 0).sum())
+    assert out[False][3] == 0 and out[True][3] == used + 1

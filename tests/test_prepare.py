@@ -91,3 +91,52 @@ def test_jsonl_parquet_tokenizer_and_bad_input(tmp_path):
     rc, out, err = _main([str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x")])
     assert rc == 2 and err.strip() == f"error: INPUT: {tmp_path / 'nope.txt'}: no such file"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("x.", ".datasets-"))]
+
+
+def test_a_document_that_is_not_text_is_exit_2_from_python_m(tmp_path):
+    """``python -m paralayer.data.prepare`` with workers: the _BadDocument a worker raises is caught
+    (issue 46: exit 1 "unexpected", as ``__main__``'s classes came back from the workers by value)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:20]) + '{"text": ["a", "list"]}\n')
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "paralayer.data.prepare", str(src), "--out", str(tmp_path / "o"),
+                        "--format", "jsonl", "--workers", "2", "--no-progress"], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: INPUT: {src}:21: data.text_field 'text' is list, not a string"], p.stderr
+
+
+def test_parquet_text_of_ints_and_a_folder_of_mixed_schemas_are_refused(tmp_path):
+    """A text column of ints, and a folder whose files differ in schema (``datasets`` cast the
+    second file's ints to text and trained on them: exit 0), are exit 2 naming the file and the
+    columns; the same columns in another order, or large_string for string, are one schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def folder(name, *tables):
+        (tmp_path / name).mkdir()
+        for i, t in enumerate(tables):
+            pq.write_table(pa.table(t), tmp_path / name / f"{i}.parquet")
+        return str(tmp_path / name)
+
+    cases = {
+        folder("ints", {"text": list(range(40))}):
+            "0.parquet: data.text_field 'text' is a column of int64; valid: a column of strings",
+        folder("mixed", {"text": ["a b", "c"]}, {"text": [1, 2]}):
+            "1.parquet: data.text_field 'text' is a column of int64; valid: a column of strings",
+        folder("extra", {"text": ["a b"], "n": [1]}, {"text": ["x"], "n": ["s"]}):
+            "1.parquet: its schema differs from {d}/0.parquet's: n (int64 vs string); every parquet file of one "
+            "data.path must have the same columns and types",
+        folder("missing", {"text": ["a b"]}, {"body": ["x"]}):
+            "1.parquet: its schema differs from {d}/0.parquet's: body (missing vs string), text (string vs "
+            "missing); every parquet file of one data.path must have the same columns and types"}
+    for d, want in cases.items():
+        rc, out, err = _main([d, "--out", str(tmp_path / "o"), "--format", "parquet", "--workers", "1"])
+        assert rc == 2 and err.strip().splitlines() == [f"error: INPUT: {d}/{want.format(d=d)}"], err
+    same = folder("same", {"text": ["a b"], "n": [1]},
+                  {"n": [2], "text": pa.array(["c"], pa.large_string())})
+    rc, out, err = _main([same, "--out", str(tmp_path / "o"), "--format", "parquet", "--workers", "1"])
+    assert rc == 0 and "documents 2" in out, err

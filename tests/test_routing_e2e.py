@@ -1,12 +1,14 @@
 """DeepSeek-V3 routing end to end through the runtime: group routing, routed scaling, the
 sequence-wise balance loss, a shared expert and a dense first layer, under ep2, ep2·pp2, ep2·tp2
 and dp2 against one rank. The loss matches within 1e-5; the routing statistics (tokens per expert,
-drops, under capacity) and the router's selection bias after the aux-loss-free updates are EQUAL."""
+drops, under capacity) and the router's selection bias after the aux-loss-free updates are EQUAL.
+The grad norm matches within 1e-5 too: a planted halving of every expert gradient under ep2 moves
+the losses by less than that (AdamW's update barely changes when a gradient is scaled) and fails it."""
 from __future__ import annotations
 
 import pytest
 
-from tests.dist import TINY_SMALL, cfg_and_plan, max_rel_err, paired, run_ranks
+from tests.dist import TINY_SMALL, cfg_and_plan, max_rel_err, paired, plant_halved_expert_grads, run_ranks
 
 DS = TINY_SMALL + ["model.n_layers=4", "train.steps=3", "model.moe.num_experts=8", "model.moe.top_k=2",
                    "model.moe.ffn_hidden=32", "model.moe.router=sigmoid", "model.moe.n_group=4",
@@ -16,10 +18,12 @@ DS = TINY_SMALL + ["model.n_layers=4", "train.steps=3", "model.moe.num_experts=8
                    "model.moe.capacity_factor=1.0", "train.precision=fp32", "train.threads=1"]
 
 
-def _run(rank, world, overrides):
+def _run(rank, world, overrides, plant_halved=False):
     """Train; return the records and {layer: expert_bias} of this rank's MoE layers."""
     from paralayer.runtime.train import as_plan, setup, train_step
 
+    if plant_halved:
+        plant_halved_expert_grads()
     cfg, plan = cfg_and_plan(DS + list(overrides))
     run = setup(cfg, as_plan(plan), None)
     recs = [train_step(run, s) for s in range(1, cfg.train.steps + 1)]
@@ -65,6 +69,7 @@ def test_group_routing_parity_and_exact_stats(references, name):
     assert ref_dense == [0] and sorted(ref_bias) == ["1", "2", "3"]
     recs = out[0][0]
     assert max_rel_err([r["loss"] for r in recs], [r["loss"] for r in ref_recs]) <= 1e-5
+    assert max_rel_err([r["grad_norm"] for r in recs], [r["grad_norm"] for r in ref_recs]) <= 1e-5
     for a, b in paired(recs, ref_recs):
         for key in ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max", "dropped_tokens"):
             assert a[key] == b[key], (name, key, a[key], b[key])
@@ -76,3 +81,15 @@ def test_group_routing_parity_and_exact_stats(references, name):
             assert bias.setdefault(key, v) == v  # every replica of a router holds the same bias
     assert bias == ref_bias
     assert any(x != 0 for v in ref_bias.values() for x in v)  # the updates happened
+
+
+def test_planted_halved_expert_grads_fail_the_grad_norm(references):
+    """ep2 with every expert gradient halved: the grad norm is off by far more than the 1e-5 the
+    parity test holds it to (the losses alone let the plant pass: measured here too)."""
+    world, overrides = LAYOUTS["ep2"]
+    recs = run_ranks(_run, world, overrides, True)[0][0]
+    ref_recs = references(False)[0]
+    loss = max_rel_err([r["loss"] for r in recs], [r["loss"] for r in ref_recs])
+    norm = max_rel_err([r["grad_norm"] for r in recs], [r["grad_norm"] for r in ref_recs])
+    print(f"planted halved expert grads: loss {loss:.2e}, grad norm {norm:.2e} off")
+    assert norm > 1e-4, (loss, norm)

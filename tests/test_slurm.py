@@ -147,6 +147,32 @@ def test_run_dir_must_be_prepared(tmp_path):
         submit([str(tmp_path / "r")], {"nodes": 1, "devices_per_node": 1})
 
 
+def test_a_slurm_folder_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    """``cluster.slurm.folder`` naming a file (or a name under one) is exit 2 naming the field before
+    anything is written, for a run and a sweep; submit() itself names it too (it ended in a
+    traceback: NotADirectoryError from os.makedirs, issue 46)."""
+    from paralayer import cli
+    from paralayer.dispatch import slurm as slurm_mod
+
+    (tmp_path / "f").write_text("a file")
+    for folder, why in ((tmp_path / "f", "is a file"), (tmp_path / "f" / "sub", "which is a file, not a folder")):
+        for sweep in ([], ["-m", "train.lr=0.001,0.002"]):
+            run = tmp_path / "run"
+            rc = cli.main(["recipe=tiny", "parallel.tp=1", "cluster=local-slurm", f"cluster.slurm.folder={folder}",
+                           f"run.dir={run}", "--no-rehearse", *sweep])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(err) == 1, err
+            assert err[0].startswith("error: cluster.slurm.folder: ") and why in err[0], err
+            assert not run.exists()
+    monkeypatch.setattr(slurm_mod, "_ensure_slurm", lambda cluster: None)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "resolved.yaml").write_text("recipe: tiny\n")
+    (tmp_path / "r" / "plan.json").write_text("{}")
+    want = r"^cluster\.slurm\.folder: cannot make .*f/x \(Not a directory\)"
+    with pytest.raises(slurm_mod.DispatchError, match=want):
+        slurm_mod.submit([str(tmp_path / "r")], {"nodes": 1, "devices_per_node": 1}, folder=str(tmp_path / "f" / "x"))
+
+
 def test_two_ranks_allreduce(slurm, tmp_path):
     from paralayer.dispatch.slurm import submit
 

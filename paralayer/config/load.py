@@ -52,6 +52,7 @@ from paralayer.config.schema import (  # noqa: F401 - the schema's names are thi
 )
 from paralayer.config.validate import _choice, _positive, validate_values  # noqa: F401 - this module's API too
 from paralayer.inputs import bounds, depth, interpolation, untrusted
+from paralayer.inputs.echo import one_line
 
 
 def _wrap(exc: OmegaConfBaseException, context: str = "") -> ConfigError:
@@ -114,7 +115,13 @@ def _load_yaml(path: Path, field_name: str) -> dict:
     except ImportError:  # omegaconf < 2.4
         from omegaconf._utils import get_yaml_loader
 
-    return plain.load_yaml(path, field_name, get_yaml_loader())
+    try:  # it reads OMEGACONF_MAX_YAML_EXPANDED_NODES from the environment
+        loader = get_yaml_loader()
+    except ValueError:
+        var = "OMEGACONF_MAX_YAML_EXPANDED_NODES"
+        raise ConfigError(var, f"the environment variable is {one_line(os.environ.get(var, ''), 40)!r}; valid: a "
+                          "positive integer or 'none' (unset: 10,000)") from None
+    return plain.load_yaml(path, field_name, loader)
 
 
 def _recipe_chain(name: str, seen: tuple[str, ...] = ()) -> list[dict]:

@@ -227,6 +227,8 @@ def prepare_files(files: List[str], prefix: str, fmt: str = "text", text_field: 
     try:
         if fmt == "jsonl":
             check_nesting(files)
+        elif fmt == "parquet":
+            readers.check_parquet(files, text_field)
         ds, col = _load(fmt, files, text_field, scratch)
         n = ds.num_rows
         part_docs = part_docs or max(250_000, math.ceil(n / 64))  # each part starts a worker pool
@@ -386,4 +388,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the imported module, never this ``__main__`` copy: the workers of ``datasets.map``
+    # pickle ``__main__``'s classes by value, so a _BadDocument raised there came back as another
+    # class that no ``except`` here caught (exit 1, "unexpected", instead of exit 2)
+    from paralayer.data import prepare as _module
+
+    sys.exit(_module.main())

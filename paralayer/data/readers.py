@@ -89,6 +89,41 @@ def _load_hf(fmt: str, files: List[str], cache_dir: str):
     return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
 
 
+def _parquet_columns(fname: str) -> dict:
+    """{column: type} of one parquet file (large_string read as string: the same text to us)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(fname)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
+        raise DataError(f"not a readable parquet file ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})", file=fname) from None
+    same = {pa.large_string(): pa.string(), pa.large_binary(): pa.binary()}
+    return {f.name: str(same.get(f.type, f.type)) for f in schema}
+
+
+def check_parquet(files: List[str], text_field: str) -> None:
+    """Every parquet file has one schema (``datasets`` casts a later file to the first one's: a
+    column of ints becomes text, so numbers would be trained on as documents), and the text column
+    holds strings. DataError naming the files and the columns that differ."""
+    first, cols0 = None, None
+    for fname in files:
+        cols = _parquet_columns(fname)
+        kind = cols.get(text_field)
+        if kind is not None and kind not in ("string", "null"):
+            raise DataError(f"data.text_field {text_field!r} is a column of {kind}; valid: a column of strings",
+                            file=fname)
+        if cols0 is None:
+            first, cols0 = fname, cols
+            continue
+        if cols != cols0:
+            diff = sorted(set(cols) ^ set(cols0)) or sorted(k for k in cols if cols[k] != cols0[k])
+            what = ", ".join(f"{k} ({cols0.get(k, 'missing')} vs {cols.get(k, 'missing')})" for k in diff[:4])
+            raise DataError(f"its schema differs from {first}'s: {what}; every parquet file of one data.path must "
+                            "have the same columns and types", file=fname)
+
+
 def locate_error(fmt: str, files: List[str], text_field: str, exc: BaseException) -> DataError:
     """The first file and line (or file, for parquet) that explains why ``datasets`` failed."""
     for fname in files:

@@ -29,6 +29,23 @@ def check_inputs(cfg: Config) -> None:
                 raise LaunchError(f"{name}: {p} does not exist on this machine; nothing was started")
 
 
+def check_slurm_folder(cfg: Config) -> None:
+    """``cluster.slurm.folder`` (where submitit's files and the task logs go) is a folder, or a name
+    one can be made at, before anything is written or submitted; LaunchError naming the field."""
+    folder = cfg.cluster.slurm.folder
+    if not folder:
+        return
+    from paralayer.inputs.untrusted import BadInput, check_out
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise LaunchError(f"cluster.slurm.folder: {one_line(str(folder), 300)} is a file; valid: a folder, or a "
+                          "name where one can be made")
+    try:
+        check_out(str(folder).rstrip("/") or str(folder), "cluster.slurm.folder")
+    except BadInput as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def check_devices(plans: list[Any]) -> None:
     """A cuda plan launched here needs the CUDA devices to be visible: never a silent CPU run.
     (Planning for a GPU cluster from a CPU machine, --dry-run/--plan/--rehearse, never gets here.)"""
@@ -101,6 +118,8 @@ def launch(cfg: Config, plan: Any, args: Any) -> int:
     if cfg.cluster.backend != "slurm":
         check_inputs(cfg)
         check_devices([plan])
+    else:
+        check_slurm_folder(cfg)
     run_dir = prepare_run_dir(cfg, plan)
     if cfg.cluster.backend == "slurm":
         from paralayer.dispatch import slurm
@@ -124,6 +143,8 @@ def launch_sweep(cfgs: list[Config], plans: list[Any], args: Any) -> int:
         for cfg in cfgs:
             check_inputs(cfg)
         check_devices(plans)
+    else:
+        check_slurm_folder(cfgs[0])
     group = cfgs[0].logging.wandb.group or f"{cfgs[0].recipe}-sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     sweep_dir = cfgs[0].run.dir or str(Path("runs") / group)
     overrides = sweep.differing(cfgs)

@@ -378,7 +378,11 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
             "slurm-logs")
         folder = os.path.join(str(parent), time.strftime("%Y%m%d-%H%M%S") + f"-{os.urandom(3).hex()}")
     folder = str(Path(folder).resolve())
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:  # under a file, or not writable: named, never a traceback
+        raise DispatchError(f"cluster.slurm.folder: cannot make {folder} ({exc.strerror or exc}); valid: a folder, "
+                            "or a name where one can be made") from None
 
     import submitit
 

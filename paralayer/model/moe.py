@@ -49,6 +49,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from paralayer.model import routing
+from paralayer.model.recompute import recompute
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu(gate: Tensor, up: Tensor, recomputed: bool) -> Tensor:
+    """silu(gate) * up; ``recomputed``: only gate and up are kept for backward (silu(gate) is made
+    again there), one expert width per row fewer (resolve/memory_activations.py, the MoE term)."""
+    return recompute(_swiglu, gate, up) if recomputed else _swiglu(gate, up)
 
 
 class SharedExpert(nn.Module):
@@ -59,9 +70,10 @@ class SharedExpert(nn.Module):
         self.w1 = nn.Linear(d_model, ffn_hidden, bias=False)
         self.w3 = nn.Linear(d_model, ffn_hidden, bias=False)
         self.w2 = nn.Linear(ffn_hidden, d_model, bias=False)
+        self.recompute_act = False  # set with the routed experts' (MoEFeedForward.recompute_expert_act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.recompute_act))
 
 
 class MoEFeedForward(nn.Module):
@@ -89,6 +101,9 @@ class MoEFeedForward(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, ffn_hidden))
         self.shared = SharedExpert(d_model, shared_ffn_hidden) if shared_ffn_hidden > 0 else None
+        # recompute=swiglu (runtime/build.py apply_recompute): each expert's silu(gate)·up, and the
+        # shared expert's, recomputed in backward (selective leaves the experts alone, as planned)
+        self._recompute_expert_act = False
         if router == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(num_experts))
             # routed token-slots per expert since the last update_bias (this rank's tokens only)
@@ -122,6 +137,16 @@ class MoEFeedForward(nn.Module):
         self.count_stats = True
         self.reset_step_stats()
         self.reset_parameters()
+
+    @property
+    def recompute_expert_act(self) -> bool:
+        return self._recompute_expert_act
+
+    @recompute_expert_act.setter
+    def recompute_expert_act(self, on: bool) -> None:
+        self._recompute_expert_act = bool(on)
+        if self.shared is not None:
+            self.shared.recompute_act = bool(on)
 
     def _make_local_slices(self) -> dict[str, tuple[int, int, int]]:
         """{param name: (dim, offset, full size)}: along ``dim`` this rank holds rows
@@ -160,7 +185,7 @@ class MoEFeedForward(nn.Module):
         for e, rows in enumerate(xs.split(counts)):
             if rows.shape[0] == 0:
                 continue
-            h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
+            h = swiglu(rows @ w1[e].t(), rows @ w3[e].t(), self._recompute_expert_act)
             outs.append(h @ w2[e].t())
         if not outs:
             # No rows. Keep the (empty) output connected to xs and to the weights: under expert

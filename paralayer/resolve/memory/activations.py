@@ -19,7 +19,8 @@ and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per
     MoE feed-forward     3·k·h + 4·k·f_E + 4·f_S + E  (dropless, balanced routing; replaces the 4f;
                                                k → min(k, k·capacity_factor) with drops; f_S the
                                                shared expert; whole on every tp rank (experts are
-                                               not tp-split) and kept under selective recompute)
+                                               not tp-split) and kept under selective recompute;
+                                               recompute=swiglu: 3·k·f_E + 3·f_S)
 
 (h d_model, a heads, g kv heads, f ffn width, k top_k, E experts, f_E expert width.) K/V are
 counted at full width in "none" because ``sdpa_causal`` repeats GQA heads before SDPA; under
@@ -163,7 +164,10 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
         mo = m.moe
         fe = mo.ffn_hidden or f
         rows = routed_rows_per_token(cfg)
-        moe_whole = 3 * rows * h + mo.num_experts + 4 * (rows * fe + mo.shared_ffn_hidden)
+        # per expert row gate, up, silu(gate), the product; recompute=swiglu keeps no silu(gate)
+        # (model/moe.py swiglu, the experts' and the shared expert's); selective leaves it
+        moe_mult = 3 if mode == "swiglu" else 4
+        moe_whole = 3 * rows * h + mo.num_experts + moe_mult * (rows * fe + mo.shared_ffn_hidden)
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
         moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows
