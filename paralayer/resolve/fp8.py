@@ -99,6 +99,13 @@ def check_fp8(cfg: Config, lay) -> None:
     if lay.tp_overlap:
         err(Issue("train.precision", "train.precision=fp8 is not built with parallel.tp_overlap=true (the fused "
                   "ring GEMMs have no FP8 cast); valid: parallel.tp_overlap=false"))
+    if p.cp > 1 and recipe == "rowwise":
+        err(Issue("train.fp8.recipe", f"train.fp8.recipe=rowwise is not built with parallel.cp={p.cp}: its "
+                  "weight-gradient casts scale each column over the tokens, which the cp ranks split; valid with "
+                  "cp > 1: tensorwise, blockwise"))
+    if p.cp > 1 and p.tp > 1:
+        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.tp={p.tp} and parallel.cp="
+                  f"{p.cp} together (the tp casts' amax does not reach the cp ranks); valid: tp=1 or cp=1"))
     if recipe == "blockwise":
         if p.tp > 1:
             err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp}; valid "
