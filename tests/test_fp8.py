@@ -12,12 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist import max_rel_err, run_ranks, write_tokens
-
 import paralayer.runtime.train  # noqa: E402,F401 - imported once, before the ranks fork
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model import float8 as f8  # noqa: E402
 from paralayer.model.transformer import Transformer, init_weights  # noqa: E402
+from tests.dist import max_rel_err, run_ranks, write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -25,7 +24,7 @@ TOL = 1e-5
 BASE = ["recipe=tiny", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=64",
         "model.vocab_size=64", "model.seq_len=32", "model.n_layers=2", "model.init_std=0.2",
         "train.steps=4", "train.lr=3e-3", "train.warmup_steps=1", "train.adam_eps=1e-5", "train.precision=fp8",
-        "train.threads=1", "train.global_batch=4", "train.micro_batch=1", "parallel.tp=1",
+        "train.threads=1", "train.global_batch=4", "train.micro_batch=1", "parallel.tp=1", "parallel.dp=1",
         "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
         "checkpoint.every=0", "cluster.device=cpu", "cluster.peak_tflops=1.0"]
 
@@ -130,9 +129,8 @@ def test_blockwise_tiles_and_gradients():
 
 # ------------------------------------------------------------------ layouts against one process
 def _run(rank, world, overrides):
-    from tests.dist import cfg_and_plan
-
     from paralayer.runtime.train import train
+    from tests.dist import cfg_and_plan
 
     cfg, plan = cfg_and_plan(overrides)
     return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
@@ -150,7 +148,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    return run_ranks(_run, 1, BASE + [f"data.path={data}", "parallel.dp=1"], timeout_s=300)[0]
+    return run_ranks(_run, 1, BASE + [f"data.path={data}"], timeout_s=300)[0]
 
 
 @pytest.mark.timeout(900)
@@ -164,10 +162,12 @@ def test_tensorwise_layout_equals_one_process(layout, data, reference):
 
 def _per_shard_amax(x, reduce_amax=False, device_mesh=None, scaling_granularity=None, axiswise_dim=None):
     """Planted: the amax of this rank's shard only."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    local = x.to_local() if isinstance(x, DTensor) else x
-    return torch.max(torch.abs(local))
+    if not isinstance(x, DTensor):
+        return torch.max(torch.abs(x))
+    amax = torch.max(torch.abs(x.to_local()))  # each rank its own: declared the same everywhere
+    return DTensor.from_local(amax, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
 
 
 def _per_shard_fsdp_scales(module):
