@@ -15,7 +15,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 # swiglu: the SwiGLU activation and product; core_attn: RoPE + attention core; selective: both;
 # full: whole blocks (every parallel.recompute_every-th layer)
 RECOMPUTE = ("none", "swiglu", "core_attn", "selective", "full")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+# train.fp8.recipe: the scaling of the blocks' GEMM inputs (torchao's names; blockwise is DeepSeek-V3's
+# 1x128 activation tiles and 128x128 weight blocks)
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 # torch.compile backends for train.compile: inductor generates kernels; aot_eager traces the same
 # graphs (forward and backward) but runs them eagerly: CPU tests check the tracing without codegen
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -147,6 +150,16 @@ class SpikeConfig:
 
 
 @dataclass
+class Fp8Config:
+    """train.precision=fp8: which scaling, and the blocks kept in bf16 (paralayer/model/float8.py).
+    Only the blocks' linear GEMMs (attention projections, MLP, experts) run in FP8; the attention
+    core, norms, router, embedding and head stay in the run's base precision."""
+    recipe: str = "tensorwise"  # tensorwise | rowwise | blockwise
+    bf16_first_blocks: int = 0  # the first N blocks (global layer index) keep their GEMMs in bf16
+    bf16_last_blocks: int = 0  # the last N blocks likewise
+
+
+@dataclass
 class TrainConfig:
     global_batch: int = 8
     micro_batch: int = 1
@@ -162,7 +175,8 @@ class TrainConfig:
     adam_eps: float = 1e-8  # AdamW's eps (Megatron's adam_eps); tests/combos.py says why the suite raises it
     grad_clip: float = 1.0
     seed: int = 0
-    precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU
+    precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU; fp8: the blocks' GEMMs in FP8 (train.fp8)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     compile: bool = False  # torch.compile each transformer block (and the loss without tp)
     compile_backend: str = "inductor"
     resume: str = "none"  # none | auto | PATH

@@ -11,6 +11,7 @@ from paralayer.config.schema import (
     COMPILE_BACKENDS,
     DATA_FORMATS,
     DEVICES,
+    FP8_RECIPES,
     PRECISIONS,
     RECOMPUTE,
     ROUTERS,
@@ -77,6 +78,11 @@ def validate_values(cfg: Config) -> None:
     _positive("train.log_every", t.log_every)
     _positive("train.threads", t.threads, 0)
     _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
+    for name in ("bf16_first_blocks", "bf16_last_blocks"):
+        n = getattr(t.fp8, name)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m.n_layers:
+            raise ConfigError(f"train.fp8.{name}", f"'{n}' is not an integer from 0 to model.n_layers={m.n_layers}")
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")

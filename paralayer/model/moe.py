@@ -128,6 +128,8 @@ class MoEFeedForward(nn.Module):
         # copy of the experts between the microbatches, as autocast's own cache does for
         # nn.Linear weights (it cannot here: ``w1[e]`` is a view, which autocast never caches).
         self.weight_cache: dict | None = None
+        # train.precision=fp8: (rows, w) -> rows @ w.t() with FP8 casts (model/float8.py); None = plain
+        self.expert_mm = None
 
         self.aux_loss: Tensor | None = None
         self.seq_aux_loss: Tensor | None = None
@@ -182,11 +184,12 @@ class MoEFeedForward(nn.Module):
         sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order."""
         outs = []
         w1, w2, w3 = self._compute_weights(xs)
+        mm = self.expert_mm or _plain_mm
         for e, rows in enumerate(xs.split(counts)):
             if rows.shape[0] == 0:
                 continue
-            h = swiglu(rows @ w1[e].t(), rows @ w3[e].t(), self._recompute_expert_act)
-            outs.append(h @ w2[e].t())
+            h = swiglu(mm(rows, w1[e]), mm(rows, w3[e]), self._recompute_expert_act)
+            outs.append(mm(h, w2[e]))
         if not outs:
             # No rows. Keep the (empty) output connected to xs and to the weights: under expert
             # parallel, xs comes out of an all-to-all whose backward is a collective, and every rank
@@ -353,6 +356,10 @@ class MoEFeedForward(nn.Module):
                 f"(local {self.num_local_experts} from {self.expert_offset}), top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, router={self.router}, n_group={self.spec.n_group}, "
                 f"topk_group={self.spec.topk_group}, scaling={self.spec.routed_scaling_factor}")
+
+
+def _plain_mm(rows: Tensor, w: Tensor) -> Tensor:
+    return rows @ w.t()
 
 
 def _combine(x: Tensor, tokens: Tensor, ys: Tensor, weights: Tensor) -> Tensor:

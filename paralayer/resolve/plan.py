@@ -192,6 +192,10 @@ def resolve(cfg: Config) -> Plan:
         recipe=cfg.recipe,
         tp_overlap=lay.tp_overlap,
     )
+    from paralayer.resolve.fp8 import plan_section
+
+    if cfg.train.precision == "fp8":  # which GEMMs run in FP8 (the time model still counts them bf16)
+        plan.extra["fp8"] = plan_section(cfg, lay)
     if plan.valid and lay.device != "cpu":
         # the calibrated GPU time model (resolve/cost/step_time.py): step_time_s, tokens_per_s, mfu and
         # the time and device-hours to train on train.tokens (or train.steps)

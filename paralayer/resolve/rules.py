@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from paralayer.config import Config
+from paralayer.resolve.fp8 import check_fp8
 
 #: Schedules that run two model chunks per pipeline rank in a V shape (chunk c on rank c, then back).
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -96,8 +97,10 @@ def resolve_device(cfg: Config) -> str:
 
 
 def resolve_precision(cfg: Config, device: str) -> str:
+    """The base precision the memory and time models count: fp8 runs its FP8 GEMMs inside a bf16
+    run on GPUs and an fp32 one on CPU (emulated casts; paralayer/resolve/fp8.py)."""
     p = cfg.train.precision
-    if p != "auto":
+    if p not in ("auto", "fp8"):
         return p
     return "bf16" if device == "cuda" else "fp32"
 
@@ -146,7 +149,7 @@ def check(cfg: Config) -> Layout:
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
     for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
-                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval):
+                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval, check_fp8):
         step(cfg, lay)
     return lay
 

@@ -104,6 +104,9 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         chunks = pipeline.split_model(model, plan, meshes.local_rank("pp"))
     else:
         chunks = [model]
+    zero, dp_cp = int(cfg.parallel.zero), meshes.size("dp_cp")
+    if cfg.train.precision == "fp8":  # on the meta model, before tp (its FP8 styles need the swap)
+        convert_fp8(cfg, chunks, meshes, device, fsdp=zero >= 2 and dp_cp > 1)
     for chunk in chunks:
         if tp > 1:
             from paralayer.parallel.tensor import apply_tensor_parallel
@@ -127,8 +130,6 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
         for chunk in chunks:
             expert_names |= {n for n, _ in chunk.named_parameters() if is_expert_param(n)}
-    zero = int(cfg.parallel.zero)
-    dp_cp = meshes.size("dp_cp")
     if zero >= 2 and dp_cp > 1:
         for chunk in chunks:
             dpar.apply_fsdp(chunk, meshes["dp_cp"], zero,
@@ -139,6 +140,23 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     params = [p for c in chunks for p in c.parameters()]
     expert_params = [p for c in chunks for n, p in c.named_parameters() if n in expert_names]
     return Built(chunks=chunks, meshes=meshes, device=device, params=params, expert_params=expert_params)
+
+
+def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device, fsdp: bool) -> None:
+    """train.precision=fp8: the blocks' GEMMs to FP8 (paralayer/model/float8.py); the blocks and the
+    recipe are the resolver's (resolve/fp8.py). Emulated on CPU, which rank 0 says in one line."""
+    from paralayer.model.float8 import convert_blocks
+    from paralayer.resolve.fp8 import fp8_layers
+
+    recipe, emulate = cfg.train.fp8.recipe, device.type != "cuda"
+    cp_mesh = meshes["cp"] if meshes.size("cp") > 1 and recipe == "tensorwise" else None
+    for chunk in chunks:
+        convert_blocks(chunk, recipe, fp8_layers(cfg), emulate=emulate, fsdp_float8_all_gather=fsdp,
+                       token_mesh=cp_mesh, fp8_comm=device.type == "cuda")
+        chunk.fp8_fsdp_all_gather = fsdp and recipe == "tensorwise"
+    if emulate and dist.is_initialized() and dist.get_rank() == 0:
+        print(f"paralayer: train.precision=fp8 ({recipe}) runs emulated on {device.type}: the blocks' GEMMs take "
+              "FP8 casts, the matmuls run in fp32", flush=True)
 
 
 def expert_blocks(chunk: nn.Module) -> list[nn.Module]:

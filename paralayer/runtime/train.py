@@ -287,6 +287,10 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     run.hooks.on_batch(run.rank, step, tokens)
     run.hooks.before_forward(run.rank, step)
     run.opt.zero_grad(set_to_none=True)
+    if run.cfg.train.precision == "fp8":  # FSDP's FP8 all-gather: scales of the updated weights
+        from paralayer.model.float8 import refresh_scales
+
+        refresh_scales(run.built.chunks)
     moe_step.reset(run.built.chunks)
     mtp_step.reset(run.built.chunks)
     with tensor_parallel_waits(run.comm, run.degree["tp"] > 1):  # DTensor's waits are not compute

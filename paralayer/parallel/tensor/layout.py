@@ -154,15 +154,22 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     parallel (or replicated), an MoE block run whole on the full sequence. ``fused``: the SP or
     overlap GEMMs the block calls instead of its linears' DTensor hooks (None without SP)."""
     latent = hasattr(block.attention, "kv_b")  # MLA (model/latent_attention.py)
-    plan = _latent_plan(block.attention, tp_mesh, stream) if latent else {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
+    # an FP8 block (model/float8.py) takes its linears' own TP hooks, in the styles it names
+    # (torchao's float8 ones for tensorwise: the SP all-gather in FP8), never the fused GEMMs
+    fp8 = getattr(block, "fp8_tp_styles", None)
+    colwise, rowwise, prepare = ((fp8["colwise"], fp8["rowwise"], fp8["prepare"]) if fp8
+                                 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput))
+    if fp8 is not None:
+        fused = None
+    plan = _latent_plan(block.attention, tp_mesh, stream, colwise, rowwise) if latent else {
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=stream),
     }
     if fused is None or latent:
-        plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
-                                               desired_input_layouts=(Replicate(), None, None))
+        plan["attention"] = prepare(input_layouts=(stream, None, None),
+                                    desired_input_layouts=(Replicate(), None, None))
     else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
         block.attention.tp_overlap = fused
     if sp:
@@ -184,19 +191,19 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
             block.feed_forward.register_forward_hook(_replicate_to_seq_shard(tp_mesh))
     else:
         plan.update({
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w3": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=stream),
         })
         if fused is None:
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,),
-                                                      desired_input_layouts=(Replicate(),))
+            plan["feed_forward"] = prepare(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
         else:
             block.feed_forward.tp_overlap = fused
     parallelize_module(block, tp_mesh, plan)
 
 
-def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream) -> dict:
+def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream, colwise=ColwiseParallel,
+                 rowwise=RowwiseParallel) -> dict:
     """MLA: the heads split (wq / q_b and kv_b column-parallel, wo row-parallel); the down-
     projections q_a, kv_a and their norms replicated, because their outputs (the latents, and the
     one rope key every head shares) are per token, not per head. They stay Replicate DTensors up to
@@ -206,8 +213,8 @@ def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream) -> dict:
         if part is not None:
             distribute_module(part, tp_mesh)
     att.tp_mesh = tp_mesh
-    plan = {"attention.kv_b": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=stream)}
-    plan["attention.wq" if att.wq is not None else "attention.q_b"] = ColwiseParallel()
+    plan = {"attention.kv_b": colwise(), "attention.wo": rowwise(output_layouts=stream)}
+    plan["attention.wq" if att.wq is not None else "attention.q_b"] = colwise()
     return plan
 
 

@@ -1,0 +1,60 @@
+"""The tiny recipe trained in FP8 (emulated on CPU) against a higher-precision run over the same steps.
+
+Each precision is one ``python launch.py`` run on one rank (tp=1, dp=1, the same data and seed);
+the script reads their metrics.jsonl and prints the final loss (mean of the last 10 steps, the
+single last step too), the relative gap and the wall time. bf16 on this CPU (no bf16 instructions)
+is ~40x slower than fp32 (docs/DESIGN.md), so the default comparison is FP8-emulated against fp32;
+``--against bf16`` runs bf16 instead where the machine allows it.
+
+    python benchmarks/fp8_tiny.py [--steps 200] [--recipe tensorwise] [--against fp32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(precision: str, steps: int, recipe: str, out: str) -> tuple[list[dict], float]:
+    """One rank of the tiny recipe; its metrics records and wall seconds."""
+    args = [sys.executable, "launch.py", "recipe=tiny", "parallel.tp=1", "parallel.dp=1", f"train.steps={steps}",
+            f"train.precision={precision}", f"train.fp8.recipe={recipe}", "logging.wandb.mode=disabled",
+            "logging.progress=false", "checkpoint.every=0", f"run.dir={out}"]
+    t0 = time.perf_counter()
+    subprocess.run(args, cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if "loss" in r]
+    return recs, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--recipe", default="tensorwise")
+    ap.add_argument("--against", default="fp32", choices=("fp32", "bf16"))
+    a = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for prec in ("fp8", a.against):
+            recs, wall = run(prec, a.steps, a.recipe, os.path.join(tmp, prec))
+            last = [r["loss"] for r in recs[-10:]]
+            rows[prec] = (sum(last) / len(last), recs[-1]["loss"], recs[0]["loss"], wall)
+    f8, ref = rows["fp8"], rows[a.against]
+    print(f"tiny recipe, {a.steps} steps, one rank; fp8 recipe {a.recipe} (emulated on CPU)")
+    print("| precision | first loss | last loss | mean of last 10 | wall s |")
+    print("|---|---|---|---|---|")
+    for name, (mean10, last, first, wall) in rows.items():
+        print(f"| {name} | {first:.4f} | {last:.4f} | {mean10:.4f} | {wall:.0f} |")
+    gap = (f8[0] - ref[0]) / ref[0]
+    print(f"final loss (mean of the last 10 steps): fp8 {f8[0]:.4f} vs {a.against} {ref[0]:.4f}: {100 * gap:+.2f}% "
+          f"({'within' if abs(gap) <= 0.02 else 'OUTSIDE'} 2%)")
+
+
+if __name__ == "__main__":
+    main()

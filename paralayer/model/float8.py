@@ -1,0 +1,241 @@
+"""FP8 training of the blocks' GEMMs (train.precision=fp8): torchao's float8 for the tensorwise and
+rowwise recipes, an emulation of DeepSeek-V3's blockwise recipe written here.
+
+What runs in FP8: every nn.Linear inside a block (attention projections, the SwiGLU MLP, the MoE
+shared expert) but the router, and the MoE experts' GEMMs, on the blocks paralayer/resolve/fp8.py
+lists (the first/last ``train.fp8.bf16_*_blocks`` stay in the base precision, as do the attention
+core, norms, embedding, head and MTP depths). Applied on the meta model after the pipeline split and
+before tensor parallel, as torchtitan's float8 converter does (its TP styles need Float8Linear).
+
+Recipes (``recipe_config``):
+- tensorwise: one scale per tensor for the input, the weight and the output gradient (e4m3 / e5m2).
+  Under tp the TP styles become torchao's Float8Colwise/RowwiseParallel + PrepareFloat8ModuleInput
+  (the sequence-parallel all-gather carries FP8); their casts run on DTensors, whose amax is the
+  whole tensor's (an all-reduce). Under ZeRO 2/3 FSDP2 all-gathers the weights in FP8
+  (``enable_fsdp_float8_all_gather``), their scales the whole weight's: ``refresh_scales`` runs
+  torchao's ``precompute_float8_dynamic_scale_for_fsdp`` before every step (one all-reduce of the
+  amaxes; also right after a resume). Under cp each rank holds part of every sequence: the casts of
+  the input and of the output gradient take their amax over the cp group (:class:`Fp8Linear`).
+- rowwise: a scale per row of each GEMM operand (torchao's "rowwise" recipe, power-of-2 scales);
+  the weight and activations are gathered in the base precision under tp / FSDP.
+- blockwise: 1x128 tiles of activations and output gradients, 128x128 blocks of weights, all e4m3
+  (DeepSeek-V3 §3.3). torchao 0.18's blockwise trainer needs triton kernels (CUDA only), so this is
+  an emulation (:class:`_BlockwiseMatmul`): the same quantise-dequantise, matmuls in the base dtype.
+
+On CPU everything runs emulated (torchao's ``emulate=True``: FP8 values, higher-precision matmuls).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+
+def _import_quietly() -> None:
+    """Import torchao without its CPU-build noise on every rank's console: a warning per CUDA-only
+    library it cannot load, one from torch's pytree about its enums."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+_import_quietly()
+
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.distributed_utils import tensor_already_casted_to_fp8  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args  # noqa: E402
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # noqa: E402
+from torchao.float8.float8_utils import tensor_to_scale  # noqa: E402
+
+BLOCK = 128
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def recipe_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool = False) -> Float8LinearConfig:
+    """torchao's Float8LinearConfig of a recipe (tensorwise | rowwise); emulated on CPU."""
+    cfg = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(cfg, emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_float8_all_gather and recipe == "tensorwise")
+
+
+# ------------------------------------------------------------------ tensorwise / rowwise (torchao)
+class _GradCast(torch.autograd.Function):
+    """Forward: identity. Backward: the output gradient cast to FP8 with its amax over ``mesh``
+    (tensorwise: the whole gradient of a sequence held by the cp ranks)."""
+
+    @staticmethod
+    def forward(ctx, y, mm_config, dtype, mesh):
+        ctx.mm_config, ctx.dtype, ctx.mesh = mm_config, dtype, mesh
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        if tensor_already_casted_to_fp8(g):
+            return g, None, None, None
+        scale = tensor_to_scale(g, ctx.dtype, reduce_amax=True, device_mesh=ctx.mesh)
+        return hp_tensor_and_scale_to_float8(g, scale, ctx.dtype, ctx.mm_config, GemmInputRole.GRAD_OUTPUT), \
+            None, None, None
+
+
+class Fp8Linear(Float8Linear):
+    """torchao's Float8Linear, plus ``token_mesh``: under cp (tensorwise only: resolve/fp8.py) the
+    input's and output gradient's scales are taken over every cp rank's tokens, so they equal one
+    process's scale of the whole sequence."""
+
+    token_mesh = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.token_mesh
+        if mesh is None:
+            return super().forward(x)
+        c = self.config
+        if not tensor_already_casted_to_fp8(x):
+            x = hp_tensor_to_float8_dynamic(x, c.cast_config_input.target_dtype, self.linear_mm_config,
+                                            reduce_amax=True, gemm_input_role=GemmInputRole.INPUT,
+                                            device_mesh=mesh)
+        y = matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.linear_mm_config, c)
+        return _GradCast.apply(y, self.linear_mm_config, c.cast_config_grad_output.target_dtype, mesh)
+
+
+class ExpertMatmul:
+    """``rows @ w.t()`` for an expert's (out, in) weight slice, with the casts of a Float8Linear of
+    the same recipe (model/moe.py calls it per local expert; the scale of ``w`` is that expert's)."""
+
+    def __init__(self, config: Float8LinearConfig):
+        self.config = config
+        self.mm_config = Fp8Linear(1, 1, bias=False, config=config, device="meta").linear_mm_config
+
+    def __call__(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return matmul_with_hp_or_float8_args.apply(rows, w.t(), self.mm_config, self.config)
+
+
+# ------------------------------------------------------------------ blockwise (emulated)
+def qdq_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Quantise-dequantise a 2-D tensor in e4m3 with one scale per (rows x cols) tile (amax / 448)."""
+    m, k = x.shape
+    t = x.reshape(m // rows, rows, k // cols, cols)
+    amax = t.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=1e-12)
+    scale = E4M3_MAX / amax
+    q = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() / scale).to(x.dtype).reshape(m, k)
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of 128 (zeros leave every tile's amax as it was)."""
+    pad = -x.shape[0] % BLOCK
+    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+
+
+class _BlockwiseMatmul(torch.autograd.Function):
+    """y = x @ wᵀ, DeepSeek-V3's fine-grained FP8: forward x in 1x128 tiles, w in 128x128 blocks;
+    dgrad: dy in 1x128 tiles (along N) times the same w blocks; wgrad: dyᵀ in 1x128 tiles and x in
+    128x1 tiles, both along the tokens (so seq_len must hold whole tiles: resolve/fp8.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = qdq_tiles(x2, 1, BLOCK) @ qdq_tiles(w, BLOCK, BLOCK).t()
+        ctx.save_for_backward(x, w)
+        return y.reshape(*shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        m = x.numel() // x.shape[-1]
+        x2, g2 = x.reshape(m, -1), g.reshape(m, -1)
+        gx = qdq_tiles(g2, 1, BLOCK) @ qdq_tiles(w, BLOCK, BLOCK)
+        gp, xp = _pad_rows(g2), _pad_rows(x2)
+        gw = qdq_tiles(gp.t().contiguous(), 1, BLOCK) @ qdq_tiles(xp, BLOCK, 1)
+        return gx.reshape(x.shape), gw.to(w.dtype)
+
+
+def blockwise_mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """rows @ wᵀ in the emulated blockwise recipe (rows padded to whole 128-row tiles)."""
+    m = rows.shape[0]
+    if m % BLOCK:
+        return _BlockwiseMatmul.apply(_pad_rows(rows), w)[:m]
+    return _BlockwiseMatmul.apply(rows, w)
+
+
+class BlockwiseFp8Linear(nn.Linear):
+    """nn.Linear whose GEMMs run the emulated blockwise recipe (no bias: the blocks have none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BlockwiseMatmul.apply(x, self.weight)
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear) -> "BlockwiseFp8Linear":
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False)
+        new.weight = mod.weight
+        return new
+
+
+# ------------------------------------------------------------------ the conversion
+def tp_styles(recipe: str, fp8_comm: bool) -> dict:
+    """The tensor-parallel styles of an FP8 block: torchao's float8 ones for tensorwise where the
+    backend moves FP8 tensors (NCCL: the SP all-gather in FP8), the plain ones otherwise (gloo has
+    no float8 dtype; the linear then casts the gathered input with the same whole-tensor scale)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    if recipe == "tensorwise" and fp8_comm:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return {"colwise": Float8ColwiseParallel, "rowwise": Float8RowwiseParallel,
+                "prepare": PrepareFloat8ModuleInput}
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare": PrepareModuleInput}
+
+
+def convert_blocks(chunk: nn.Module, recipe: str, layers: list[int], *, emulate: bool,
+                   fsdp_float8_all_gather: bool = False, token_mesh=None, fp8_comm: bool = True) -> int:
+    """Swap the GEMMs of ``chunk``'s blocks whose global index is in ``layers`` to FP8, in place, on
+    the meta model (before tp, FSDP and materialisation). Returns the number of linears swapped.
+    ``token_mesh``: the cp mesh (tensorwise scales over every cp rank's tokens); ``fp8_comm``: the
+    tp collectives may carry FP8 (NCCL; not gloo)."""
+    config = None if recipe == "blockwise" else recipe_config(recipe, emulate, fsdp_float8_all_gather)
+    wanted = set(layers)
+    swapped = 0
+    for block in chunk.layers.values():
+        if block.layer_id not in wanted:
+            continue
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear or name == "gate":  # the router stays in base precision
+                    continue
+                if config is None:
+                    new = BlockwiseFp8Linear.from_float(child)
+                else:
+                    new = Fp8Linear.from_float(child, config=config)
+                    new.token_mesh = token_mesh
+                setattr(parent, name, new)
+                swapped += 1
+        ff = block.feed_forward
+        if hasattr(ff, "expert_mm"):  # MoE: the experts' hand-written GEMMs
+            ff.expert_mm = blockwise_mm if config is None else ExpertMatmul(config)
+        block.fp8_tp_styles = None if config is None else tp_styles(recipe, fp8_comm)
+    return swapped
+
+
+def refresh_scales(chunks: list[nn.Module]) -> None:
+    """FSDP's FP8 all-gather: every weight's scale from its whole tensor (one all-reduce), before a
+    step's forward (torchtitan runs it after the optimizer step; before the forward also covers the
+    first step and a resume). A no-op without FP8 all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for chunk in chunks:
+        if getattr(chunk, "fp8_fsdp_all_gather", False):
+            precompute_float8_dynamic_scale_for_fsdp(chunk)

@@ -1,0 +1,142 @@
+"""FP8 training's rules and the plan's ``fp8`` section (train.precision=fp8), before any rank starts.
+
+Why here and not in the runtime: a GEMM FP8 cannot take (a local K or N that is not a multiple of
+16 after tp; of 128 for blockwise), a GPU without FP8 tensor cores, or a layout the FP8 path is
+not built for must fail in the resolver, exit 2 with one line, not minutes later inside a rank.
+
+What runs in FP8 (paralayer/model/float8.py builds it): the blocks' linear GEMMs (attention
+projections, MLP, MoE experts and shared expert), except the first ``train.fp8.bf16_first_blocks``
+and last ``bf16_last_blocks`` blocks; the attention core, norms, router, embedding, head and MTP
+depths stay in the base precision (bf16 on GPUs, fp32 on CPU, where the FP8 casts are emulated:
+the same quantisation, the matmuls in fp32). Torch-free.
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+
+#: GPU kinds whose tensor cores have no FP8 (before Hopper / Ada), by profile name.
+PRE_FP8_GPUS = ("v100", "p100", "t4", "a100", "a800", "a10", "a30", "a40", "a6000")
+#: names that say the GPU has FP8 tensor cores (Hopper, Ada, Blackwell).
+FP8_GPUS = ("h100", "h200", "h800", "h20", "gh200", "l40", "l4", "4090", "b100", "b200", "gb200", "b300")
+#: the local K and N an FP8 GEMM takes: torch._scaled_mm needs multiples of 16 (tensorwise,
+#: rowwise); blockwise scales tiles of 128 (1x128 activations, 128x128 weights)
+ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
+
+
+def fp8_layers(cfg: Config) -> list[int]:
+    """Global indices of the blocks whose GEMMs run in FP8."""
+    f, n = cfg.train.fp8, cfg.model.n_layers
+    return list(range(min(f.bf16_first_blocks, n), max(n - f.bf16_last_blocks, 0)))
+
+
+def local_gemms(cfg: Config, tp: int) -> list[tuple[str, int, int]]:
+    """(name, K, N) of each FP8 GEMM kind of a block on one rank after tp (experts: not split by
+    tp, only by ep along the expert dimension, which leaves each expert's GEMMs whole)."""
+    m = cfg.model
+    out: list[tuple[str, int, int]] = []
+    if m.mla.kv_lora_rank > 0:
+        a = m.mla
+        qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, m.n_heads // tp
+        if a.q_lora_rank is None:
+            out.append(("attention.wq", m.d_model, heads * qk))
+        else:
+            out += [("attention.q_a", m.d_model, a.q_lora_rank), ("attention.q_b", a.q_lora_rank, heads * qk)]
+        out += [("attention.kv_a", m.d_model, a.kv_lora_rank + a.qk_rope_head_dim),
+                ("attention.kv_b", a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim)),
+                ("attention.wo", heads * a.v_head_dim, m.d_model)]
+    else:
+        hd = m.head_dim or m.d_model // m.n_heads
+        q, kv = m.n_heads * hd // tp, m.n_kv_heads * hd // tp
+        out += [("attention.wq", m.d_model, q), ("attention.wk", m.d_model, kv), ("attention.wv", m.d_model, kv),
+                ("attention.wo", q, m.d_model)]
+    moe = m.moe
+    dense_too = moe.num_experts == 0 or moe.every > 1 or moe.first_k_dense > 0
+    if dense_too:
+        f = m.ffn_hidden // tp
+        out += [("feed_forward.w1", m.d_model, f), ("feed_forward.w3", m.d_model, f),
+                ("feed_forward.w2", f, m.d_model)]
+    if moe.num_experts > 0:
+        f = moe.ffn_hidden or m.ffn_hidden
+        out += [("experts.w1", m.d_model, f), ("experts.w2", f, m.d_model)]
+        if moe.shared_ffn_hidden:
+            out += [("shared.w1", m.d_model, moe.shared_ffn_hidden), ("shared.w2", moe.shared_ffn_hidden, m.d_model)]
+    return out
+
+
+def gpu_has_fp8(name: str) -> bool | None:
+    """True/False when the profile's name says whether the GPU has FP8 tensor cores; None when unknown."""
+    low = (name or "").lower()
+    if any(k in low for k in FP8_GPUS):
+        return True
+    if any(k in low for k in PRE_FP8_GPUS):
+        return False
+    return None
+
+
+def check_fp8(cfg: Config, lay) -> None:
+    """The FP8 rules; each problem is an Issue on ``lay`` naming train.precision (or the field)."""
+    from paralayer.resolve.rules import Issue
+
+    if cfg.train.precision != "fp8":
+        return
+    recipe, p = cfg.train.fp8.recipe, cfg.parallel
+    err = lay.errors.append
+    if lay.device == "cuda":
+        has = gpu_has_fp8(cfg.cluster.name)
+        if has is False:
+            err(Issue("train.precision", f"train.precision=fp8 needs FP8 tensor cores (Hopper or Ada and later: "
+                      f"H100, H200, H800, L40, B200) but cluster {cfg.cluster.name} has none; valid: fp32, bf16"))
+        elif has is None:
+            lay.warnings.append(Issue("train.precision", f"cluster {cfg.cluster.name}: its GPU kind is not known to "
+                                      "have FP8 tensor cores (Hopper/Ada or later); torchao fails at the first GEMM "
+                                      "otherwise"))
+    else:
+        lay.notes.append(f"train.precision=fp8 ({recipe}) on CPU runs emulated: the same FP8 casts, matmuls in fp32")
+    if p.ep > 1:
+        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.ep={p.ep}: an expert's "
+                  "activation scale would cover the tokens every ep rank sends it (not one process's); valid: "
+                  "parallel.ep=1 (the experts' GEMMs still run in FP8), or train.precision=bf16"))
+    if lay.tp_overlap:
+        err(Issue("train.precision", "train.precision=fp8 is not built with parallel.tp_overlap=true (the fused "
+                  "ring GEMMs have no FP8 cast); valid: parallel.tp_overlap=false"))
+    if p.cp > 1 and recipe == "rowwise":
+        err(Issue("train.fp8.recipe", f"train.fp8.recipe=rowwise is not built with parallel.cp={p.cp}: its "
+                  "weight-gradient casts scale each column over the tokens, which the cp ranks split; valid with "
+                  "cp > 1: tensorwise, blockwise"))
+    if p.cp > 1 and p.tp > 1:
+        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.tp={p.tp} and parallel.cp="
+                  f"{p.cp} together (the tp casts' amax does not reach the cp ranks); valid: tp=1 or cp=1"))
+    if recipe == "blockwise":
+        if p.tp > 1:
+            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp}; valid "
+                      "with tp > 1: tensorwise, rowwise"))
+        chunk = cfg.model.seq_len // (2 * p.cp) if p.cp > 1 else cfg.model.seq_len
+        if chunk % 128:
+            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise groups 128 tokens for the weight gradient: "
+                      f"the tokens per sequence chunk (model.seq_len={cfg.model.seq_len}"
+                      + (f"/(2·parallel.cp={p.cp})" if p.cp > 1 else "") + f" = {chunk}) must be a multiple of "
+                      "128; valid recipes here: tensorwise, rowwise"))
+    if not fp8_layers(cfg):
+        lay.warnings.append(Issue("train.fp8.bf16_first_blocks", "bf16_first_blocks + bf16_last_blocks cover every "
+                                  "block: no GEMM runs in FP8"))
+        return
+    align = ALIGN[recipe]
+    bad = [(n, k, nn) for n, k, nn in local_gemms(cfg, p.tp) if k % align or nn % align]
+    if bad:
+        n, k, nn = bad[0]
+        where = f" after parallel.tp={p.tp}" if p.tp > 1 else ""
+        err(Issue("train.precision", f"train.precision=fp8 ({recipe}) needs each GEMM's K and N multiples of {align}"
+                  f"{where}, but {n} is K={k}, N={nn} on a rank ({len(bad)} GEMM kinds fail); valid: "
+                  f"train.precision=bf16, or widths (and tp) giving multiples of {align}"))
+
+
+def plan_section(cfg: Config, lay) -> dict | None:
+    """The plan's ``fp8`` section: the recipe, which blocks and GEMMs run in FP8, what stays in the base
+    precision, whether the casts are emulated (CPU)."""
+    if cfg.train.precision != "fp8":
+        return None
+    layers = fp8_layers(cfg)
+    return {"recipe": cfg.train.fp8.recipe, "emulated": lay.device != "cuda", "base_precision": lay.precision,
+            "fp8_layers": layers, "bf16_layers": [i for i in range(cfg.model.n_layers) if i not in layers],
+            "fp8_gemms": [{"name": n, "k": k, "n": nn} for n, k, nn in local_gemms(cfg, lay.tp)],
+            "base_precision_parts": ["attention core", "norms", "router", "embedding", "head", "mtp"]}
