@@ -1,7 +1,8 @@
 """The model families' outside oracles, shared by tests/test_families.py: small transformers
 models (LlamaForCausalLM with Llama 3.1's RoPE, Qwen3ForCausalLM with head_dim != d_model/n_heads,
 Qwen3 with interleaved sliding and full layers, MistralForCausalLM with a uniform window,
-Gemma3ForCausalLM with its local:global pattern, two RoPE bases and its own norms) at a wide init, saved with their own ``save_pretrained``; and the planted errors the oracle must catch."""
+Gemma3ForCausalLM with its local:global pattern, two RoPE bases and its own norms) at a wide init,
+saved with their own ``save_pretrained``; and the planted errors the oracle must catch."""
 from __future__ import annotations
 
 import torch

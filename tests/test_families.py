@@ -1,7 +1,8 @@
 """The families against transformers' own classes (issue #33): Llama with Llama 3.1's RoPE,
 Qwen3 (head_dim != d_model / n_heads, per-head q/k norms), Qwen3 with interleaved sliding and
 full layers, Mistral with a uniform window, Gemma 3 (issue #47: scaled embedding, (1 + w) norms
-before and after attention and MLP, GeGLU, query_pre_attn_scalar, a RoPE per layer type) — each saved by its own ``save_pretrained``
+before and after attention and MLP, GeGLU, query_pre_attn_scalar, a RoPE per layer type) — each
+saved by its own ``save_pretrained``
 (tests/families.py), imported by ``model.init=hf:DIR``.
 
 - one rank: logits and every parameter's gradient within 1e-5 relative; each planted error

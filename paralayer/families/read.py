@@ -9,7 +9,6 @@ from paralayer.families.common import read_config, seq_len_field, shared_fields
 from paralayer.families.errors import HFFormatError
 from paralayer.families.registry import MODEL_TYPES, REFUSED_TYPES, by_type
 
-
 #: ModelConfig keys only Gemma's family sets, with every other family's value
 GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "mlp_act": "silu",
               "query_pre_attn_scalar": None, "rope_local_theta": None}
@@ -27,7 +26,8 @@ def load_hf_config(path: str) -> dict:
     fam = by_type(mtype)
     if fam is None:
         why = f"{REFUSED_TYPES[mtype]}; " if isinstance(mtype, str) and mtype in REFUSED_TYPES else ""
-        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({why}{', '.join(MODEL_TYPES)})")
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported "
+                            f"({why}{', '.join(MODEL_TYPES)})")
     if hasattr(fam, "prepare"):  # the family's own spellings and defaults (registry.OPTIONAL)
         hf = fam.prepare(hf, fp)
     out = shared_fields(hf, fp)

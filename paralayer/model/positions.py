@@ -80,7 +80,8 @@ def yarn_inv_freq(dim: int, theta: float, rope) -> tuple[torch.Tensor, float]:
     return interpolation * (1 - keep) + extrapolation * keep, yarn_attention_factor(rope)
 
 
-ROPE_KINDS: dict[str, InvFreqFn] = {"default": default_inv_freq, "linear": linear_inv_freq, "llama3": llama3_inv_freq, "yarn": yarn_inv_freq}
+ROPE_KINDS: dict[str, InvFreqFn] = {"default": default_inv_freq, "linear": linear_inv_freq,
+                                    "llama3": llama3_inv_freq, "yarn": yarn_inv_freq}
 
 
 def inv_freq_for(head_dim: int, theta: float, rope=None) -> tuple[torch.Tensor, float]:
