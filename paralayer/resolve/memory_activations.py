@@ -86,6 +86,8 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> 
     if mode == "full":
         return (h / t if sp else h) if autocast else 0.0
     extra = (2 + (2 * h if autocast else 0)) / (t if sp else 1)
+    if m.post_norms:  # Gemma 3's two more norms keep their 1/rms in fp32 too
+        extra += 2 / (t if sp else 1)
     if mode not in ("core_attn", "selective"):
         extra += a / t
     if autocast:
@@ -116,6 +118,8 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
+    if m.post_norms:  # Gemma 3's norms on wo's and w2's outputs: their inputs and 1/rms
+        rep += 2 * h + 2
     shard = attn_saved_elems(cfg, lay, mode)
     rep += attn_replicated_elems(cfg, mode)
     # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not
