@@ -162,6 +162,9 @@ def export_refusal(cfg, t: Traits) -> Optional[str]:
     if t.moe or t.mla:
         return f"model.{'moe.num_experts' if t.moe else 'mla.kv_lora_rank'}: Gemma's parts with " \
                f"{'experts' if t.moe else 'MLA'} export as no family (gemma3_text is dense GQA)"
+    qpas = cfg.query_pre_attn_scalar
+    if qpas is not None and not float(qpas).is_integer():
+        return f"model.query_pre_attn_scalar={qpas}: Gemma3TextConfig takes a whole number"
     for key, want in _NEEDS:
         if getattr(cfg, key) != want:
             return (f"model.{key}={getattr(cfg, key)!r}: a config with Gemma's parts exports as gemma3_text, which "
@@ -175,7 +178,7 @@ def export_config(cfg) -> dict:
     full = rope_parameters(cfg)
     local = full if cfg.rope_local_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
     hd = int(cfg.head_dim) if cfg.head_dim else cfg.d_model // cfg.n_heads
-    qpas = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else hd
+    qpas = int(cfg.query_pre_attn_scalar) if cfg.query_pre_attn_scalar is not None else hd  # an int in its class
     return {**base_export(cfg, HF_CLASS, NAME), "hidden_act": ACT, "hidden_activation": ACT,
             "query_pre_attn_scalar": qpas, "sliding_window": cfg.sliding_window,
             "layer_types": [_HF_TYPES[t] for t in layer_types(cfg)],
