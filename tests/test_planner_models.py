@@ -49,7 +49,7 @@ BAD = [
                                      "model.sliding_window"),
     ("model.head_dim=63", "model.head_dim: must be an even integer from 2 to 4,096 (RoPE rotates pairs)"),
     ("model.head_dim=0", "model.head_dim: must be an even integer"),
-    ("model.rope.type=ntk", "model.rope.type: 'ntk' is not one of: default, llama3, yarn"),
+    ("model.rope.type=ntk", "model.rope.type: 'ntk' is not one of: default, linear, llama3, yarn"),
     ("model.rope.factor=0.5", "model.rope.factor: must be a finite number >= 1"),
     ("model.rope.factor=4", "model.rope.factor: 4 needs model.rope.type=linear, llama3 or yarn"),
     ("model.rope.type=llama3 model.rope.factor=8", "model.rope.original_max_position: model.rope.type=llama3 needs"),
