@@ -1,7 +1,8 @@
 """The model families' outside oracles, shared by tests/test_families.py: small transformers
 models (LlamaForCausalLM with Llama 3.1's RoPE, Qwen3ForCausalLM with head_dim != d_model/n_heads,
-Qwen3 with interleaved sliding and full layers, MistralForCausalLM with a uniform window) at a
-wide init, saved with their own ``save_pretrained``; and the planted errors the oracle must catch."""
+Qwen3 with interleaved sliding and full layers, MistralForCausalLM with a uniform window,
+Gemma3ForCausalLM with its local:global pattern, two RoPE bases and its own norms) at a wide init,
+saved with their own ``save_pretrained``; and the planted errors the oracle must catch."""
 from __future__ import annotations
 
 import torch
@@ -19,11 +20,25 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_f
 YARN = {"rope_type": "yarn", "rope_theta": THETA, "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_max_position_embeddings": 32}
 
-FAMILIES = ("llama3", "qwen3", "window", "mistral")
+# Gemma 3: sliding_window_pattern 3 (sliding, sliding, full, sliding: a full layer on each pp2 stage's
+# side of the split is not needed, the pattern is what is read), linear RoPE ×2 on the full layers
+# (Gemma 3 4B+ publish linear ×8), the sliding layers' own base, query_pre_attn_scalar 20 ≠ head_dim 24
+GEMMA = dict(head_dim=24, sliding_window=WINDOW, sliding_window_pattern=3, query_pre_attn_scalar=20,
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": THETA},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 700.0}})
+
+FAMILIES = ("llama3", "qwen3", "window", "mistral", "gemma3")
 #: which planted errors apply to which family (qk: the family has q/k norms; window: it slides)
 PLANTS = {"llama3": ("rope_factor_x2",), "qwen3": ("rope_factor_x2", "qk_norm_after_rope"),
           "window": ("rope_factor_x2", "qk_norm_after_rope", "window_off_by_one"),
-          "mistral": ("rope_factor_x2", "window_off_by_one")}
+          "mistral": ("rope_factor_x2", "window_off_by_one"),
+          "gemma3": ("rope_factor_x2", "qk_norm_after_rope", "window_off_by_one", "embed_scale_dropped",
+                     "local_rope_as_global", "post_norms_dropped")}
+#: the plants that are a change of the config (the model is built after them)
+CONFIG_PLANTS = ("rope_factor_x2", "window_off_by_one", "embed_scale_dropped", "local_rope_as_global",
+                 "post_norms_dropped")
+#: our family name per test family (its own weight names: names.ours_to_hf(..., family=))
+HF_FAMILY = {"llama3": "llama", "qwen3": "qwen3", "window": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text"}
 
 
 def hf_config(family: str):
@@ -39,6 +54,12 @@ def hf_config(family: str):
                                         layer_types=["sliding_attention", "full_attention"] * 2)
     if family == "mistral":
         return transformers.MistralConfig(**BASE, sliding_window=WINDOW, rope_parameters=dict(YARN))
+    if family == "gemma3":
+        import copy
+
+        # pad_token_id None: transformers' embedding would freeze the pad row's gradient (padding_idx),
+        # which we do not build (every row of ours trains; docs/models.md)
+        return transformers.Gemma3TextConfig(**BASE, **copy.deepcopy(GEMMA), pad_token_id=None)
     raise ValueError(family)
 
 
@@ -73,6 +94,12 @@ def plant(model, mcfg, kind: str) -> None:
         mcfg.rope.factor *= 2
     elif kind == "window_off_by_one":
         mcfg.sliding_window += 1
+    elif kind == "embed_scale_dropped":
+        mcfg.embed_scale = False
+    elif kind == "local_rope_as_global":
+        mcfg.rope_local_theta = None
+    elif kind == "post_norms_dropped":  # the (1 + w) gains still trained, but as pre-norms only
+        mcfg.post_norms = False
     elif kind == "qk_norm_after_rope":
         for layer in model.layers.values():
             _qk_after_rope(layer.attention)
@@ -84,4 +111,4 @@ def _qk_after_rope(att) -> None:
     qn, kn, core = att.q_norm, att.k_norm, att.attn_fn
     att.q_norm = att.k_norm = None
     att._planted = (qn, kn)  # keep the weights registered elsewhere out of the way
-    att.attn_fn = lambda q, k, v: core(qn(q), kn(k), v)
+    att.attn_fn = lambda q, k, v, **kw: core(qn(q), kn(k), v, **kw)

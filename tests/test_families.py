@@ -1,10 +1,13 @@
 """The families against transformers' own classes (issue #33): Llama with Llama 3.1's RoPE,
 Qwen3 (head_dim != d_model / n_heads, per-head q/k norms), Qwen3 with interleaved sliding and
-full layers, Mistral with a uniform window — each saved by its own ``save_pretrained``
+full layers, Mistral with a uniform window, Gemma 3 (issue #47: scaled embedding, (1 + w) norms
+before and after attention and MLP, GeGLU, query_pre_attn_scalar, a RoPE per layer type) — each
+saved by its own ``save_pretrained``
 (tests/families.py), imported by ``model.init=hf:DIR``.
 
 - one rank: logits and every parameter's gradient within 1e-5 relative; each planted error
-  (q/k norm after RoPE, RoPE factor ×2, window off by one) moves them past 100× the tolerance;
+  (q/k norm after RoPE, RoPE factor ×2, window off by one; Gemma: the embedding scale dropped,
+  the sliding layers on the global RoPE, the post norms dropped) moves them past 100× the tolerance;
 - tp2 (+SP), pp2 (1f1b and zbv), cp2, dp2·ZeRO-3, through the runtime (setup, the step's forward
   and backward, the gradient reduction): the global batch's loss and every full gradient against
   transformers' on the same batch, 1e-5 relative;
@@ -54,7 +57,7 @@ def _rel(got, want) -> float:
 def _ours(path: str, plant: str | None = None):
     mcfg = ModelConfig()
     apply_hf_config(mcfg, path)
-    if plant in ("rope_factor_x2", "window_off_by_one"):
+    if plant in fam.CONFIG_PLANTS:
         fam.plant(None, mcfg, plant)
     with torch.device("meta"):
         model = Transformer(mcfg)
@@ -70,7 +73,12 @@ def _batch():
     return torch.randint(0, fam.VOCAB, (2, fam.SEQ), generator=g)
 
 
-def _oracle(ref, model) -> tuple[float, dict]:
+def _hf_name(family: str):
+    """our name → the transformers key in ``family``'s naming (Gemma names its norms its own way)."""
+    return lambda n: ours_to_hf(n, family=fam.HF_FAMILY[family])
+
+
+def _oracle(ref, model, family: str) -> tuple[float, dict]:
     """(logits rel err, {our name: grad rel err}) for the mean next-token CE of one batch."""
     x = _batch()
     ref.zero_grad(set_to_none=True)
@@ -79,7 +87,8 @@ def _oracle(ref, model) -> tuple[float, dict]:
     got = model(x)
     F.cross_entropy(got[:, :-1].reshape(-1, fam.VOCAB), x[:, 1:].reshape(-1)).backward()
     hf = dict(ref.named_parameters())
-    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, hf[ours_to_hf(n)].grad)
+    name = _hf_name(family)
+    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, hf[name(n)].grad)
                                                      for n, p in model.named_parameters()}
 
 
@@ -93,12 +102,12 @@ def test_one_rank_matches_transformers_and_plants_fail(saved, family):
     for ours, hf in _LITERAL.items():
         if f"layers.1.{ours}" in names:
             assert ours_to_hf(f"layers.1.{ours}") == f"model.layers.1.{hf}"
-    logits_err, grads = _oracle(ref, model)
+    logits_err, grads = _oracle(ref, model, family)
     print(f"{family}: logits rel err {logits_err:.1e}, grads max {max(grads.values()):.1e} over {len(grads)}")
     assert logits_err < TOL and max(grads.values()) < TOL, (logits_err, grads)
     for plant in fam.PLANTS[family]:
         bad, _ = _ours(path, plant)
-        e, g = _oracle(ref, bad)
+        e, g = _oracle(ref, bad, family)
         print(f"{family} planted {plant}: logits rel err {e:.1e}, grads max {max(g.values()):.1e}")
         assert e > 100 * TOL and max(g.values()) > 100 * TOL, (plant, e)
 
@@ -124,7 +133,7 @@ def test_config_fields_and_both_rope_spellings(saved, tmp_path):
 
 @pytest.mark.parametrize("edit, words", [
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type=\"longrope\""),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2}}, "(default, llama3, yarn)"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor is missing (rope_type linear"),
     ({"model_type": "gemma3"}, "model_type=\"gemma3\" is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
@@ -224,24 +233,25 @@ def test_layouts_match_transformers(saved, tokens, layout_results, family, layou
     out = ref(input_ids=x, labels=x)
     out.loss.backward()
     hf = dict(ref.named_parameters())
-    loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf)
+    loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf, family)
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     assert loss_err < TOL and max(errs.values()) < TOL, errs
     if (family, layout) == ("window", "cp2"):
         for plant in CP_PLANTS:
-            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf)
+            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf, family)
             print(f"window cp2 planted {plant}: loss rel err {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
             assert max(p_errs.values()) > 100 * TOL, (plant, p_errs)
 
 
-def _layout_errors(res, want_loss: float, hf: dict) -> tuple[float, dict]:
+def _layout_errors(res, want_loss: float, hf: dict, family: str) -> tuple[float, dict]:
     """(loss rel err, {our name: grad rel err}) of the ranks' results against transformers'."""
     grads = {}
     for _, g in res:
         grads.update(g)
     assert len(grads) == len(hf), (sorted(grads), len(hf))
-    errs = {n: _rel(torch.from_numpy(g), hf[ours_to_hf(n)].grad) for n, g in grads.items()}
+    name = _hf_name(family)
+    errs = {n: _rel(torch.from_numpy(g), hf[name(n)].grad) for n, g in grads.items()}
     return max(abs(r[0] - want_loss) / want_loss for r in res), errs
 
 
@@ -280,7 +290,7 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
         outs[lay] = {f: r[1] for f, r in zip(fam.FAMILIES, runs)}
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:2])
     want_class = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "window": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
+                  "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     for f in fam.FAMILIES:
         one = outs["one"][f]
         back = transformers.AutoModelForCausalLM.from_pretrained(one, attn_implementation="sdpa").float().eval()
@@ -312,9 +322,11 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
 
 
 @pytest.mark.parametrize("edit, words", [
-    ({"model_type": "olmo3"}, 'model_type="olmo3" is not supported (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3)'),
+    ({"model_type": "olmo3"}, 'model_type="olmo3" is not supported (llama, mistral, mixtral, qwen3, qwen3_moe, '
+                              'deepseek_v3, gemma3_text)'),
+    ({"model_type": "gemma4_text"}, 'model_type="gemma4_text" is not supported (Gemma 4 (per-layer input'),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-     'rope_parameters.rope_type="dynamic" is not supported (default, llama3, yarn)'),
+     'rope_parameters.rope_type="dynamic" is not supported (default, linear, llama3, yarn)'),
 ])
 def test_front_door_refuses_in_one_line_and_writes_nothing(saved, tmp_path, capsys, edit, words):
     from paralayer.cli import main

@@ -20,7 +20,7 @@ NO_TINY = {"mistral", "qwen3_moe"}
 
 
 def test_the_families_listed():
-    assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+    assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text")
     assert [by_type(t).NAME for t in MODEL_TYPES] == list(MODEL_TYPES)
     assert by_type("olmo3") is None and by_type(["llama"]) is None and by_type(None) is None
     with pytest.raises(KeyError, match="olmo3"):
@@ -81,12 +81,51 @@ def test_a_planted_missing_piece_is_refused():
 
 
 def test_export_claims_partition_every_config():
-    """Exactly one family claims each combination of the traits export decides by."""
+    """Exactly one family claims each combination of the traits export decides by (64 of them)."""
     kinds = [frozenset(), frozenset({"full"}), frozenset({"sliding"}), frozenset({"full", "sliding"})]
-    for mla, moe, qk, k in itertools.product([False, True], [False, True], [False, True], kinds):
-        t = Traits(mla, moe, qk, k)
+    seen = 0
+    for mla, moe, qk, k, gemma in itertools.product([False, True], [False, True], [False, True], kinds,
+                                                    [False, True]):
+        t = Traits(mla, moe, qk, k, gemma)
         claimed = [f.NAME for f in FAMILIES.values() if f.claims(t)]
         assert len(claimed) == 1, (t, claimed)
+        seen += 1
+    assert seen == 64
+
+
+def test_gemma_names_its_norms_its_own_way():
+    """Gemma 3's post_attention_layernorm is the norm AFTER attention (transformers'
+    Gemma3DecoderLayer); Llama's is the one before the MLP. The family's RENAMES win for it only."""
+    assert ours_to_hf("layers.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    g = "gemma3_text"
+    assert ours_to_hf("layers.3.ffn_norm.weight", family=g) == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert ours_to_hf("layers.3.post_attention_norm.weight", family=g) == \
+        "model.layers.3.post_attention_layernorm.weight"
+    assert ours_to_hf("layers.3.post_ffn_norm.weight", family=g) == "model.layers.3.post_feedforward_layernorm.weight"
+    assert ours_to_hf("layers.3.attention_norm.weight", family=g) == "model.layers.3.input_layernorm.weight"
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+
+    layer = Gemma3DecoderLayer(Gemma3TextConfig(hidden_size=16, intermediate_size=8, num_attention_heads=2,
+                                                num_key_value_heads=1, head_dim=8, num_hidden_layers=1), 0)
+    ours = ["attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"]
+    theirs = {n for n, _ in layer.named_parameters() if "layernorm" in n}
+    assert {ours_to_hf(f"layers.0.{o}.weight", family=g)[len("model.layers.0."):] for o in ours} == theirs
+
+
+@pytest.mark.parametrize("mtype, words", [("gemma4", "Gemma 4 (per-layer input embeddings"),
+                                          ("gemma4_text", "Gemma 4"), ("gemma2", "softcapping"),
+                                          ("gemma3", "import a gemma3_text checkpoint")])
+def test_related_model_types_refused_by_name(tmp_path, mtype, words):
+    import json
+
+    from paralayer.families import HFFormatError, load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mtype, "hidden_size": 64}))
+    with pytest.raises(HFFormatError) as exc:
+        load_hf_config(str(tmp_path))
+    msg = str(exc.value)
+    assert f'model_type="{mtype}" is not supported' in msg and words in msg and "\n" not in msg, msg
 
 
 def test_families_never_reach_torch():

@@ -40,7 +40,7 @@ from paralayer.checkpoint.hf_moe import (
     mtp_hf_key,
 )
 from paralayer.families import HFFormatError, family_for_config
-from paralayer.families.names import expert_keys, ours_to_hf, router_keys
+from paralayer.families.names import DEFAULT_EXPERTS, expert_keys, ours_to_hf, router_keys
 from paralayer.families.rope import rope_parameters
 
 INDEX = "model.safetensors.index.json"
@@ -68,6 +68,7 @@ class _Reader:
         self.bytes_read = 0  # bytes of the tensors and slices this reader returned
         self.rope_rows: Optional[dict] = None  # rows to reorder on import (_rope_rows)
         self.n_layers: Optional[int] = None  # set: MTP names read as DeepSeek's layers n_layers+k (hf_moe)
+        self.family = DEFAULT_EXPERTS  # the checkpoint's family: its own names (RENAMES) first
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
@@ -205,6 +206,15 @@ def copy_full_tensors(model: nn.Module, full_for: Callable[[str, tuple, Optional
             param.copy_(full)
 
 
+def _family_name(path: str) -> str:
+    """The family of the checkpoint at ``path`` (config.json's model_type), for its own names."""
+    from paralayer.families import by_type
+    from paralayer.families.common import read_config
+
+    fam = by_type(read_config(path).get("model_type", "llama"))
+    return fam.NAME if fam is not None else DEFAULT_EXPERTS
+
+
 def _hf_key(reader: _Reader, name: str) -> str:
     own = mtp_hf_key(name, reader.n_layers)
     if own is not None:
@@ -212,7 +222,7 @@ def _hf_key(reader: _Reader, name: str) -> str:
     name = mtp_as_layer(name, reader.n_layers)
     if name == "output.weight" and "lm_head.weight" not in reader:
         return "model.embed_tokens.weight"  # tied embeddings
-    key = ours_to_hf(name)
+    key = ours_to_hf(name, family=reader.family)
     if key not in reader and name.endswith("feed_forward.gate.weight"):
         keys = router_keys(name)  # each family's router name, the first the checkpoint has
         return next((k for k in keys if k in reader), keys[-1])
@@ -282,6 +292,7 @@ def load_hf_weights(model: nn.Module, path: str, cfg, seed: int = 0) -> int:
     carries beyond the model's are ignored, with a notice. Returns the bytes this rank read."""
     reader = _Reader(path)
     reader.rope_rows = _rope_rows(path)
+    reader.family = _family_name(path)
     reader.n_layers = cfg.n_layers
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
     fresh = hf_mtp.fresh_depths(model, reader, cfg, seed, path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from paralayer.config.schema import LAYER_TYPES, ROPE_TYPES, Config, ConfigError
+from paralayer.config.schema import LAYER_TYPES, MLP_ACTS, ROPE_TYPES, Config, ConfigError
 
 #: Upper bounds of the new integer keys (far beyond any published model: DeepSeek-V3's MLA ranks
 #: 1536/512, head_dim 128..256, windows up to 128K, MTP depth 1).
@@ -44,6 +44,7 @@ def _num(field: str, value: Any, lo: float, what: str, strict: bool = False, nul
 def check_model_keys(cfg: Config) -> None:
     """Every family key in range and consistent with its siblings; the first problem raises."""
     _check_attention(cfg)
+    _check_gemma(cfg)
     _check_rope(cfg)
     _check_window(cfg)
     _check_mla(cfg)
@@ -62,6 +63,28 @@ def _check_attention(cfg: Config) -> None:
         raise ConfigError("model.qk_norm", f"must be true or false, got {m.qk_norm!r}")
 
 
+def _check_gemma(cfg: Config) -> None:
+    """Gemma 3's parts: the switches, the GLU's activation, the attention scalar, the local RoPE base."""
+    m = cfg.model
+    for name in ("embed_scale", "norm_offset", "post_norms"):
+        if not isinstance(getattr(m, name), bool):
+            raise ConfigError(f"model.{name}", f"must be true or false, got {getattr(m, name)!r}")
+    if m.mlp_act not in MLP_ACTS:
+        raise ConfigError("model.mlp_act", f"'{m.mlp_act}' is not one of: {', '.join(MLP_ACTS)}")
+    _num("model.query_pre_attn_scalar", m.query_pre_attn_scalar, 0.0, "softmax scale 1/sqrt(this); null = "
+         "head_dim", strict=True, nullable=True)
+    _num("model.rope_local_theta", m.rope_local_theta, 0.0, "the sliding layers' RoPE base; null = the full "
+         "layers' RoPE", strict=True, nullable=True)
+    if m.mlp_act != "silu" and m.moe.num_experts > 0:
+        raise ConfigError("model.mlp_act", f"'{m.mlp_act}' is built for the dense MLP only; the experts run "
+                          "SwiGLU: use silu with model.moe.num_experts > 0")
+    if m.norm_offset and m.mtp.depth > 0:
+        raise ConfigError("model.norm_offset", "true is not built with MTP (model.mtp.depth > 0: its norms are "
+                          "DeepSeek's plain RMSNorm); use false or model.mtp.depth=0")
+    if m.rope_local_theta is not None and m.mla.kv_lora_rank > 0:
+        raise ConfigError("model.rope_local_theta", "does not apply with MLA (one RoPE for its shared key); use null")
+
+
 def _check_rope(cfg: Config) -> None:
     r = cfg.model.rope
     if r.type not in ROPE_TYPES:
@@ -69,8 +92,10 @@ def _check_rope(cfg: Config) -> None:
     _num("model.rope.factor", r.factor, 1.0, "the context extension; 1 = none")
     if r.type == "default":
         if r.factor != 1:
-            raise ConfigError("model.rope.factor", f"{r.factor:g} needs model.rope.type=llama3 or yarn (the plain "
-                              "RoPE of type default takes factor 1; linear scaling is not built)")
+            raise ConfigError("model.rope.factor", f"{r.factor:g} needs model.rope.type=linear, llama3 or yarn "
+                              "(the plain RoPE of type default takes factor 1)")
+        return
+    if r.type == "linear":  # positions / factor: no other key
         return
     if r.original_max_position is None:
         raise ConfigError("model.rope.original_max_position", f"model.rope.type={r.type} needs the pre-training "

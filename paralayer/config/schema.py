@@ -25,7 +25,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DATA_FORMATS = ("text", "jsonl", "parquet", "tokens", "indexed")
 WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MLP_ACTS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU (Gemma: gelu_pytorch_tanh)
 LAYER_TYPES = ("full", "sliding")
 BACKENDS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
@@ -61,9 +62,10 @@ class MoEConfig:
 
 @dataclass
 class RopeConfig:
-    """RoPE frequencies: default (plain base), llama3 (Llama 3.1 smoothing), yarn (YaRN, with its
-    attention scale). Read from config.json's rope_scaling or rope_parameters."""
-    type: str = "default"  # default | llama3 | yarn
+    """RoPE frequencies: default (plain base), linear (positions / factor: Gemma 3's global layers),
+    llama3 (Llama 3.1 smoothing), yarn (YaRN, with its attention scale). Read from config.json's
+    rope_scaling or rope_parameters."""
+    type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     original_max_position: Optional[int] = None  # the pre-training context the scaling extends
     low_freq_factor: float = 1.0  # llama3
@@ -115,6 +117,13 @@ class ModelConfig:
     # per layer "full" | "sliding" (transformers' layer_types); None = full_attention_every decides
     layer_types: Optional[List[str]] = None
     full_attention_every: int = 0  # with sliding_window: layer i full when (i+1) % k == 0; 0 = all sliding
+    # Gemma 3's parts (paralayer/families/gemma3.py); the defaults are every other family's
+    embed_scale: bool = False  # the embedding's output × sqrt(d_model), rounded to the embedding's dtype
+    norm_offset: bool = False  # RMSNorm gains stored as w, scaling by (1 + w) in fp32; init w = 0
+    post_norms: bool = False  # an RMSNorm on the attention's and the MLP's outputs too (4 per block)
+    mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU, gelu with the tanh approximation)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale 1/sqrt(this); null = 1/sqrt(head_dim)
+    rope_local_theta: Optional[float] = None  # sliding layers' own plain RoPE base; null = the full layers' RoPE
     mla: MLAConfig = field(default_factory=MLAConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

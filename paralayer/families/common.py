@@ -138,11 +138,15 @@ class Traits(NamedTuple):
     moe: bool
     qk_norm: bool
     kinds: frozenset  # the layer kinds present: "full", "sliding"
+    gemma: bool = False  # any of Gemma's parts (families/gemma3.py)
 
 
 def traits(cfg) -> Traits:
     """``cfg`` (a ModelConfig) as the few facts the families claim it by."""
-    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), frozenset(layer_types(cfg)))
+    gemma = bool(cfg.embed_scale or cfg.norm_offset or cfg.post_norms or cfg.mlp_act != "silu"
+                 or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None)
+    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), frozenset(layer_types(cfg)),
+                  gemma)
 
 
 def window_of(cfg) -> Optional[int]:

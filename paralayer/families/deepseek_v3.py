@@ -99,7 +99,7 @@ def export_rope_rows(cfg) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: latent attention."""
-    return t.mla
+    return t.mla and not t.gemma
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

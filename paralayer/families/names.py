@@ -21,6 +21,8 @@ from typing import Optional
 from paralayer.families.common import ExpertNames
 from paralayer.families.registry import FAMILIES, family
 
+_family = family  # ours_to_hf's argument of the same name hides it
+
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 DENSE = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
@@ -49,14 +51,15 @@ _HF_EXPERT = [(re.compile("^" + re.escape(e.expert).replace(r"\{j\}", r"(\d+)").
 
 
 def _experts(name: str) -> ExpertNames:
-    return family(name).EXPERTS or family(DEFAULT_EXPERTS).EXPERTS
+    return _family(name).EXPERTS or family(DEFAULT_EXPERTS).EXPERTS
 
 
 def ours_to_hf(name: str, expert: Optional[int] = None, family: str = DEFAULT_EXPERTS) -> str:
     """Our parameter name → the Hugging Face key. Stacked experts (``layers.{i}.feed_forward.w1``)
     need ``expert=j``: ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral), or
     with ``family="qwen3_moe"`` ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (and the
-    router ``mlp.gate.weight``): the names of that family's ``EXPERTS``."""
+    router ``mlp.gate.weight``): the names of that family's ``EXPERTS``. A family's ``RENAMES``
+    (Gemma 3: ``ffn_norm`` is its ``pre_feedforward_layernorm``) win for that family only."""
     if name in TOP:
         return TOP[name]
     m = _LAYER.match(name)
@@ -67,6 +70,9 @@ def ours_to_hf(name: str, expert: Optional[int] = None, family: str = DEFAULT_EX
             return f"model.layers.{i}.{ex.router}"
         if rest == "feed_forward.expert_bias" and _BIAS:  # DeepSeek-V3's selection bias (a buffer)
             return f"model.layers.{i}.{ex.bias or _BIAS[0]}"
+        renamed = getattr(_family(family), "RENAMES", {})  # this family's own names first (Gemma's norms)
+        if rest in renamed:
+            return f"model.layers.{i}.{renamed[rest]}"
         if rest in _ALL:
             return f"model.layers.{i}.{_ALL[rest]}"
         ff = re.match(r"^feed_forward\.(w[123])$", rest)

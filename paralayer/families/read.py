@@ -7,7 +7,11 @@ import os
 
 from paralayer.families.common import read_config, seq_len_field, shared_fields
 from paralayer.families.errors import HFFormatError
-from paralayer.families.registry import MODEL_TYPES, by_type
+from paralayer.families.registry import MODEL_TYPES, REFUSED_TYPES, by_type
+
+#: ModelConfig keys only Gemma's family sets, with every other family's value
+GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "mlp_act": "silu",
+              "query_pre_attn_scalar": None, "rope_local_theta": None}
 
 
 def load_hf_config(path: str) -> dict:
@@ -21,7 +25,11 @@ def load_hf_config(path: str) -> dict:
     mtype = hf.get("model_type", "llama")
     fam = by_type(mtype)
     if fam is None:
-        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({', '.join(MODEL_TYPES)})")
+        why = f"{REFUSED_TYPES[mtype]}; " if isinstance(mtype, str) and mtype in REFUSED_TYPES else ""
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported "
+                            f"({why}{', '.join(MODEL_TYPES)})")
+    if hasattr(fam, "prepare"):  # the family's own spellings and defaults (registry.OPTIONAL)
+        hf = fam.prepare(hf, fp)
     out = shared_fields(hf, fp)
     out.update(fam.read_attention(hf, fp, out["d_model"], out["n_heads"]))
     out.update(seq_len_field(hf, fp))
@@ -35,6 +43,8 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     from paralayer.config.schema import MLAConfig, RopeConfig
 
     fields = load_hf_config(path)
+    for key in GEMMA_KEYS:  # a family that does not set them takes every other family's values
+        setattr(model_cfg, key, fields.pop(key, GEMMA_KEYS[key]))
     moe = fields.pop("moe", None)
     mla = fields.pop("mla", None)
     model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Optional
 
-from paralayer.families import deepseek_v3, llama, mistral, mixtral, qwen3, qwen3_moe
+from paralayer.families import deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_moe
 from paralayer.families.common import traits
 from paralayer.families.errors import HFFormatError
 
@@ -30,7 +30,14 @@ REQUIRED = {
     "export_config": "(cfg) → its keys of config.json (raises HFFormatError for what it cannot say)",
 }
 
-_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3)
+#: What a family module may define besides :data:`REQUIRED`.
+OPTIONAL = {
+    "prepare": "(hf, fp) → config.json as the shared reader takes it (its own spellings and defaults)",
+    "RENAMES": "ours → theirs where it names a weight unlike the shared table (for this family only)",
+    "REFUSED": "model_type → why (a related model_type it names and refuses)",
+}
+
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3)
 
 
 def check_family(mod: ModuleType) -> None:
@@ -56,6 +63,8 @@ def _build(modules: tuple) -> dict[str, ModuleType]:
 #: model_type → family module, in the order the refusals list them.
 FAMILIES: dict[str, ModuleType] = _build(_MODULES)
 MODEL_TYPES = tuple(FAMILIES)
+#: model_type → why it is refused (the families' REFUSED)
+REFUSED_TYPES: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 
 def by_type(model_type: Any) -> Optional[ModuleType]:

@@ -2,7 +2,7 @@
 (:func:`rope_parameters`, for export); shared by every family, torch-free.
 
 Both spellings: ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5, which
-also holds rope_theta). The kinds we build exactly: default, llama3, yarn. Anything else — another
+also holds rope_theta). The kinds we build exactly: default, linear, llama3, yarn. Anything else — another
 rope type, a per-layer-type (nested) rope, a partial rotary factor, yarn without truncation, a key
 a kind does not take — is refused with the key, the value and what we support: an approximated
 RoPE trains a different model."""
@@ -14,9 +14,9 @@ from typing import Any
 
 from paralayer.families.errors import HFFormatError
 
-SUPPORTED = ("default", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "llama3", "yarn")
 # the keys each kind takes (besides rope_type/type and rope_theta); transformers' own validation lists
-_KEYS = {"default": set(),
+_KEYS = {"default": set(), "linear": {"factor"},
          "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
          "yarn": {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
                   "original_max_position_embeddings", "truncate"}}
@@ -75,6 +75,10 @@ def read_rope(hf: dict, fp: str) -> tuple[float, dict]:
     out: dict[str, Any] = {"type": rtype}
     if rtype == "default":
         return float(theta), out
+    if rtype == "linear":  # transformers: inv_freq / factor, nothing else
+        if rp.get("factor") is None:
+            raise _err(fp, f"{where}.factor is missing (rope_type linear needs it)")
+        return float(theta), {**out, "factor": _num(rp, "factor", where, fp)}
     rp = dict(rp)
     rp.setdefault("original_max_position_embeddings",
                   hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
@@ -113,7 +117,9 @@ def rope_parameters(cfg) -> dict:
     """Our RoPE (``cfg``: a ModelConfig) as transformers 5's ``rope_parameters``."""
     r = cfg.rope
     out: dict[str, Any] = {"rope_type": r.type, "rope_theta": cfg.rope_theta}
-    if r.type == "llama3":
+    if r.type == "linear":
+        out["factor"] = r.factor
+    elif r.type == "llama3":
         out.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                    original_max_position_embeddings=r.original_max_position)
     elif r.type == "yarn":

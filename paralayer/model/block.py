@@ -1,5 +1,8 @@
 """One decoder block, assembled from the config: pre-norm attention (plain or windowed, by the
-layer pattern of paralayer/config/layer_pattern.py), pre-norm SwiGLU or MoE feed-forward."""
+layer pattern of paralayer/config/layer_pattern.py), pre-norm SwiGLU / GeGLU or MoE feed-forward.
+With ``model.post_norms`` (Gemma 3) the attention's and the feed-forward's outputs are normed too
+before they join the residual: x + post_attention_norm(attn(attention_norm(x))), then the same
+with ffn_norm / post_ffn_norm; the norms are Gemma's (1 + w) under ``model.norm_offset``."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +12,7 @@ from paralayer.config import ModelConfig
 from paralayer.config.layer_pattern import layer_window
 from paralayer.model.attention import Attention
 from paralayer.model.mlp import FeedForward
-from paralayer.model.norms import RMSNorm
+from paralayer.model.norms import make_norm
 from paralayer.model.recompute import recompute
 
 
@@ -31,7 +34,7 @@ def router_spec(cfg: ModelConfig):
 
 def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
     if not is_moe_layer(cfg, layer_id):
-        return FeedForward(cfg.d_model, cfg.ffn_hidden)
+        return FeedForward(cfg.d_model, cfg.ffn_hidden, cfg.mlp_act)
     from paralayer.model.moe import MoEFeedForward
 
     m = cfg.moe
@@ -52,9 +55,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention_norm = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.attention = _attention(cfg, layer_id)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+        post = cfg.post_norms
+        self.post_attention_norm = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset) if post else None
+        self.post_ffn_norm = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset) if post else None
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.feed_forward = _feed_forward(cfg, layer_id)
         self.recompute_full = False
@@ -65,5 +71,7 @@ class TransformerBlock(nn.Module):
         return self._forward(x, cos, sin)
 
     def _forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))

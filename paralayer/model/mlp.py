@@ -1,4 +1,6 @@
-"""The dense feed-forward part: SwiGLU, w2(silu(w1 x) * w3 x) (Llama, Mistral, Qwen3)."""
+"""The dense feed-forward part: SwiGLU, w2(silu(w1 x) * w3 x) (Llama, Mistral, Qwen3), or GeGLU,
+w2(gelu_tanh(w1 x) * w3 x) (Gemma 3: transformers' gelu_pytorch_tanh): the same three GEMMs, and
+the same tensors kept for backward (gate and up)."""
 from __future__ import annotations
 
 import torch
@@ -9,16 +11,16 @@ from paralayer.model.recompute import recompute
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); ``act="gelu_tanh"``: GeGLU."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, act: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, hidden, bias=False)
         self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
         self.recompute_act = False
         self.tp_overlap = None  # as Attention.tp_overlap
-        self.act_fn = _swiglu  # compiled in place under train.compile with tp (model/compile.py)
+        self.act_fn = GLU_ACTS[act]  # compiled in place under train.compile with tp (model/compile.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_overlap is not None:
@@ -36,3 +38,11 @@ class FeedForward(nn.Module):
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def _geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+#: model.mlp_act → the gated activation
+GLU_ACTS = {"silu": _swiglu, "gelu_tanh": _geglu}

@@ -1,6 +1,6 @@
 """RMSNorm with a hand-written backward that keeps less for the backward pass than torch's
 composite (tests/test_rmsnorm.py checks it against two outside oracles). Used for the block's
-norms and for Qwen3's per-head q/k norms."""
+norms and for Qwen3's per-head q/k norms; :class:`OffsetRMSNorm` is Gemma's (gain 1 + w)."""
 from __future__ import annotations
 
 import torch
@@ -8,13 +8,18 @@ from torch import nn
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """y = x / rms(x) · w, computed in fp32; saves x (in its own dtype) and the per-token 1/rms."""
+    """y = x / rms(x) · (w + offset), computed in fp32; saves x (in its own dtype) and the per-token
+    1/rms. offset 0: Llama's (the normalised x cast to x's dtype, then × w); offset 1: Gemma's (the
+    gain 1 + w applied in fp32 before the cast, as transformers' Gemma3RMSNorm)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        if offset:
+            return (xf * rstd * (weight.float() + offset)).to(x.dtype)
         return (xf * rstd).to(x.dtype) * weight
 
     @staticmethod
@@ -26,9 +31,9 @@ class _RMSNormFn(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            gy = gf * weight.float()
+            gy = gf * (weight.float() + ctx.offset)
             gx = (rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
 class RMSNorm(nn.RMSNorm):
@@ -40,3 +45,17 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return _RMSNormFn.apply(x, self.weight, eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight w scales by (1 + w), in fp32 (transformers' Gemma3RMSNorm);
+    init w = 0 (model.norm_offset, paralayer/model/transformer.py). Saves what :class:`RMSNorm` saves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _RMSNormFn.apply(x, self.weight, eps, 1.0)
+
+
+def make_norm(dim: int, eps: float, offset: bool) -> RMSNorm:
+    """The config's RMSNorm over ``dim``: Gemma's (1 + w) when ``offset`` (model.norm_offset)."""
+    return (OffsetRMSNorm if offset else RMSNorm)(dim, eps=eps)

@@ -4,6 +4,7 @@ Kinds (``model.rope.type``), each computed exactly as transformers' ``modeling_r
 so an imported checkpoint sees the angles it was trained with:
 
     default   inv_freq_i = 1 / theta^(2i/d)
+    linear    the default's divided by ``factor`` (positions / factor: Gemma 3's global layers)
     llama3    Llama 3.1's smoothing: long wavelengths (> original_max_position / low_freq_factor)
               divided by ``factor``, short ones (< original / high_freq_factor) kept, the band
               between interpolated
@@ -30,6 +31,10 @@ def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
 
 def default_inv_freq(dim: int, theta: float, rope=None) -> tuple[torch.Tensor, float]:
     return _base_inv_freq(dim, theta), 1.0
+
+
+def linear_inv_freq(dim: int, theta: float, rope) -> tuple[torch.Tensor, float]:
+    return _base_inv_freq(dim, theta) / rope.factor, 1.0
 
 
 def llama3_inv_freq(dim: int, theta: float, rope) -> tuple[torch.Tensor, float]:
@@ -75,7 +80,8 @@ def yarn_inv_freq(dim: int, theta: float, rope) -> tuple[torch.Tensor, float]:
     return interpolation * (1 - keep) + extrapolation * keep, yarn_attention_factor(rope)
 
 
-ROPE_KINDS: dict[str, InvFreqFn] = {"default": default_inv_freq, "llama3": llama3_inv_freq, "yarn": yarn_inv_freq}
+ROPE_KINDS: dict[str, InvFreqFn] = {"default": default_inv_freq, "linear": linear_inv_freq,
+                                    "llama3": llama3_inv_freq, "yarn": yarn_inv_freq}
 
 
 def inv_freq_for(head_dim: int, theta: float, rope=None) -> tuple[torch.Tensor, float]:

@@ -21,8 +21,10 @@ from paralayer.config import ModelConfig
 from paralayer.model.attention import head_dim_of
 from paralayer.model.block import TransformerBlock, is_moe_layer
 from paralayer.model.mtp import MultiTokenPrediction
-from paralayer.model.norms import RMSNorm
+from paralayer.config.layer_pattern import layer_types
+from paralayer.model.norms import make_norm
 from paralayer.model.positions import rope_cos_sin
+
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Vocab rounded up to a multiple of tp (the padding rows never count in the loss)."""
@@ -42,12 +44,15 @@ class Transformer(nn.Module):
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(
             self.vocab_padded, cfg.d_model, _weight=torch.empty(self.vocab_padded, cfg.d_model))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: Optional[nn.RMSNorm] = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm: Optional[nn.RMSNorm] = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)
         # the dims RoPE rotates: a head's, or MLA's decoupled rope part
         self.head_dim = cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0 else head_dim_of(cfg)
         # Global positions of the local tokens (set under context parallel: zigzag chunks).
         self.positions: Optional[torch.Tensor] = None
+        # Gemma 3: the sliding layers' own RoPE base (a plain RoPE), the full layers' is model.rope
+        self.local_rope = cfg.rope_local_theta is not None and "sliding" in layer_types(cfg)
+        self.sliding = [t == "sliding" for t in layer_types(cfg)]
         # multi-token prediction (model/mtp.py): run in the loss from what the forward leaves here
         self.mtp: Optional[MultiTokenPrediction] = (
             MultiTokenPrediction(cfg, self.vocab_padded) if cfg.mtp.depth > 0 else None)
@@ -57,11 +62,17 @@ class Transformer(nn.Module):
         """tokens (b, s) on the first stage, hidden (b, s, d) elsewhere → logits or hidden."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
+            if self.cfg.embed_scale:  # Gemma: × sqrt(d_model), the factor rounded to the weight's dtype
+                h = h * embed_scale(self.cfg.d_model, self.tok_embeddings.weight.dtype)
         s = h.shape[1]
         pos = self.positions.to(h.device) if self.positions is not None else torch.arange(s, device=h.device)
         cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        local = rope_cos_sin(pos, self.head_dim, self.cfg.rope_local_theta, h.dtype) if self.local_rope else None
+        for name, layer in self.layers.items():
+            if local is not None and self.sliding[int(name)]:
+                h = layer(h, *local)
+            else:
+                h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         if self.mtp is not None and self.output is not None and self.mtp.count_stats:
@@ -97,6 +108,13 @@ class Transformer(nn.Module):
         return total
 
 
+def embed_scale(d_model: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding factor sqrt(d_model) as its embedding's dtype holds it (transformers casts the
+    factor to the weight's dtype: 73.32 is 73.5 in bf16 at d_model 5376), as a Python number so that
+    it multiplies a DTensor as well as a tensor."""
+    return float(torch.tensor(d_model ** 0.5).to(dtype))
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32; padded vocab columns are masked out."""
     logits = logits.float()
@@ -118,8 +136,8 @@ def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) ->
         name = "tok_embeddings.weight"  # the last stage's copy of the embedding (model/mtp.py)
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
+    if name.endswith("norm.weight"):  # gain 1: w = 1, or w = 0 for Gemma's (1 + w)
+        return torch.zeros(shape) if cfg.norm_offset else torch.ones(shape)
     g = torch.Generator().manual_seed(_seed_for(seed, name))
     std = cfg.init_std
     if parent in ("wo", "w2") or leaf == "w2":

@@ -112,6 +112,17 @@ def attn_rank_params(cfg: Config, tp: int) -> float:
     return split / tp + rep + attn_norm_params(cfg)
 
 
+# ------------------------------------------------------------------ the layer's own norms
+def layer_norm_count(cfg: Config) -> int:
+    """RMSNorms of a layer on the residual stream: before attention and before the MLP, and with
+    model.post_norms (Gemma 3) after each too: 4. Each has a gain of d_model, replicated over tp."""
+    return 4 if cfg.model.post_norms else 2
+
+
+def layer_norm_params(cfg: Config) -> int:
+    return layer_norm_count(cfg) * cfg.model.d_model
+
+
 # ------------------------------------------------------------------ windows and the core
 def layer_window(cfg: Config, i: int) -> int | None:
     """Layer i's window (tokens a query sees, itself included) or None for full attention:

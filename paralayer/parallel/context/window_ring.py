@@ -185,8 +185,8 @@ def window_ring_attention(q: Tensor, k: Tensor, v: Tensor, group, window: int, *
 def make_window_ring_attention(group, window: int, stats: Optional[RingStats] = None):
     """``attn(q, k, v)`` for a sliding-window layer under cp (the Attention module's attn_fn)."""
 
-    def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return window_ring_attention(q, k, v, group, window, stats=stats)
+    def attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+        return window_ring_attention(q, k, v, group, window, scale=scale, stats=stats)
 
     attn.window = window
     return attn

@@ -12,6 +12,7 @@ Layout for one rank of a ``tp``-sized group (see docs/tensor-parallel.md and doc
       wq, wk, wv     ColwiseParallel   whole heads per rank (n_heads % tp == 0, n_kv_heads % tp == 0)
       wo             RowwiseParallel   partial sums -> Shard(1) (SP: reduce-scatter) or Replicate
     ffn_norm         SequenceParallel  (SP only; without SP the norms hold Replicate DTensors)
+    post_*_norm      SequenceParallel  (Gemma 3's norms on wo's and w2's outputs; SP only, as above)
     feed_forward     PrepareModuleInput  (SP: all-gather)
       w1, w3         ColwiseParallel   gate / up split by columns, silu(gate)*up applied locally
       w2             RowwiseParallel   down split by rows: one reduction restores the exact sum
@@ -179,6 +180,12 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     else:
         _replicate(block.attention_norm, tp_mesh)
         _replicate(block.ffn_norm, tp_mesh)
+    for post in ("post_attention_norm", "post_ffn_norm"):  # Gemma 3: on wo's / w2's plain output
+        if getattr(block, post, None) is not None:
+            if sp:  # s/tp tokens in and out, plain (the residual add takes it); weight grads summed
+                plan[post] = SequenceParallel(use_local_output=True)
+            else:
+                _replicate(getattr(block, post), tp_mesh)
     for head_norm in (getattr(block.attention, "q_norm", None), getattr(block.attention, "k_norm", None)):
         if head_norm is not None:
             _replicate_over_heads(head_norm, tp_mesh)

@@ -254,7 +254,7 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
     tokens = lay.micro_batch * m.seq_len / lay.cp
     small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
     if lay.sequence_parallel:
-        norms = 2 * n_layers + int(last)
+        norms = parts.layer_norm_count(cfg) * n_layers + int(last)
         small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
     return ends * act_msg, small, ends + n_small
 

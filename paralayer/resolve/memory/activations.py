@@ -99,6 +99,8 @@ def _block_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[flo
     """The norms' 1/rms (and under autocast their fp32 inputs), SDPA's logsumexp, autocast's casts."""
     h, a, t, sp = cfg.model.d_model, cfg.model.n_heads, lay.tp, lay.sequence_parallel
     terms = [(2 + (2 * h if autocast else 0)) / (t if sp else 1)]
+    if cfg.model.post_norms:  # Gemma 3's two more norms keep their 1/rms in fp32 too
+        terms.append(2 / (t if sp else 1))
     if mode not in ("core_attn", "selective"):
         terms.append(a / t)
     if autocast:
@@ -153,6 +155,8 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
+    if m.post_norms:  # Gemma 3's norms on wo's and w2's outputs: their inputs and 1/rms
+        rep += 2 * h + 2
     shard = attn_saved_elems(cfg, lay, mode)
     rep += attn_replicated_elems(cfg, mode)
     # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not

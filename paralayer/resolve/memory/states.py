@@ -88,10 +88,11 @@ def expert_params(cfg: Config) -> int:
 
 
 def layer_params(cfg: Config, i: int, active: bool = False) -> int:
-    """Parameters of layer i: attention + 2 norms + (SwiGLU 3hf | router hE + experts + shared)."""
+    """Parameters of layer i: attention + its 2 (Gemma: 4) norms + (SwiGLU/GeGLU 3hf | router hE +
+    experts + shared)."""
     m = cfg.model
     h = m.d_model
-    n = attn_params(cfg) + parts.attn_norm_params(cfg) + 2 * h
+    n = attn_params(cfg) + parts.attn_norm_params(cfg) + parts.layer_norm_params(cfg)
     if is_moe_layer(cfg, i):
         e = m.moe.top_k if active else m.moe.num_experts
         n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
@@ -156,7 +157,7 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     dense = 0.0
     expert = 0.0
     # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
-    attn = parts.attn_rank_params(cfg, t) + 2 * h
+    attn = parts.attn_rank_params(cfg, t) + parts.layer_norm_params(cfg)
     moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
     moe_expert = (m.moe.num_experts / lay.ep) * expert_params(cfg) if m.moe.num_experts else 0.0
     mlp = 3 * h * m.ffn_hidden / t

@@ -47,7 +47,7 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
         if c == lay.chunks - 1:
             layers += model_parts.mtp_layers(cfg)
         for i in layers:
-            out += [h] + attn + [h]
+            out += [h] + attn + [h] * (model_parts.layer_norm_count(cfg) - 1)
             if i >= m.n_layers:  # an MTP block's own norms and projection
                 out += [h, h, 2 * h * h, h]
             if is_moe_layer(cfg, i):
