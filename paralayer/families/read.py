@@ -7,7 +7,7 @@ import os
 
 from paralayer.families.common import read_config, seq_len_field, shared_fields
 from paralayer.families.errors import HFFormatError
-from paralayer.families.registry import MODEL_TYPES, by_type
+from paralayer.families.registry import ALIASES, MODEL_TYPES, by_type, check_alias
 
 
 def load_hf_config(path: str) -> dict:
@@ -21,7 +21,9 @@ def load_hf_config(path: str) -> dict:
     mtype = hf.get("model_type", "llama")
     fam = by_type(mtype)
     if fam is None:
-        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({', '.join(MODEL_TYPES)})")
+        known = ", ".join(MODEL_TYPES + tuple(f"{a} (as {m.NAME})" for a, m in ALIASES.items()))
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({known})")
+    check_alias(hf, fp)
     out = shared_fields(hf, fp)
     out.update(fam.read_attention(hf, fp, out["d_model"], out["n_heads"]))
     out.update(seq_len_field(hf, fp))
