@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from paralayer.model import routing
-from tests.families import widen
-from tests.test_hf_deepseek import SEQ, TOL, VOCAB, _errors, _ours
+from tests.test_hf_deepseek import SEQ, TOL, VOCAB, _errors, _ours, save_deepseek
 from tests.test_kimi_k2 import KIMI_K2_CONFIG
 
 #: Kimi K2's traits at CPU size; rope dims 6 over an original context of 8: YaRN's step (low = high)
@@ -32,17 +31,8 @@ TINY = dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    import transformers
-
     path = str(tmp_path_factory.mktemp("kimi") / "src")
-    model = widen(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)), 2).float().eval()
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape, generator=g) * 0.1)
-    model.config._attn_implementation = "sdpa"
-    model.save_pretrained(path)
+    model = save_deepseek(path, TINY, 2, 11)
     fp = os.path.join(path, "config.json")
     with open(fp) as f:
         hf = json.load(f)

@@ -21,8 +21,9 @@ def load_hf_config(path: str) -> dict:
     mtype = hf.get("model_type", "llama")
     fam = by_type(mtype)
     if fam is None:
-        known = ", ".join(MODEL_TYPES + tuple(f"{a} (as {m.NAME})" for a, m in ALIASES.items()))
-        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({known})")
+        aliases = ", ".join(f"{a} (as {m.NAME})" for a, m in ALIASES.items())
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({', '.join(MODEL_TYPES)})"
+                            + (f"; read as a family: {aliases}" if aliases else ""))
     check_alias(hf, fp)
     out = shared_fields(hf, fp)
     out.update(fam.read_attention(hf, fp, out["d_model"], out["n_heads"]))
