@@ -31,20 +31,26 @@ CFG = dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_h
                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def save_deepseek(path: str, cfg: dict, seed: int, bias_seed: int):
+    """transformers' DeepseekV3ForCausalLM of ``cfg`` widened (tests/families.py), a random selection
+    bias, fp32, eval, sdpa, saved by its own save_pretrained into ``path``: the model."""
     import transformers
 
-    path = str(tmp_path_factory.mktemp("dsv3") / "src")
-    model = widen(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CFG)), 1).float().eval()
-    g = torch.Generator().manual_seed(9)
+    model = widen(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg)), seed).float().eval()
+    g = torch.Generator().manual_seed(bias_seed)
     with torch.no_grad():
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape, generator=g) * 0.1)
     model.config._attn_implementation = "sdpa"
     model.save_pretrained(path)
-    return path, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dsv3") / "src")
+    return path, save_deepseek(path, CFG, 1, 9)
 
 
 def _ours(path, mtp_depth: int = 0, init_std=None, seed: int = 0):

@@ -57,7 +57,7 @@ BAD = [
     ("model.rope.type=llama3 model.rope.factor=8 model.rope.original_max_position=64 model.rope.low_freq_factor=4",
      "model.rope.high_freq_factor: must exceed model.rope.low_freq_factor=4"),
     ("model.rope.type=yarn model.rope.factor=4 model.rope.original_max_position=64 model.rope.beta_fast=0.5",
-     "model.rope.beta_fast: must exceed model.rope.beta_slow=1"),
+     "model.rope.beta_fast: must be at least model.rope.beta_slow=1"),
     ("model.moe.num_experts=8 model.moe.router=sigmoid model.moe.n_group=2 model.moe.topk_group=3",
      "model.moe.topk_group: 3 exceeds model.moe.n_group=2; valid topk_group: 1..2"),
     ("model.moe.num_experts=8 model.moe.router=sigmoid model.moe.n_group=3",

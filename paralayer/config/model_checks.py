@@ -111,9 +111,9 @@ def _check_rope(cfg: Config) -> None:
         return
     _num("model.rope.beta_slow", r.beta_slow, 0.0, "yarn: rotations of the slowest kept dimension", strict=True)
     _num("model.rope.beta_fast", r.beta_fast, 0.0, "yarn", strict=True)
-    if r.beta_fast <= r.beta_slow:
-        raise ConfigError("model.rope.beta_fast", f"must exceed model.rope.beta_slow={r.beta_slow:g} (yarn ramps "
-                          f"between them), got {r.beta_fast:g}")
+    if r.beta_fast < r.beta_slow:  # equal is a one-dim step (Kimi K2's 1.0/1.0; transformers widens it by 0.001)
+        raise ConfigError("model.rope.beta_fast", f"must be at least model.rope.beta_slow={r.beta_slow:g} (yarn "
+                          f"ramps between them), got {r.beta_fast:g}")
     _num("model.rope.mscale", r.mscale, 0.0, "yarn")
     _num("model.rope.mscale_all_dim", r.mscale_all_dim, 0.0, "yarn")
     _num("model.rope.attention_factor", r.attention_factor, 0.0, "yarn: scale of cos/sin", strict=True,

@@ -12,6 +12,11 @@ from paralayer.families.errors import HFFormatError
 
 NAME = "deepseek_v3"
 MODEL_TYPES = ("deepseek_v3",)
+#: Kimi K2 (Moonshot AI, arXiv:2507.20534): its config.json says model_type kimi_k2 and architectures
+#: [DeepseekV3ForCausalLM] (trust_remote_code's configuration_deepseek.py / modeling_deepseek.py, V3's
+#: class), every other key V3's; transformers 5.25 itself reads a kimi_k2 text_config as deepseek_v3
+#: (models/kimi_k25/configuration_kimi_k25.py). Exports as deepseek_v3 (transformers has no kimi_k2).
+ALIASES = {"kimi_k2": "Kimi K2: DeepSeek-V3's class (384 experts, 64 heads, 1 dense layer)"}
 HF_CLASS = "DeepseekV3ForCausalLM"
 TINY_RECIPE = "deepseek-v3-tiny"
 NAMES = {"attention.q_a.weight": "self_attn.q_a_proj.weight",

@@ -7,7 +7,7 @@ import os
 
 from paralayer.families.common import read_config, seq_len_field, shared_fields
 from paralayer.families.errors import HFFormatError
-from paralayer.families.registry import MODEL_TYPES, REFUSED_TYPES, by_type
+from paralayer.families.registry import ALIASES, MODEL_TYPES, REFUSED_TYPES, by_type, check_alias
 
 #: ModelConfig keys only Gemma's family sets, with every other family's value
 GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "mlp_act": "silu",
@@ -26,8 +26,10 @@ def load_hf_config(path: str) -> dict:
     fam = by_type(mtype)
     if fam is None:
         why = f"{REFUSED_TYPES[mtype]}; " if isinstance(mtype, str) and mtype in REFUSED_TYPES else ""
-        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported "
-                            f"({why}{', '.join(MODEL_TYPES)})")
+        aliases = ", ".join(f"{a} (as {m.NAME})" for a, m in ALIASES.items())
+        raise HFFormatError(f"{fp}: model_type={json.dumps(mtype)[:40]} is not supported ({why}{', '.join(MODEL_TYPES)})"
+                            + (f"; read as a family: {aliases}" if aliases else ""))
+    check_alias(hf, fp)
     if hasattr(fam, "prepare"):  # the family's own spellings and defaults (registry.OPTIONAL)
         hf = fam.prepare(hf, fp)
     out = shared_fields(hf, fp)

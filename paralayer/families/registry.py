@@ -2,9 +2,13 @@
 ModelConfig on export. Torch-free.
 
 A family is one module of this package; what it must define is :data:`REQUIRED` (checked when the
-package is imported, so a module missing a piece fails at once, naming it)."""
+package is imported, so a module missing a piece fails at once, naming it). A module may also
+define ``ALIASES``: {model_type: what it is} for the other model_type values whose config.json
+names the family's own class in ``architectures`` (Kimi K2's ``kimi_k2`` is DeepSeek-V3's class);
+they are read as the family, refused when ``architectures`` names another class, never exported."""
 from __future__ import annotations
 
+import json
 from types import ModuleType
 from typing import Any, Optional
 
@@ -49,11 +53,13 @@ def check_family(mod: ModuleType) -> None:
         raise ValueError(f"{mod.__name__}: NAME={mod.NAME!r} must be its first model_type {mod.MODEL_TYPES}")
 
 
-def _build(modules: tuple) -> dict[str, ModuleType]:
+def _build(modules: tuple, aliases: bool = False) -> dict[str, ModuleType]:
+    """model_type → module over ``modules``' MODEL_TYPES (or, with ``aliases``, their ALIASES)."""
     out: dict[str, ModuleType] = {}
     for mod in modules:
-        check_family(mod)
-        for t in mod.MODEL_TYPES:
+        if not aliases:
+            check_family(mod)
+        for t in (getattr(mod, "ALIASES", {}) if aliases else mod.MODEL_TYPES):
             if t in out:
                 raise ValueError(f"model_type {t!r} is claimed by {out[t].__name__} and {mod.__name__}")
             out[t] = mod
@@ -65,11 +71,27 @@ FAMILIES: dict[str, ModuleType] = _build(_MODULES)
 MODEL_TYPES = tuple(FAMILIES)
 #: model_type → why it is refused (the families' REFUSED)
 REFUSED_TYPES: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
+#: another model_type → the family whose class its config.json names (read only, never exported).
+ALIASES: dict[str, ModuleType] = _build(_MODULES, aliases=True)
+if set(ALIASES) & set(FAMILIES):
+    raise ValueError(f"model_type {sorted(set(ALIASES) & set(FAMILIES))} is both a family and an alias")
 
 
 def by_type(model_type: Any) -> Optional[ModuleType]:
-    """The family reading config.json's ``model_type`` (any JSON value), or None."""
-    return FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    """The family reading config.json's ``model_type`` (any JSON value; an alias too), or None."""
+    if not isinstance(model_type, str):
+        return None
+    return FAMILIES.get(model_type) or ALIASES.get(model_type)
+
+
+def check_alias(hf: dict, fp: str) -> None:
+    """An alias model_type is read as its family only when ``architectures`` (if given) names the
+    family's class: HFFormatError naming both otherwise."""
+    mtype, archs = hf.get("model_type"), hf.get("architectures")
+    fam = ALIASES.get(mtype) if isinstance(mtype, str) else None
+    if fam is not None and archs is not None and archs != [fam.HF_CLASS]:
+        raise HFFormatError(f"{fp}: model_type {mtype} is read as {fam.NAME} only when architectures is "
+                            f"[{fam.HF_CLASS!r}], got {json.dumps(archs)[:80]}")
 
 
 def family(name: str) -> ModuleType:
