@@ -21,43 +21,33 @@ This module imports submitit lazily (and never torch), so importing it is cheap.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
-import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENTRY = "paralayer.runtime.train:main"
 
 # the variables TorchDistributedEnvironment sets; a copy inherited from the submitter
 # (sbatch exports the caller's environment) must not leak into the ranks
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
-# cluster keys this module understands (others are ignored, so a whole cluster profile can be
-# passed). The lead's schema nests the SLURM ones under ``slurm:``; flat dicts work too.
-CLUSTER_KEYS = (
-    "nodes", "devices_per_node", "device", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
-    "account", "qos", "time_min", "constraint", "sbatch_extra", "srun_args", "setup", "job_name",
-    "max_requeues", "signal_delay_s", "array_parallelism", "folder", "slurm_conf", "network_interface",
-    "min_nodes", "max_restarts",
-)
-from paralayer.dispatch.errors import LaunchError  # noqa: E402 - the front door catches it: one line, exit 2
+from paralayer.dispatch.errors import DispatchError, LaunchError  # noqa: E402,F401 - the front door catches them: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
     SubmitResult,
     follow,
 )
-from paralayer.resolve.rules import auto_device  # noqa: E402 - the one rule for device: auto
+from paralayer.dispatch.slurm_params import (  # noqa: E402,F401 - this module's API too
+    CLUSTER_KEYS,
+    REPO_ROOT,
+    executor_parameters,
+    normalize_cluster,
+)
 
 LOCAL_SLURM_CONF = os.path.join(os.environ.get("PARALAYER_SLURM_HOME", "/tmp/paralayer-slurm"), "etc", "slurm.conf")
-
-
-class DispatchError(LaunchError):
-    """Bad cluster settings or run directories, or sbatch refused the job (one line)."""
 
 
 def resolve_entry(entry: str | Callable[[str], Any]) -> Callable[[str], Any]:
@@ -202,122 +192,6 @@ def _plan_world(run_dir: str) -> int | None:
         return None
 
 
-def _as_list(x: Any) -> list:
-    if x is None:
-        return []
-    if isinstance(x, (str, bytes)):
-        return [x]
-    return list(x)
-
-
-def normalize_cluster(cluster: Any) -> dict[str, Any]:
-    """A plain flat dict from a dict, a ClusterConfig dataclass or an OmegaConf node; the nested
-    ``slurm:`` section is lifted to the top level (it wins over top-level duplicates)."""
-    if cluster is None:
-        return {}
-    if dataclasses.is_dataclass(cluster) and not isinstance(cluster, type):
-        cluster = dataclasses.asdict(cluster)
-    elif not isinstance(cluster, Mapping):
-        try:
-            from omegaconf import OmegaConf
-
-            cluster = OmegaConf.to_container(cluster, resolve=True)
-        except Exception as e:  # noqa: BLE001
-            raise DispatchError(f"cluster settings must be a mapping, got {type(cluster).__name__}") from e
-    flat = {k: v for k, v in dict(cluster).items() if k != "slurm"}
-    nested = cluster.get("slurm") or {}
-    if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
-        nested = dataclasses.asdict(nested)
-    flat.update({k: v for k, v in dict(nested).items()})
-    if "max_num_timeout" in flat and "max_requeues" not in flat:
-        flat["max_requeues"] = flat.pop("max_num_timeout")
-    return flat
-
-
-def _sbatch_value(v: Any) -> Any:
-    if isinstance(v, str) and v.lower() in ("true", "yes"):
-        return True
-    if isinstance(v, str) and v.lower() in ("false", "no"):
-        return False
-    return v
-
-
-def executor_parameters(cluster: Mapping[str, Any], *, job_name: str = "paralayer") -> dict[str, Any]:
-    """Map our cluster settings onto submitit AutoExecutor parameters (cluster="slurm")."""
-    cluster = normalize_cluster(cluster)
-    nodes = int(cluster.get("nodes") or 1)
-    tasks_per_node = int(cluster.get("devices_per_node") or 1)
-    if nodes < 1 or tasks_per_node < 1:
-        raise DispatchError(f"cluster.nodes={nodes}, cluster.devices_per_node={tasks_per_node}: must be >= 1")
-    device = str(cluster.get("device") or "auto").lower()
-    if device == "auto":
-        device = auto_device(device, cluster.get("peak_tflops"))
-    if device not in ("cpu", "cuda", "gpu"):
-        raise DispatchError(f"cluster.device={device!r}: expected one of 'cpu', 'cuda'")
-    time_min = int(cluster.get("time_min") or 60)
-    if time_min < 1:
-        raise DispatchError(f"cluster.time_min={time_min}: must be >= 1")
-
-    params: dict[str, Any] = {
-        "nodes": nodes,
-        "tasks_per_node": tasks_per_node,
-        "timeout_min": time_min,
-        "name": str(cluster.get("job_name") or job_name),
-    }
-    gpus = cluster.get("gpus_per_node")
-    if device in ("cuda", "gpu"):
-        params["gpus_per_node"] = int(gpus) if gpus else tasks_per_node
-    elif gpus:
-        params["gpus_per_node"] = int(gpus)
-    cpus_per_task = cluster.get("cpus_per_task")
-    if cpus_per_task:
-        params["cpus_per_task"] = int(cpus_per_task)
-    if cluster.get("mem_gb"):
-        params["mem_gb"] = cluster["mem_gb"]
-    for ours, theirs in (("partition", "slurm_partition"), ("account", "slurm_account"),
-                         ("qos", "slurm_qos"), ("constraint", "slurm_constraint")):
-        if cluster.get(ours):
-            params[theirs] = str(cluster[ours])
-    if cluster.get("signal_delay_s") is not None:
-        params["slurm_signal_delay_s"] = int(cluster["signal_delay_s"])
-    if cluster.get("array_parallelism") is not None:
-        params["slurm_array_parallelism"] = int(cluster["array_parallelism"])
-
-    extra = dict(cluster.get("sbatch_extra") or {})
-    min_nodes = cluster.get("min_nodes")
-    if min_nodes:  # an elastic job: SLURM may start (or requeue) it on fewer nodes, down to min_nodes
-        if not 1 <= int(min_nodes) <= nodes:
-            raise DispatchError(f"cluster.slurm.min_nodes={min_nodes}: must be between 1 and cluster.nodes={nodes}")
-        if int(min_nodes) < nodes:
-            extra["nodes"] = f"{int(min_nodes)}-{nodes}"
-    if extra:
-        extra = {str(k).replace("_", "-"): _sbatch_value(v) for k, v in extra.items()}
-        extra = {k: v for k, v in extra.items() if v is not False and v is not None}
-        if extra:
-            params["slurm_additional_parameters"] = extra
-
-    # one rank failing ends the step instead of leaving its peers blocked in a collective
-    srun_args = [str(a) for a in _as_list(cluster.get("srun_args"))]
-    if not any(a.startswith(("--kill-on-bad-exit", "-K")) for a in srun_args):
-        srun_args = ["--kill-on-bad-exit=1", *srun_args]
-    params["slurm_srun_args"] = srun_args
-
-    threads = int(cpus_per_task or 1)
-    setup = [
-        f"export PYTHONPATH={shlex.quote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
-        f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
-    ]
-    ifname = cluster.get("network_interface")
-    if ifname:  # the interface every task's process group uses (gloo on CPU, NCCL's bootstrap on GPUs)
-        q = shlex.quote(str(ifname))
-        setup.append(f"export GLOO_SOCKET_IFNAME={q} NCCL_SOCKET_IFNAME={q}")
-    elif device == "cpu":
-        setup.append("export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}" if nodes == 1 else ":")
-    setup += [str(s) for s in _as_list(cluster.get("setup"))]
-    params["slurm_setup"] = setup
-    return params
-
-
 def _check_run_dirs(run_dirs: Sequence[str]) -> list[str]:
     if not run_dirs:
         raise DispatchError("no run directories to submit")
@@ -346,6 +220,47 @@ def _ensure_slurm(cluster: Mapping[str, Any]) -> None:
             raise DispatchError(f"'{tool}' not found: SLURM client tools are required for cluster.backend=slurm")
 
 
+def _log_folder(cluster: Mapping[str, Any], dirs: list[str], folder: str | None) -> str:
+    """submitit's folder: as given, or a fresh one under cluster.slurm.folder (or beside the runs),
+    made here so that a file in the way is one named error, never a traceback."""
+    if folder is None:
+        parent = cluster.get("folder") or os.path.join(
+            os.path.commonpath([os.path.dirname(d) for d in dirs]),
+            "slurm-logs")
+        folder = os.path.join(str(parent), time.strftime("%Y%m%d-%H%M%S") + f"-{os.urandom(3).hex()}")
+    folder = str(Path(folder).resolve())
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:  # under a file, or not writable: named, never a traceback
+        raise DispatchError(f"cluster.slurm.folder: cannot make {folder} ({exc.strerror or exc}); valid: a folder, "
+                            "or a name where one can be made") from None
+    return folder
+
+
+def _sbatch(executor: Any, tasks: list) -> list:
+    """One job (one task) or one job array; sbatch's refusal as one DispatchError line."""
+    import contextlib
+    import io
+
+    try:
+        # sbatch's own stderr is echoed by submitit: kept out, its lines go into our one-line error
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            if len(tasks) == 1:
+                jobs = [executor.submit(tasks[0])]
+            else:
+                with executor.batch():
+                    pending = [executor.submit(t) for t in tasks]
+                jobs = list(pending)
+    except Exception as e:  # sbatch refused: bad partition, account, ...
+        import re
+
+        msgs = list(dict.fromkeys(m.strip() for m in re.findall(r"sbatch: error: [^\n]*?(?=sbatch: error:|\n|$)",
+                                                                 str(e))))
+        text = "; ".join(msgs) if msgs else " ".join(str(e).split()) or type(e).__name__
+        raise DispatchError(f"cluster.slurm: submission failed: {text[:500]}") from e
+    return jobs
+
+
 def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: str | None = None,
            wait: bool = False, *, entry: str | Callable[[str], Any] = DEFAULT_ENTRY,
            timeout_s: float | None = None, env: Mapping[str, str] | None = None,
@@ -372,17 +287,7 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     cluster = normalize_cluster(cluster)
     params = executor_parameters(cluster)
     _ensure_slurm(cluster)
-    if folder is None:
-        parent = cluster.get("folder") or os.path.join(
-            os.path.commonpath([os.path.dirname(d) for d in dirs]),
-            "slurm-logs")
-        folder = os.path.join(str(parent), time.strftime("%Y%m%d-%H%M%S") + f"-{os.urandom(3).hex()}")
-    folder = str(Path(folder).resolve())
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:  # under a file, or not writable: named, never a traceback
-        raise DispatchError(f"cluster.slurm.folder: cannot make {folder} ({exc.strerror or exc}); valid: a folder, "
-                            "or a name where one can be made") from None
+    folder = _log_folder(cluster, dirs, folder)
 
     import submitit
 
@@ -392,25 +297,7 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
 
     entry_str = entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
     tasks = [RankTask(d, entry_str, resume=None, env=env) for d in dirs]
-    import contextlib
-    import io
-
-    try:
-        # sbatch's own stderr is echoed by submitit: kept out, its lines go into our one-line error
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            if len(tasks) == 1:
-                jobs = [executor.submit(tasks[0])]
-            else:
-                with executor.batch():
-                    pending = [executor.submit(t) for t in tasks]
-                jobs = list(pending)
-    except Exception as e:  # sbatch refused: bad partition, account, ...
-        import re
-
-        msgs = list(dict.fromkeys(m.strip() for m in re.findall(r"sbatch: error: [^\n]*?(?=sbatch: error:|\n|$)",
-                                                                 str(e))))
-        text = "; ".join(msgs) if msgs else " ".join(str(e).split()) or type(e).__name__
-        raise DispatchError(f"cluster.slurm: submission failed: {text[:500]}") from e
+    jobs = _sbatch(executor, tasks)
 
     stdout, stderr = [], []
     for j in jobs:
@@ -427,8 +314,8 @@ def submit(run_dirs: Sequence[str] | str, cluster: Mapping[str, Any], folder: st
     if wait and limit > 0 and len(dirs) == 1:
         from paralayer.dispatch import slurm_restart
 
-        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout,
-                                             RankTask(dirs[0], entry_str, resume="auto", env=env), dirs[0], res, verbose)
+        again = RankTask(dirs[0], entry_str, resume="auto", env=env)
+        resubmit = slurm_restart.resubmitter(params, folder, max_num_timeout, again, dirs[0], res, verbose)
         return slurm_restart.follow_with_restarts(
             res, dirs[0], limit, resubmit, lambda r: follow(r, timeout_s=timeout_s, verbose=verbose), since)
     if wait:

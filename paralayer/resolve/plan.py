@@ -123,13 +123,8 @@ def spans(lay: Layout) -> dict:
     return {k: out[k] for k in ("tp", "pp", "cp", "ep", "dp")}
 
 
-def resolve(cfg: Config) -> Plan:
-    """Config → Plan. Never raises for a bad layout: problems land in ``errors``."""
-    lay = rules.check(cfg)
-    mem = memory.memory(cfg, lay)
-    params = memory.parameter_counts(cfg)
-    fpt = cost.flops_per_token(cfg)
-    bub = cost.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.vpp)
+def _notes(cfg: Config, lay, mem) -> list[str]:
+    """The plan's notes: what the layout rules said, and how memory and precision were counted."""
     notes = list(lay.notes)
     if mem.capacity is None:
         notes.append("device memory unknown (cluster.device_memory_gib is null): fits is assumed; "
@@ -145,6 +140,17 @@ def resolve(cfg: Config) -> Plan:
                      "per parameter before ZeRO sharding")
     if cfg.cluster.peak_tflops is None:
         notes.append("peak TFLOP/s unknown for this device: no MFU will be reported")
+    return notes
+
+
+def resolve(cfg: Config) -> Plan:
+    """Config → Plan. Never raises for a bad layout: problems land in ``errors``."""
+    lay = rules.check(cfg)
+    mem = memory.memory(cfg, lay)
+    params = memory.parameter_counts(cfg)
+    fpt = cost.flops_per_token(cfg)
+    bub = cost.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.vpp)
+    notes = _notes(cfg, lay, mem)
     warnings = list(lay.warnings)
     if not mem.fits:
         warnings.append(Issue("memory", f"needs {memory.gib(mem.total)} per device on pipeline rank {mem.stage} but "
