@@ -24,17 +24,39 @@ def chunks_of(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+def reach(c: int, w: int) -> int:
+    """How many chunks back a query chunk sees: key chunk b is visible from query chunk a iff
+    0 <= a - b <= reach (:func:`block_kind`'s test, (a - b)·c - (c - 1) < w, solved for a - b)."""
+    return (w + c - 2) // c
+
+
+def owner(cp: int, b: int) -> tuple[int, int]:
+    """(rank, slot) holding zigzag chunk ``b``."""
+    return (b, 0) if b < cp else (2 * cp - 1 - b, 1)
+
+
 def needed(cp: int, dst: int, c: int, w: int) -> dict[int, list[int]]:
-    """{src rank: its chunk slots (0 = first, 1 = second) that rank ``dst``'s queries see}, src != dst."""
-    out: dict[int, list[int]] = {}
-    for src in range(cp):
-        if src == dst:
-            continue
-        slots = [s for s, b in enumerate(chunks_of(cp, src))
-                 if any(block_kind(a, b, c, w) for a in chunks_of(cp, dst))]
-        if slots:
-            out[src] = slots
-    return out
+    """{src rank: its chunk slots (0 = first, 1 = second) that rank ``dst``'s queries see}, src != dst.
+    O(reach) per rank: the planner asks it for every cp rank of thousands of layouts."""
+    d = reach(c, w)
+    out: dict[int, set[int]] = {}
+    for a in chunks_of(cp, dst):
+        for b in range(max(0, a - d), a + 1):
+            src, slot = owner(cp, b)
+            if src != dst:
+                out.setdefault(src, set()).add(slot)
+    return {src: sorted(out[src]) for src in sorted(out)}
+
+
+def sends(cp: int, c: int, w: int) -> tuple[list[int], list[int]]:
+    """Per rank: (K/V chunks it sends per forward call, chunks it receives = the dK/dV chunks it
+    returns in backward)."""
+    sent, got = [0] * cp, [0] * cp
+    for dst in range(cp):
+        for src, slots in needed(cp, dst, c, w).items():
+            sent[src] += len(slots)
+            got[dst] += len(slots)
+    return sent, got
 
 
 def blocks(cp: int, rank: int, c: int, w: int) -> list[tuple[int, int, int, str, int, int]]:

@@ -320,15 +320,19 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     return e
 
 
-@functools.lru_cache(maxsize=4096)
 def window_sends(seq: int, cp: int, window: int, cp_rank: int) -> tuple[int, int]:
     """(chunks cp rank ``cp_rank`` sends per forward call of a windowed layer, chunks it receives
     = the dK/dV chunks it returns in backward), from config/cp_window.py's ``needed`` (the
     runtime's own plan of the sends)."""
-    c = seq // (2 * cp)
-    sent = sum(len(cp_window.needed(cp, dst, c, window).get(cp_rank, ())) for dst in range(cp) if dst != cp_rank)
-    got = sum(len(v) for v in cp_window.needed(cp, cp_rank, c, window).values())
-    return sent, got
+    sent, got = _window_table(seq, cp, window)
+    return sent[cp_rank], got[cp_rank]
+
+
+@functools.lru_cache(maxsize=1024)
+def _window_table(seq: int, cp: int, window: int) -> tuple[list[int], list[int]]:
+    """Every cp rank's sends at once (one pass over the ranks, not one per rank: the planner
+    weighs every cp rank of a windowed layout, cp up to a thousand)."""
+    return cp_window.sends(cp, seq // (2 * cp), window)
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
