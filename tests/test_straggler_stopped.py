@@ -2,9 +2,9 @@
 
 A thread of this test process freezes one rank with SIGSTOP and resumes it with SIGCONT at random
 moments, so the stops land anywhere: in compute, inside a collective the rank already waits in,
-between timed regions, in a pipeline hand-off, in the cp ring. Only the watch's "which rank did
-the others wait for" (paralayer/metrics/waited_for.py) can name it wherever it lands; a watch of
-the time each rank computes names it only when a stop falls in compute.
+between timed regions, in a pipeline hand-off, in the cp ring. The watch names the rank the others
+waited for (paralayer/metrics/waited_for.py). (With stops this dominant the old busy-time naming
+passed too, in one run: most stops fall in the stopped rank's own compute; see docs/health.md.)
 
 The stop must dominate this shared 2-core machine's own noise (other jobs slow either rank by
 tens of ms at random): each stop lasts 0.12-0.2 s and between stops the rank runs 5-30 ms, less
