@@ -12,7 +12,9 @@ interleaved (A, B, C, A, B, C, ...) so that the machine's load hits them alike:
 - ``gather once``: ``train.log_every=1000`` (the gather runs only at the last step);
 - ``profiler on``: as the first, with ``logging.profile`` tracing every measured step on rank 0.
 
-It also times the gather alone (200 calls of paralayer.metrics.rank_timing.gather on 2 ranks).
+It also times the gather alone (200 calls of paralayer.metrics.rank_timing.gather on 2 ranks) and
+the waited-for exchange alone (200 calls of paralayer.metrics.waited_for.owed on 2 ranks, each
+with 16 collective arrivals and 8 point-to-point posts, as a dp2 step of this recipe records).
 Prints a markdown table for docs/BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -66,6 +68,29 @@ def _gather(rank, world, n):
     return statistics.median(out)
 
 
+def _exchange(rank, world, n):
+    import torch
+    import torch.distributed as dist
+
+    from paralayer.metrics.waited_for import owed
+    from paralayer.parallel.comm_trace import CommTrace
+
+    trace = CommTrace(rank)
+    trace.match({"dp_cp": dist.group.WORLD})
+    dev = torch.device("cpu")
+    out = []
+    for i in range(n + 10):
+        trace.new_step(i)
+        for _ in range(16):
+            trace.arrive(trace.axis_groups["dp_cp"])
+        for k in range(8):
+            trace.posted(1 - rank, 0, k % 2 == 0)[4] = time.monotonic()
+        t = time.perf_counter()
+        owed(trace, dev)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out[10:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
@@ -84,11 +109,13 @@ def main() -> None:
             gaps[name] += run_ranks(_steps, 2, ov, timeout_s=600)[0]
     med = {k: statistics.median(v) for k, v in gaps.items()}
     g = run_ranks(_gather, 2, 200)[0]
+    x = run_ranks(_exchange, 2, 200)[0]
     base = med["gather once"]
     print("| variant | median step wall (s) | ratio to gather once | steps |\n|---|---:|---:|---:|")
     for k, v in med.items():
         print(f"| {k} | {v:.4f} | {v / base:.3f} | {len(gaps[k])} |")
     print(f"\nthe gather alone: median {g * 1e3:.3f} ms = {g / med['gather every step']:.4f} of a step")
+    print(f"the waited-for exchange alone: median {x * 1e3:.3f} ms = {x / med['gather every step']:.4f} of a step")
 
 
 if __name__ == "__main__":

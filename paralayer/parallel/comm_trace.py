@@ -15,6 +15,12 @@ That costs one dict and two clock reads per collective, and buys three things:
 
 Torch's own collectives are timed into ``blocked_s`` too (paralayer/parallel/collective_timing.py):
 FSDP2's all-gathers and reduce-scatters, and the waits on DTensor's tensor-parallel ones.
+
+Which rank the others waited for (paralayer/metrics/waited_for.py): each blocking collective on a
+matched group (``match``: the layout's dp·cp, tp and pp groups) appends this rank's arrival
+(``time.monotonic()`` as it enters) to ``arrivals[group]``; every member of a group enters its
+collectives in the same order, so entry i is the same collective on each. Each point-to-point
+send or receive records when it was posted and when this rank began to wait on it.
 """
 from __future__ import annotations
 
@@ -38,6 +44,13 @@ class CommTrace:
         self.data_s = 0.0  # the step loop's time reading its batch
         self.profiling = False
         self.bytes_sent: dict[str, int] = {}  # "axis.kind" -> bytes of our point-to-point sends (cp K/V)
+        self.axis_groups: dict[str, tuple] = {}  # our call sites' axis -> the matched group's ranks
+        self.matched: list[tuple[tuple, Any]] = []  # (ranks, process group) exchanged at a logged step
+        self.arrivals: dict[tuple, list[float]] = {}  # group ranks -> this step's arrival times, in order
+        self.p2p: list[list] = []  # this step's point-to-point operations, in order of posting (see posted)
+        self.p2p_s = 0.0  # this step's seconds waiting on point-to-point operations
+        self.offsets: dict[int, float] = {}  # rank -> its monotonic clock minus rank 0's (other hosts)
+        self._keys: dict[int, tuple] = {}
 
     def sent(self, axis: str, kind: str, nbytes: int) -> None:
         """Count bytes this rank sent point-to-point (the cp ring's K/V and dK/dV), since the start."""
@@ -52,6 +65,43 @@ class CommTrace:
         self.at(step, "data")
         self.blocked_s = 0.0
         self.data_s = 0.0
+        self.arrivals, self.p2p, self.p2p_s = {}, [], 0.0
+
+    def match(self, axes: dict[str, Any]) -> None:
+        """Match arrivals on these groups (axis name -> process group; None or size 1: skipped)."""
+        for axis, group in axes.items():
+            key = self.key(group) if group is not None else None
+            if key is not None and len(key) > 1:
+                self.axis_groups[axis] = key
+                if all(k != key for k, _ in self.matched):
+                    self.matched.append((key, group))
+        self.matched.sort(key=lambda kg: kg[0])  # one order on every rank: the exchanges cannot deadlock
+
+    def key(self, group: Any) -> tuple:
+        """A process group's global ranks (cached: a group lives as long as the run)."""
+        k = self._keys.get(id(group))
+        if k is None:
+            import torch.distributed as dist
+
+            k = self._keys[id(group)] = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        return k
+
+    def arrive(self, key: Optional[tuple]) -> None:
+        """This rank enters a collective on ``key``'s group (recorded if that group is matched)."""
+        if key is not None and key in self.axis_groups.values():
+            self.arrivals.setdefault(key, []).append(time.monotonic())
+
+    def posted(self, peer: int, tag: int, send: bool) -> list:
+        """A point-to-point send or receive with ``peer`` was posted now: its entry (for
+        :meth:`p2p_wait`) ``[peer, tag, send, time posted, time its wait began (nan: none yet)]``."""
+        self.p2p.append([peer, tag, send, time.monotonic(), float("nan")])
+        return self.p2p[-1]
+
+    def p2p_wait(self, entry: list, t0: float, seconds: float) -> None:
+        """A point-to-point operation (its :meth:`posted` entry) was waited on from ``t0`` for ``seconds``."""
+        if entry[4] != entry[4]:  # nan: the first wait on it
+            entry[4] = t0
+        self.p2p_s += seconds
 
     @contextlib.contextmanager
     def collective(self, axis: str, op: str, microbatch: Optional[int] = None) -> Iterator[None]:
@@ -59,6 +109,7 @@ class CommTrace:
         self.entered += 1
         self.last = {"axis": axis, "op": op, "step": self.step, "phase": self.phase,
                      "microbatch": self.microbatch if microbatch is None else microbatch, "seq": self.entered}
+        self.arrive(self.axis_groups.get(axis))
         t0 = time.perf_counter()
         try:
             with self.region(f"comm.{axis}.{op}"):

@@ -42,7 +42,7 @@ from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
-from paralayer.parallel.collective_timing import tensor_parallel_waits, time_fsdp
+from paralayer.parallel.collective_timing import step_waits, time_fsdp
 from paralayer.parallel.comm_trace import CommTrace
 from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
@@ -293,7 +293,7 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
         refresh_scales(run.built.chunks)
     moe_step.reset(run.built.chunks)
     mtp_step.reset(run.built.chunks)
-    with tensor_parallel_waits(run.comm, run.degree["tp"] > 1):  # DTensor's waits are not compute
+    with step_waits(run.comm, run.degree["tp"] > 1):  # DTensor's and P2P waits are not compute
         local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
     loss, grad_norm = reduce_and_clip(run, local_loss)
     verdict = bad_step(run, step, loss, grad_norm)

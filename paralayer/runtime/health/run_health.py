@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from paralayer.metrics import rank_timing
+from paralayer.metrics import rank_timing, waited_for
 from paralayer.metrics.goodput import Goodput
 from paralayer.metrics.profile import StepProfiler
 from paralayer.runtime.health.watchdog import Watchdog
@@ -35,6 +35,8 @@ class RunHealth:
         printer = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
         self.straggler = rank_timing.StragglerWatch(cfg.logging.straggler_pct, rank_timing.hostnames(),
                                                     printer=printer)
+        # the groups whose collectives name the rank that arrived late (metrics/waited_for.py)
+        waited_for.match_layout(run.comm, run.meshes, self.straggler.hosts)
         timeout = hang_timeout(cfg.train)
         # under the local launcher (torch elastic) the launcher prints the diagnosis; elsewhere rank 0 does
         announce = "TORCHELASTIC_ERROR_FILE" not in os.environ
@@ -68,7 +70,7 @@ class RunHealth:
         if run.runner is not None and run.runner.window is not None and run.runner.busy_by_rank:
             idle = max(0.0, run.runner.window - run.runner.busy_by_rank[run.runner.pp_rank])
         parts = rank_timing.split(seconds, run.comm.data_s, run.comm.blocked_s, idle)
-        return rank_timing.maybe_fields(self.straggler, parts, run.device, step)
+        return rank_timing.maybe_fields(self.straggler, parts, run.device, step, run.comm)
 
     def saved(self, step: int) -> None:
         self.beat()
