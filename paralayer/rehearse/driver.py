@@ -268,10 +268,7 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
     usable = None if cap is None else int(cap) - int(plan["memory_reserve_bytes"])
     out_ranks = []
     for res in results:
-        c = res["coords"]
-        res.update(plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
-                                int(c["cp"])))
-        res.update(compare(res))
+        res = beside_the_plan(cfg_run, plan, res)
         res["fits"] = usable is None or res["memory_bytes"]["total"] <= usable
         out_ranks.append(res)
     ok = not errors and all(r["fits"] for r in out_ranks)
@@ -282,6 +279,17 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
         "agrees": bool(out_ranks) and all(all(r["agrees"].values()) for r in out_ranks),
         "notes": _notes(cfg, plan, m_run),
     }
+
+
+def beside_the_plan(cfg_run: Config, plan: dict, res: dict) -> dict:
+    """A rank's measured figures with the plan's for the same rank and batch (``cfg_run``, from
+    :func:`rehearsal_config`) and their ratios: the parent's side of the rehearsal, so a test can
+    judge one set of measured ranks against a changed plan without stepping them again."""
+    c = res["coords"]
+    res = {**res, **plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
+                                 int(c["cp"]))}
+    res.update(compare(res))
+    return res
 
 
 def _notes(cfg: Config, plan: dict, m_run: int) -> list[str]:
