@@ -67,7 +67,7 @@ def test_dualpipev_last_rank_splits_with_fewer_in_flight():
     assert all(mo.split for mo in zb) and max(mo.held0 + mo.held1 for mo in zb) == 8
 
 
-def _rehearse_dualpipev_pp4(monkeypatch=None) -> list[dict]:
+def _rehearse_dualpipev_pp4() -> tuple:
     from paralayer import config as config_mod
     from paralayer import rehearse as R
     from paralayer.resolve import resolve
@@ -79,7 +79,7 @@ def _rehearse_dualpipev_pp4(monkeypatch=None) -> list[dict]:
     assert not plan["errors"], plan["errors"]
     out = R.rehearse(cfg, plan, [0, 6])  # the first and the last pipeline rank (dp 2)
     assert out["ok"] and len(out["ranks"]) == 2, out.get("errors")
-    return out["ranks"]
+    return cfg, plan, out["ranks"]
 
 
 def test_dualpipev_full_recompute_rehearses_the_plans_activations(monkeypatch):
@@ -87,7 +87,10 @@ def test_dualpipev_full_recompute_rehearses_the_plans_activations(monkeypatch):
     keep a chunk's two recomputed sets with p chunk-microbatches in flight, its full backwards one
     layer's with 2p + 1. The plan takes the larger moment on every rank: within 1%. Planted: the
     earlier plan (2p + 1 in flight beside a whole chunk's transient) over-counts the last rank."""
-    for r in _rehearse_dualpipev_pp4():
+    from paralayer import rehearse as R
+
+    cfg, plan, ranks = _rehearse_dualpipev_pp4()
+    for r in ranks:
         assert abs(r["ratios"]["activations"] - 1) < 0.01, (r["rank"], r["ratios"])
     p = 4
     planted = lambda schedule, pp, m, r: tuple(  # noqa: E731 - every split pass at the steady count
@@ -95,7 +98,8 @@ def test_dualpipev_full_recompute_rehearses_the_plans_activations(monkeypatch):
     from paralayer.resolve.memory import activations as memory_activations
 
     monkeypatch.setattr(memory_activations.v_flight, "moments", planted)
-    last = _rehearse_dualpipev_pp4()[1]
+    # the plant is the plan's side (this process): the same measured rank, judged against it again
+    last = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, ranks[1])
     assert last["ratios"]["activations"] < 0.95, last["ratios"]
 
 

@@ -7,6 +7,7 @@ nearest valid key. This module imports no torch.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -265,7 +266,7 @@ def merged_config(overrides: list[str] | None = None, recipe: str | None = None)
     profile = _profile(cluster_name or "local", cluster_field)
     _check_keys(profile, ClusterConfig, "cluster.")
     layers: list[Any] = [{"cluster": profile}, *chain]
-    merged = OmegaConf.structured(Config)
+    merged = _schema_tree()
     for layer in layers:
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -276,6 +277,14 @@ def merged_config(overrides: list[str] | None = None, recipe: str | None = None)
     if has_references(layers, dotted):  # bound what ${...} expands to before OmegaConf resolves it
         interpolation.check_expansion(interpolation.flatten(OmegaConf.to_container(merged, resolve=False)))
     return merged, layers, dotted
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_tree() -> DictConfig:
+    """The schema's defaults as a tree, built once (40 ms of the 100 ms a load takes here: every
+    CLI call and test loads configs). Never changed in place: ``OmegaConf.merge`` copies its first
+    argument before merging into it."""
+    return OmegaConf.structured(Config)
 
 
 def has_references(layers: list, dotted: list[str]) -> bool:

@@ -17,11 +17,13 @@ batch, so plan and rehearsal are compared on the same step. ``microbatches`` and
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import types
+import warnings
 from typing import Any, Optional
 
 from paralayer import config as config_mod
@@ -169,15 +171,56 @@ def compare(rank: dict) -> dict:
 
 
 # ------------------------------------------------------------------ running the ranks
-def _spawn(run_dir: str, rank: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, "-m", "paralayer.rehearse.rank", run_dir, str(rank)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+#: What the rehearsal's fork server imports once (torch, the runtime, the rank's counters): each
+#: rank forks from it with them loaded, instead of a fresh interpreter importing them again (~3 s a
+#: rank on this machine; the server outlives one rehearsal, so a session that rehearses often --
+#: the test suite -- pays it once). The server is a clean process: nothing of the caller's state
+#: but its environment, passed with each rank, reaches a rank.
+PRELOAD = ("paralayer.rehearse.rank", "paralayer.runtime.train", "paralayer.rehearse.memory",
+           "paralayer.rehearse.comm", "paralayer.rehearse.flops", "paralayer.parallel.mesh",
+           "torch._subclasses.fake_tensor")
+
+
+def _rank_child(run_dir: str, rank: int, env: dict) -> None:
+    """A forked rank: the caller's environment, its output to DIR/rank-RANK.log (read back for the
+    error line), then ``paralayer.rehearse.rank``'s main; its exit status is main's."""
+    os.environ.clear()
+    os.environ.update(env)
+    warnings.simplefilter("ignore")
+    fd = os.open(os.path.join(run_dir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from paralayer.rehearse import rank as rank_mod
+
+    sys.exit(rank_mod.main([run_dir, str(rank)]))
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _spawn(run_dir: str, rank: int) -> mp.Process:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: once a process
+    proc = ctx.Process(target=_rank_child, args=(run_dir, rank, dict(os.environ, OMP_NUM_THREADS="1")),
+                       daemon=True)
+    # multiprocessing re-runs the caller's __main__ script in the child (launch.py would run the CLI
+    # again): a rank needs nothing of it, so the child is told of a bare one
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        proc.start()
+    finally:
+        sys.modules["__main__"] = main
+    return proc
 
 
 def run_ranks(cfg: Config, plan: dict, ranks: list[int], parallel: int = 0) -> tuple[list[dict], list[str]]:
-    """One process per rank (at most ``parallel`` at once, default the cores); returns the ranks'
-    results and the one-line errors of those that failed."""
+    """One process per rank, forked from the fork server (at most ``parallel`` at once, default
+    the cores); returns the ranks' results and the one-line errors of those that failed."""
     parallel = parallel or max(1, min(len(ranks), os.cpu_count() or 1))
     results, errors = [], []
     with tempfile.TemporaryDirectory(prefix="paralayer-rehearse-") as tmp:
@@ -191,21 +234,21 @@ def run_ranks(cfg: Config, plan: dict, ranks: list[int], parallel: int = 0) -> t
                 r = pending.pop(0)
                 running.append((r, _spawn(tmp, r), time.monotonic()))
             r, proc, t0 = running.pop(0)
-            try:
-                _, err = proc.communicate(timeout=max(1.0, RANK_TIMEOUT_S - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
+            proc.join(timeout=max(1.0, RANK_TIMEOUT_S - (time.monotonic() - t0)))
+            if proc.is_alive():
                 proc.kill()
-                proc.communicate()
+                proc.join()
                 errors.append(f"rank {r}: rehearsal did not finish in {RANK_TIMEOUT_S:g} s")
                 continue
             path = os.path.join(tmp, f"rank-{r}.json")
-            if proc.returncode == 0 and os.path.exists(path):
+            if proc.exitcode == 0 and os.path.exists(path):
                 with open(path) as f:
                     results.append(json.load(f))
             else:
+                err = _read(os.path.join(tmp, f"rank-{r}.log"))
                 lines = [ln for ln in err.strip().splitlines() if ln.strip()]
                 mine = [ln for ln in lines if ln.startswith(f"rank {r}:")]
-                errors.append(mine[-1] if mine else f"rank {r}: exited {proc.returncode}: "
+                errors.append(mine[-1] if mine else f"rank {r}: exited {proc.exitcode}: "
                               f"{lines[-1] if lines else 'no message'}")
     return sorted(results, key=lambda x: x["rank"]), errors
 
@@ -225,10 +268,7 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
     usable = None if cap is None else int(cap) - int(plan["memory_reserve_bytes"])
     out_ranks = []
     for res in results:
-        c = res["coords"]
-        res.update(plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
-                                int(c["cp"])))
-        res.update(compare(res))
+        res = beside_the_plan(cfg_run, plan, res)
         res["fits"] = usable is None or res["memory_bytes"]["total"] <= usable
         out_ranks.append(res)
     ok = not errors and all(r["fits"] for r in out_ranks)
@@ -239,6 +279,17 @@ def rehearse(cfg: Config, plan: dict, ranks: Optional[list[int]] = None, paralle
         "agrees": bool(out_ranks) and all(all(r["agrees"].values()) for r in out_ranks),
         "notes": _notes(cfg, plan, m_run),
     }
+
+
+def beside_the_plan(cfg_run: Config, plan: dict, res: dict) -> dict:
+    """A rank's measured figures with the plan's for the same rank and batch (``cfg_run``, from
+    :func:`rehearsal_config`) and their ratios: the parent's side of the rehearsal, so a test can
+    judge one set of measured ranks against a changed plan without stepping them again."""
+    c = res["coords"]
+    res = {**res, **plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
+                                 int(c["cp"]))}
+    res.update(compare(res))
+    return res
 
 
 def _notes(cfg: Config, plan: dict, m_run: int) -> list[str]:
