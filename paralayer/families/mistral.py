@@ -10,7 +10,7 @@ from paralayer.families.common import Traits, base_export, head_dim_field, unifo
 NAME = "mistral"
 MODEL_TYPES = ("mistral",)
 HF_CLASS = "MistralForCausalLM"
-TINY_RECIPE = None  # no recipe has one window on every layer: tests/test_families.py imports a checkpoint
+TINY_RECIPE = "tiny-mistral"
 NAMES: dict = {}  # the shared table only
 EXPERTS = None
 MTP_AS_LAYERS = False

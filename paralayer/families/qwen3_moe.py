@@ -12,7 +12,7 @@ from paralayer.families.errors import HFFormatError
 NAME = "qwen3_moe"
 MODEL_TYPES = ("qwen3_moe",)
 HF_CLASS = "Qwen3MoeForCausalLM"
-TINY_RECIPE = None  # no recipe: tests/test_hf_moe.py imports transformers' own save
+TINY_RECIPE = "tiny-qwen3-moe"
 NAMES = qwen3.NAMES  # Qwen3's q/k norms, plus the experts below
 EXPERTS = ExpertNames(router="mlp.gate.weight", expert="mlp.experts.{j}.{w}.weight",
                       w={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
