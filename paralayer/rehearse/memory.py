@@ -48,22 +48,30 @@ def _bytes(ts: Iterable[torch.Tensor]) -> int:
     return n
 
 
-def param_bytes(params: list, gathered_through_step: bool = False) -> int:
+def param_bytes(params: list, gathered_through_step: bool = False, gather_dtype: "torch.dtype | None" = None) -> int:
     """This rank's weights: the local shard of each parameter. ``gathered_through_step`` (ZeRO-2:
-    FSDP keeps each unit's gathered weights from its forward to its backward) counts the data-
-    parallel shards whole, as the step's peak holds them."""
+    FSDP keeps each unit's gathered weights from its forward to its backward) adds, for each
+    parameter FSDP shards over the data-parallel ranks (dp_cp, or edp for experts, a one-rank group
+    included), the gathered copy FSDP2 holds beside the shard: its data-parallel shards whole, in
+    ``gather_dtype`` (the MixedPrecisionPolicy's param_dtype: bf16 under bf16-fsdp) or the
+    parameter's own. FSDP2 keeps both (its ``_sharded_param_data`` and ``_unsharded_param`` are
+    separate storages, fp32 and bf16 alike, checked with torch 2.13 on gloo)."""
+    n = _bytes(params)
     if not gathered_through_step:
-        return _bytes(params)
-    n = 0
+        return n
     for p in params:
         t = _local(p)
-        k = 1
+        k, fsdp = 1, False
         mesh = getattr(p, "device_mesh", None)
         for dim, pl in enumerate(getattr(p, "placements", ())):
             names = mesh.mesh_dim_names or ()
+            # Shard, or FSDP's _StridedShard over tp's (which is_shard() does not count)
             if not (pl.is_replicate() or pl.is_partial()) and dim < len(names) and names[dim] in ("dp_cp", "edp"):
                 k *= mesh.size(dim)
-        n += int(t.numel()) * k * t.element_size()
+                fsdp = True
+        if fsdp:
+            size = torch.empty((), dtype=gather_dtype).element_size() if gather_dtype is not None else t.element_size()
+            n += int(t.numel()) * k * size
     return n
 
 

@@ -120,8 +120,18 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
 
 
 def _gathered_through_step(run: Any) -> bool:
-    """ZeRO-2 under FSDP without a pipeline: weights stay gathered from forward to backward."""
-    return int(run.cfg.parallel.zero) == 2 and run.meshes.size("dp_cp") > 1 and run.degree["pp"] == 1
+    """ZeRO-2 under FSDP: weights stay gathered from forward to backward, under a pipeline too (its
+    stages neither reshard after forward nor after each microbatch's backward under ZeRO-2:
+    parallel/pipeline/stage_hooks.py ``stage_reducing_each_microbatch``)."""
+    return int(run.cfg.parallel.zero) == 2 and run.meshes.size("dp_cp") > 1
+
+
+def _fsdp_gather_dtype(run: Any) -> "torch.dtype | None":
+    """The dtype FSDP2 gathers the weights in (MixedPrecisionPolicy's param_dtype; None: their own),
+    as runtime/build.py passes it to ``apply_fsdp``."""
+    from paralayer.runtime import precision
+
+    return precision.fsdp_param_dtype(precision.mode(run.cfg, run.device, run.meshes.size("dp_cp")))
 
 
 def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
@@ -174,10 +184,11 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             with flops, saved, counter:
                 step(run, tokens, labels)
             params = run.built.params
+            weights = rmem.param_bytes(params, _gathered_through_step(run), _fsdp_gather_dtype(run))
             out = {
                 "rank": rank, "coords": coords,
                 # autocast's bf16 copies of the weights count with the weights, as the plan counts them
-                "memory_bytes": {"params": rmem.param_bytes(params, _gathered_through_step(run)) + saved.weight_copy_bytes,
+                "memory_bytes": {"params": weights + saved.weight_copy_bytes,
                                  "grads": rmem.grad_bytes(params),
                                  "optimizer": rmem.optimizer_bytes(run.opt), "activations": int(saved.peak_bytes)},
                 "collectives": counter.table(),

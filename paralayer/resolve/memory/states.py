@@ -220,7 +220,9 @@ def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int
     ``bytes_per_param``: the precision ('fp32' | 'bf16'), counted as the runtime runs it
     (:func:`precision_mode`), or an explicit (weights, grads, optimizer) tuple. Under FSDP2's
     MixedPrecisionPolicy (bf16, ZeRO ≥ 2) the weights are fp32 shards (4 B / d) plus the bf16
-    copies FSDP gathers for compute (2 B): all of them held from forward to backward under ZeRO-2
+    copies FSDP gathers for compute (2 B), in fp32 under ZeRO-2 the shards (4 B / d) plus the fp32
+    gathered copies (4 B) (FSDP2's sharded and unsharded parameters are separate storages, even over
+    one expert-data rank): all of them held from forward to backward under ZeRO-2
     (no reshard after forward) and under the V schedules, one block at a time under ZeRO-3 (not
     counted, like the fp32 gather buffers); grads reduce to fp32 shards.
 
@@ -235,6 +237,10 @@ def state_bytes(dense: float, expert: float, d_dense: int, d_exp: int, zero: int
     params = wb * (_shard(dense, d_dense, pz, 3) + _shard(expert, d_exp, pz, 3))
     if mode == "bf16-fsdp":
         params = wb * (dense / d_dense + expert / d_exp) + (2 * (dense + expert) if pz < 3 else 0)
+    elif mode == "fp32" and pz == 2 and d_dense > 1:
+        # FSDP2 (runtime/build.py: ZeRO ≥ 2 over more than one dp·cp rank) keeps each shard beside
+        # the gathered copy it holds from forward to backward, two storages (in fp32 as in bf16)
+        params += wb * (dense / d_dense + expert / d_exp)
     grads = gb * (_shard(dense, d_dense, pz, 2) + _shard(expert, d_exp, pz, 2))
     opt = ob * (_shard(dense, d_dense, zero, 1) + (expert if zero == 1 else _shard(expert, d_exp, zero, 1)))
     return params, grads, opt

@@ -49,7 +49,9 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     ZeRO shards over the ranks that hold the same weights: dp·cp for dense weights, the
     expert-data-parallel group dp·cp/ep for experts. Stage 1 shards the optimizer, 2 also the grads,
     3 also the weights. bf16 as the runtime runs it (:func:`precision_mode`): autocast (ZeRO 0/1)
-    Z0 4+4+8, Z1 4+4+8/d, plus 2 B per weight whose bf16 copy it keeps (:func:`autocast_copy_params`); FSDP2 mixed precision Z2 2+4/d + (4+8)/d, Z3 (4+4+8)/d bytes per param."""
+    Z0 4+4+8, Z1 4+4+8/d, plus 2 B per weight whose bf16 copy it keeps (:func:`autocast_copy_params`);
+    FSDP2 mixed precision Z2 2+4/d + (4+8)/d, Z3 (4+4+8)/d bytes per param;
+    fp32 under FSDP2 Z2 4+4/d + (4+8)/d (the gathered copy beside the shard)."""
     dense, expert, _ = rank_params(cfg, lay, r)
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
