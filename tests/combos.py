@@ -135,6 +135,10 @@ MODEL_FIELDS = {
     **{f"mla.{k}": "family" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                       "v_head_dim")},
     **{f"mtp.{k}": "mtp" for k in ("depth", "loss_weight")},
+    # Gemma 3's parts: fixed here (the base model's values); tests/test_families.py proves them against
+    # Gemma3ForCausalLM under tp2, pp2, cp2 and dp2·ZeRO-3 -- not yet a family of this matrix
+    **{k: None for k in ("embed_scale", "norm_offset", "post_norms", "mlp_act", "query_pre_attn_scalar",
+                         "rope_local_theta")},
 }
 
 

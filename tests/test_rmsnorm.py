@@ -96,7 +96,7 @@ class _WeightGradOffByEps(_RMSNormFn):
 
     @staticmethod
     def backward(ctx, g):
-        gx, _, _ = _RMSNormFn.backward(ctx, g)
+        gx = _RMSNormFn.backward(ctx, g)[0]
         x, _, _ = ctx.saved_tensors
         xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3)
         return gx, (g * xhat).sum(dim=(0, 1)), None

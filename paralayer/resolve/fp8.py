@@ -73,10 +73,9 @@ def gpu_has_fp8(name: str) -> bool | None:
     return None
 
 
-def check_fp8(cfg: Config, lay) -> None:
-    """The FP8 rules; each problem is an Issue on ``lay`` naming train.precision (or the field)."""
-    from paralayer.resolve.rules import Issue
-
+def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules' Issue class, passed in
+    """The FP8 rules; each problem is an ``Issue`` on ``lay`` naming train.precision (or the field).
+    rules.py passes its Issue class in: this module is below rules.py in the imports."""
     if cfg.train.precision != "fp8":
         return
     recipe, p = cfg.train.fp8.recipe, cfg.parallel

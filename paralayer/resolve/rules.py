@@ -149,9 +149,13 @@ def check(cfg: Config) -> Layout:
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
     for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
-                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval, check_fp8):
+                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval, _check_fp8):
         step(cfg, lay)
     return lay
+
+
+def _check_fp8(cfg: Config, lay: Layout) -> None:
+    check_fp8(cfg, lay, Issue)
 
 
 def _error(lay: Layout, fld: str, msg: str) -> None:
