@@ -156,6 +156,31 @@ def release_mesh_groups() -> int:
     return n
 
 
+def release_default_arguments() -> int:
+    """After ``destroy_process_group``: drop the process groups that torch's
+    ``torch.distributed.nn.functional`` holds as default arguments. Returns how many it dropped.
+
+    Why: its functions are written ``def all_reduce(..., group=group.WORLD)``, a default evaluated
+    when the module is imported. DTensor's redistribute imports it lazily, after the default group
+    exists, so ten functions held that group for the life of the process and its gloo threads (one
+    transport loop, two workers) outlived destroy into interpreter finalization (issue 48). None is
+    what the defaults are when the module is imported before any group: the default group."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None:
+        return 0
+    from torch.distributed import ProcessGroup
+
+    n = 0
+    for fn in vars(mod).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(type(d) is ProcessGroup for d in defaults):
+            fn.__defaults__ = tuple(None if type(d) is ProcessGroup else d for d in defaults)
+            n += 1
+    return n
+
+
 # ------------------------------------------------------------------ newer public APIs, with fallbacks
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                       _api: Optional[Callable[..., Any]] = None) -> None:

@@ -10,7 +10,8 @@ interpreter was being torn down, where a gloo work object that still holds tenso
 of a dying interpreter and aborts (pytorch/pytorch#179291, #190489: the same abort from a group
 never destroyed). :func:`finish` ends in order: a barrier after the last collective (the
 successful path only: a failed rank's peers may never come), destroy, the meshes' groups
-released (paralayer/compat.py) and collected, so the groups' destructors join their threads
+released, torch's default arguments that hold the default group dropped (both in
+paralayer/compat.py) and collected, so the groups' destructors join their threads
 here, on the main thread, while the interpreter is whole.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ def finish(ok: bool, barrier_timeout_s: Optional[float] = None) -> None:
             pass
         gc.unfreeze()  # what start-up made was frozen out of the collector's view (runtime/startup_gc.py)
         compat.release_mesh_groups()
+        compat.release_default_arguments()
         gc.collect()
 
 
