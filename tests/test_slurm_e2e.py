@@ -240,6 +240,29 @@ def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
           f"{resumes[1][1]}: {time.monotonic() - t0:.0f}s")
 
 
+def test_finished_job_with_an_abort_at_exit_is_completed(slurm_env, tmp_path):
+    """Issue 48 on the real SLURM: rank 1 of a dp2 run has a native abort registered for the
+    interpreter's exit after its last step (tests/fault_hook.py ``abortexit``). The finished task
+    ends with status 0 before that teardown (runtime/completion.py), so the job is COMPLETED, the
+    launcher exits 0 and, with restarts allowed, submits nothing more."""
+    from tests.fault_hook import fault_env
+
+    run = tmp_path / "abort"
+    env = fault_env(tmp_path / "fault", "abortexit:1:0", slurm_env)
+    r = _launch([*SMALL, "parallel.dp=2", f"run.dir={run}", "train.steps=3", "logging.wandb.mode=disabled",
+                 "cluster.slurm.max_restarts=2", "--wait"], tmp_path, env, timeout=240)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    job = re.search(r"submitted job (\d+) ", r.stdout).group(1)
+    assert f"job {job}: COMPLETED" in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in (run / "done").iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert _steps(run) == [1, 2, 3], _steps(run)
+    attempts = [json.loads(x) for x in (run / "attempts.jsonl").read_text().splitlines()]
+    assert [a["cause"] for a in attempts] == ["done"], attempts
+    assert _jobs_from(tmp_path) == [job]  # no second submission
+    rows = _sacct_until(job, lambda rs: rs and rs[0][1] == "COMPLETED")
+    assert rows and rows[0][1] == "COMPLETED", rows
+
+
 def test_invalid_sweep_element_submits_nothing(slurm_env, tmp_path):
     base = [a for a in SMALL if not a.startswith("parallel.tp=")]  # the sweep sets tp itself
     r = _launch([*base, "-m", "parallel.tp=1,3", "parallel.pp=1,3", f"run.dir={tmp_path / 'bad'}", "--wait"],

@@ -125,9 +125,9 @@ def exit_zero_at_exit(run_dir: str, rank: int) -> bool:
 
     Why os._exit is the honest end here: SLURM reads only the task's exit status, and a native
     abort in that teardown would make a finished job FAILED. teardown.finish joins every process
-    group it can reach, but torch keeps the default group alive past ``destroy_process_group``
-    once a functional collective has used it (issue 48), so its threads may still meet the dying
-    interpreter. Nothing of the run is left to do: its marker is written only after the last
+    group, but whatever else native a library leaves running (torch held the default group past
+    ``destroy_process_group`` until compat.release_default_arguments, issue 48) would meet the
+    dying interpreter. Nothing of the run is left to do: its marker is written only after the last
     step, the final checkpoint and the metrics. Returns whether it was registered."""
     if not os.path.exists(marker(run_dir, rank)):
         return False
