@@ -10,6 +10,7 @@ for docs/BENCHMARKS.md.
 
     python benchmarks/exit_soak.py --runs 100            # the issue's count (hours on 2 cores)
     python benchmarks/exit_soak.py --runs 10 --layouts dp2-zero3,pp2
+    python benchmarks/exit_soak.py --runs 100 --budget-s 5400   # as many rounds as 90 minutes allow
 """
 from __future__ import annotations
 
@@ -53,24 +54,34 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100, help="runs per layout (the issue asks 100)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no new round of runs after this many seconds (0: no limit)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="exit-soak-") as root:
-        for layout in layouts:
-            runs = []
-            for i in range(a.runs):
+        runs: dict[str, list[dict]] = {x: [] for x in layouts}
+        t0 = time.time()
+        for i in range(a.runs):  # round-robin: a run stopped by --budget-s has every layout at the same count
+            if a.budget_s and time.time() - t0 > a.budget_s:
+                print(f"budget of {a.budget_s:.0f} s spent after {i} runs per layout", file=sys.stderr)
+                break
+            for layout in layouts:
                 r = one_run(layout, a.steps, root, i)
-                runs.append(r)
+                runs[layout].append(r)
                 print(f"{layout} run {i + 1}/{a.runs}: exit {r['rc']}, abort in log {r['abort']}, "
                       f"{r['seconds']:.0f} s", file=sys.stderr, flush=True)
                 if r["rc"]:
                     print(r["tail"], file=sys.stderr, flush=True)
-            codes = collections.Counter(r["rc"] for r in runs)
-            rows.append((layout, len(runs), ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())),
-                         sum(r["rc"] != 0 for r in runs), sum(r["abort"] for r in runs),
-                         sum(r["after_done"] for r in runs), sorted(r["seconds"] for r in runs)[len(runs) // 2]))
+        for layout in layouts:
+            done = runs[layout]
+            if not done:
+                continue
+            codes = collections.Counter(r["rc"] for r in done)
+            rows.append((layout, len(done), ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())),
+                         sum(r["rc"] != 0 for r in done), sum(r["abort"] for r in done),
+                         sum(r["after_done"] for r in done), sorted(r["seconds"] for r in done)[len(done) // 2]))
         if a.keep:
             print(f"run directories kept under {root}", file=sys.stderr)
             input("press enter to delete them")
