@@ -1,103 +1,59 @@
 """Figures the README and docs quote from ``--dry-run`` / ``--plan`` come from the current resolver.
 
-A quoted figure carries an invisible marker right before it:
-
-    <!-- fig: recipe=llama3-8b-512k parallel.cp=1 --dry-run => memory_per_device_bytes.total GiB:.1f -->77.4
-
-The marker holds the command's arguments (as given to ``launch.py``; ``--dry-run`` or ``--plan``),
-a path into its JSON (``0.step_time_s`` for the planner's first layout) and a format (``GiB:.1f``
-divides bytes by 2**30; ``:.2f``, ``d``, ``str``, ``pct:.1f`` (×100)). ``calib:KEY=VALUE`` tokens re-plan
-with that calibration constant changed (the planner's sensitivity). The test recomputes every
-marked figure (torch-free, in-process) and asserts the text shows exactly what it computes, so a
-resolver change that moves a quoted figure fails here until the doc is updated.
+The figures are written by one script, benchmarks/doc_figures.py (markers before figures in prose,
+and the generated table of every shipped recipe's plan in docs/models.md); these tests recompute
+them torch-free and in-process and assert the docs show exactly that, so a resolver change that
+moves a quoted figure fails here until ``python benchmarks/doc_figures.py --write`` is run.
 """
 from __future__ import annotations
 
-import functools
-import json
-import re
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-MARK = re.compile(r"<!-- fig: (?P<args>.+?) => (?P<path>\S+) (?P<fmt>\S+) -->(?P<shown>[^\s|,;)`]+)")
+from benchmarks import doc_figures as figs
 
-
-def _markers() -> list[tuple[str, str, str, str, str]]:
-    out = []
-    for doc in DOCS:
-        for m in MARK.finditer(doc.read_text()):
-            out.append((doc.name, m["args"], m["path"], m["fmt"], m["shown"].rstrip(".")))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _json(args: str) -> object:
-    from paralayer.config import load_config
-    from paralayer.resolve.plan import resolve
-
-    tokens = args.split()
-    calib = dict(t[len("calib:"):].split("=", 1) for t in tokens if t.startswith("calib:"))
-    flags = {t for t in tokens if t.startswith("--")}
-    overrides = [t for t in tokens if not t.startswith(("--", "calib:"))]
-    cfg = load_config(overrides)
-    if "--plan" in flags:
-        from paralayer.resolve.cost.machine import GPU_CALIBRATION
-        from paralayer.resolve.planner import plan_layouts
-        from paralayer.resolve.planner import report as plan_report
-
-        cal = dict(GPU_CALIBRATION, **{k: float(v) for k, v in calib.items()}) if calib else None
-        return plan_layouts(cfg, calibration=cal, top=3, fixed=plan_report.fixed_from_overrides(overrides, cfg))
-    assert "--dry-run" in flags, f"a marker needs --dry-run or --plan: {args}"
-    return json.loads(json.dumps(resolve(cfg).to_dict()))
-
-
-def _at(obj: object, path: str) -> object:
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    return obj
-
-
-def _fmt(value: object, fmt: str) -> str:
-    if fmt == "str":
-        return str(value).lower() if isinstance(value, bool) else str(value)
-    if fmt.startswith("GiB"):
-        return format(float(value) / 2**30, fmt[3:].lstrip(":"))
-    if fmt.startswith("pct"):
-        return format(float(value) * 100, fmt[3:].lstrip(":"))
-    return format(value, fmt.lstrip(":"))
-
-
-MARKERS = _markers()
+MARKERS = [(doc.name, m) for doc in figs.DOCS for m in figs.markers(doc.read_text())]
 
 
 def test_docs_carry_figure_markers():
     """The markers exist (a regex that matched nothing would make the check below vacuous)."""
     assert len(MARKERS) >= 12, MARKERS
-    assert {m[0] for m in MARKERS} >= {"README.md", "BENCHMARKS.md", "planner.md"}
+    assert {name for name, _ in MARKERS} >= {"README.md", "BENCHMARKS.md", "planner.md", "models.md"}
 
 
-def _mismatches(text: str) -> list[str]:
-    out = []
-    for m in MARK.finditer(text):
-        want = _fmt(_at(_json(m["args"]), m["path"]), m["fmt"])
-        if m["shown"].rstrip(".") != want:
-            out.append(f"`{m['args']}` gives {m['path']} = {want}, the doc says {m['shown']}")
-    return out
-
-
-@pytest.mark.parametrize("doc", sorted({m[0] for m in MARKERS}))
+@pytest.mark.parametrize("doc", sorted({name for name, _ in MARKERS}))
 def test_quoted_figures_are_current(doc):
-    path = next(d for d in DOCS if d.name == doc)
-    bad = _mismatches(path.read_text())
-    assert not bad, f"{doc}: " + "; ".join(bad)
+    path = next(d for d in figs.DOCS if d.name == doc)
+    bad = figs.stale_markers(path.read_text())
+    assert not bad, f"{doc}: " + "; ".join(bad) + " (python benchmarks/doc_figures.py --write)"
 
 
 def test_a_stale_figure_fails():
-    """The check can fail: the first marker's figure moved by one in its last digit is caught."""
-    doc, args, path, fmt, shown = MARKERS[0]
-    assert not _mismatches(f"<!-- fig: {args} => {path} {fmt} -->{shown}")
-    stale = shown[:-1] + str((int(shown[-1]) + 1) % 10)
-    assert _mismatches(f"<!-- fig: {args} => {path} {fmt} -->{stale}")
+    """The check can fail: the first marker's figure moved by one in its last digit is caught, and
+    the writer puts it back."""
+    _, m = MARKERS[0]
+    line = m.group(0)
+    assert not figs.stale_markers(line)
+    shown = m["shown"].rstrip(".")
+    stale = line.replace("-->" + shown, "-->" + shown[:-1] + str((int(shown[-1]) + 1) % 10))
+    assert figs.stale_markers(stale)
+    assert figs.rewrite_markers(stale) == line
+
+
+def test_the_recipe_table_is_every_shipped_recipe_as_planned():
+    """docs/models.md's table of the shipped recipes is what the resolver plans today: every GPU
+    recipe in recipes/ a row (a new recipe without its row fails), every cell current."""
+    shown = figs.table_in(figs.TABLE_DOC.read_text())
+    assert shown is not None, f"no {figs.TABLE_OPEN} block in docs/models.md"
+    names = figs.shipped_recipes()
+    assert len(names) >= 15 and {"deepseek-v3", "llama3-405b", "kimi-k2", "qwen3-8b"} <= set(names)
+    want = figs.recipe_table()
+    assert [r.split(" | ")[0] for r in shown.splitlines()[2:]] == [f"| {n}" for n in names]
+    assert shown == want, "docs/models.md's recipe table is stale: python benchmarks/doc_figures.py --write"
+
+
+def test_a_stale_table_cell_fails():
+    table = figs.recipe_table()
+    row = table.splitlines()[2]
+    cells = row.split(" | ")
+    cells[7] = f"{float(cells[7]) + 0.01:.2f}"  # the total GiB of the first recipe, off by 0.01
+    assert table.replace(row, " | ".join(cells)) != table
