@@ -8,8 +8,8 @@ Two forms, both checked by tests/test_doc_figures.py:
 
   holding the command's arguments (as given to ``launch.py``; ``--dry-run`` or ``--plan``), a path
   into its JSON (``0.step_time_s`` for the planner's first layout) and a format (``GiB:.1f`` divides
-  bytes by 2**30, ``GB``/``MB`` by 1e9/1e6; ``:.2f``, ``d``, ``str``, ``pct:.1f`` (x100)). ``calib:KEY=VALUE`` tokens re-plan with
-  that calibration constant changed (the planner's sensitivity).
+  bytes by 2**30, ``GB``/``MB`` by 1e9/1e6; ``:.2f``, ``d``, ``str``, ``pct:.1f`` (x100)).
+  ``calib:KEY=VALUE`` tokens re-plan with that calibration constant changed (the planner's sensitivity).
 - a table of every shipped recipe's plan (memory per part, step time, MFU, device-hours) between
   ``<!-- generated: recipes -->`` and ``<!-- /generated -->`` in docs/models.md.
 
