@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paralayer.config import Config
+from paralayer.resolve.memory import zero1
 from paralayer.resolve.memory.activations import rank_activations
 from paralayer.resolve.memory.autocast import autocast_copy_params
 from paralayer.resolve.memory.states import rank_params, state_bytes
@@ -58,6 +59,9 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     z = lay.zero
 
     params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, lay.precision, lay.schedule)
+    if z == 1 and d_dense > 1:  # the busiest data rank's share (zero1.busiest_dense): experts under ep kept apart
+        opt = state_bytes(zero1.busiest_dense(cfg, lay, r), expert if lay.ep > 1 else 0.0, d_dense, d_exp, z,
+                          lay.pp, lay.precision, lay.schedule)[2]
     params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
 
     acts, _ = rank_activations(cfg, lay, r)

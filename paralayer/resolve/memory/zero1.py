@@ -7,6 +7,9 @@ plan, exactly: this replays the deal on the parameter sizes the layout gives a p
 """
 from __future__ import annotations
 
+import functools
+import heapq
+
 from paralayer.config import Config
 from paralayer.resolve import model_parts
 from paralayer.resolve.memory.states import is_moe_layer, rank_chunks
@@ -67,11 +70,35 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
     return out
 
 
-def share(sizes: list[int], d: int, index: int) -> int:
-    """Elements data rank ``index`` of ``d`` owns after the deal (largest first, least loaded
-    rank, ties to the lowest index: ``ZeroOneOptimizer``'s order)."""
-    loads = [0] * d
+def deal(sizes: list[int], d: int) -> list[int]:
+    """Elements each of ``d`` data ranks owns after the deal (largest first, to the least loaded
+    rank, ties to the lowest index: ``ZeroOneOptimizer``'s order); a heap, as d reaches thousands."""
+    heap = [(0, k) for k in range(d)]  # sorted: already a heap
     for s in sorted(sizes, reverse=True):
-        j = min(range(d), key=lambda k: loads[k])
-        loads[j] += s
-    return loads[index]
+        load, k = heapq.heappop(heap)
+        heapq.heappush(heap, (load + s, k))
+    loads = [0] * d
+    for load, k in heap:
+        loads[k] = load
+    return loads
+
+
+def share(sizes: list[int], d: int, index: int) -> int:
+    """Elements data rank ``index`` of ``d`` owns after the deal."""
+    return deal(sizes, d)[index]
+
+
+@functools.lru_cache(maxsize=4096)
+def largest_load(sizes: tuple, d: int) -> int:
+    """The busiest rank's elements after :func:`deal` (the planner asks it for thousands of layouts
+    that share a pipeline rank's tensors: cached; with no more tensors than ranks, the largest)."""
+    return max(sizes) if len(sizes) <= d else max(deal(list(sizes), d))
+
+
+def busiest_dense(cfg: Config, lay: Layout, r: int) -> int:
+    """The busiest data rank's ZeRO-1 share on pipeline rank ``r``, times d: the dense element count
+    whose average share (n/d, what ``state_bytes`` divides) is that rank's. The plan's optimizer
+    figure is this rank's, not the average: whole tensors are dealt, and the rank that takes the
+    embedding (DeepSeek-V3's 926M elements on pp rank 0) holds 9.53 GiB of state where n/d gives 2.85."""
+    d = lay.dp * lay.cp
+    return largest_load(tuple(sorted(dense_sizes(cfg, lay, r), reverse=True)), d) * d
