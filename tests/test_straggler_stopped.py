@@ -1,10 +1,14 @@
 """The straggler watch names a rank slowed from OUTSIDE at random times (issue 46).
 
 A thread of this test process freezes one rank with SIGSTOP and resumes it with SIGCONT at random
-moments, so the stops land anywhere: in compute, inside a collective the rank already waits in,
-between timed regions, in a pipeline hand-off, in the cp ring. The watch names the rank the others
-waited for (paralayer/metrics/waited_for.py). (With stops this dominant the old busy-time naming
-passed too, in one run: most stops fall in the stopped rank's own compute; see docs/health.md.)
+moments. The watch names the rank the others waited for (paralayer/metrics/waited_for.py). Under
+tp2, pp2 and cp2 a stop is made only at a moment the rank's main thread is asleep in the kernel
+(blocked in a collective, a pipeline or ring receive), so it lands in what the rank's own clocks
+count as waiting, never in its compute: the old busy-time naming (which rank computed longest)
+cannot see it and fails this test (planted: cp2 33-50%, tp2 33-83%). Under ZeRO-0/2/3 the stops
+land anywhere (busy time names that rank too): stopped only while it waits, a rank inside a
+two-phase all-reduce delays both ranks alike and no clock in the processes can tell who stopped
+(docs/health.md, its limits).
 
 The stop must dominate this shared 2-core machine's own noise (other jobs slow either rank by
 tens of ms at random): each stop lasts 0.12-0.2 s and between stops the rank runs 5-30 ms, less
@@ -36,12 +40,13 @@ BASE = ["recipe=tiny", "model.n_layers=2", "model.seq_len=64", "model.d_model=64
         "train.micro_batch=2", "logging.wandb.mode=disabled", "logging.progress=false", "train.warmup_steps=0",
         "parallel.tp=1", "parallel.dp=1"]
 STEPS, WARM, SHARE = 8, 2, 0.6
-STOP_S, RUN_S = (0.12, 0.2), (0.005, 0.03)
+STOP_S, RUN_S, POLL_S = (0.12, 0.2), (0.005, 0.03), 0.05
 
-#: layout -> (overrides, the rank stopped)
-LAYOUTS = {"zero0": (["parallel.dp=2", "parallel.zero=0"], 1), "zero2": (["parallel.dp=2", "parallel.zero=2"], 1),
-           "zero3": (["parallel.dp=2", "parallel.zero=3"], 1), "tp2": (["parallel.tp=2"], 1),
-           "pp2": (["parallel.pp=2"], 0), "cp2": (["parallel.cp=2"], 1)}
+#: layout -> (overrides, the rank stopped, whether its stops land only while it waits)
+LAYOUTS = {"zero0": (["parallel.dp=2", "parallel.zero=0"], 1, False),
+           "zero2": (["parallel.dp=2", "parallel.zero=2"], 1, False),
+           "zero3": (["parallel.dp=2", "parallel.zero=3"], 1, False), "tp2": (["parallel.tp=2"], 1, True),
+           "pp2": (["parallel.pp=2"], 0, True), "cp2": (["parallel.cp=2"], 1, True)}
 
 
 def _train(rank, world, overrides, run_dir, victim):
@@ -65,8 +70,20 @@ def _train(rank, world, overrides, run_dir, victim):
     return True
 
 
-def _stopper(folder: Path, seed: int, halt: threading.Event, log: list) -> None:
-    """SIGSTOP / SIGCONT the rank whose pid appears in ``folder/pid`` at random moments until it is done."""
+def waiting(pid: int) -> bool:
+    """Whether the rank's main thread is asleep in the kernel (``S`` in /proc): blocked in a wait
+    (a collective, a pipeline or ring receive, a barrier), not computing (``R``)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "S"
+    except OSError:
+        return False
+
+
+def _stopper(folder: Path, seed: int, halt: threading.Event, log: list, only_waiting: bool) -> None:
+    """SIGSTOP / SIGCONT the rank whose pid appears in ``folder/pid`` at random moments until it is
+    done; with ``only_waiting`` each stop waits (up to POLL_S) for a moment the rank is not
+    computing, so the stop lands in the rank's waits (which its own clocks count as waiting)."""
     rng = random.Random(seed)
     while not (folder / "pid").exists():
         if halt.wait(0.005):
@@ -75,6 +92,11 @@ def _stopper(folder: Path, seed: int, halt: threading.Event, log: list) -> None:
     try:
         while not halt.is_set() and not (folder / "done").exists():
             time.sleep(rng.uniform(*RUN_S))
+            t_poll = time.monotonic()
+            while only_waiting and not waiting(pid) and time.monotonic() - t_poll < POLL_S:
+                time.sleep(0.0005)
+            if only_waiting and not waiting(pid):
+                continue
             t0 = time.monotonic()
             os.kill(pid, signal.SIGSTOP)
             d = rng.uniform(*STOP_S)
@@ -93,10 +115,10 @@ def _stopper(folder: Path, seed: int, halt: threading.Event, log: list) -> None:
 def named_share(layout: str, run_dir: Path, seed: int) -> tuple[float, list, int]:
     """Run the layout with its rank stopped from outside: the share of steps after warm-up that
     name it, what each logged step named, and how many stops were made."""
-    overrides, victim = LAYOUTS[layout]
+    overrides, victim, only_waiting = LAYOUTS[layout]
     run_dir.mkdir(parents=True)
     halt, log = threading.Event(), []
-    t = threading.Thread(target=_stopper, args=(run_dir, seed, halt, log), daemon=True)
+    t = threading.Thread(target=_stopper, args=(run_dir, seed, halt, log, only_waiting), daemon=True)
     t.start()
     try:
         run_ranks(_train, 2, overrides, str(run_dir), victim, timeout_s=240)

@@ -1,0 +1,102 @@
+"""The planner's pruning proven on every shipped recipe (issue 46 item 4).
+
+``--plan --top N`` skips structures by a lower bound, leaves layouts untimed whose step without
+traffic cannot reach the N-th best, and caps its work (MAX_STRUCTURES, MAX_CANDIDATES). Its
+answer must be the first N rows of the uncapped search: every bound off (each structure walked,
+each layout that fits timed) and no cap; only those N rows are materialised, so the reference
+costs the walk, not 10^5 rows. Checked for every recipes/*.yaml with its own cluster and with each
+GPU profile and the local one at the recipe's node count, MoE recipes included, except the pairs
+in :data:`TOO_SLOW` (the uncapped walk over 2.5 s of CPU, measured on the shared 2-core machine)
+and the recipes in :data:`NOT_MEASURED`. A lower bound that counts the ep traffic three times
+(planted) must change the answer.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import math
+import os
+import time
+
+import pytest
+
+from paralayer.config import load_config
+from paralayer.resolve import planner
+from paralayer.resolve.planner import bounds, search
+
+TOP = 10
+PROFILES = (None, "a100-80gb-8x", "h100-80gb-8x", "h200-141gb-8x", "h800-80gb-8x", "local")
+RECIPES = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(os.path.dirname(__file__), "..", "recipes",
+                                                                          "*.yaml")) if not p.endswith("base.yaml"))
+GPUS = PROFILES[1:5]
+#: pairs whose uncapped walk takes over 2.5 s of CPU here (left out of CI; the pruned plan of each
+#: took at most 2.3 s): deepseek-moe-16b on 8 nodes of any GPU 8.2-10.3 s; deepseek-v3 on 256 h200
+#: nodes 2.8 s, on 256 local nodes 10.7 s; gemma3-27b (64 nodes) 4.5-6.5 s on every profile;
+#: gpt3-175b (128 nodes) 11-13.5 s on its own, a100, h100 (over 2.5 s on h200; h800, local not
+#: measured); mixtral-8x7b and qwen3-32b (8 nodes) on every profile, qwen3-30b-a3b (4 nodes) on
+#: every GPU profile: over 2.5 s. The uncapped walks that ran to the end agreed with the pruned top.
+TOO_SLOW = ({("deepseek-moe-16b", p) for p in (None, *GPUS)}
+            | {("deepseek-v3", "h200-141gb-8x"), ("deepseek-v3", "local")}
+            | {("qwen3-30b-a3b", p) for p in (None, *GPUS)}
+            | {(r, p) for r in ("gemma3-27b", "gpt3-175b", "mixtral-8x7b", "qwen3-32b") for p in PROFILES})
+#: recipes of 32-256 nodes whose uncapped walk was not measured in this session (left out too)
+NOT_MEASURED = ("kimi-k2", "llama3-405b", "llama3-70b", "qwen3-235b-a22b")
+PAIRS = [(r, p) for r in RECIPES for p in PROFILES if (r, p) not in TOO_SLOW and r not in NOT_MEASURED]
+
+
+def config(recipe: str, profile) -> object:
+    """The recipe on ``profile`` at the recipe's own node count (None: the recipe's own cluster)."""
+    if profile is None:
+        return load_config([f"recipe={recipe}"])
+    nodes = load_config([f"recipe={recipe}"]).cluster.nodes
+    return load_config([f"recipe={recipe}", f"cluster={profile}", f"cluster.nodes={nodes}"])
+
+
+@functools.lru_cache(maxsize=4)
+def uncapped_top(recipe: str, profile, n: int) -> list[dict]:
+    """The first ``n`` rows of the search with no bound and no cap (every layout that fits timed);
+    kept for the planted test (the same pair)."""
+    cfg = config(recipe, profile)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(search, "structure_bound", lambda *a: -math.inf)
+        m.setattr(search, "refined_bound", lambda *a: -math.inf)
+        m.setattr(search, "slower_than", lambda *a: False)
+        m.setattr(search, "MAX_STRUCTURES", 10 ** 12)
+        m.setattr(search, "MAX_CANDIDATES", 10 ** 12)
+        return planner.plan_layouts(cfg, top=n)
+
+
+@pytest.mark.parametrize("recipe, profile", PAIRS, ids=[f"{r}-{p or 'own'}" for r, p in PAIRS])
+def test_pruned_top_is_the_uncapped_search(recipe, profile):
+    cfg = config(recipe, profile)
+    stats: dict = {}
+    t0 = time.process_time()
+    top = planner.plan_layouts(cfg, top=TOP, stats=stats)
+    t1 = time.process_time()
+    ref = uncapped_top(recipe, profile, TOP)
+    print(f"{recipe} on {profile or 'its cluster'}: pruned {t1 - t0:.2f} s, uncapped {time.process_time() - t1:.2f} s "
+          f"CPU; {len(ref)} rows, {stats['unexplored']} structures skipped, {stats['untimed']} layouts untimed")
+    assert top == ref, (recipe, profile, [d["overrides"] for d in top], [d["overrides"] for d in ref])
+
+
+def _triple_ep(real):
+    def planted(pts, ax):
+        fixed, per_m = real(pts, ax)
+        return (3 * fixed, 3 * per_m) if ax == "ep" else (fixed, per_m)
+    return planted
+
+
+def test_planted_triple_ep_bound_fails(monkeypatch):
+    """The refined bound with the ep traffic counted three times is no lower bound: the pruned
+    top differs from the uncapped search (deepseek-v3 on its 256 h800 nodes: its rows 7-10; it also
+    moves mixtral-8x7b's rows 9-10, whose uncapped walk is too slow for CI)."""
+    recipe = "deepseek-v3"
+    cfg = config(recipe, None)
+    ref = uncapped_top(recipe, None, TOP)
+    assert planner.plan_layouts(cfg, top=TOP) == ref
+    monkeypatch.setattr(bounds, "affine_line", _triple_ep(bounds.affine_line))
+    bad = planner.plan_layouts(cfg, top=TOP)
+    moved = [i + 1 for i, (a, b) in enumerate(zip(bad, ref)) if a["overrides"] != b["overrides"]]
+    print(f"{recipe} planted triple ep bound: rows {moved} differ; best ep {bad[0]['degrees']['ep']} "
+          f"vs {ref[0]['degrees']['ep']}")
+    assert bad != ref and moved, recipe
