@@ -385,9 +385,9 @@ def check_overlap(cfg: Config, lay: Layout) -> None:
     Default (null) on wherever it applies: dualpipev with ep > 1. DualPipe exists to hide the
     expert all-to-all and the pipeline sends under a second microbatch's compute (DeepSeek-V3
     §3.2.1), and the overlap changes no number (losses and gradients equal the serial order bit
-    for bit), so a run that chose dualpipev for MoE gets it, as DeepSeek ran it; Megatron's
-    switch (``--overlap-moe-expert-parallel-comm``) is off by default because its 1F1B needs
-    more memory for it, which the V's paired actions do not. Asked for explicitly where it does
+    for bit), so a run that chose dualpipev for MoE gets it, as DeepSeek ran it. Megatron-Core's
+    switch for the same overlap (``overlap_moe_expert_parallel_comm``) is off by default, as
+    its overlaps are opt-in there; here the opt-in is the schedule. Asked for explicitly where it does
     not apply or is not built: exit 2 naming this field."""
     p = cfg.parallel
     ask = p.pp_overlap

@@ -23,7 +23,7 @@ equal the schedule's serial order bit for bit (tests/test_overlap.py).
 Which half is calling is read from autograd, not from the thread: the backward half is the one
 inside a backward pass (on CUDA autograd runs the backward's nodes on its device thread, not the
 caller's). The backward half runs on a helper thread (one per rank, kept) that takes the caller's
-grad mode, autocast state, CUDA device and intra-op thread count (all thread-local).
+grad mode, autocast state and CUDA device (all thread-local in torch).
 
 ``log`` holds this step's (half, event, label) records: ``issue`` (a collective posted), ``wait``
 (its wait returned), ``run`` (a half got the rank), ``done`` (a half ended), and ``start`` at each
@@ -68,7 +68,7 @@ class OverlappedFB:
         self._done: set[str] = set()
         self._sent: dict[int, set[int]] = {}  # stage index -> microbatches whose F send went out early
         self._sends: list = []  # those sends' works, waited on by finish()
-        # one helper thread for the rank's life: a thread per action would start a new OpenMP team each time
+        # one helper thread for the rank's life, not one started per action
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-backward")
         for st in stages:
             self._defer_send(st)
@@ -203,16 +203,13 @@ class OverlappedFB:
 
 
 def _thread_state(device: torch.device) -> Callable[[Callable[[], None]], None]:
-    """A runner that gives a helper thread the caller's grad mode, autocast, CUDA device and
-    intra-op threads (OpenMP's count is per thread: a new one would take every core)."""
-    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+    """A runner that gives a helper thread the caller's grad mode, autocast and CUDA device."""
+    grad = torch.is_grad_enabled()
     casts = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
              if (dev == "cpu" or torch.cuda.is_available()) and torch.is_autocast_enabled(dev)]
     cache = torch.is_autocast_cache_enabled()
 
     def run(fn: Callable[[], None]) -> None:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
