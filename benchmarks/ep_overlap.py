@@ -14,7 +14,7 @@ it). Printed: the median step of each, the growth with the delay, the hidden sha
 1 − growth(overlap) / growth(serial), and each rank's time blocked in all-to-all waits (which CPU
 contention on a shared machine does not blur as it blurs the step).
 
-    python benchmarks/ep_overlap.py [--delay 0.01] [--steps 12] [--warmup 2]
+    python benchmarks/ep_overlap.py [--delay 0.01] [--steps 12] [--warmup 2] [--m 8]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 MODEL = ["recipe=tiny-moe", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.tp=1",
          "parallel.schedule=dualpipev", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
          "model.n_kv_heads=4", "model.moe.ffn_hidden=256", "model.seq_len=256", "train.micro_batch=2",
-         "train.global_batch=32", "train.precision=fp32", "train.threads=1", "logging.wandb.mode=disabled"]
+         "train.precision=fp32", "train.threads=1", "logging.wandb.mode=disabled"]
 CONFIGS = [(ov, d) for ov in (False, True) for d in (False, True)]  # (overlap, delayed)
 
 
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, store_path: str, a, queue) -> None:
     delay = _Delay()
     runs = {}
     for ov in (False, True):
-        cfg = load_config(MODEL + [f"parallel.pp_overlap={str(ov).lower()}"])
+        cfg = load_config(MODEL + [f"parallel.pp_overlap={str(ov).lower()}", f"train.global_batch={4 * a.m}"])
         plan = resolve(cfg).to_dict()
         assert not plan["errors"], plan["errors"]
         runs[ov] = setup(cfg, as_plan(plan), None)
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.01, help="seconds added to each all-to-all's completion")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--m", type=int, default=8, help="microbatches per step (micro-batch 2, dp 2)")
     a = ap.parse_args()
     os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     ctx = mp.get_context("fork")
@@ -132,7 +133,7 @@ def main() -> None:
     med = {c: statistics.median(v) for c, v in times.items()}
     injected = max(per_rank) * a.delay
     grow = {ov: med[ov, True] - med[ov, False] for ov in (False, True)}
-    print(f"dualpipev pp2 × ep2 (4 gloo ranks, tiny-moe d_model 256, seq 256, m = 8), delay {1e3 * a.delay:.1f} ms "
+    print(f"dualpipev pp2 × ep2 (4 gloo ranks, tiny-moe d_model 256, seq 256, m = {a.m}), delay {1e3 * a.delay:.1f} ms "
           f"per all-to-all, {a.steps} steps after {a.warmup} (wall {time.perf_counter() - t0:.0f} s)")
     print(f"all-to-alls per rank per step: {per_rank}; injected on the busiest rank: {1e3 * injected:.0f} ms")
     print("| pp_overlap | step, no delay (ms) | step, delayed (ms) | growth (ms) | growth / injected |")
