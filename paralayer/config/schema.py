@@ -143,6 +143,9 @@ class ParallelConfig:
     recompute_every: int = 1  # recompute=full: layers i with i % recompute_every == 0 (1 = every layer)
     sequence_parallel: Optional[bool] = None  # None = on when tp > 1
     tp_overlap: bool = False  # tp collectives decomposed into the GEMMs (needs sequence parallel)
+    # dualpipev's overlapped forward-backward: ep all-to-alls and pp sends in flight while the other
+    # half computes (parallel/pipeline/overlap.py); None = on under dualpipev with ep > 1
+    pp_overlap: Optional[bool] = None
     pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
 
 

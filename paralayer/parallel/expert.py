@@ -13,7 +13,9 @@ Forward (per MoE layer, on every ep rank):
     → send the results back (autograd all_to_all, splits reversed)
     → weighted combine into the token rows (MoEFeedForward.forward)
 The backward of each all_to_all is the all_to_all with the splits swapped, so gradients reach both
-the inputs (other ranks' tokens) and the experts.
+the inputs (other ranks' tokens) and the experts. Each all-to-all is posted asynchronously and waited
+on at once, except inside dualpipev's overlapped forward-backward (parallel/pipeline/overlap.py),
+where the other microbatch's half computes while it is in flight.
 
 GRADIENT REDUCTION — what the data-parallel code must do:
   * Expert parameters (``is_expert_param(name)``: the stacked ``w1``/``w2``/``w3`` of each MoE
@@ -100,33 +102,54 @@ def apply_expert_parallel(module: nn.Module, ep_group) -> nn.Module:
             local = full.detach()[start:start + n_local].clone()
             setattr(m, name, nn.Parameter(local, requires_grad=full.requires_grad))
         m.ep_group, m.ep_size, m.ep_rank = ep_group, ep, rank
+        m.ep_overlap = None  # the pipeline runner's OverlappedFB under parallel.pp_overlap
         m.ep_dispatch = expert_parallel_forward
         m.num_local_experts, m.expert_offset = n_local, start
         m.local_slices = m._make_local_slices()
     return module
 
 
+def start_all_to_all(out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> dist.Work:
+    """Post one all_to_all_single (``async_op=True``); the caller waits. Every expert all-to-all
+    goes through here, so a benchmark can delay their completion (benchmarks/ep_overlap.py)."""
+    return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+
+
+def finish(work: dist.Work, overlap, label: str) -> None:
+    """Wait on ``work``; inside DualPipe's overlapped forward-backward (``overlap``, the runner's
+    :class:`~paralayer.parallel.pipeline.overlap.OverlappedFB`) the other half computes first."""
+    if overlap is None:
+        work.wait()
+    else:
+        overlap.wait(work, label)
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with unequal splits; backward is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group, overlap=None,
+                label: str = "") -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.overlap, ctx.label = out_splits, in_splits, group, overlap, label
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        x = x.contiguous()
+        finish(start_all_to_all(out, x, out_splits, in_splits, group), overlap, label)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad_in = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        grad = grad.contiguous()
+        finish(start_all_to_all(grad_in, grad, ctx.in_splits, ctx.out_splits, ctx.group), ctx.overlap,
+               ctx.label + "'")
+        return grad_in, None, None, None, None, None
 
 
-def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group, overlap=None,
+               label: str = "") -> Tensor:
     """Differentiable all_to_all_single along dim 0: send x[sum(in_splits[:j]) : ...] to rank j,
-    receive out_splits[j] rows from rank j."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    receive out_splits[j] rows from rank j. ``overlap``/``label``: see :func:`finish`."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, overlap, label)
 
 
 def _wire_dtype(xs: Tensor) -> Tensor:
@@ -145,18 +168,19 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts
     if isinstance(counts, list):  # the rehearsal's even routing: every rank sends alike
         return _even_forward(m, xs, counts, group, ep, n_local)
+    overlap = getattr(m, "ep_overlap", None)  # set by the pipeline runner under parallel.pp_overlap
 
     # 1. counts exchange: recv_counts[s, e] = rows rank s sends to my local expert e
     send_counts = counts.to(torch.long).contiguous()
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    finish(start_all_to_all(recv_counts, send_counts, None, None, group), overlap, "counts")
     send_counts = send_counts.view(ep, n_local)
     recv_counts = recv_counts.view(ep, n_local)
     in_splits = send_counts.sum(1).tolist()
     out_splits = recv_counts.sum(1).tolist()
 
     # 2. dispatch: received rows are ordered (source rank, local expert)
-    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group)
+    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, overlap, "dispatch")
 
     # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
     row_expert = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
@@ -165,7 +189,7 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     ys = ys[torch.argsort(perm)]
 
     # 4. combine: send results back to the ranks that own the tokens
-    return all_to_all(ys, in_splits, out_splits, group)
+    return all_to_all(ys, in_splits, out_splits, group, overlap, "combine")
 
 
 def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: int, n_local: int) -> Tensor:

@@ -57,6 +57,7 @@ class Plan:
     flops_per_step: int
     recipe: str = ""
     tp_overlap: bool = False
+    pp_overlap: bool = False
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -197,6 +198,7 @@ def resolve(cfg: Config) -> Plan:
         flops_per_step=fpt * tokens,
         recipe=cfg.recipe,
         tp_overlap=lay.tp_overlap,
+        pp_overlap=lay.pp_overlap,
     )
     from paralayer.resolve.fp8 import plan_section
 

@@ -47,6 +47,7 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     tp_overlap: bool = False
+    pp_overlap: bool = False
     zero: int = 0
     recompute: str = "none"
     recompute_every: int = 1
@@ -149,7 +150,8 @@ def check(cfg: Config) -> Layout:
     lay.device = resolve_device(cfg)
     lay.precision = resolve_precision(cfg, lay.device)
     for step in (check_schedule, check_world, check_tensor_parallel, check_sequence_parallel, check_pipeline_split,
-                 check_context_parallel, check_experts, check_model_parts, check_batch, check_eval, _check_fp8):
+                 check_context_parallel, check_experts, check_overlap, check_model_parts, check_batch, check_eval,
+                 _check_fp8):
         step(cfg, lay)
     return lay
 
@@ -375,6 +377,33 @@ def check_experts(cfg: Config, lay: Layout) -> None:
     if E > 0 and ep > 1 and E % ep == 0 and E // ep == 1:
         _warn(lay, "parallel.ep", f"one expert per rank (num_experts={E}, ep={ep}): every routed token crosses the "
               "all-to-all and the busiest expert sets the pace")
+
+
+def check_overlap(cfg: Config, lay: Layout) -> None:
+    """parallel.pp_overlap: DualPipe's overlapped forward-backward (parallel/pipeline/overlap.py).
+
+    Default (null) on wherever it applies: dualpipev with ep > 1. DualPipe exists to hide the
+    expert all-to-all and the pipeline sends under a second microbatch's compute (DeepSeek-V3
+    §3.2.1), and the overlap changes no number (losses and gradients equal the serial order bit
+    for bit), so a run that chose dualpipev for MoE gets it, as DeepSeek ran it. Megatron-Core's
+    switch for the same overlap (``overlap_moe_expert_parallel_comm``) is off by default, as
+    its overlaps are opt-in there; here the opt-in is the schedule. Asked for explicitly where it does
+    not apply or is not built: exit 2 naming this field."""
+    p = cfg.parallel
+    ask = p.pp_overlap
+    why = None
+    if p.schedule != "dualpipev":
+        why = f"parallel.schedule=dualpipev (the overlapped actions are DualPipe's; got schedule={p.schedule})"
+    elif cfg.model.moe.num_experts == 0 or p.ep < 2:
+        why = "parallel.ep > 1 (the halves switch at the expert all-to-alls; got " \
+              f"ep={p.ep}{', a dense model' if cfg.model.moe.num_experts == 0 else ''})"
+    elif p.tp > 1 or p.cp > 1 or int(p.zero) >= 2:
+        why = "parallel.tp=1, parallel.cp=1 and parallel.zero <= 1 (not built with tensor, context or " \
+              f"ZeRO-2/3 sharding yet; got tp={p.tp}, cp={p.cp}, zero={p.zero})"
+    if ask and why:
+        _error(lay, "parallel.pp_overlap", f"parallel.pp_overlap=true needs {why}; valid: false, or null "
+               "(on where it applies)")
+    lay.pp_overlap = why is None and ask is not False
 
 
 def check_model_parts(cfg: Config, lay: Layout) -> None:

@@ -333,7 +333,8 @@ def build_runner(run: Any):
                             scale_grads=run.scaling.schedule_scales,
                             # ZeRO 2/3: reduce-scatter every microbatch (1/dp of the grads at the peak)
                             reduce_each_microbatch={2: "grads", 3: "weights"}.get(int(cfg.parallel.zero)),
-                            rehearse=run.rehearsing, autocast_dtype=run.autocast_dtype)
+                            rehearse=run.rehearsing, autocast_dtype=run.autocast_dtype,
+                            pp_overlap=bool(run.plan.pp_overlap))
     moe_step.count_real_forwards_only(runner, run.built.chunks)
     return runner
 

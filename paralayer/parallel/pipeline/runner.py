@@ -50,6 +50,7 @@ from paralayer.compat import all_gather_single, stage_action_methods
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel.comm_trace import optional_collective, optional_region
 from paralayer.parallel.pipeline.early_recv import EarlyRecv
+from paralayer.parallel.pipeline.overlap import OverlappedFB
 from paralayer.parallel.pipeline.rehearsal import static_stage_args, static_warmup
 from paralayer.parallel.pipeline.split import chunk_to_rank, plan_layout, rank_chunks
 from paralayer.parallel.pipeline.split_backward import drop_recompute_after_input_pass
@@ -60,6 +61,7 @@ from paralayer.parallel.pipeline.stage_hooks import (
     unview,
     unview_hook,
 )
+from paralayer.parallel.pipeline.timeline import busy_seconds
 from paralayer.resolve.plan import plan_field
 
 
@@ -81,6 +83,9 @@ class PipelineRunner:
         seq_aux_loss_coef: the same for each chunk's ``seq_aux_loss()`` (DeepSeek-V3's
             sequence-wise balance loss).
         measure: record the timeline and compute ``bubble_measured`` every step.
+        pp_overlap: under dualpipev, run each overlapped forward-backward action with its halves'
+            all-to-alls and sends in flight while the other half computes (overlap.py); the
+            runner's ``overlap`` then holds that step's log.
 
     ``scale_grads``: see paralayer/parallel/grad_scaling.py (GradScaling.schedule_scales).
     ``reduce_each_microbatch``: for FSDP chunks (ZeRO 2/3), "grads" reduce-scatters every
@@ -99,7 +104,8 @@ class PipelineRunner:
                  aux_loss_coef: float = 0.0, seq_aux_loss_coef: float = 0.0, measure: bool = True,
                  pp_rank: Optional[int] = None,
                  scale_grads: bool = True, reduce_each_microbatch: Optional[str] = None,
-                 rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None):
+                 rehearse: bool = False, autocast_dtype: Optional[torch.dtype] = None,
+                 pp_overlap: bool = False):
         from torch.distributed.pipelining import PipelineStage
 
         if hasattr(pp_group, "get_group"):  # DeviceMesh
@@ -158,10 +164,29 @@ class PipelineRunner:
         self.schedule = self._make_schedule(loss_fn, split_backward, scale_grads)
         if rehearse:
             self.schedule._warmup_p2p = static_warmup
+        self.overlap = self._overlap(pp_overlap, rehearse)
         self.last_timeline: list[dict] = []
         self.bubble_measured: Optional[float] = None
         self.busy_by_rank: list[float] = []
         self.window: Optional[float] = None
+
+    def _overlap(self, pp_overlap: bool, rehearse: bool) -> Optional[OverlappedFB]:
+        """dualpipev's overlapped forward-backward (overlap.py), registered on the schedule and handed
+        to the expert all-to-alls; the rehearsal's one step keeps the serial order (the same
+        collectives and sizes; its fake tensors live in this thread's modes)."""
+        if not pp_overlap:
+            return None
+        if self.schedule_name != "dualpipev":
+            raise ValueError(f"pp_overlap runs dualpipev's overlapped actions; schedule is {self.schedule_name}")
+        if rehearse:
+            return None
+        overlap = OverlappedFB(self.stages, self.device)
+        overlap.register(self.schedule)
+        for mod in self.chunks:
+            for sub in mod.modules():
+                if getattr(sub, "ep_group", None) is not None:
+                    sub.ep_overlap = overlap
+        return overlap
 
     def _make_schedule(self, loss_fn: Callable, split_backward: bool, scale_grads: bool):
         """torch's schedule for the plan's name over this rank's stages; its loss closes the F
@@ -228,6 +253,8 @@ class PipelineRunner:
         self.events = []
         if self.early_recv is not None:
             self.early_recv.reset()
+        if self.overlap is not None:
+            self.overlap.reset()
         if self.measure:
             with optional_collective(self.trace, "pp", "measure_barrier"):  # waiting for a late stage
                 dist.barrier(group=self.group)
@@ -252,6 +279,8 @@ class PipelineRunner:
                                losses=losses if holds_last else None, return_outputs=False)
         if self.early_recv is not None:
             self.early_recv.finish()
+        if self.overlap is not None:
+            self.overlap.finish()
         if holds_last:
             loss = torch.stack([x.detach().float().reshape(()) for x in losses]).mean()
         else:
@@ -266,7 +295,7 @@ class PipelineRunner:
     def _finish_measure(self) -> None:
         seconds = self.clock.seconds
         ev = [dict(e, start=seconds(e["start"]), end=seconds(e["end"])) for e in self.events]
-        busy = sum(e["end"] - e["start"] for e in ev)
+        busy = busy_seconds(ev)  # overlapped F and B share their seconds
         first = min((e["start"] for e in ev), default=0.0)
         last = max((e["end"] for e in ev), default=0.0)
         mine = torch.tensor([busy, first, last], dtype=torch.float64, device=self.device)  # NCCL: on the GPU

@@ -5,11 +5,22 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 
+def busy_seconds(events: Sequence[dict]) -> float:
+    """Seconds covered by one rank's actions: the union of their intervals (dualpipev's
+    overlapped forward and backward run at once; their shared seconds count once)."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["start"]):
+        if e["end"] > end:
+            busy += e["end"] - max(e["start"], end)
+            end = e["end"]
+    return busy
+
+
 def bubble_from_timelines(events_by_stage: Sequence[Sequence[dict]]) -> float:
-    """The bubble definition of the module docstring, from gathered timelines."""
+    """The bubble definition of the runner's docstring, from gathered timelines."""
     evs = [e for row in events_by_stage for e in row]
     window = max(e["end"] for e in evs) - min(e["start"] for e in evs)
-    busy = [sum(e["end"] - e["start"] for e in row) for row in events_by_stage]
+    busy = [busy_seconds(row) for row in events_by_stage]
     mean_busy = sum(busy) / len(busy)
     return (window - mean_busy) / mean_busy
 
