@@ -6,11 +6,12 @@ single last step too), the relative gap and the wall time. bf16 on this CPU (no 
 is ~40x slower than fp32 (docs/DESIGN.md), so the default comparison is FP8-emulated against fp32;
 ``--against bf16`` runs bf16 instead where the machine allows it.
 
-    python benchmarks/fp8_tiny.py [--steps 200] [--recipe tensorwise] [--against fp32]
+    python benchmarks/fp8_tiny.py [--steps 200] [--recipe tensorwise] [--against fp32] [--together]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -21,16 +22,22 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(precision: str, steps: int, recipe: str, out: str) -> tuple[list[dict], float]:
-    """One rank of the tiny recipe; its metrics records and wall seconds."""
+def start(precision: str, steps: int, recipe: str, out: str) -> tuple[subprocess.Popen, float]:
+    """One rank of the tiny recipe, started; its process and start time."""
     args = [sys.executable, "launch.py", "recipe=tiny", "parallel.tp=1", "parallel.dp=1", f"train.steps={steps}",
             f"train.precision={precision}", f"train.fp8.recipe={recipe}", "logging.wandb.mode=disabled",
-            "logging.progress=false", "checkpoint.every=0", f"run.dir={out}"]
-    t0 = time.perf_counter()
-    subprocess.run(args, cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))
+            "logging.progress=false", "checkpoint.every=0", f"run.dir={out}",
+            "train.hang_timeout_s=0"]  # one rank, no collective to hang on: a slow step on a loaded machine is no hang
+    return subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)), time.perf_counter()
+
+
+def finish(proc: subprocess.Popen, t0: float, out: str) -> tuple[list[dict], float]:
+    """Wait for a run; its metrics records and wall seconds."""
+    if proc.wait():
+        raise SystemExit(f"{' '.join(proc.args)} exited {proc.returncode}")
+    wall = time.perf_counter() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        recs = [r for r in map(json.loads, f) if "loss" in r]
-    return recs, time.perf_counter() - t0
+        return [r for r in map(json.loads, f) if "loss" in r], wall
 
 
 def main() -> None:
@@ -38,15 +45,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--recipe", default="tensorwise")
     ap.add_argument("--against", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--together", action="store_true",
+                    help="run both precisions at once (a loaded machine: the wall times then include each other)")
+    ap.add_argument("--dir", default=None, help="keep the two runs here (default: a temporary directory)")
     a = ap.parse_args()
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for prec in ("fp8", a.against):
-            recs, wall = run(prec, a.steps, a.recipe, os.path.join(tmp, prec))
+    with (contextlib.nullcontext(a.dir) if a.dir else tempfile.TemporaryDirectory()) as tmp:
+        outs = {prec: os.path.join(tmp, prec) for prec in ("fp8", a.against)}
+        started = {}
+        for prec, out in outs.items():
+            started[prec] = start(prec, a.steps, a.recipe, out)
+            if not a.together:
+                started[prec] = finish(*started[prec], out)
+        for prec, out in outs.items():
+            recs, wall = finish(*started[prec], out) if a.together else started[prec]
             last = [r["loss"] for r in recs[-10:]]
             rows[prec] = (sum(last) / len(last), recs[-1]["loss"], recs[0]["loss"], wall)
     f8, ref = rows["fp8"], rows[a.against]
-    print(f"tiny recipe, {a.steps} steps, one rank; fp8 recipe {a.recipe} (emulated on CPU)")
+    print(f"tiny recipe, {a.steps} steps, one rank each; fp8 recipe {a.recipe} (emulated on CPU)"
+          + ("; both runs at once" if a.together else ""))
     print("| precision | first loss | last loss | mean of last 10 | wall s |")
     print("|---|---|---|---|---|")
     for name, (mean10, last, first, wall) in rows.items():

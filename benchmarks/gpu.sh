@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU benchmark: one prepared command for a lent GPU, under 8 minutes on one H200/H100.
+# The GPU benchmark: one prepared command for a lent GPU, about 11 minutes on one H200/H100.
 #   1. llama-1b (recipes/llama-1b.yaml, 1.2B) in bf16 through the real launcher, compile off and
 #      on: tokens/s and MFU (median after 3 warm-up steps; peak from the device's datasheet);
+#   1b. llama-1b in FP8 (train.precision=fp8, tensorwise, compile on) against 1's bf16 compiled run,
+#      over the same steps and data: tokens/s and loss (issue #44);
 #   2. our model against transformers' LlamaForCausalLM on the same 1B shapes, same GPU (ratio);
 #   3. the CUDA tests (tests/test_gpu.py: ring kernels, bf16/compile parity, a llama-1b step);
 #   4. the pipeline bubble benchmark (benchmarks/bubble.py, gloo) on the box's CPU cores, run
 #      beside 1-3 (it uses two of the CPU cores; the GPU parts use one).
-# Prints a table and, last, one JSON line; exits non-zero if any part failed.
+# Prints a table and, last, one JSON line; exits non-zero if any part failed. About 11 minutes.
 # Packages the box lacks (omegaconf, submitit, wandb, datasets...) come as wheels in .whl/
 # (made here by benchmarks/gpu_wheels.sh, carried with the tree) and are installed into a target
 # directory only when an import is missing.
@@ -49,6 +51,11 @@ for c in false true; do
         cluster.devices_per_node=1 train.steps="$STEPS" train.compile=$c logging.wandb.mode=disabled \
         logging.progress=false run.dir="$OUT/llama1b-compile-$c" data.cache_dir="$OUT/cache"
 done
+# 1b. llama-1b FP8 (tensorwise; torchao's float8 wants compile), the same steps as the bf16 compiled run
+run_part llama1b-fp8 240 python launch.py recipe=llama-1b cluster=local cluster.device=cuda \
+    cluster.devices_per_node=1 train.steps="$STEPS" train.compile=true train.precision=fp8 \
+    train.fp8.recipe=tensorwise logging.wandb.mode=disabled logging.progress=false run.dir="$OUT/llama1b-fp8" \
+    data.cache_dir="$OUT/cache"
 # 2. ours vs transformers, same shapes (bf16 autocast, fp32 master weights, AdamW)
 run_part hf-compare 150 python benchmarks/hf_compare.py --device cuda --dtype bf16 --d-model 2048 --layers 16 \
     --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --seq 2048 --batch 2 --steps 6 --warmup 2
@@ -59,11 +66,11 @@ if wait "$BUBBLE_PID"; then STATUS[bubble]=ok; else STATUS[bubble]="failed (rc $
 echo "bubble: ${STATUS[bubble]}"
 
 python - "$OUT" "$(( $(date +%s) - START ))" "${STATUS[llama1b-compile-false]}" "${STATUS[llama1b-compile-true]}" \
-    "${STATUS[hf-compare]}" "${STATUS[cuda-tests]}" "${STATUS[bubble]}" <<'PY'
+    "${STATUS[llama1b-fp8]}" "${STATUS[hf-compare]}" "${STATUS[cuda-tests]}" "${STATUS[bubble]}" <<'PY'
 import json, os, re, statistics, sys
 
 out, seconds = sys.argv[1], int(sys.argv[2])
-names = ["llama1b-compile-false", "llama1b-compile-true", "hf-compare", "cuda-tests", "bubble"]
+names = ["llama1b-compile-false", "llama1b-compile-true", "llama1b-fp8", "hf-compare", "cuda-tests", "bubble"]
 status = dict(zip(names, sys.argv[3:]))
 dev, torch_v = open(f"{out}/device.txt").read().split("\n")[:2]
 res = {"device": dev, "torch": torch_v, "seconds": seconds, "status": status}
@@ -84,6 +91,20 @@ def train_figures(run):
 
 for c in ("false", "true"):
     res[f"llama1b_compile_{c}"] = train_figures(f"llama1b-compile-{c}")
+res["llama1b_fp8"] = train_figures("llama1b-fp8")
+
+
+def losses(run):
+    path = f"{out}/{run}/metrics.jsonl"
+    return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r] if os.path.exists(path) else []
+
+
+bf, f8 = losses("llama1b-compile-true"), losses("llama1b-fp8")
+n = min(len(bf), len(f8))
+res["fp8_vs_bf16"] = None if not (n and res["llama1b_fp8"] and res["llama1b_compile_true"]) else {
+    "steps": n, "loss_bf16": bf[n - 1], "loss_fp8": f8[n - 1], "loss_gap": (f8[n - 1] - bf[n - 1]) / bf[n - 1],
+    "max_step_loss_gap": max(abs(a - b) / b for a, b in zip(f8[:n], bf[:n])),
+    "tokens_per_s_ratio": res["llama1b_fp8"]["tokens_per_s"] / res["llama1b_compile_true"]["tokens_per_s"]}
 log = open(f"{out}/hf-compare.log").read() if os.path.exists(f"{out}/hf-compare.log") else ""
 m = re.search(r"ratio paralayer / transformers tokens/s: \*\*([0-9.]+)\*\*", log)
 res["ours_over_transformers"] = float(m.group(1)) if m else None
@@ -102,13 +123,24 @@ for c in ("false", "true"):
         mfu = "n/a" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
         print(f"| llama-1b bf16, compile {'on' if c == 'true' else 'off'} | {f['tokens_per_s']:,.0f} | "
               f"{f['tflops']:.0f} | {mfu} | {f['step_time_s']:.3f} | {f['peak_memory_gib']:.1f} |")
+f = res["llama1b_fp8"]
+if f:
+    mfu = "n/a" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
+    print(f"| llama-1b FP8 tensorwise, compile on | {f['tokens_per_s']:,.0f} | {f['tflops']:.0f} | {mfu} | "
+          f"{f['step_time_s']:.3f} | {f['peak_memory_gib']:.1f} |")
+g = res["fp8_vs_bf16"]
+if g:
+    print(f"\nllama-1b FP8 / bf16 (compile on, {g['steps']} steps, same data): tokens/s x{g['tokens_per_s_ratio']:.2f}; "
+          f"last loss {g['loss_fp8']:.4f} vs {g['loss_bf16']:.4f} ({100 * g['loss_gap']:+.2f}%), "
+          f"largest per-step gap {100 * g['max_step_loss_gap']:.2f}%")
 print(f"\nours / transformers LlamaForCausalLM tokens/s: {res['ours_over_transformers']}")
 print(f"CUDA tests: {res['cuda_tests_passed']} passed, {res['cuda_tests_skipped']} skipped")
 for b in res["bubble"]:
     print(f"bubble 1f1b pp2 m={b['m']}: measured {b['measured']:.3f} = {b['measured_over_formula']:.2f}x formula "
           f"{b['formula']:.3f} (replay {b['replayed']:.3f})")
 ok = all(v == "ok" for v in status.values()) and res["cuda_tests_skipped"] == 0 and all(
-    res[f"llama1b_compile_{c}"] for c in ("false", "true")) and res["ours_over_transformers"] is not None
+    res[f"llama1b_compile_{c}"] for c in ("false", "true")) and res["ours_over_transformers"] is not None \
+    and res["fp8_vs_bf16"] is not None
 res["ok"] = ok
 print(json.dumps(res))
 sys.exit(0 if ok else 1)

@@ -16,8 +16,13 @@ Recipes (``recipe_config``):
   torchao's ``precompute_float8_dynamic_scale_for_fsdp`` before every step (one all-reduce of the
   amaxes; also right after a resume). Under cp each rank holds part of every sequence: the casts of
   the input and of the output gradient take their amax over the cp group (:class:`Fp8Linear`).
+  Under ep an expert receives the rows of every ep rank's micro-batch; model/moe.py runs its FP8
+  GEMMs once per sending rank, so that every scale spanning tokens (any recipe's weight-gradient
+  casts, tensorwise's input and output-gradient ones) covers one micro-batch, as one process's does.
 - rowwise: a scale per row of each GEMM operand (torchao's "rowwise" recipe, power-of-2 scales);
-  the weight and activations are gathered in the base precision under tp / FSDP.
+  the weight and activations are gathered in the base precision under FSDP. Under tp the casts run
+  on DTensors: a row split over the tp ranks (row-parallel inputs, column-parallel output gradients
+  and weights) gets its amax over the whole row (DTensor reduces the max: the scale is Replicate).
 - blockwise: 1x128 tiles of activations and output gradients, 128x128 blocks of weights, all e4m3
   (DeepSeek-V3 §3.3). torchao 0.18's blockwise trainer needs triton kernels (CUDA only), so this is
   an emulation (:class:`_BlockwiseMatmul`): the same quantise-dequantise, matmuls in the base dtype.

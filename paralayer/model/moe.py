@@ -179,15 +179,20 @@ class MoEFeedForward(nn.Module):
         return math.ceil(num_tokens * self.top_k * self.capacity_factor / self.num_experts)
 
     # ---------------------------------------------------------------- experts
-    def experts_forward(self, xs: Tensor, counts: list[int]) -> Tensor:
+    def experts_forward(self, xs: Tensor, counts: list[int], sources: list[list[int]] | None = None) -> Tensor:
         """Run the LOCAL experts on rows grouped by local expert: rows [sum(counts[:e]),
-        sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order."""
+        sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order.
+        ``sources`` (expert parallel): sources[e] = the rows of expert e from each ep rank, in order.
+        An FP8 expert GEMM (``expert_mm``) then runs once per source, so that its scales that span
+        tokens cover one rank's micro-batch, as one process's would (model/float8.py)."""
         outs = []
         w1, w2, w3 = self._compute_weights(xs)
         mm = self.expert_mm or _plain_mm
         for e, rows in enumerate(xs.split(counts)):
             if rows.shape[0] == 0:
                 continue
+            if self.expert_mm is not None and sources is not None:
+                mm = _per_source(self.expert_mm, [c for c in sources[e] if c])
             h = swiglu(mm(rows, w1[e]), mm(rows, w3[e]), self._recompute_expert_act)
             outs.append(mm(h, w2[e]))
         if not outs:
@@ -356,6 +361,13 @@ class MoEFeedForward(nn.Module):
                 f"(local {self.num_local_experts} from {self.expert_offset}), top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, router={self.router}, n_group={self.spec.n_group}, "
                 f"topk_group={self.spec.topk_group}, scaling={self.spec.routed_scaling_factor}")
+
+
+def _per_source(mm, splits: list[int]):
+    """``mm`` run on each source's rows apart (one call when a single source sent rows)."""
+    if len(splits) <= 1:
+        return mm
+    return lambda rows, w: torch.cat([mm(part, w) for part in rows.split(splits)])
 
 
 def _plain_mm(rows: Tensor, w: Tensor) -> Tensor:

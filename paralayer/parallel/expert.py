@@ -185,7 +185,7 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
     row_expert = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     perm = torch.argsort(row_expert, stable=True)
-    ys = m.experts_forward(received[perm], recv_counts.sum(0).tolist())
+    ys = m.experts_forward(received[perm], recv_counts.sum(0).tolist(), sources=recv_counts.t().tolist())
     ys = ys[torch.argsort(perm)]
 
     # 4. combine: send results back to the ranks that own the tokens
@@ -207,6 +207,6 @@ def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: i
     idx = torch.arange(sum(out_splits), device=xs.device).view(ep, -1)
     starts = [sum(mine[:e]) for e in range(n_local)]
     perm = torch.cat([idx[:, s:s + c].reshape(-1) for s, c in zip(starts, mine)])
-    ys = m.experts_forward(received[perm], [c * ep for c in mine])
+    ys = m.experts_forward(received[perm], [c * ep for c in mine], sources=[[c] * ep for c in mine])
     ys = ys[torch.argsort(perm)]
     return all_to_all(ys, in_splits, out_splits, group)

@@ -91,10 +91,14 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                                       "otherwise"))
     else:
         lay.notes.append(f"train.precision=fp8 ({recipe}) on CPU runs emulated: the same FP8 casts, matmuls in fp32")
-    if p.ep > 1:
-        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.ep={p.ep}: an expert's "
-                  "activation scale would cover the tokens every ep rank sends it (not one process's); valid: "
-                  "parallel.ep=1 (the experts' GEMMs still run in FP8), or train.precision=bf16"))
+    if p.ep > 1 and (p.cp > 1 or p.tp > 1):
+        # under ep the experts' GEMMs run once per sending rank (model/moe.py), so that their scales
+        # that span tokens cover one micro-batch's, as one process's do; a cp rank sends part of a
+        # sequence (one process: all of it), and the tp ranks' expert inputs are not built for that
+        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.ep={p.ep} and "
+                  f"parallel.{'cp' if p.cp > 1 else 'tp'}={p.cp if p.cp > 1 else p.tp}: an expert's scales that "
+                  "span tokens would cover part of a sequence, not one process's micro-batch; valid: parallel.ep=1, "
+                  "or ep > 1 with tp=1 and cp=1"))
     if lay.tp_overlap:
         err(Issue("train.precision", "train.precision=fp8 is not built with parallel.tp_overlap=true (the fused "
                   "ring GEMMs have no FP8 cast); valid: parallel.tp_overlap=false"))
