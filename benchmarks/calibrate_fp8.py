@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import dataclasses
 import math
 import os
@@ -32,7 +31,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+from published_rows import FITTED_PEAK_500W, load_rows  # noqa: E402
 from scipy.optimize import minimize, minimize_scalar  # noqa: E402
 
 from paralayer.config import load_config  # noqa: E402
@@ -51,12 +52,8 @@ PAIR_HBM = 2.4e12
 
 
 def _read(path: str) -> list[dict]:
-    with open(path, newline="") as f:
-        rows = [dict(r) for r in csv.DictReader(f)]
-    for r in rows:
-        if not r.get("source", "").strip():
-            raise ValueError(f"{path}: a row has no source")
-    return rows
+    """The rows of a CSV, each with its source (published_rows.load_rows' check)."""
+    return load_rows(path)
 
 
 def _shape(r: dict) -> tuple[int, int, int]:
@@ -199,9 +196,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the report between the fp8-calibration markers of this file")
     args = ap.parse_args()
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from published_rows import FITTED_PEAK_500W
-
     micro, pairs = _read(MICRO), _read(PAIRS)
     cal = fit_micro(micro, fp8_time.FP8_CALIBRATION)
     cal = fit_pairs(pairs, cal, FITTED_PEAK_500W)
