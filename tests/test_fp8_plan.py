@@ -215,3 +215,12 @@ def test_cli_plan_table_has_the_gain_column_and_json_the_keys():
     text = subprocess.run([sys.executable, "launch.py", *FP8, "--dry-run"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert "step time by precision" in text.stdout and "FP8 GEMMs" in text.stdout
+
+
+def test_fp8_top_n_is_the_exhaustive_ranking_cut():
+    """The bounds, scaled for FP8 (planner.precision.bound_scale), still skip only what cannot reach the best N."""
+    cfg = load_config(["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=8", "train.precision=fp8"])
+    full = plan_layouts(cfg)
+    top = plan_layouts(cfg, top=10)
+    assert [d["step_time_s"] for d in top] == [d["step_time_s"] for d in full[:10]]
+    assert [d["overrides"] for d in top] == [d["overrides"] for d in full[:10]]
