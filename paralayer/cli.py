@@ -228,6 +228,11 @@ def _time_rows(t: Any, d: dict, cfg: Any) -> None:
         return
     dev = (d.get("gpu") or "device").upper()
     t.add_row("predicted step time", f"{d['step_time_s']:.3g} s")
+    if d.get("fp8_gain") is not None:  # train.precision=fp8: the split by precision (resolve/cost/fp8_time.py)
+        s = d["step_time_by_precision"]
+        t.add_row("step time by precision (busiest rank)",
+                  f"FP8 GEMMs {s['fp8_gemm_s']:.3g} s, bf16 GEMMs {s['bf16_gemm_s']:.3g} s, casts {s['cast_s']:.3g} s, "
+                  f"the rest {s['other_s']:.3g} s; {d['fp8_gain']:.3f}× the bf16 step ({d['bf16_step_time_s']:.3g} s)")
     t.add_row("predicted tokens/s", f"{d['tokens_per_s']:,.0f}")
     if d.get("mfu") is not None:
         t.add_row("predicted MFU", f"{100 * d['mfu']:.1f}%")

@@ -251,6 +251,9 @@ class ClusterConfig:
     devices_per_node: Optional[int] = None
     device_memory_gib: Optional[float] = None
     peak_tflops: Optional[float] = None  # dense bf16 peak per device
+    # dense FP8 peak per device (train.precision=fp8); null: 2 × peak_tflops, the FP8/bf16 ratio of
+    # Hopper and Blackwell tensor cores (NVIDIA datasheets; docs/planner.md "FP8")
+    peak_fp8_tflops: Optional[float] = None
     intra_node_gbps: float = 10.0  # GB/s per device, inside a node
     inter_node_gbps: float = 1.0  # GB/s per device, across nodes
     memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels

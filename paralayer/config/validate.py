@@ -97,6 +97,8 @@ def validate_values(cfg: Config) -> None:
         raise ConfigError("cluster.device_memory_gib", f"must be > 0, got {c.device_memory_gib}")
     if c.peak_tflops is not None and c.peak_tflops <= 0:
         raise ConfigError("cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
+    if c.peak_fp8_tflops is not None and c.peak_fp8_tflops <= 0:
+        raise ConfigError("cluster.peak_fp8_tflops", f"must be > 0, got {c.peak_fp8_tflops}")
     _positive("checkpoint.every", cfg.checkpoint.every, 0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)

@@ -13,6 +13,7 @@ the same quantisation, the matmuls in fp32). Torch-free.
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve.model_parts import is_moe_layer
 
 #: GPU kinds whose tensor cores have no FP8 (before Hopper / Ada), by profile name.
 PRE_FP8_GPUS = ("v100", "p100", "t4", "a100", "a800", "a10", "a30", "a40", "a6000")
@@ -75,10 +76,11 @@ def gpu_has_fp8(name: str) -> bool | None:
 
 def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules' Issue class, passed in
     """The FP8 rules; each problem is an ``Issue`` on ``lay`` naming train.precision (or the field).
-    rules.py passes its Issue class in: this module is below rules.py in the imports."""
+    rules.py passes its Issue class in: this module is below rules.py in the imports. The degrees
+    are the layout's (``lay``), so the planner asks the same rules of each layout it weighs."""
     if cfg.train.precision != "fp8":
         return
-    recipe, p = cfg.train.fp8.recipe, cfg.parallel
+    recipe, p = cfg.train.fp8.recipe, lay
     err = lay.errors.append
     if lay.device == "cuda":
         has = gpu_has_fp8(cfg.cluster.name)
@@ -124,7 +126,7 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                                   "block: no GEMM runs in FP8"))
         return
     align = ALIGN[recipe]
-    bad = [(n, k, nn) for n, k, nn in local_gemms(cfg, p.tp) if k % align or nn % align]
+    bad = [(n, k, nn) for n, k, nn in local_gemms(cfg, lay.tp) if k % align or nn % align]
     if bad:
         n, k, nn = bad[0]
         where = f" after parallel.tp={p.tp}" if p.tp > 1 else ""
@@ -143,3 +145,53 @@ def plan_section(cfg: Config, lay) -> dict | None:
             "fp8_layers": layers, "bf16_layers": [i for i in range(cfg.model.n_layers) if i not in layers],
             "fp8_gemms": [{"name": n, "k": k, "n": nn} for n, k, nn in local_gemms(cfg, lay.tp)],
             "base_precision_parts": ["attention core", "norms", "router", "embedding", "head", "mtp"]}
+
+
+def layer_gemm_shapes(cfg: Config, tp: int, tokens: float, moe_layer: bool) -> list[tuple[float, float, float, int]]:
+    """(M, K, N, count) of one block's FP8 GEMMs on a rank: attention and the dense MLP at M =
+    ``tokens``; a MoE block's experts at M = tokens · top_k / experts each (the mean routing)."""
+    m = cfg.model
+    out = []
+    for name, k, n in local_gemms(cfg, tp):
+        if name.startswith("feed_forward") and moe_layer:
+            continue
+        if name.startswith(("experts", "shared")) and not moe_layer:
+            continue
+        if name.startswith("experts"):
+            e = m.moe.num_experts
+            out.append((tokens * m.moe.top_k / e, k, n, e))
+        else:
+            out.append((tokens, k, n, 1))
+    return out
+
+
+def fp8_gathered_params(cfg: Config, lay, layers, zero: int | None = None) -> float:
+    """Parameters of ``layers`` whose FSDP all-gather moves FP8 (1 byte) instead of the base
+    precision: the FP8 blocks' linear weights under tensorwise with ZeRO 2/3 on GPUs (the runtime's
+    ``enable_fsdp_float8_all_gather``, model/float8.py; CPU ranks gather in fp32). 0 otherwise.
+    ``zero``: the stage (default the layout's)."""
+    zero = lay.zero if zero is None else zero
+    if (cfg.train.precision != "fp8" or cfg.train.fp8.recipe != "tensorwise" or zero < 2
+            or lay.device != "cuda"):
+        return 0.0
+    fp8 = set(fp8_layers(cfg))
+    per = {moe: sum(k * n * count for _, k, n, count in layer_gemm_shapes(cfg, lay.tp, 1.0, moe))
+           for moe in (False, True)}
+    return float(sum(per[is_moe_layer(cfg, i)] for i in layers if i in fp8))
+
+
+def fp8_copy_saving(cfg: Config, lay, layers, zero: int | None = None) -> float:
+    """Bytes FSDP's FP8 all-gather saves on the gathered weights a rank HOLDS: under ZeRO-2 the
+    gathered copies stay from forward to backward (memory.states.state_bytes counts them at 2 bytes),
+    the FP8 blocks' linear weights at 1 byte there; ZeRO-3 holds one block at a time (not counted)."""
+    zero = lay.zero if zero is None else zero
+    if zero != 2 or lay.dp * lay.cp <= 1:
+        return 0.0
+    return fp8_gathered_params(cfg, lay, layers, zero)
+
+
+def fp8_gather_bytes(gathered: float, units: int, gathers: int, reduced: float) -> dict:
+    """The FSDP dp entry's ``message_bytes`` and ``bytes_per_step`` once ``gathered`` bytes (one
+    gather of the rank's weights, its FP8 ones at 1 byte) move ``gathers`` times per step beside
+    the grads' ``reduced`` bytes (cost.terms._dp_comm)."""
+    return {"message_bytes": int(gathered / units), "bytes_per_step": int(gathers * gathered + reduced)}

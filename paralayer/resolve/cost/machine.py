@@ -55,8 +55,9 @@ GPU_CALIBRATION: dict = {
 #: Weight streams per matmul weight per microbatch: the forward GEMM and the input-grad GEMM read
 #: it, the weight-grad GEMM writes its grad (2 bytes each, bf16). Not fitted: the HBM datasheet speed.
 GPU_WEIGHT_PASSES = 3
-#: HBM bandwidth per GPU kind, TB/s (datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8).
-HBM_TBPS = {"a100": 2.039, "h100": 3.35, "h200": 4.8}
+#: HBM bandwidth per GPU kind, TB/s (datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8,
+#: B200 8.0; B200 takes H100's fitted efficiencies: none of its runs is in the table).
+HBM_TBPS = {"a100": 2.039, "h100": 3.35, "h200": 4.8, "b200": 8.0}
 #: Kept for callers of the first GPU model (same meaning, now from GPU_CALIBRATION).
 GPU_EFFICIENCY = GPU_CALIBRATION["efficiency"]["h100"]
 GPU_LATENCY_S = GPU_CALIBRATION["latency_s"]
@@ -65,9 +66,9 @@ GPU_TP_OVERLAP = GPU_CALIBRATION["tp_overlap"]
 
 
 def gpu_kind(name: str, peak_tflops: Optional[float]) -> str:
-    """'a100' | 'h100' | 'h200' from the profile's name, else from its peak (312 → A100)."""
+    """'a100' | 'h100' | 'h200' | 'b200' from the profile's name, else from its peak (312 → A100)."""
     low = (name or "").lower()
-    for kind in ("h200", "h100", "a100"):
+    for kind in ("b200", "h200", "h100", "a100"):
         if kind in low:
             return kind
     return "a100" if peak_tflops is not None and peak_tflops < 500 else "h100"
@@ -128,6 +129,8 @@ class Machine:
     #: HBM bytes of a layer's matmul weights that every microbatch streams (dense, MoE layer; before
     #: the tp split): GPU_WEIGHT_PASSES × 2 bytes × its matmul parameters (0: not charged)
     weight_bytes_layer: tuple = (0.0, 0.0)
+    #: the dense FP8 peak (cluster.peak_fp8_tflops, else 2 × peak_tflops); CPU: the peak (emulated)
+    peak_fp8_tflops: float = 0.0
 
     def elementwise_seconds(self, tokens: float, n_layers: int, hidden: int) -> float:
         """Seconds per device for the non-matmul kernels of ``tokens`` tokens spread over the world."""
@@ -197,7 +200,8 @@ def _gpu_machine(cfg: Config, dpn: int, cap: Optional[int], reserve: int, cal: d
                    tp_overlap=float(g["tp_overlap"]), elementwise_bytes=float(g["elementwise_bytes"]),
                    hbm_bytes_per_s=1e12 * HBM_TBPS.get(kind, HBM_TBPS["h100"]), gpu=kind,
                    attention_efficiency=att if "efficiency" not in cal or "attention_efficiency" in cal else eff,
-                   weight_bytes_layer=_weight_bytes_layer(cfg))
+                   weight_bytes_layer=_weight_bytes_layer(cfg),
+                   peak_fp8_tflops=float(c.peak_fp8_tflops or 2.0 * float(c.peak_tflops or 989.0)))
 
 
 def _weight_bytes_layer(cfg: Config) -> tuple[float, float]:

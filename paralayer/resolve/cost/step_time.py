@@ -39,6 +39,8 @@ class StepShape(NamedTuple):
     recompute_frac: float  # recompute FLOPs / forward+backward FLOPs
     layer_kinds: list  # (dense, MoE) layers per pipeline rank
     ring_flops: tuple  # cost.tp_ring_flops under tp_overlap, else ()
+    rank_layers: tuple = ()  # the blocks of each pipeline rank (MTP depths apart)
+    busiest: int = 0  # the pipeline rank with the most FLOPs
 
 
 def step_shape(cfg: Config, plan) -> StepShape:
@@ -49,17 +51,18 @@ def step_shape(cfg: Config, plan) -> StepShape:
     imbalance = g["pp"] * max(rw) / (sum(work) + head)
     L, h, seq = cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len
     rc = cost_mod.recompute_fraction(cfg, plan.recompute, cfg.parallel.recompute_every, plan.flops_per_token)
-    kinds = []
+    kinds, rank_layers = [], []
     for r in range(g["pp"]):
         layers = [i for c in range(len(plan.stage_layers)) if chunk_rank(c, g["pp"], plan.schedule) == r
                   for i in plan.stage_layers[c]]
+        rank_layers.append(tuple(layers))
         if chunk_rank(len(plan.stage_layers) - 1, g["pp"], plan.schedule) == r:
             layers += model_parts.mtp_layers(cfg)  # the MTP blocks run on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
         kinds.append((len(layers) - n_moe, n_moe))
     split = plan.schedule in V_SCHEDULES and g["pp"] > 1
     ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute, split) if plan.tp_overlap else ()
-    return StepShape(imbalance, rc, kinds, ring)
+    return StepShape(imbalance, rc, kinds, ring, tuple(rank_layers), max(range(len(rw)), key=rw.__getitem__))
 
 
 def compute_seconds(flops_step: float, tokens_step: float, cfg: Config, mach: Machine) -> float:
@@ -114,15 +117,21 @@ def replicated_elementwise_seconds(cfg: Config, mach: Machine, tp: int, sequence
 
 
 def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = None,
-              framework: Framework = RUNTIME) -> dict:
+              framework: Framework = RUNTIME, fp8: bool = True) -> dict:
     """Predicted step time of a resolved, valid plan on ``mach``, with every term. ``framework``:
-    whose traffic — the planner times our runtime's; the calibration a published row's framework's."""
+    whose traffic — the planner times our runtime's; the calibration a published row's framework's.
+    Under train.precision=fp8 on a GPU the FP8 GEMMs and casts change the busiest rank's work
+    (``fp8=False``: the same plan timed in bf16), and the result gains ``bf16_step_time_s``,
+    ``fp8_gain`` and ``step_time_by_precision``."""
     shape = shape or step_shape(cfg, plan)
     g = plan.degrees
     compute = compute_seconds(plan.flops_per_step, plan.tokens_per_step, cfg, mach)
     t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
     work_s = (compute + replicated_elementwise_seconds(cfg, mach, g["tp"], plan.sequence_parallel)) * shape.imbalance
     recomp = work_s * shape.recompute_frac
+    change = plan_fp8_change(cfg, plan, shape, mach) if fp8 else None
+    if change is not None:  # the FP8 GEMMs' time and their casts (cost/fp8_time.py); bf16 plans: untouched
+        work_s, recomp = work_s - change.save_work, recomp - change.save_recompute
     mm = plan.microbatches
     ovh = max(mach.layer_overhead(d, e, g["tp"]) for d, e in shape.layer_kinds) * mm
     if plan.tp_overlap:
@@ -157,7 +166,7 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
         dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
                                         plan.zero, g["pp"], work_s + recomp, mm, mach)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed
-    return {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
+    out = {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "tp_overlap": plan.tp_overlap,
             "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
             "compute_s": compute, "imbalance": shape.imbalance, "recompute_s": recomp, "overhead_s": ovh,
@@ -165,6 +174,47 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
             "dp_exposed_s": dp_exposed, "memory": dict(plan.memory_per_device_bytes),
             "tokens_per_s": plan.tokens_per_step / step,
             "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
+    if change is not None:
+        bf16 = time_plan(cfg, plan, mach, shape, framework, fp8=False)
+        out.update(fp8_fields(step, bf16["step_time_s"], change, bf16["compute_s"] * shape.imbalance
+                              + bf16["recompute_s"], matmul_share(cfg, plan, mach)))
+    return out
+
+
+def plan_fp8_change(cfg: Config, plan, shape: StepShape, mach: Machine):
+    """FP8's change to the plan's busiest rank (cost/fp8_time.step_change), or None: bf16 or fp32
+    plans, and CPU ranks (their FP8 casts are emulated, the matmuls stay fp32)."""
+    if cfg.train.precision != "fp8" or mach.kind != "gpu":
+        return None
+    from paralayer.resolve.cost import fp8_time
+
+    g = plan.degrees
+    layers = shape.rank_layers[shape.busiest] if shape.rank_layers else tuple(range(cfg.model.n_layers))
+    full = fp8_time.full_layers(plan.recompute, cfg.parallel.recompute_every, layers)
+    return fp8_time.step_change(cfg, list(layers), g["tp"], plan.micro_batch * cfg.model.seq_len / g["cp"],
+                                plan.microbatches, full, mach.efficiency, *fp8_time.peaks(mach),
+                                mach.hbm_bytes_per_s)
+
+
+def matmul_share(cfg: Config, plan, mach: Machine) -> float:
+    """The share of the step's compute that is matmuls outside the attention core, at bf16."""
+    attn = cost_mod.attn_core_flops_per_token(cfg) * plan.tokens_per_step
+    total = compute_seconds(plan.flops_per_step, plan.tokens_per_step, cfg, mach)
+    peak = mach.world * mach.peak_tflops * 1e12
+    return (plan.flops_per_step - attn) / (peak * mach.efficiency) / total if total else 0.0
+
+
+def fp8_fields(step: float, bf16_step: float, change, bf16_work: float, mm_share: float) -> dict:
+    """What a plan (or a planner row) at FP8 adds: its bf16 step, the gain, and the step's split by
+    precision on the busiest rank — FP8 GEMMs, the GEMMs left in bf16 (the head and every block
+    under ``bf16_first/last_blocks``), the casts, and the rest — and the FP8 GEMMs' time at bf16
+    (``fp8_gemms_at_bf16_s``: over it, ``fp8_gemm_s`` is the rank's effective FP8/bf16 ratio)."""
+    bf16_gemm = max(0.0, bf16_work * mm_share - change.bf16_of_fp8_gemm_s)
+    rest = max(0.0, step - change.fp8_gemm_s - bf16_gemm - change.cast_s)
+    return {"bf16_step_time_s": bf16_step, "fp8_gain": bf16_step / step,
+            "step_time_by_precision": {"fp8_gemm_s": change.fp8_gemm_s, "bf16_gemm_s": bf16_gemm,
+                                       "cast_s": change.cast_s, "other_s": rest,
+                                       "fp8_gemms_at_bf16_s": change.bf16_of_fp8_gemm_s}}
 
 
 def train_budget(cfg: Config, tokens_per_step: int) -> tuple[float, str]:
@@ -196,6 +246,9 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     out = {"step_time_s": t["step_time_s"], "tokens_per_s": t["tokens_per_s"],
            "mfu": t["mfu"] if plan.peak_tflops_given else None, "gpu": mach.gpu,
            "calibration": "GPU_CALIBRATION (benchmarks/calibrate_gpu.py)"}
+    for key in ("bf16_step_time_s", "fp8_gain", "step_time_by_precision"):  # train.precision=fp8 only
+        if key in t:
+            out[key] = t[key]
     out.update(time_to_train(cfg, t["step_time_s"], plan.tokens_per_step, plan.world_size))
     return out
 

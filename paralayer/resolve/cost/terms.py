@@ -14,6 +14,7 @@ import functools
 from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
     ACT_BYTES,
     BYTES_PER_PARAM,
@@ -177,7 +178,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> di
             "pp": _pp_comm(lay, act_msg, r),
             "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
             "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
-            "dp": _dp_comm(lay, dense, expert, n_layers)}
+            "dp": _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))}
 
 
 def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
@@ -371,7 +372,7 @@ def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, coun
             "inter_node_bytes_per_step_bound": int(tokens * reach * m.d_model * ab * count)}
 
 
-def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
+def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params: float = 0.0) -> dict:
     """dp of :func:`comm`: the gradient sync over dp·cp as the runtime does it, per ZeRO stage."""
     wb, gb, _ = BYTES_PER_PARAM[lay.precision]
     mm = lay.microbatches
@@ -389,10 +390,9 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
         e["wire_bytes_per_step"] = int(2 * ring * n * gb)
         e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
     elif lay.zero == 1:
-        # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share
-        # (Megatron's distributed optimizer reduce-scatters instead: half the grad bytes). Under
-        # bf16 autocast the weights are the only copy and fp32: the broadcast moves fp32 (a bf16
-        # broadcast would leave the other ranks' weights rounded, apart from the owner's)
+        # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share (Megatron's
+        # distributed optimizer reduce-scatters instead: half the grad bytes). Under bf16 autocast the weights
+        # are the only copy and fp32: the broadcast moves fp32 (bf16 would leave the others' weights rounded)
         if _autocast(lay):
             wb = 4
         e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
@@ -400,17 +400,19 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int) -> dict:
         e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
         e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
     else:
-        # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers
-        # the weights once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for
-        # backward) and reduce-scatters its grads (torchtitan's default). Under pp our stages
-        # reduce-scatter every microbatch too (1/dp of the grads at the peak; the V schedules
-        # after each weight pass); ZeRO-2 keeps the weights gathered through the step (one
-        # gather per step), ZeRO-3 gathers twice per microbatch.
+        # FSDP2, per unit (a layer, and the chunk's root). Without pp, every microbatch gathers the weights
+        # once (ZeRO-2, kept through backward) or twice (ZeRO-3, again for backward) and reduce-scatters
+        # its grads (torchtitan's default). Under pp our stages reduce-scatter every microbatch too (1/dp
+        # of the grads at the peak; the V schedules after each weight pass); ZeRO-2 keeps the weights
+        # gathered through the step (one gather per step), ZeRO-3 gathers twice per microbatch. FP8
+        # blocks' weights gathered in FP8 (resolve/fp8.fp8_gathered_params) move at 1 byte.
         units = n_layers + lay.chunks // lay.pp
         gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
         reduces = mm
         e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
         e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
+        if fp8_params:
+            e.update(fp8_gather_bytes(n * wb - fp8_params * (wb - 1), units, gathers, n * reduces * gb))
         e["wire_bytes_per_step"] = int(ring * e["bytes_per_step"])
         # the grads' share (under pp torch's REDUCE_GRAD waits for it: it cannot hide)
         e["reduce_wire_bytes_per_step"] = int(ring * n * reduces * gb)

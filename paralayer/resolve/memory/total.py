@@ -63,6 +63,11 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
         opt = state_bytes(zero1.busiest_dense(cfg, lay, r), expert if lay.ep > 1 else 0.0, d_dense, d_exp, z,
                           lay.pp, lay.precision, lay.schedule)[2]
     params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
+    if cfg.train.precision == "fp8":  # FSDP's FP8 all-gather keeps those weights gathered at 1 byte
+        from paralayer.resolve.fp8 import fp8_copy_saving
+        from paralayer.resolve.memory.states import rank_layers
+
+        params -= int(fp8_copy_saving(cfg, lay, rank_layers(cfg, lay, r)))
 
     acts, _ = rank_activations(cfg, lay, r)
     return int(params), int(grads), int(opt), acts

@@ -268,11 +268,12 @@ def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, int]:
 
 
 def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
-                 copy_terms: Optional[tuple] = None) -> list[tuple]:
+                 copy_terms: Optional[tuple] = None, fp8_saving=None) -> list[tuple]:
     """(params, grads, optimizer, total, head copy, dense-layer copy, MoE-layer copy) bytes of each
     candidate rank under a ZeRO stage: the last three are autocast's bf16 weight copies
     (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
-    ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay)."""
+    ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
+    ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16)."""
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     autocast = copy_terms is not None and \
@@ -285,6 +286,8 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         if zero == 1 and d_dense > 1:  # the busiest data rank's share, as memory.rank_memory
             op = int(mem_mod.state_bytes(rk.zero1_dense, rk.expert if lay.ep > 1 else 0.0, d_dense, d_exp, zero,
                                          lay.pp, lay.precision, lay.schedule)[2])
+        if fp8_saving is not None:
+            pa -= int(fp8_saving(rk))
         out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
     return out
 

@@ -147,8 +147,10 @@ def print_plans(cfg: Config, plans: list[dict], stats: dict, top: int = TABLE_RO
     basis = plans[0]["train_tokens_from"] if plans else "train.tokens"
     t = Table(title=f"Top {min(top, len(plans))} layouts, ranked by time to train "
                     f"({plans[0]['train_tokens']:.3g} tokens from {basis})" if plans else "No layout")
+    fp8 = bool(plans) and "fp8_gain" in plans[0]  # train.precision=fp8 on a GPU: each row's gain over its bf16
     cols = ["#", "tp", "ovl", "pp", "vpp", "cp", "ep", "dp", "schedule", "zero", "recompute", "mb", "step s",
-            "tok/s", "MFU", "bubble", "mem GiB", "days", "device-h"] + (["cost"] if priced else []) + ["why it loses to #1"]
+            *(["fp8 gain"] if fp8 else []), "tok/s", "MFU", "bubble", "mem GiB", "days", "device-h"] \
+        + (["cost"] if priced else []) + ["why it loses to #1"]
     for c in cols:
         why = c == "why it loses to #1"
         t.add_column(c, justify="left" if c in ("schedule", "recompute") or why else "right",
@@ -181,7 +183,7 @@ def _row(d: dict, priced: bool) -> list[str]:
             *(str(g[a]) for a in ("pp", "vpp", "cp", "ep", "dp")), d["schedule"],
             str(d["zero"]), _recompute_label(d),
             str(d["micro_batch"]), f"{d['step_time_s']:.3g}",
-            f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
+            *([f"{d['fp8_gain']:.3f}×"] if "fp8_gain" in d else []), f"{d['tokens_per_s']:,.0f}", f"{100 * d['mfu']:.1f}%", f"{d['bubble']:.3f}",
             f"{d['memory']['total'] / GIB:.1f}", f"{d['train_days']:.3g}", f"{d['device_hours']:,.0f}",
             *([f"{d['train_cost']:,.0f}"] if priced else []), d["why"]]
 

@@ -58,6 +58,10 @@ def materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: To
         + ([f"parallel.recompute_every={t.every}"] if t.every > 1 else []),
     }
     out.update(time_to_train(cfg, t.step, tokens, mach.world))
+    if t.fp8 is not None:  # train.precision=fp8: bf16_step_time_s, fp8_gain, step_time_by_precision
+        from paralayer.resolve.planner.precision import row_fields
+
+        out.update(row_fields(cfg, t.fp8, t.step, mach, tot))
     return out
 
 

@@ -72,14 +72,9 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
 from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
 from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
+from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.planner.comm import (
-    comm_points,
-    fsdp_key,
-    recompute_key,
-    set_axes,
-    tp_overlap_options,
-)
+from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes
 from paralayer.resolve.planner.gc_pause import gc_paused
 from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
@@ -246,6 +241,7 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
     E = m_.moe.num_experts
     split_cache: dict = {}
     n_moe = sum(1 for i in range(L) if mem_mod.is_moe_layer(cfg, i))
+    scale = fp8_plan.bound_scale(cfg, mach)  # FP8 shortens the GEMMs: the bf16 bound, scaled
     out: list[Structure] = []
     for tp in _allowed(fixed, "tp", [t for t in valid_tp(cfg, world) if world % t == 0]):
         sp = (tp > 1) if sp_setting is None else (bool(sp_setting) and tp > 1)
@@ -284,11 +280,15 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                                      devices_per_node=dpn, schedule=schedule, sequence_parallel=sp,
                                      padded_vocab=padded, device=device, precision=precision,
                                      stage_layers=make_stage_layers(L, split))
+                        if why := fp8_plan.refusal(cfg, lay):
+                            drop(why)
+                            continue
                         least_bubble = cost_mod.bubble_fraction(schedule, pp, tot.gb // dp, vpp)
                         out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
                                              {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
                                              override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
-                                             structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe),
+                                             structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe)
+                                             * scale,
                                              least_bubble=least_bubble))
     return out
 
@@ -321,7 +321,8 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
-                  tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf) -> Any:
+                  tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf,
+                  fp8_at: Any = None) -> Any:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
@@ -342,7 +343,8 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
-        if slower_than(work, work * tot.rc_frac[rk], ovh_per_m * mm, bubble, bar_step):
+        ch = fp8_at(mb, mm, "full", k) if fp8_at else None
+        if slower_than(*fp8_plan.less(ch, work, tot.rc_frac[rk]), ovh_per_m * mm, bubble, bar_step):
             return True
         fk = fsdp_key(st.lay, zero)
         if (False, rk, fk) not in st.per_ax:
@@ -350,7 +352,7 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
         return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
-                      tot, ctx.mach, k)
+                      tot, ctx.mach, k, ch)
     return None
 
 
@@ -371,7 +373,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     cfg, mach, tot, drop = ctx.cfg, ctx.mach, ctx.tot, ctx.drop
     lay, mtp = st.lay, (1 + cfg.model.mtp.depth, mem_mod.mtp_saved_elems(cfg))  # MTP's blocks, saved elements
     ranks = candidate_ranks(cfg, lay)
-    overlaps = tp_overlap_options(lay, mach, cfg.model.mla.kv_lora_rank > 0)
+    overlaps, fp8_at = fp8_plan.setup(cfg, lay, mach, tot.seq)  # tp_overlap's options; FP8's change (None: bf16)
     if "tp_overlap" in ctx.fixed:
         overlaps = tuple(_allowed(ctx.fixed, "tp_overlap", list(overlaps))) or (False,)
     lines = LazyLines(cfg, st, mach, tot.gb)
@@ -399,7 +401,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
-        states = state_table(ranks, lay, zero, tot, copy_terms)
+        states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
         rope = mem_mod.rope_bytes_for(model_parts.rope_dim(cfg), tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)
@@ -408,8 +410,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
             continue
         for i_mb, mb in enumerate(mbs):
             mm = tot.gb // (mb * lay.dp)
-            why = _microbatch_refusal(lay.pp, mm, lay.schedule)
-            if why:
+            if why := _microbatch_refusal(lay.pp, mm, lay.schedule):
                 drop(why, n_var)
                 continue
             n_before = ctx.fits[0]
@@ -427,16 +428,17 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                         continue
                     fitted.add(recompute)
                     ctx.fits[0] += 1
-                    if slower_than(work, work * tot.rc_frac[recompute], ovh_per_m * mm, bubble, bar):
+                    ch = fp8_at(mb, mm, recompute) if fp8_at else None
+                    if slower_than(*fp8_plan.less(ch, work, tot.rc_frac[recompute]), ovh_per_m * mm, bubble, bar):
                         ctx.fits[1] += 1
                         continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
                     recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
-                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach))
+                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
-                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar)
+                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar, fp8_at)
                     if c is not None:
                         ctx.fits[0] += 1
                         ctx.fits[1] += c is True
@@ -450,17 +452,27 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
 
 def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
            line: tuple, t_tp: float, dp: tuple, bubble: float, work: float, ovh_per_m: float, overlap: bool,
-           tot: Totals, mach: Machine, every: int = 1) -> Candidate:
-    """The step time of one layout from its parts (the formula in the module docstring)."""
+           tot: Totals, mach: Machine, every: int = 1, fp8: Any = None) -> Candidate:
+    """The step time of one layout from its parts (the formula in the module docstring); ``fp8``:
+    its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step kept beside it."""
     fixed, per_m = line
     t_dp, t_red = dp
     recomp = work * tot.rc_frac[recompute_key(recompute, every)]
     ovh = ovh_per_m * mm
-    inner = work + recomp + fixed + per_m * mm + t_tp + ovh
-    dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
-    return Candidate(inner * (1 + bubble) + dp_exposed, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
+
+    def step_of(work: float, recomp: float) -> tuple[float, float, float]:
+        inner = work + recomp + fixed + per_m * mm + t_tp + ovh
+        dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
+        return inner * (1 + bubble) + dp_exposed, inner, dp_exposed
+
+    step, inner, dp_exposed = step_of(work, recomp)
+    extra = None
+    if fp8 is not None:
+        extra = (step, work + recomp, fp8)
+        step, inner, dp_exposed = step_of(work - fp8.save_work, recomp - fp8.save_recompute)
+    return Candidate(step, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
                      dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp,
-                     every)
+                     every, extra)
 
 
 def predict(cfg: Config, calibration: Optional[dict] = None) -> dict:

@@ -82,4 +82,5 @@ class Candidate(NamedTuple):
     overlap: bool
     t_tp: float
     every: int = 1  # recompute=full: parallel.recompute_every (1: every layer)
+    fp8: Optional[tuple] = None  # train.precision=fp8: (bf16 step, bf16 work + recompute, fp8_time.Fp8Step)
 
