@@ -27,18 +27,26 @@ GEMMA = dict(head_dim=24, sliding_window=WINDOW, sliding_window_pattern=3, query
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": THETA},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 700.0}})
 
-FAMILIES = ("llama3", "qwen3", "window", "mistral", "gemma3")
+# GPT-OSS: 4 experts top-2 with biases, its router bias, sinks, attention biases, sliding/full
+# alternating (its default pattern), head_dim 24, YaRN without truncation (as the releases), a
+# SwiGLU clamp of 1.5 (the releases' 7.0 is seldom reached at this width: 1.5 makes it bite)
+GPT_OSS = dict(head_dim=24, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
+               rope_parameters={**YARN, "truncate": False})
+
+FAMILIES = ("llama3", "qwen3", "window", "mistral", "gemma3", "gpt_oss")
 #: which planted errors apply to which family (qk: the family has q/k norms; window: it slides)
 PLANTS = {"llama3": ("rope_factor_x2",), "qwen3": ("rope_factor_x2", "qk_norm_after_rope"),
           "window": ("rope_factor_x2", "qk_norm_after_rope", "window_off_by_one"),
           "mistral": ("rope_factor_x2", "window_off_by_one"),
           "gemma3": ("rope_factor_x2", "qk_norm_after_rope", "window_off_by_one", "embed_scale_dropped",
-                     "local_rope_as_global", "post_norms_dropped")}
+                     "local_rope_as_global", "post_norms_dropped"),
+          "gpt_oss": ("rope_factor_x2", "window_off_by_one", "sink_left_out", "yarn_truncated", "clamp_dropped")}
 #: the plants that are a change of the config (the model is built after them)
 CONFIG_PLANTS = ("rope_factor_x2", "window_off_by_one", "embed_scale_dropped", "local_rope_as_global",
-                 "post_norms_dropped")
+                 "post_norms_dropped", "yarn_truncated", "clamp_dropped")
 #: our family name per test family (its own weight names: names.ours_to_hf(..., family=))
-HF_FAMILY = {"llama3": "llama", "qwen3": "qwen3", "window": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text"}
+HF_FAMILY = {"llama3": "llama", "qwen3": "qwen3", "window": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text",
+             "gpt_oss": "gpt_oss"}
 
 
 def hf_config(family: str):
@@ -60,7 +68,16 @@ def hf_config(family: str):
         # pad_token_id None: transformers' embedding would freeze the pad row's gradient (padding_idx),
         # which we do not build (every row of ours trains; docs/models.md)
         return transformers.Gemma3TextConfig(**BASE, **copy.deepcopy(GEMMA), pad_token_id=None)
+    if family == "gpt_oss":
+        import copy
+
+        return transformers.GptOssConfig(**BASE, **copy.deepcopy(GPT_OSS), pad_token_id=None)
     raise ValueError(family)
+
+
+def attn_impl(family: str) -> str:
+    """transformers' attention for the family's oracle (GptOss has no SDPA path: its eager one)."""
+    return "eager" if family == "gpt_oss" else "sdpa"
 
 
 def widen(model, seed: int):
@@ -81,7 +98,7 @@ def save_family(family: str, path: str):
 
     torch.manual_seed(0)
     cfg = hf_config(family)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn_impl(family)
     model = widen(transformers.AutoModelForCausalLM.from_config(cfg).float().eval(), FAMILIES.index(family))
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -100,6 +117,14 @@ def plant(model, mcfg, kind: str) -> None:
         mcfg.rope_local_theta = None
     elif kind == "post_norms_dropped":  # the (1 + w) gains still trained, but as pre-norms only
         mcfg.post_norms = False
+    elif kind == "yarn_truncated":  # the correction range floored/ceiled, as every yarn but GPT-OSS's
+        mcfg.rope.truncate = True
+    elif kind == "clamp_dropped":  # GPT-OSS's experts without the clamp (and so without (up + 1))
+        mcfg.moe.swiglu_limit = None
+    elif kind == "sink_left_out":  # the learned logits kept but out of the softmax
+        for layer in model.layers.values():
+            att = layer.attention
+            att._planted, att.sinks = [att.sinks], None  # a list: not registered, not compared
     elif kind == "qk_norm_after_rope":
         for layer in model.layers.values():
             _qk_after_rope(layer.attention)
@@ -112,3 +137,27 @@ def _qk_after_rope(att) -> None:
     att.q_norm = att.k_norm = None
     att._planted = (qn, kn)  # keep the weights registered elsewhere out of the way
     att.attn_fn = lambda q, k, v, **kw: core(qn(q), kn(k), v, **kw)
+
+
+class _GradReader:
+    """A checkpoint reader over transformers' gradients (checkpoint/hf_fused.py reads them as ours)."""
+
+    def __init__(self, params: dict):
+        self.params = params
+
+    def get_rows(self, key: str, start: int, length: int):
+        return self.params[key].grad[start:start + length]
+
+
+def their_grad(hf_params: dict, family: str, name: str):
+    """transformers' gradient of our parameter ``name`` (its fused experts split as ours)."""
+    from paralayer.checkpoint import hf_fused
+    from paralayer.families import family as fam_of
+    from paralayer.families.names import ours_to_hf
+
+    mod = fam_of(HF_FAMILY[family])
+    fused = getattr(mod, "FUSED_EXPERTS", None)
+    if fused and hf_fused.is_fused_name(name):
+        return hf_fused.read_fused(_GradReader(hf_params), fused, name, 0, 1 << 30)
+    return hf_params[ours_to_hf(name, family=mod.NAME)].grad
+

@@ -33,12 +33,20 @@ from tests import families as fam
 from tests.dist import run_ranks, write_tokens
 
 TOL = 1e-5
+# GPT-OSS's router bias: softmax over the k chosen logits is shift-invariant, so its gradient sums
+# to 0 over the experts and each entry is a difference of per-token terms: 2.3e-5 relative between
+# transformers' order of sums and ours on one rank already (pp2, which changes nothing of the
+# order, gives the same); the issue's acceptance bound for gradients, 1e-4
+GRAD_TOL = {"gpt_oss": 1e-4}
 # Qwen3's q/k norm names are written here, not taken from our map
 _LITERAL = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
             "attention.wq.weight": "self_attn.q_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight"}
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2_1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
            "pp2_zbv": ["parallel.pp=2", "parallel.schedule=zbv"], "cp2": ["parallel.cp=2"],
-           "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"]}
+           "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"], "ep2": ["parallel.dp=2", "parallel.ep=2"]}
+#: the layouts only some families run (ep: the MoE ones)
+ONLY = {"ep2": ("gpt_oss",)}
+CASES = [(f, lay) for lay in LAYOUTS for f in ONLY.get(lay, fam.FAMILIES)]
 BATCH = 4
 
 
@@ -63,7 +71,7 @@ def _ours(path: str, plant: str | None = None):
         model = Transformer(mcfg)
     model.to_empty(device="cpu")
     load_hf_weights(model, path, mcfg)
-    if plant == "qk_norm_after_rope":
+    if plant in ("qk_norm_after_rope", "sink_left_out"):
         fam.plant(model, mcfg, plant)
     return model, mcfg
 
@@ -87,8 +95,7 @@ def _oracle(ref, model, family: str) -> tuple[float, dict]:
     got = model(x)
     F.cross_entropy(got[:, :-1].reshape(-1, fam.VOCAB), x[:, 1:].reshape(-1)).backward()
     hf = dict(ref.named_parameters())
-    name = _hf_name(family)
-    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, hf[name(n)].grad)
+    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, fam.their_grad(hf, family, n))
                                                      for n, p in model.named_parameters()}
 
 
@@ -137,7 +144,7 @@ def test_config_fields_and_both_rope_spellings(saved, tmp_path):
     ({"model_type": "gemma3"}, "model_type=\"gemma3\" is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
-    ({"rope_parameters": {**fam.YARN, "truncate": False}}, "truncate=false"),
+    ({"rope_parameters": {**fam.YARN, "truncate": "no"}}, 'truncate="no" is not supported (true or false)'),
     ({"head_dim": 23}, "head_dim=23 must be even"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
 ])
@@ -179,7 +186,8 @@ def _grads_worker(rank, world, runs):
             for n, p in chunk.named_parameters():
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 name = _clean_name(n)
-                grads[name] = (g[: fam.VOCAB] if name in ("tok_embeddings.weight", "output.weight") else g).numpy().copy()
+                head = name in ("tok_embeddings.weight", "output.weight")
+                grads[name] = (g[: fam.VOCAB] if head else g).numpy().copy()
         out.append((float(loss), grads))
     return out
 
@@ -208,8 +216,9 @@ def layout_results(saved, tokens, tmp_path_factory):
     planted = {k: _planted_copy(saved["window"][0], str(root / k), e) for k, e in CP_PLANTS.items()}
     out = {}
     for layout, extra in LAYOUTS.items():
-        keys = [(f, layout) for f in fam.FAMILIES]
-        paths = [saved[f][0] for f in fam.FAMILIES]
+        fams = ONLY.get(layout, fam.FAMILIES)
+        keys = [(f, layout) for f in fams]
+        paths = [saved[f][0] for f in fams]
         if layout == "cp2":
             keys += [("window", layout, k) for k in planted]
             paths += list(planted.values())
@@ -224,8 +233,7 @@ def tokens(tmp_path_factory):
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 2 * BATCH, fam.SEQ, fam.VOCAB)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", fam.FAMILIES)
+@pytest.mark.parametrize("family, layout", CASES)
 def test_layouts_match_transformers(saved, tokens, layout_results, family, layout):
     path, ref = saved[family]
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
@@ -236,7 +244,7 @@ def test_layouts_match_transformers(saved, tokens, layout_results, family, layou
     loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf, family)
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
-    assert loss_err < TOL and max(errs.values()) < TOL, errs
+    assert loss_err < TOL and max(errs.values()) < GRAD_TOL.get(family, TOL), errs
     if (family, layout) == ("window", "cp2"):
         for plant in CP_PLANTS:
             p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf, family)
@@ -246,12 +254,18 @@ def test_layouts_match_transformers(saved, tokens, layout_results, family, layou
 
 def _layout_errors(res, want_loss: float, hf: dict, family: str) -> tuple[float, dict]:
     """(loss rel err, {our name: grad rel err}) of the ranks' results against transformers'."""
-    grads = {}
+    parts: dict = {}
     for _, g in res:
-        grads.update(g)
-    assert len(grads) == len(hf), (sorted(grads), len(hf))
-    name = _hf_name(family)
-    errs = {n: _rel(torch.from_numpy(g), hf[name(n)].grad) for n, g in grads.items()}
+        for n, t in g.items():
+            parts.setdefault(n, []).append(t)
+    fused = 2 * sum(1 for k in hf if k.endswith("mlp.experts.gate_up_proj"))  # GPT-OSS: 4 tensors are our 6
+    assert len(parts) == len(hf) + fused, (sorted(parts), len(hf))
+    errs = {}
+    for n, ts in parts.items():
+        want = fam.their_grad(hf, family, n)
+        # under ep each rank holds its experts' rows (rank order = expert order); else any copy
+        got = torch.from_numpy(ts[-1] if ts[-1].shape == tuple(want.shape) else np.concatenate(ts))
+        errs[n] = _rel(got, want)
     return max(abs(r[0] - want_loss) / want_loss for r in res), errs
 
 
@@ -290,21 +304,29 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
         outs[lay] = {f: r[1] for f, r in zip(fam.FAMILIES, runs)}
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:2])
     want_class = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "window": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
     for f in fam.FAMILIES:
         one = outs["one"][f]
-        back = transformers.AutoModelForCausalLM.from_pretrained(one, attn_implementation="sdpa").float().eval()
+        back = transformers.AutoModelForCausalLM.from_pretrained(one, attn_implementation=fam.attn_impl(f))
+        back = back.float().eval()
         assert type(back).__name__ == want_class[f]
         ours, mcfg = _ours(one)
         with torch.no_grad():
-            err = _rel(ours(x), back(input_ids=x).logits)
+            got, theirs = ours(x), back(input_ids=x, labels=x)
+            err = _rel(got, theirs.logits)
+            loss = F.cross_entropy(got[:, :-1].reshape(-1, fam.VOCAB), x[:, 1:].reshape(-1)).item()
         src = json.load(open(os.path.join(saved[f][0], "config.json")))
         exp = json.load(open(os.path.join(one, "config.json")))
         for key in ("rope_parameters", "head_dim", "sliding_window", "layer_types"):
             if key in src:
                 assert exp.get(key) == src[key] or (key == "head_dim" and src[key] is None), (f, key)
-        print(f"{f}: exported logits vs transformers' from_pretrained rel err {err:.1e}")
-        assert err < 1e-6, (f, err)
+        print(f"{f}: exported logits vs transformers' from_pretrained rel err {err:.1e}, loss {loss:.7f} vs "
+              f"{theirs.loss.item():.7f}")
+        # GPT-OSS: transformers' eager softmax with a sink column vs our flash kernel with the sink in
+        # the lse: 2.9e-6 on the logits, the loss equal to 1e-7
+        assert err < (TOL if f == "gpt_oss" else 1e-6), (f, err)
+        assert abs(loss - theirs.loss.item()) < 1e-6 * theirs.loss.item(), (f, loss, theirs.loss.item())
         ref = load_file(os.path.join(one, "model.safetensors"))
         src_w = load_file(os.path.join(saved[f][0], "model.safetensors"))
         for lay in ("tp2", "pp2"):
@@ -323,7 +345,7 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
 
 @pytest.mark.parametrize("edit, words", [
     ({"model_type": "olmo3"}, 'model_type="olmo3" is not supported (llama, mistral, mixtral, qwen3, qwen3_moe, '
-                              'deepseek_v3, gemma3_text)'),
+                              'deepseek_v3, gemma3_text, gpt_oss)'),
     ({"model_type": "gemma4_text"}, 'model_type="gemma4_text" is not supported (Gemma 4 (per-layer input'),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      'rope_parameters.rope_type="dynamic" is not supported (default, linear, llama3, yarn)'),

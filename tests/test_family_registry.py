@@ -20,7 +20,8 @@ NO_TINY: set[str] = set()  # every family has its tiny recipe
 
 
 def test_the_families_listed():
-    assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text")
+    assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text",
+                           "gpt_oss")
     assert [by_type(t).NAME for t in MODEL_TYPES] == list(MODEL_TYPES)
     assert by_type("olmo3") is None and by_type(["llama"]) is None and by_type(None) is None
     with pytest.raises(KeyError, match="olmo3"):
@@ -81,16 +82,16 @@ def test_a_planted_missing_piece_is_refused():
 
 
 def test_export_claims_partition_every_config():
-    """Exactly one family claims each combination of the traits export decides by (64 of them)."""
+    """Exactly one family claims each combination of the traits export decides by (128 of them)."""
     kinds = [frozenset(), frozenset({"full"}), frozenset({"sliding"}), frozenset({"full", "sliding"})]
     seen = 0
-    for mla, moe, qk, k, gemma in itertools.product([False, True], [False, True], [False, True], kinds,
-                                                    [False, True]):
-        t = Traits(mla, moe, qk, k, gemma)
+    for mla, moe, qk, k, gemma, oss in itertools.product([False, True], [False, True], [False, True], kinds,
+                                                         [False, True], [False, True]):
+        t = Traits(mla, moe, qk, k, gemma, oss)
         claimed = [f.NAME for f in FAMILIES.values() if f.claims(t)]
         assert len(claimed) == 1, (t, claimed)
         seen += 1
-    assert seen == 64
+    assert seen == 128
 
 
 def test_gemma_names_its_norms_its_own_way():

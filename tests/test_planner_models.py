@@ -78,6 +78,9 @@ BAD = [
     ("model.moe.num_experts=8 model.moe.seq_aux_loss_coef=0.001 parallel.cp=2 parallel.dp=1",
      "model.moe.seq_aux_loss_coef: model.moe.seq_aux_loss_coef=0.001 is not built with parallel.cp > 1"),
     ("model.mtp.depth=200", "model.mtp.depth: must be an integer from 0 to 16"),
+    ("model.moe.num_experts=8 model.moe.swiglu_limit=0", "model.moe.swiglu_limit: must be a finite number > 0"),
+    ("model.mla.kv_lora_rank=16 model.mla.qk_rope_head_dim=8 model.mla.v_head_dim=16 model.n_kv_heads=4 "
+     "model.attn_sinks=true", "model.attn_sinks: true is built for GQA attention only (not MLA)"),
 ]
 
 
@@ -142,6 +145,15 @@ def test_qwen3_moe_parameters_match_the_published_counts():
     assert round(p["active"] / 1e9, 1) == 3.4 or round(p["active"] / 1e9, 1) == 3.3
     p = _plan(["recipe=qwen3-235b-a22b"]).parameters
     assert round(p["total"] / 1e9) == 235 and round(p["active"] / 1e9) == 22
+
+
+def test_gpt_oss_120b_parameters_are_the_model_cards_and_it_fits():
+    """The card (arXiv 2508.10925): 116.83B total, 5.13B active without the unembedding."""
+    plan = _plan(["recipe=gpt-oss-120b"])
+    p, m = plan.parameters, load_config(["recipe=gpt-oss-120b"]).model
+    assert p["total"] == 116_829_156_672 and round(p["total"] / 1e9, 2) == 116.83
+    assert round((p["active"] - m.vocab_size * m.d_model) / 1e9, 2) == 5.13
+    assert plan.fits and not plan.errors, plan.errors
 
 
 def test_qwen3_32b_flops_memory_use_head_dim_widths():

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from paralayer.checkpoint import hf_mtp
+from paralayer.checkpoint import hf_fused, hf_mtp
 from paralayer.checkpoint.expert_keys import expert_owners
 from paralayer.checkpoint.hf_moe import (
     _deinterleave_rope,
@@ -39,7 +39,7 @@ from paralayer.checkpoint.hf_moe import (
     mtp_as_layer,
     mtp_hf_key,
 )
-from paralayer.families import HFFormatError, family_for_config
+from paralayer.families import HFFormatError, family, family_for_config
 from paralayer.families.names import DEFAULT_EXPERTS, expert_keys, ours_to_hf, router_keys
 from paralayer.families.rope import rope_parameters
 
@@ -127,6 +127,10 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
     count) to read only those experts of a stacked expert weight)."""
     if mtp_hf_key(name, reader.n_layers) is None:
         name = mtp_as_layer(name, reader.n_layers)
+    fused = getattr(family(reader.family), "FUSED_EXPERTS", None)
+    if fused and hf_fused.is_fused_name(name):  # GPT-OSS: all experts of a layer in one tensor
+        start, count = experts if experts else (0, shape[0])
+        return hf_fused.read_fused(reader, fused, name, start, count)
     m = re.match(r"^layers\.(\d+)\.feed_forward\.(w[123])$", name)
     if m:
         i, w = m.groups()
@@ -381,6 +385,10 @@ def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tens
     fam = family_for_config(cfg)
     names = partial(ours_to_hf, family=fam.NAME)
     rows = fam.export_rope_rows(cfg) if fam.export_rope_rows else None
+    fused = getattr(fam, "FUSED_EXPERTS", None)
+    if fused:  # GPT-OSS: all experts of a layer in one tensor
+        out.update(hf_fused.write_fused(full, fused))
+        full = {k: v for k, v in full.items() if not hf_fused.is_fused_name(k)}
     for name, t in full.items():
         if name.startswith("mtp."):
             if fam.MTP_AS_LAYERS:

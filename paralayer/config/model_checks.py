@@ -45,6 +45,7 @@ def check_model_keys(cfg: Config) -> None:
     """Every family key in range and consistent with its siblings; the first problem raises."""
     _check_attention(cfg)
     _check_gemma(cfg)
+    _check_gpt_oss(cfg)
     _check_rope(cfg)
     _check_window(cfg)
     _check_mla(cfg)
@@ -83,6 +84,23 @@ def _check_gemma(cfg: Config) -> None:
                           "DeepSeek's plain RMSNorm); use false or model.mtp.depth=0")
     if m.rope_local_theta is not None and m.mla.kv_lora_rank > 0:
         raise ConfigError("model.rope_local_theta", "does not apply with MLA (one RoPE for its shared key); use null")
+
+
+def _check_gpt_oss(cfg: Config) -> None:
+    """GPT-OSS's parts: attention biases and sinks (GQA only), the experts' biases and clamped SwiGLU."""
+    m, mo = cfg.model, cfg.model.moe
+    for name, v in (("attn_bias", m.attn_bias), ("attn_sinks", m.attn_sinks), ("moe.router_bias", mo.router_bias),
+                    ("moe.expert_bias", mo.expert_bias)):
+        if not isinstance(v, bool):
+            raise ConfigError(f"model.{name}", f"must be true or false, got {v!r}")
+    for name in ("attn_bias", "attn_sinks"):
+        if getattr(m, name) and m.mla.kv_lora_rank > 0:
+            raise ConfigError(f"model.{name}", "true is built for GQA attention only (not MLA); use false")
+    _num("model.moe.swiglu_limit", mo.swiglu_limit, 0.0, "GPT-OSS's clamp of the experts' SwiGLU; null = none",
+         strict=True, nullable=True)
+    _num("model.moe.swiglu_alpha", mo.swiglu_alpha, 0.0, "the clamped SwiGLU's sigmoid gain", strict=True)
+    if m.rope.truncate not in (True, False):
+        raise ConfigError("model.rope.truncate", f"must be true or false, got {m.rope.truncate!r}")
 
 
 def _check_rope(cfg: Config) -> None:

@@ -58,6 +58,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # routed experts' weights times this (DeepSeek-V3: 2.5)
     norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights; None = the router's own habit
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (alpha); 0 = off
+    # GPT-OSS's experts (paralayer/families/gpt_oss.py); the defaults are every other family's
+    router_bias: bool = False  # a learned bias on the router's logits
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections
+    # GPT-OSS's clamped SwiGLU: gate <= L, |up| <= L, out (up+1)*gate*sigmoid(alpha*gate); null = plain
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702  # its sigmoid gain (used only with swiglu_limit)
 
 
 @dataclass
@@ -75,6 +81,7 @@ class RopeConfig:
     mscale: float = 1.0  # yarn (DeepSeek's mscale)
     mscale_all_dim: float = 0.0  # yarn (DeepSeek's mscale_all_dim)
     attention_factor: Optional[float] = None  # yarn: scale of cos/sin; None = from factor and mscale
+    truncate: bool = True  # yarn: correction range floored/ceiled to whole dims (GPT-OSS: false)
 
 
 @dataclass
@@ -124,6 +131,9 @@ class ModelConfig:
     mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU, gelu with the tanh approximation)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale 1/sqrt(this); null = 1/sqrt(head_dim)
     rope_local_theta: Optional[float] = None  # sliding layers' own plain RoPE base; null = the full layers' RoPE
+    # GPT-OSS's attention (paralayer/families/gpt_oss.py)
+    attn_bias: bool = False  # biases on the q, k, v and o projections
+    attn_sinks: bool = False  # a learned logit per head joining each query's softmax (its value 0)
     mla: MLAConfig = field(default_factory=MLAConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

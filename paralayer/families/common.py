@@ -10,10 +10,10 @@ import math
 import os
 from typing import Any, NamedTuple, Optional
 
-from paralayer.inputs.depth import MAX_JSON_BYTES, check_json_text
 from paralayer.config.layer_pattern import layer_types
 from paralayer.families.errors import HFFormatError
 from paralayer.families.rope import read_rope
+from paralayer.inputs.depth import MAX_JSON_BYTES, check_json_text
 
 
 # ------------------------------------------------------------------ reading config.json
@@ -139,14 +139,17 @@ class Traits(NamedTuple):
     qk_norm: bool
     kinds: frozenset  # the layer kinds present: "full", "sliding"
     gemma: bool = False  # any of Gemma's parts (families/gemma3.py)
+    oss: bool = False  # any of GPT-OSS's parts (families/gpt_oss.py)
 
 
 def traits(cfg) -> Traits:
     """``cfg`` (a ModelConfig) as the few facts the families claim it by."""
     gemma = bool(cfg.embed_scale or cfg.norm_offset or cfg.post_norms or cfg.mlp_act != "silu"
                  or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None)
+    m = cfg.moe
+    oss = bool(cfg.attn_bias or cfg.attn_sinks or m.router_bias or m.expert_bias or m.swiglu_limit is not None)
     return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), frozenset(layer_types(cfg)),
-                  gemma)
+                  gemma, oss)
 
 
 def window_of(cfg) -> Optional[int]:

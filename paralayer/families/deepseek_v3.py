@@ -104,7 +104,7 @@ def export_rope_rows(cfg) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: latent attention."""
-    return t.mla and not t.gemma
+    return t.mla and not (t.gemma or t.oss)
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

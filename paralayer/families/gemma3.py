@@ -150,7 +150,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: any of Gemma's parts (the other families claim none of them)."""
-    return t.gemma
+    return t.gemma and not t.oss
 
 
 #: the keys a config must set for Gemma 3 to express it, with the value it needs

@@ -33,7 +33,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: no MLA, no experts, no q/k norms, every layer full."""
-    return not (t.mla or t.moe or t.qk_norm or t.gemma) and "sliding" not in t.kinds
+    return not (t.mla or t.moe or t.qk_norm or t.gemma or t.oss) and "sliding" not in t.kinds
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

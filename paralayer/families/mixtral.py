@@ -55,7 +55,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: experts without MLA or q/k norms."""
-    return t.moe and not (t.mla or t.qk_norm or t.gemma)
+    return t.moe and not (t.mla or t.qk_norm or t.gemma or t.oss)
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

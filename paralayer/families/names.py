@@ -66,13 +66,13 @@ def ours_to_hf(name: str, expert: Optional[int] = None, family: str = DEFAULT_EX
     if m:
         i, rest = m.groups()
         ex = _experts(family)
+        renamed = getattr(_family(family), "RENAMES", {})  # this family's own names first (Gemma's norms)
+        if rest in renamed:
+            return f"model.layers.{i}.{renamed[rest]}"
         if rest == _ROUTER:
             return f"model.layers.{i}.{ex.router}"
         if rest == "feed_forward.expert_bias" and _BIAS:  # DeepSeek-V3's selection bias (a buffer)
             return f"model.layers.{i}.{ex.bias or _BIAS[0]}"
-        renamed = getattr(_family(family), "RENAMES", {})  # this family's own names first (Gemma's norms)
-        if rest in renamed:
-            return f"model.layers.{i}.{renamed[rest]}"
         if rest in _ALL:
             return f"model.layers.{i}.{_ALL[rest]}"
         ff = re.match(r"^feed_forward\.(w[123])$", rest)

@@ -58,7 +58,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: q/k norms without experts or MLA (its layer_types carry any window pattern)."""
-    return t.qk_norm and not (t.moe or t.mla or t.gemma)
+    return t.qk_norm and not (t.moe or t.mla or t.gemma or t.oss)
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

@@ -64,7 +64,7 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 def claims(t: Traits) -> bool:
     """Export: experts with q/k norms, without MLA."""
-    return t.moe and t.qk_norm and not (t.mla or t.gemma)
+    return t.moe and t.qk_norm and not (t.mla or t.gemma or t.oss)
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:

@@ -12,6 +12,9 @@ from paralayer.families.registry import ALIASES, MODEL_TYPES, REFUSED_TYPES, by_
 #: ModelConfig keys only Gemma's family sets, with every other family's value
 GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "mlp_act": "silu",
               "query_pre_attn_scalar": None, "rope_local_theta": None}
+#: ModelConfig keys only GPT-OSS's family sets (model.*, model.moe.*), with every other family's value
+OSS_KEYS = {"attn_bias": False, "attn_sinks": False}
+OSS_MOE_KEYS = {"router_bias": False, "expert_bias": False, "swiglu_limit": None, "swiglu_alpha": 1.702}
 
 
 def load_hf_config(path: str) -> dict:
@@ -45,9 +48,11 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     from paralayer.config.schema import MLAConfig, RopeConfig
 
     fields = load_hf_config(path)
-    for key in GEMMA_KEYS:  # a family that does not set them takes every other family's values
-        setattr(model_cfg, key, fields.pop(key, GEMMA_KEYS[key]))
+    for key, other in {**GEMMA_KEYS, **OSS_KEYS}.items():  # a family not setting them takes the others' values
+        setattr(model_cfg, key, fields.pop(key, other))
     moe = fields.pop("moe", None)
+    if moe is not None:
+        moe = {**OSS_MOE_KEYS, **moe}
     mla = fields.pop("mla", None)
     model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()
     model_cfg.rope = RopeConfig(**fields.pop("rope"))

@@ -12,7 +12,7 @@ import json
 from types import ModuleType
 from typing import Any, Optional
 
-from paralayer.families import deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_moe
+from paralayer.families import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe
 from paralayer.families.common import traits
 from paralayer.families.errors import HFFormatError
 
@@ -39,9 +39,10 @@ OPTIONAL = {
     "prepare": "(hf, fp) → config.json as the shared reader takes it (its own spellings and defaults)",
     "RENAMES": "ours → theirs where it names a weight unlike the shared table (for this family only)",
     "REFUSED": "model_type → why (a related model_type it names and refuses)",
+    "FUSED_EXPERTS": "its experts' keys when stored fused for all experts of a layer (checkpoint/hf_fused.py)",
 }
 
-_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3)
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, gpt_oss)
 
 
 def check_family(mod: ModuleType) -> None:

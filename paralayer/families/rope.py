@@ -3,7 +3,7 @@
 
 Both spellings: ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5, which
 also holds rope_theta). The kinds we build exactly: default, linear, llama3, yarn. Anything else — another
-rope type, a per-layer-type (nested) rope, a partial rotary factor, yarn without truncation, a key
+rope type, a per-layer-type (nested) rope, a partial rotary factor, a key
 a kind does not take — is refused with the key, the value and what we support: an approximated
 RoPE trains a different model."""
 from __future__ import annotations
@@ -85,8 +85,10 @@ def read_rope(hf: dict, fp: str) -> tuple[float, dict]:
     if rp["original_max_position_embeddings"] is None:
         raise _err(fp, f"{where}.original_max_position_embeddings is missing (rope_type {rtype} needs it)")
     if rtype == "yarn":
-        if rp.get("truncate", True) is not True:
-            raise _err(fp, f"{where}.truncate={json.dumps(rp['truncate'])} is not supported (true)")
+        if rp.get("truncate", True) not in (True, False):
+            raise _err(fp, f"{where}.truncate={json.dumps(rp['truncate'])[:40]} is not supported (true or false)")
+        if rp.get("truncate", True) is False:
+            out["truncate"] = False
         if rp.get("factor") is None and hf.get("max_position_embeddings"):
             rp["factor"] = hf["max_position_embeddings"] / rp["original_max_position_embeddings"]
         if not rp.get("mscale"):  # transformers: the mscale ratio only when both are set
@@ -129,4 +131,6 @@ def rope_parameters(cfg) -> dict:
             out["attention_factor"] = r.attention_factor
         if r.mscale and r.mscale_all_dim:
             out.update(mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
+        if not r.truncate:
+            out["truncate"] = False
     return out

@@ -16,6 +16,9 @@ Context parallel replaces ``attn_fn`` with its ring (paralayer/parallel/context/
 parallel pass it to their block kernels). Multiplying q by sqrt(head_dim / it) instead costs
 precision: against transformers' Gemma3 at init 0.2 the logits moved 3.9e-6 and the gradients
 1.3e-5 relative, where the scale passed through moved them 0.0 and 1.2e-6.
+GPT-OSS (``model.attn_bias``, ``model.attn_sinks``): biases on q/k/v/o, and a learned logit per
+head that joins each query's softmax with value 0 (paralayer/model/sinks.py; every core takes
+``sinks=``, the rings of context parallel too).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from paralayer.config import ModelConfig
 from paralayer.model.norms import make_norm
 from paralayer.model.positions import apply_rope
 from paralayer.model.recompute import recompute
+from paralayer.model.sinks import sink_attention
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,8 +46,11 @@ def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k, v
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention on (b, heads, s, d); GQA by repeating K/V heads to the query heads."""
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, None, scale)
     k, v = _repeat_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
@@ -62,7 +69,9 @@ class WindowAttention:
         self.window = int(window)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: Optional[float] = None) -> torch.Tensor:
+                 scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, self.window, scale)
         k, v = _repeat_kv(q, k, v)
         pos = torch.arange(q.shape[2], device=q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos, pos, self.window), scale=scale)
@@ -83,10 +92,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         self.rope_theta = cfg.rope_theta
         self.window = window
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        bias = bool(cfg.attn_bias)  # GPT-OSS
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
+        # GPT-OSS: a learned logit per head in the softmax (under tp split with the heads)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attn_sinks else None
         # the softmax scale of model.query_pre_attn_scalar, passed to the core (none: 1/sqrt(head_dim))
         qpas = cfg.query_pre_attn_scalar
         self.core_kw = {} if qpas is None else {"scale": float(qpas) ** -0.5}
@@ -104,6 +116,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.tp_overlap is not None:  # x: this rank's s/tp tokens; q, k, v: the whole sequence
             q, k, v = self.tp_overlap.gather_matmul(x, (self.wq.weight, self.wk.weight, self.wv.weight))
+            if self.wq.bias is not None:  # this rank's heads' biases (the linears' hooks do not run)
+                q, k, v = q + _local(self.wq.bias), k + _local(self.wk.bias), v + _local(self.wv.bias)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
@@ -120,10 +134,24 @@ class Attention(nn.Module):
             out = self._core(q, k, v, cos, sin)
         out = out.transpose(1, 2).reshape(b, s, -1)
         if self.tp_overlap is not None:
-            return self.tp_overlap.matmul_scatter(out, self.wo.weight)
+            y = self.tp_overlap.matmul_scatter(out, self.wo.weight)
+            # each rank adds the replicated bias to its s/tp tokens: its gradient is a partial sum
+            return y if self.wo.bias is None else y + _local(self.wo.bias, partial=True)
         return self.wo(out)
 
     def _core(self, q, k, v, cos, sin):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        return self.attn_fn(q, k, v, **self.core_kw)
+        if self.sinks is None:
+            return self.attn_fn(q, k, v, **self.core_kw)
+        return self.attn_fn(q, k, v, **self.core_kw, sinks=_local(self.sinks))
+
+
+def _local(p: torch.Tensor, partial: bool = False) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard under tp); ``partial``: its gradient
+    is this rank's share of a sum (a Replicate bias added to s/tp tokens; summed by align_grad)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim) if partial else p.to_local()

@@ -40,7 +40,8 @@ def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
     m = cfg.moe
     return MoEFeedForward(cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
                           router=m.router, shared_ffn_hidden=m.shared_ffn_hidden, spec=router_spec(cfg),
-                          seq_aux=m.seq_aux_loss_coef > 0)
+                          seq_aux=m.seq_aux_loss_coef > 0, router_bias=m.router_bias, expert_bias=m.expert_bias,
+                          swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
 
 
 def _attention(cfg: ModelConfig, layer_id: int) -> nn.Module:

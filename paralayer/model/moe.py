@@ -13,6 +13,7 @@ Parameters (names matter: the lead's init builds every FULL tensor from (seed, n
     w1           (E_local, ffn, d)    expert gate projection   ┐ expert-sharded along dim 0
     w3           (E_local, ffn, d)    expert up projection     │ (see ``local_slices``)
     w2           (E_local, d, ffn)    expert down projection   ┘
+    b1, b3 (E_local, ffn), b2 (E_local, d)  GPT-OSS's expert biases (``expert_bias``), sharded as w
     shared.w{1,2,3}.weight            optional shared expert, replicated
 Buffer:
     expert_bias  (E,)                 sigmoid router only: selection bias (aux-loss-free balancing),
@@ -56,10 +57,44 @@ def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(gate: Tensor, up: Tensor, recomputed: bool) -> Tensor:
-    """silu(gate) * up; ``recomputed``: only gate and up are kept for backward (silu(gate) is made
-    again there), one expert width per row fewer (resolve/memory_activations.py, the MoE term)."""
-    return recompute(_swiglu, gate, up) if recomputed else _swiglu(gate, up)
+def swiglu(gate: Tensor, up: Tensor, recomputed: bool, act=_swiglu) -> Tensor:
+    """silu(gate) * up (or ``act``); ``recomputed``: only gate and up are kept for backward (the
+    activation is made again there), one expert width per row fewer (resolve/memory_activations.py,
+    the MoE term)."""
+    return recompute(act, gate, up) if recomputed else act(gate, up)
+
+
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate): gate clamped above at
+    ``limit``, up to [−limit, limit], out = (up + 1) · gate · sigmoid(alpha · gate). Only gate and up
+    are kept for backward (as SwiGLU's two inputs; autograd through the clamps would keep six)."""
+
+    def __init__(self, limit: float, alpha: float):
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        return _ClampedSwiGLUFn.apply(gate, up, self.limit, self.alpha)
+
+
+class _ClampedSwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, limit, alpha):
+        ctx.save_for_backward(gate, up)
+        ctx.limit, ctx.alpha = limit, alpha
+        g = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        limit, alpha = ctx.limit, ctx.alpha
+        g = gate.clamp(max=limit)
+        sig = torch.sigmoid(g * alpha)
+        glu = g * sig
+        # torch.clamp's gradient passes where the input lies within the bounds (ends included)
+        d_gate = dout * (up.clamp(min=-limit, max=limit) + 1) * (sig + alpha * glu * (1 - sig)) * (gate <= limit)
+        d_up = dout * glu * ((up >= -limit) & (up <= limit))
+        return d_gate, d_up, None, None
 
 
 class SharedExpert(nn.Module):
@@ -79,7 +114,8 @@ class SharedExpert(nn.Module):
 class MoEFeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_hidden: int, num_experts: int, top_k: int,
                  capacity_factor: float | None, router: str = "softmax", shared_ffn_hidden: int = 0,
-                 spec: routing.RouterSpec | None = None, seq_aux: bool = False):
+                 spec: routing.RouterSpec | None = None, seq_aux: bool = False, router_bias: bool = False,
+                 expert_bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
         super().__init__()
         spec = spec or routing.RouterSpec(kind=router, top_k=top_k)
         if (spec.kind, spec.top_k) != (router, top_k):
@@ -96,10 +132,16 @@ class MoEFeedForward(nn.Module):
         self.spec = spec
         self.seq_aux = seq_aux
 
-        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.gate = nn.Linear(d_model, num_experts, bias=router_bias)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, ffn_hidden))
+        # GPT-OSS: biases of each expert's gate, up and down projections (stacked as the weights),
+        # and its clamped SwiGLU
+        self.b1 = nn.Parameter(torch.empty(num_experts, ffn_hidden)) if expert_bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, ffn_hidden)) if expert_bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, d_model)) if expert_bias else None
+        self.act_fn = _swiglu if swiglu_limit is None else ClampedSwiGLU(swiglu_limit, swiglu_alpha)
         self.shared = SharedExpert(d_model, shared_ffn_hidden) if shared_ffn_hidden > 0 else None
         # recompute=swiglu (runtime/build.py apply_recompute): each expert's silu(gate)·up, and the
         # shared expert's, recomputed in backward (selective leaves the experts alone, as planned)
@@ -153,7 +195,8 @@ class MoEFeedForward(nn.Module):
     def _make_local_slices(self) -> dict[str, tuple[int, int, int]]:
         """{param name: (dim, offset, full size)}: along ``dim`` this rank holds rows
         [offset, offset + local size) of a full dimension of ``full size``."""
-        return {name: (0, self.expert_offset, self.num_experts) for name in ("w1", "w2", "w3")}
+        return {name: (0, self.expert_offset, self.num_experts) for name in ("w1", "w2", "w3", "b1", "b2", "b3")
+                if getattr(self, name) is not None}
 
     def reset_parameters(self) -> None:
         """A standalone default (nn.Linear's), per expert. The lead's layout-independent init
@@ -165,6 +208,9 @@ class MoEFeedForward(nn.Module):
             self.w1.uniform_(-b_in, b_in)
             self.w3.uniform_(-b_in, b_in)
             self.w2.uniform_(-b_out, b_out)
+            for b in (self.b1, self.b2, self.b3):
+                if b is not None:
+                    b.zero_()
 
     # ---------------------------------------------------------------- routing
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,18 +234,22 @@ class MoEFeedForward(nn.Module):
         outs = []
         w1, w2, w3 = self._compute_weights(xs)
         mm = self.expert_mm or _plain_mm
+        b1, b2, b3 = self.b1, self.b2, self.b3
         for e, rows in enumerate(xs.split(counts)):
             if rows.shape[0] == 0:
                 continue
             if self.expert_mm is not None and sources is not None:
                 mm = _per_source(self.expert_mm, [c for c in sources[e] if c])
-            h = swiglu(mm(rows, w1[e]), mm(rows, w3[e]), self._recompute_expert_act)
-            outs.append(mm(h, w2[e]))
+            gate, up = mm(rows, w1[e]), mm(rows, w3[e])
+            if b1 is not None:
+                gate, up = gate + b1[e], up + b3[e]
+            h = swiglu(gate, up, self._recompute_expert_act, self.act_fn)
+            outs.append(mm(h, w2[e]) if b2 is None else mm(h, w2[e]) + b2[e])
         if not outs:
             # No rows. Keep the (empty) output connected to xs and to the weights: under expert
             # parallel, xs comes out of an all-to-all whose backward is a collective, and every rank
             # must run it (else the others hang); the weights then get zero grads instead of None.
-            touch = xs.sum() + self.w1.sum() + self.w2.sum() + self.w3.sum()
+            touch = xs.sum() + sum(getattr(self, n).sum() for n in self.local_slices)
             return xs.new_zeros(0, self.d_model) + 0 * touch
         return torch.cat(outs)
 

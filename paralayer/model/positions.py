@@ -9,7 +9,8 @@ so an imported checkpoint sees the angles it was trained with:
               divided by ``factor``, short ones (< original / high_freq_factor) kept, the band
               between interpolated
     yarn      YaRN: interpolated and extrapolated frequencies blended by a linear ramp between the
-              correction dims of beta_fast / beta_slow (truncated to whole dims), and cos/sin scaled
+              correction dims of beta_fast / beta_slow (truncated to whole dims unless rope.truncate is
+              false), and cos/sin scaled
               by the attention factor (0.1·ln(factor)+1, or DeepSeek's mscale ratio)
 
 Rotate-half layout (Hugging Face's): imported q/k weights need no permutation.
@@ -69,8 +70,10 @@ def yarn_inv_freq(dim: int, theta: float, rope) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if getattr(rope, "truncate", True):  # transformers' truncate (default true; GPT-OSS: false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralayer.config import ModelConfig
+from paralayer.config.layer_pattern import layer_types
 from paralayer.model.attention import head_dim_of
 from paralayer.model.block import TransformerBlock, is_moe_layer
 from paralayer.model.mtp import MultiTokenPrediction
-from paralayer.config.layer_pattern import layer_types
 from paralayer.model.norms import make_norm
 from paralayer.model.positions import rope_cos_sin
 
@@ -138,6 +138,8 @@ def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) ->
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if name.endswith("norm.weight"):  # gain 1: w = 1, or w = 0 for Gemma's (1 + w)
         return torch.zeros(shape) if cfg.norm_offset else torch.ones(shape)
+    if leaf in ("bias", "b1", "b2", "b3"):  # GPT-OSS's biases start at 0 (its sinks: normal, as weights)
+        return torch.zeros(shape)
     g = torch.Generator().manual_seed(_seed_for(seed, name))
     std = cfg.init_std
     if parent in ("wo", "w2") or leaf == "w2":

@@ -50,10 +50,10 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from paralayer.model.moe import MoEFeedForward
 
-EXPERT_PARAM_NAMES = ("w1", "w2", "w3")
+EXPERT_PARAM_NAMES = ("w1", "w2", "w3", "b1", "b2", "b3")  # b: GPT-OSS's expert biases, when present
 # stacked expert weights are raw Parameters named ...w1 (no ".weight"); dense SwiGLU / shared expert
 # Linears are named ...w1.weight and are NOT expert params
-_EXPERT_PARAM_RE = re.compile(r"(^|\.)w[123]$")
+_EXPERT_PARAM_RE = re.compile(r"(^|\.)[wb][123]$")
 
 
 def is_expert_param(name: str) -> bool:
@@ -75,7 +75,7 @@ def expert_param_names(model: nn.Module) -> set[str]:
     for mod_name, mod in model.named_modules():
         if isinstance(mod, MoEFeedForward):
             prefix = f"{mod_name}." if mod_name else ""
-            names.update(prefix + p for p in EXPERT_PARAM_NAMES)
+            names.update(prefix + p for p in EXPERT_PARAM_NAMES if getattr(mod, p) is not None)
     return names
 
 
@@ -99,6 +99,8 @@ def apply_expert_parallel(module: nn.Module, ep_group) -> nn.Module:
         start = rank * n_local
         for name in EXPERT_PARAM_NAMES:
             full = getattr(m, name)
+            if full is None:
+                continue
             local = full.detach()[start:start + n_local].clone()
             setattr(m, name, nn.Parameter(local, requires_grad=full.requires_grad))
         m.ep_group, m.ep_size, m.ep_rank = ep_group, ep, rank

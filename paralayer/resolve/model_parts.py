@@ -106,10 +106,38 @@ def attn_matmul_params(cfg: Config) -> int:
     return split + rep
 
 
+def attn_bias_params(cfg: Config) -> tuple[int, int]:
+    """GPT-OSS's attention extras: (split over tp with the heads: the q, k, v biases and the sinks,
+    replicated: the o bias); (0, 0) without model.attn_bias / model.attn_sinks."""
+    m = cfg.model
+    split = (m.n_heads + 2 * m.n_kv_heads) * head_dim(cfg) if m.attn_bias else 0
+    return split + (m.n_heads if m.attn_sinks else 0), m.d_model if m.attn_bias else 0
+
+
+def attn_extra_params(cfg: Config) -> int:
+    """The attention's parameters outside its matmul weights: norms, biases, sinks."""
+    split, rep = attn_bias_params(cfg)
+    return attn_norm_params(cfg) + split + rep
+
+
 def attn_rank_params(cfg: Config, tp: int) -> float:
     """One attention block's parameters on one tp rank: the split weights /tp, the rest whole."""
     split, rep = attn_weights(cfg)
-    return split / tp + rep + attn_norm_params(cfg)
+    b_split, b_rep = attn_bias_params(cfg)
+    return split / tp + rep + attn_norm_params(cfg) + b_split / tp + b_rep
+
+
+# ------------------------------------------------------------------ the experts' extras (GPT-OSS)
+def router_bias_params(cfg: Config) -> int:
+    """model.moe.router_bias: one logit bias per expert (replicated, as the router)."""
+    mo = cfg.model.moe
+    return mo.num_experts if mo.router_bias else 0
+
+
+def expert_bias_params(cfg: Config) -> int:
+    """model.moe.expert_bias: one expert's gate, up and down biases (2·f_E + h), split over ep."""
+    m = cfg.model
+    return 2 * (m.moe.ffn_hidden or m.ffn_hidden) + m.d_model if m.moe.expert_bias else 0
 
 
 # ------------------------------------------------------------------ the layer's own norms

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from paralayer.compat import aten_op
+from paralayer.model.sinks import add_sink, sink_grad
 
 __all__ = [
     "RingAttention",
@@ -238,7 +239,7 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, rows: slice, o: Tensor, lse: Tensor
 
 class _RingAttnFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, stats, backend=None):
+    def forward(ctx, q, k, v, ring, causal, scale, stats, backend=None, sinks=None):
         b, h, s, _ = q.shape
         hkv = k.size(1)
         groups = h // hkv
@@ -280,8 +281,11 @@ class _RingAttnFn(torch.autograd.Function):
                 kv = nxt
         if stats is not None:
             stats.calls += 1
+        if sinks is not None:  # GPT-OSS: the sink joins the merged log-sum-exp once
+            add_sink(out_acc, lse_acc, sinks)
 
         out = out_acc.to(q.dtype)  # preserve_format: keeps the (b, s, h, d) layout
+        ctx.sinks = sinks
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.ring, ctx.causal, ctx.scale, ctx.stats, ctx.backend = ring, causal, scale, stats, backend
         return out
@@ -343,8 +347,9 @@ class _RingAttnFn(torch.autograd.Function):
             ring.wait(dkv_works)
             dkv_acc = dkv_next
         assert dkv_acc is not None
+        dsinks = None if ctx.sinks is None else sink_grad(dout, out, lse, ctx.sinks)
         return (dq.to(q.dtype), dkv_acc[..., :dk_w].to(k.dtype), dkv_acc[..., dk_w:].to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, dsinks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +358,8 @@ class _RingAttnFn(torch.autograd.Function):
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = True, scale: float | None = None,
-                   stats: RingStats | None = None, backend: str | None = None) -> Tensor:
+                   stats: RingStats | None = None, backend: str | None = None,
+                   sinks: Tensor | None = None) -> Tensor:
     """Attention over a context-parallel sequence held in zigzag order.
 
     q: (b, n_heads, s_local, d); k, v: (b, n_kv_heads, s_local, d) with n_heads % n_kv_heads == 0.
@@ -361,7 +367,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
     (None: the default group, or no communication when torch.distributed is not initialised).
     Returns (b, n_heads, s_local, d), equal to the matching rows of causal SDPA on the full
     sequence. ``scale`` defaults to 1/sqrt(d). ``backend`` (cpu | cuda | math) forces the block
-    kernels; None picks the device's.
+    kernels; None picks the device's. ``sinks`` (n_heads,): GPT-OSS's per-head logit in every
+    softmax (paralayer/parallel/context/sinks.py).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("ring_attention expects (b, heads, s, d) tensors")
@@ -376,7 +383,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | N
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
     ring = _Ring(group)
-    return _RingAttnFn.apply(q, k, v, ring, causal, float(scale), stats, backend)
+    return _RingAttnFn.apply(q, k, v, ring, causal, float(scale), stats, backend, sinks)
 
 
 class RingAttention(nn.Module):
@@ -404,7 +411,8 @@ def make_ring_attention(group: dist.ProcessGroup | None = None,
     attention on ``group`` (``backend``: :func:`ring_attention`'s)."""
 
     def attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True,
-             scale: float | None = None, backend: str | None = None) -> Tensor:
-        return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats, backend=backend)
+             scale: float | None = None, backend: str | None = None, sinks: Tensor | None = None) -> Tensor:
+        return ring_attention(q, k, v, group, causal=is_causal, scale=scale, stats=stats, backend=backend,
+                              sinks=sinks)
 
     return attn

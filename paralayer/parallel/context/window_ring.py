@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from paralayer.config.cp_window import blocks, chunk_sends, needed  # noqa: F401 - chunk_sends: callers import it here
+from paralayer.model.sinks import add_sink, sink_grad
 from paralayer.parallel.context.ring import RingStats, _backend_for, _block_bwd, _block_fwd, _expand, _merge, _reduce
 
 _WKV_TAG, _WDKV_TAG = 21, 22
@@ -76,7 +77,7 @@ def _slots(x: Tensor, slots: list[int], c: int) -> Tensor:
 
 class _WindowRingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, peers, window, scale, stats, backend=None):
+    def forward(ctx, q, k, v, peers, window, scale, stats, backend=None, sinks=None):
         b, h, s, _ = q.shape
         groups, c, cp, rank = h // k.size(1), s // 2, peers.size, peers.rank
         backend = _backend_for(q.device, backend)
@@ -112,7 +113,10 @@ class _WindowRingFn(torch.autograd.Function):
                 w_.wait()
         if stats is not None:
             stats.calls += 1
+        if sinks is not None:  # GPT-OSS: the sink joins the merged log-sum-exp once
+            add_sink(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
+        ctx.sinks = sinks
         ctx.save_for_backward(q, k, v, out, lse_acc, *[recvs[src] for src in sorted(recvs)])
         ctx.peers, ctx.window, ctx.scale, ctx.stats, ctx.backend = peers, window, scale, stats, backend
         return out
@@ -161,7 +165,8 @@ class _WindowRingFn(torch.autograd.Function):
         for dst, t in got.items():
             for i, slot in enumerate(needed(cp, dst, c, window)[rank]):
                 dkv[..., slot * c:(slot + 1) * c, :] += t[i]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dsinks = None if ctx.sinks is None else sink_grad(dout, out, lse, ctx.sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, dsinks
 
 
 def _kv_block(kv, recvs, mine, rank, src, k_slot, c):
@@ -173,20 +178,21 @@ def _kv_block(kv, recvs, mine, rank, src, k_slot, c):
 
 
 def window_ring_attention(q: Tensor, k: Tensor, v: Tensor, group, window: int, *, scale: Optional[float] = None,
-                          stats: Optional[RingStats] = None, backend: Optional[str] = None) -> Tensor:
+                          stats: Optional[RingStats] = None, backend: Optional[str] = None,
+                          sinks: Optional[Tensor] = None) -> Tensor:
     """Sliding-window attention over a zigzag-sharded cp sequence: (b, h, 2c, d) in, the rows of
     windowed causal SDPA on the full sequence out (k/v may carry fewer GQA heads)."""
     if q.size(2) % 2:
         raise ValueError(f"local sequence length {q.size(2)} must be even (two zigzag chunks)")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    return _WindowRingFn.apply(q, k, v, _Peers(group), int(window), float(scale), stats, backend)
+    return _WindowRingFn.apply(q, k, v, _Peers(group), int(window), float(scale), stats, backend, sinks)
 
 
 def make_window_ring_attention(group, window: int, stats: Optional[RingStats] = None):
     """``attn(q, k, v)`` for a sliding-window layer under cp (the Attention module's attn_fn)."""
 
-    def attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
-        return window_ring_attention(q, k, v, group, window, scale=scale, stats=stats)
+    def attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, sinks: Optional[Tensor] = None) -> Tensor:
+        return window_ring_attention(q, k, v, group, window, scale=scale, stats=stats, sinks=sinks)
 
     attn.window = window
     return attn

@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -207,6 +207,10 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
         else:
             block.feed_forward.tp_overlap = fused
     parallelize_module(block, tp_mesh, plan)
+    sinks = getattr(block.attention, "sinks", None)
+    if sinks is not None:  # GPT-OSS: one logit per head, split with the heads (wq's rows)
+        block.attention.sinks = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]),
+                                             requires_grad=sinks.requires_grad)
 
 
 def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream, colwise=ColwiseParallel,

@@ -170,7 +170,8 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
         rows = routed_rows_per_token(cfg)
         # per expert row gate, up, silu(gate), the product; recompute=swiglu keeps no silu(gate)
         # (model/moe.py swiglu, the experts' and the shared expert's); selective leaves it
-        moe_mult = 3 if mode == "swiglu" else 4
+        # GPT-OSS's clamped SwiGLU keeps only gate and up whatever the mode (model/moe.py ClampedSwiGLU)
+        moe_mult = 3 if mode == "swiglu" or mo.swiglu_limit is not None else 4
         moe_whole = 3 * rows * h + mo.num_experts + moe_mult * (rows * fe + mo.shared_ffn_hidden)
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
@@ -229,8 +230,9 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
         return 2 * q + h + 2 * kv + norms
     shard = 4 * q + h + a
-    if lay.cp > 1:
-        # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only)
+    if lay.cp > 1 or (m.attn_sinks and lay.device == "cpu"):
+        # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only), and so
+        # does one rank's sink core (model/sinks.py)
         shard -= 2 * (q - kv)
     return shard + norms
 

@@ -92,10 +92,11 @@ def layer_params(cfg: Config, i: int, active: bool = False) -> int:
     experts + shared)."""
     m = cfg.model
     h = m.d_model
-    n = attn_params(cfg) + parts.attn_norm_params(cfg) + parts.layer_norm_params(cfg)
+    n = attn_params(cfg) + parts.attn_extra_params(cfg) + parts.layer_norm_params(cfg)
     if is_moe_layer(cfg, i):
         e = m.moe.top_k if active else m.moe.num_experts
         n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
+        n += parts.router_bias_params(cfg) + e * parts.expert_bias_params(cfg)  # GPT-OSS
     else:
         n += 3 * h * m.ffn_hidden
     return n
@@ -158,8 +159,9 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     expert = 0.0
     # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
     attn = parts.attn_rank_params(cfg, t) + parts.layer_norm_params(cfg)
-    moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
-    moe_expert = (m.moe.num_experts / lay.ep) * expert_params(cfg) if m.moe.num_experts else 0.0
+    moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden + parts.router_bias_params(cfg)
+    moe_expert = ((m.moe.num_experts / lay.ep) * (expert_params(cfg) + parts.expert_bias_params(cfg))
+                  if m.moe.num_experts else 0.0)
     mlp = 3 * h * m.ffn_hidden / t
     for i in layers:
         dense += attn

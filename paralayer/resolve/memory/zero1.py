@@ -31,6 +31,10 @@ def attn_sizes(cfg: Config, t: int) -> list[int]:
                       n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank // t, h * n * a.v_head_dim // t]
     hd = model_parts.head_dim(cfg)
     out = [m.n_heads * hd * h // t, m.n_kv_heads * hd * h // t, m.n_kv_heads * hd * h // t, h * m.n_heads * hd // t]
+    if m.attn_bias:  # GPT-OSS: q, k, v biases split with the heads, o's whole
+        out += [m.n_heads * hd // t, m.n_kv_heads * hd // t, m.n_kv_heads * hd // t, h]
+    if m.attn_sinks:
+        out.append(m.n_heads // t)
     return out + ([hd, hd] if m.qk_norm else [])
 
 
@@ -57,8 +61,12 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
                 mo = m.moe
                 fe = mo.ffn_hidden or m.ffn_hidden
                 out.append(mo.num_experts * h)  # the router
+                if mo.router_bias:
+                    out.append(mo.num_experts)
                 if lay.ep == 1:
                     out += [mo.num_experts * fe * h] * 3
+                    if mo.expert_bias:  # GPT-OSS: gate, up, down biases
+                        out += [mo.num_experts * fe] * 2 + [mo.num_experts * h]
                 if mo.shared_ffn_hidden:
                     out += [mo.shared_ffn_hidden * h] * 3
             else:
