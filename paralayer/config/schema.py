@@ -27,7 +27,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLP_ACTS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU (Gemma: gelu_pytorch_tanh)
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "linear")  # linear: Gated DeltaNet (model.linear)
 BACKENDS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -58,6 +58,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # routed experts' weights times this (DeepSeek-V3: 2.5)
     norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights; None = the router's own habit
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (alpha); 0 = off
+    shared_gate: bool = False  # the shared expert's output × sigmoid(a learned d → 1 gate) (Qwen3-Next)
 
 
 @dataclass
@@ -95,6 +96,18 @@ class MTPConfig:
 
 
 @dataclass
+class LinearConfig:
+    """Gated DeltaNet layers (Qwen3-Next; paralayer/model/linear/): the layers model.layer_types
+    marks "linear". k_heads 0 = none."""
+    k_heads: int = 0  # query/key heads (linear_num_key_heads)
+    v_heads: int = 0  # value heads, a multiple of k_heads (linear_num_value_heads)
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel: int = 4  # the short causal conv before the delta rule
+    chunk: int = 64  # tokens per chunk of the chunked delta rule (the result does not depend on it)
+
+
+@dataclass
 class ModelConfig:
     d_model: int = 256
     n_layers: int = 4
@@ -124,6 +137,11 @@ class ModelConfig:
     mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU, gelu with the tanh approximation)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale 1/sqrt(this); null = 1/sqrt(head_dim)
     rope_local_theta: Optional[float] = None  # sliding layers' own plain RoPE base; null = the full layers' RoPE
+    # Qwen3-Next's full layers: the output × sigmoid(a per-head gate the q projection also makes), and
+    # RoPE on the first rotary_fraction of each head (partial_rotary_factor)
+    attn_gate: bool = False
+    rotary_fraction: float = 1.0
+    linear: LinearConfig = field(default_factory=LinearConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

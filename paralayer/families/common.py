@@ -138,15 +138,19 @@ class Traits(NamedTuple):
     moe: bool
     qk_norm: bool
     kinds: frozenset  # the layer kinds present: "full", "sliding"
-    gemma: bool = False  # any of Gemma's parts (families/gemma3.py)
+    gemma: bool = False  # any of Gemma's parts (families/gemma3.py), or linear layers (below)
+    linear: bool = False  # Gated DeltaNet layers (families/qwen3_next.py): its (1 + w) norms are Gemma's, so
+    # gemma is set too, and the families of plain parts (which claim "not gemma") claim none of them
 
 
 def traits(cfg) -> Traits:
     """``cfg`` (a ModelConfig) as the few facts the families claim it by."""
     gemma = bool(cfg.embed_scale or cfg.norm_offset or cfg.post_norms or cfg.mlp_act != "silu"
                  or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None)
-    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), frozenset(layer_types(cfg)),
-                  gemma)
+    kinds = frozenset(layer_types(cfg))
+    linear = "linear" in kinds
+    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), kinds, gemma or linear,
+                  linear)
 
 
 def window_of(cfg) -> Optional[int]:

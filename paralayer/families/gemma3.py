@@ -149,8 +149,8 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 
 def claims(t: Traits) -> bool:
-    """Export: any of Gemma's parts (the other families claim none of them)."""
-    return t.gemma
+    """Export: any of Gemma's parts (the other families claim none of them), without linear layers."""
+    return t.gemma and not t.linear
 
 
 #: the keys a config must set for Gemma 3 to express it, with the value it needs

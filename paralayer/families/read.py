@@ -12,6 +12,8 @@ from paralayer.families.registry import ALIASES, MODEL_TYPES, REFUSED_TYPES, by_
 #: ModelConfig keys only Gemma's family sets, with every other family's value
 GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "mlp_act": "silu",
               "query_pre_attn_scalar": None, "rope_local_theta": None}
+#: ModelConfig keys only Qwen3-Next's family sets (model.linear is reset beside them)
+NEXT_KEYS = {"attn_gate": False, "rotary_fraction": 1.0}
 
 
 def load_hf_config(path: str) -> dict:
@@ -42,11 +44,14 @@ def load_hf_config(path: str) -> dict:
 def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     """Set the shape fields of a ModelConfig from ``path``/config.json, in place. ``seq_len`` is
     replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
-    from paralayer.config.schema import MLAConfig, RopeConfig
+    from paralayer.config.schema import LinearConfig, MLAConfig, RopeConfig
 
     fields = load_hf_config(path)
-    for key in GEMMA_KEYS:  # a family that does not set them takes every other family's values
-        setattr(model_cfg, key, fields.pop(key, GEMMA_KEYS[key]))
+    for keys in (GEMMA_KEYS, NEXT_KEYS):  # a family that does not set them takes every other family's values
+        for key in keys:
+            setattr(model_cfg, key, fields.pop(key, keys[key]))
+    linear = fields.pop("linear", None)
+    model_cfg.linear = LinearConfig(**linear) if linear is not None else LinearConfig()
     moe = fields.pop("moe", None)
     mla = fields.pop("mla", None)
     model_cfg.mla = MLAConfig(**mla) if mla is not None else MLAConfig()
@@ -58,6 +63,7 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     if seq is not None and not keep_seq_len:
         model_cfg.seq_len = seq
     if moe is not None:
+        model_cfg.moe.shared_gate = moe.pop("shared_gate", False)
         for k, v in moe.items():
             setattr(model_cfg.moe, k, v)
     else:

@@ -12,7 +12,7 @@ import json
 from types import ModuleType
 from typing import Any, Optional
 
-from paralayer.families import deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_moe
+from paralayer.families import deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_moe, qwen3_next
 from paralayer.families.common import traits
 from paralayer.families.errors import HFFormatError
 
@@ -41,7 +41,7 @@ OPTIONAL = {
     "REFUSED": "model_type → why (a related model_type it names and refuses)",
 }
 
-_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3)
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, qwen3_next)
 
 
 def check_family(mod: ModuleType) -> None:

@@ -27,12 +27,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _heads_first(q, k, v, g, beta):
-    """(b, s, h, d) / (b, s, h) → (b, h, s, d) / (b, h, s) in fp32; k/q heads repeated to v's
-    (each q/k head serves n_v / n_k consecutive value heads)."""
+    """(b, s, h, d) / (b, s, h) → (b, h, s, d) / (b, h, s) in fp32 (fp64 stays fp64); k/q heads
+    repeated to v's (each q/k head serves n_v / n_k consecutive value heads)."""
     rep = v.shape[2] // k.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    return [x.transpose(1, 2).float().contiguous() for x in (q, k, v, beta, g)]
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    return [x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v, beta, g)]
 
 
 def next_state(state: torch.Tensor, chunk_decay: torch.Tensor, k_to_end: torch.Tensor,
@@ -73,8 +74,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
-    state = (torch.zeros(b, h, dk, dv, device=q.device) if initial_state is None
-             else initial_state.to(torch.float32))
+    state = (torch.zeros(b, h, dk, dv, device=q.device, dtype=q.dtype) if initial_state is None
+             else initial_state.to(q.dtype))
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state  # what the carried state does not already predict
@@ -92,8 +93,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k, v, beta, g = _heads_first(q, k, v, g, beta)
     b, h, s, dk = k.shape
     q = q * dk ** -0.5
-    state = (torch.zeros(b, h, dk, v.shape[-1], device=q.device) if initial_state is None
-             else initial_state.to(torch.float32))
+    state = (torch.zeros(b, h, dk, v.shape[-1], device=q.device, dtype=q.dtype) if initial_state is None
+             else initial_state.to(q.dtype))
     outs = []
     for t in range(s):
         state = state * g[:, :, t].exp()[..., None, None]
