@@ -224,3 +224,46 @@ def test_round_trip_under_ep2_pp2(saved, tokens, tmp_path):
         moved = max(_rel(p, r) for p, r in zip(back.parameters(), saved[1].parameters()))
     print(f"qwen3_next round trip: logits rel err {err:.1e}, loss {loss_err:.1e}; weights moved {moved:.1e}")
     assert err < LOGITS_TOL and loss_err < LOGITS_TOL and moved > 1e-4
+
+
+# ------------------------------------------------------------------ the planner's counts
+def test_planner_counts_linear_layers():
+    """Parameters: the resolver's total equals the model's own count (tiny-qwen3-next: three linear
+    layers, one gated full layer, the gated shared expert). FLOPs: each linear layer's core is its
+    delta rule's (model_parts.linear_core_fwd_flops), not attention's; the matmuls are 6 per weight
+    per token, as torch's counter measures on one layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from paralayer.config import load_config
+    from paralayer.model.linear.gated_deltanet import GatedDeltaNet
+    from paralayer.resolve import model_parts as parts
+    from paralayer.resolve.cost.terms import layer_core_flops
+    from paralayer.resolve.memory import parameter_counts
+
+    cfg = load_config(recipe="tiny-qwen3-next")
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assert parameter_counts(cfg)["total"] == sum(p.numel() for p in model.parameters())
+    li, h, s = cfg.model.linear, cfg.model.d_model, cfg.model.seq_len
+    assert [parts.is_linear_layer(cfg, i) for i in range(4)] == [True, True, True, False]
+    assert layer_core_flops(cfg, 0) == 3 * parts.linear_core_fwd_flops(cfg) != layer_core_flops(cfg, 3)
+    layer = GatedDeltaNet(h, li.k_heads, li.v_heads, li.head_k_dim, li.head_v_dim, li.conv_kernel, li.chunk)
+    x = torch.randn(1, s, h, requires_grad=True)
+    with FlopCounterMode(display=False) as fc:
+        layer(x).sum().backward()
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    assert counts["aten.mm"] == 6 * parts.linear_weights(cfg) * s
+
+
+def test_rehearse_states_exact():
+    """--rehearse on tiny-qwen3-next (rank 0, dp2·ep2): params, grads and optimizer bytes equal the plan's."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-qwen3-next", "--rehearse", "--ranks", "0", "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    rank = json.loads(r.stdout)["ranks"][0]
+    got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
+    print(f"tiny-qwen3-next rehearsed: {got}; plan {plan}")
+    assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
