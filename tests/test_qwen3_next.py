@@ -5,9 +5,9 @@ shared expert; partial RoPE 0.5; init std 0.2), imported by ``model.init=hf:DIR`
 - one rank: logits within 1e-5 and every gradient within 1e-4 relative; planted errors move them
   past 100× those (the delta rule's gate applied after the update, RoPE on the whole head, the
   shared expert's gate dropped, the attention's output gate dropped);
-- pp2 (1f1b), dp2·ZeRO-3 and ep2 through the runtime's step: loss within 1e-5, every gradient
-  within 1e-4 of transformers' on the same global batch;
-- tp and cp with linear layers are refused by name (exit 2, one line);
+- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3 and ep2 through the runtime's
+  step: loss within 1e-5, every gradient within 1e-4 of transformers' on the same global batch;
+- cp with linear layers is refused by name (exit 2, one line);
 - round trip: import → 2 steps → export; transformers loads Qwen3NextForCausalLM from it and its
   logits equal ours within 1e-6."""
 from __future__ import annotations
@@ -138,7 +138,8 @@ def test_one_rank_matches_transformers_and_plants_fail(saved, monkeypatch):
 
 # ------------------------------------------------------------------ multi-rank, through the runtime
 LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.schedule=1f1b"], "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
-           "ep2": ["parallel.dp=2", "parallel.ep=2"]}
+           "ep2": ["parallel.dp=2", "parallel.ep=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
 
 
 def _overrides(path: str, data: str, layout: list) -> list:
@@ -182,7 +183,6 @@ def test_layouts_match_transformers(saved, tokens, layout_results, layout):
 
 
 @pytest.mark.parametrize("layout, words", [
-    (["parallel.tp=2"], "parallel.tp: 2: tensor parallel for linear-attention layers is not built yet"),
     (["parallel.cp=2"], "parallel.cp: 2: context parallel for linear-attention layers is not built yet")])
 def test_unbuilt_layouts_refused_by_name(layout, words):
     import subprocess
@@ -256,14 +256,15 @@ def test_planner_counts_linear_layers():
 
 
 def test_rehearse_states_exact():
-    """--rehearse on tiny-qwen3-next (rank 0, dp2·ep2): params, grads and optimizer bytes equal the plan's."""
+    """--rehearse on tiny-qwen3-next (rank 0, dp2·ep2, and tp2): params, grads and optimizer bytes equal the plan's."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-qwen3-next", "--rehearse", "--ranks", "0", "--json"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    rank = json.loads(r.stdout)["ranks"][0]
-    got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
-    print(f"tiny-qwen3-next rehearsed: {got}; plan {plan}")
-    assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
+    for layout in ([], ["parallel.tp=2", "parallel.dp=1", "parallel.ep=1"]):
+        r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-qwen3-next", *layout, "--rehearse", "--ranks",
+                            "0", "--json"], cwd=root, capture_output=True, text=True, timeout=300)
+        rank = json.loads(r.stdout)["ranks"][0]
+        got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
+        print(f"tiny-qwen3-next {layout} rehearsed: {got}; plan {plan}")
+        assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)

@@ -169,9 +169,6 @@ def _check_linear(cfg: Config) -> None:
         raise ConfigError("model.linear.v_heads", f"{li.v_heads} must be a positive multiple of model.linear.k_heads "
                           f"({li.k_heads})")
     p = cfg.parallel
-    if p.tp > 1:
-        raise ConfigError("parallel.tp", f"{p.tp}: tensor parallel for linear-attention layers is not built yet (its "
-                          "conv's channels are not grouped by head); use 1")
     if p.cp > 1:
         raise ConfigError("parallel.cp", f"{p.cp}: context parallel for linear-attention layers is not built yet (the "
                           "recurrent state and conv tail must pass rank to rank in sequence order); use 1")

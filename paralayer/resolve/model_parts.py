@@ -126,7 +126,7 @@ def is_linear_layer(cfg: Config, i: int) -> bool:
 
 
 def linear_weights(cfg: Config) -> int:
-    """Matmul weights of one Gated DeltaNet layer (all split by heads were tp built for it)."""
+    """Matmul weights of one Gated DeltaNet layer (all split by heads under tp)."""
     m, li = cfg.model, cfg.model.linear
     h, hk, hv = m.d_model, li.k_heads, li.v_heads
     return h * (2 * hk * li.head_k_dim + 2 * hv * li.head_v_dim) + h * 2 * hv + hv * li.head_v_dim * h
@@ -144,10 +144,16 @@ def layer_attn_matmul_params(cfg: Config, i: int) -> int:
     return linear_weights(cfg) if is_linear_layer(cfg, i) else attn_matmul_params(cfg)
 
 
+def linear_rank_params(cfg: Config, tp: int) -> float:
+    """One linear layer's parameters on one tp rank: the matmuls, dt_bias and A_log split by heads;
+    the conv weight and the gated norm's gain replicated (parallel/tensor/layout.py)."""
+    hv = cfg.model.linear.v_heads
+    return linear_weights(cfg) / tp + 2 * hv / tp + linear_other_params(cfg) - 2 * hv
+
+
 def layer_attn_rank_params(cfg: Config, i: int, tp: int) -> float:
     """Layer i's attention (or linear layer) parameters on one tp rank."""
-    return linear_weights(cfg) / tp + linear_other_params(cfg) if is_linear_layer(cfg, i) else \
-        attn_rank_params(cfg, tp)
+    return linear_rank_params(cfg, tp) if is_linear_layer(cfg, i) else attn_rank_params(cfg, tp)
 
 
 def linear_core_fwd_flops(cfg: Config) -> float:

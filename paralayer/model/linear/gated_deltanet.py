@@ -11,8 +11,11 @@ torch fallback), with its weights named and laid out as there:
     out_proj (v_heads·dv → d)
 
 Grouped per k-head, the projections split by heads under tensor parallel as they stand (a
-column split of in_proj_qkvz / in_proj_ba gives a rank whole k-heads with their v-heads); the conv's
-channels are not grouped so (tensor parallel is refused for these layers, paralayer/config/model_checks.py)."""
+column split of in_proj_qkvz / in_proj_ba gives a rank whole k-heads with their v-heads, and
+dt_bias / A_log split by rows follow); the conv's channels are not grouped so: its weight is
+replicated and each rank reads its own heads' rows (:meth:`conv_rows`), its gradient a partial
+sum the tp all-reduce completes, as the gated norm's gain shared by every head
+(paralayer/parallel/tensor/layout.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -23,6 +26,16 @@ from torch import nn
 
 from paralayer.model.linear.delta_rule import chunk_gated_delta_rule, l2norm
 from paralayer.model.linear.short_conv import causal_conv
+
+
+def _local(p: torch.Tensor, partial: bool = False) -> torch.Tensor:
+    """A parameter as this rank's plain tensor: a tp DTensor's local part; ``partial``: a replicated
+    one read by this rank's heads only, so its gradient is a partial sum (summed over tp)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=[Partial()] if partial else None)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,6 +67,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(head_v_dim))
         self.out_proj = nn.Linear(v_heads * head_v_dim, d_model, bias=False)
+        self.tp_size, self.tp_rank = 1, 0  # set by tensor parallel (this rank holds k_heads / tp_size)
+
+    def conv_rows(self) -> Optional[torch.Tensor]:
+        """The conv channels of this rank's heads ([q | k | v] blocks each split), None for all."""
+        if self.tp_size == 1:
+            return None
+        q, v = self.k_heads * self.dk // self.tp_size, self.v_heads * self.dv // self.tp_size
+        r, kd = self.tp_rank, self.k_heads * self.dk
+        return torch.cat([torch.arange(r * q, (r + 1) * q), kd + torch.arange(r * q, (r + 1) * q),
+                          2 * kd + torch.arange(r * v, (r + 1) * v)])
 
     def project(self, x: torch.Tensor):
         """x (b, s, d) → q, k (b, s, hk, dk), v, z (b, s, hv, dv), b, a (b, s, hv): this rank's heads."""
@@ -72,13 +95,18 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z, b, a = self.project(x)
         hk, hv = q.shape[2], v.shape[2]
         mixed = torch.cat([q.reshape(bsz, s, -1), k.reshape(bsz, s, -1), v.reshape(bsz, s, -1)], dim=-1)
-        mixed, _ = causal_conv(mixed, self.conv1d.weight)
+        weight = _local(self.conv1d.weight, partial=True)
+        rows = self.conv_rows()
+        if rows is not None:
+            weight = weight.index_select(0, rows.to(weight.device))
+        mixed, _ = causal_conv(mixed, weight)
         q, k, v = torch.split(mixed, [hk * self.dk, hk * self.dk, hv * self.dv], dim=-1)
         q = l2norm(q.reshape(bsz, s, hk, self.dk).float())
         k = l2norm(k.reshape(bsz, s, hk, self.dk).float())
         v = v.reshape(bsz, s, hv, self.dv)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        a_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk)
-        out = gated_rms_norm(out.to(x.dtype), self.norm.weight, z, self.eps)
+        out = gated_rms_norm(out.to(x.dtype), _local(self.norm.weight, partial=True), z, self.eps)
         return self.out_proj(out.reshape(bsz, s, -1))

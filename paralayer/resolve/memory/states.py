@@ -160,7 +160,7 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     expert = 0.0
     # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
     attn = parts.attn_rank_params(cfg, t) + parts.layer_norm_params(cfg)
-    linear = (parts.linear_weights(cfg) / t + parts.linear_other_params(cfg) + parts.layer_norm_params(cfg)
+    linear = (parts.linear_rank_params(cfg, t) + parts.layer_norm_params(cfg)
               if m.linear.k_heads else attn)  # a Gated DeltaNet layer's
     moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden + parts.shared_gate_params(cfg)
     moe_expert = (m.moe.num_experts / lay.ep) * expert_params(cfg) if m.moe.num_experts else 0.0
