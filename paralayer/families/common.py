@@ -120,6 +120,20 @@ def uniform_window(hf: dict, fp: str, mtype: str, head_dim: Optional[int], windo
     return {"layer_types": None, "head_dim": head_dim, "qk_norm": False, "sliding_window": window}
 
 
+def periodic_layer_types(hf: dict, fp: str, key: str, default: int, periodic: str, known: dict) -> list:
+    """config.json's ``layer_types`` (each one of ``known``), else every ``key``-th layer (1-based)
+    "full_attention" and the rest ``periodic`` (Gemma 3's sliding_window_pattern, Qwen3-Next's
+    full_attention_interval): one of their types per layer, as transformers derives them."""
+    n = int_key(hf, "num_hidden_layers", fp)
+    types = hf.get("layer_types")
+    if types is None:
+        k = int_key(hf, key, fp, default)
+        types = [periodic if (i + 1) % k else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in known for t in types):
+        raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} must list {n} of {', '.join(known)}")
+    return types
+
+
 # ------------------------------------------------------------------ weight names
 class ExpertNames(NamedTuple):
     """A MoE family's names under ``model.layers.{i}.``: its router, one expert's weight

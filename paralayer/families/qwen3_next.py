@@ -27,7 +27,7 @@ from typing import Optional
 
 from paralayer.config.layer_pattern import layer_types
 from paralayer.families import qwen3, qwen3_moe
-from paralayer.families.common import Traits, base_export, head_dim_field, int_key
+from paralayer.families.common import Traits, base_export, head_dim_field, int_key, periodic_layer_types
 from paralayer.families.errors import HFFormatError
 from paralayer.families.rope import rope_parameters
 
@@ -81,13 +81,7 @@ def read_attention(hf: dict, fp: str, d: int, heads: int) -> dict:
     ``layer_types``, else ``full_attention_interval``; no window (refused)."""
     if hf.get("sliding_window") is not None or hf.get("use_sliding_window"):
         raise HFFormatError(f"{fp}: sliding_window is not supported for qwen3_next (its full layers attend to all)")
-    n = int_key(hf, "num_hidden_layers", fp)
-    types = hf.get("layer_types")
-    if types is None:
-        k = int_key(hf, "full_attention_interval", fp, INTERVAL_DEFAULT)
-        types = ["linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in _HF_LAYER for t in types):
-        raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} must list {n} of {', '.join(_HF_LAYER)}")
+    types = periodic_layer_types(hf, fp, "full_attention_interval", INTERVAL_DEFAULT, "linear_attention", _HF_LAYER)
     if "linear_attention" not in types:
         raise HFFormatError(f"{fp}: layer_types has no linear_attention layer (a qwen3_next without linear "
                             "layers: import it as qwen3)")
