@@ -48,6 +48,7 @@ def check_model_keys(cfg: Config) -> None:
     _check_gpt_oss(cfg)
     _check_rope(cfg)
     _check_window(cfg)
+    _check_linear(cfg)
     _check_mla(cfg)
     _check_moe_routing(cfg)
     _check_mtp(cfg)
@@ -161,6 +162,34 @@ def _check_window(cfg: Config) -> None:
     if "sliding" in lt and m.sliding_window is None:
         raise ConfigError("model.sliding_window", "model.layer_types has sliding layers: set model.sliding_window "
                           "to a positive window (tokens a query sees, itself included)")
+
+
+def _check_linear(cfg: Config) -> None:
+    """Gated DeltaNet (model.linear, layer_types "linear"): its widths, the gated attention's keys,
+    and the layouts not built for it, refused by name."""
+    m, li = cfg.model, cfg.model.linear
+    if not isinstance(m.attn_gate, bool):
+        raise ConfigError("model.attn_gate", f"must be true or false, got {m.attn_gate!r}")
+    _num("model.rotary_fraction", m.rotary_fraction, 0.0, "the share of each head RoPE turns; 1 = all", strict=True)
+    if m.rotary_fraction > 1:
+        raise ConfigError("model.rotary_fraction", f"must be in (0, 1] (the share of each head RoPE turns), "
+                          f"got {m.rotary_fraction!r}")
+    for name in ("k_heads", "v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "chunk"):
+        _int(f"model.linear.{name}", getattr(li, name), 0 if name in ("k_heads", "v_heads") else 1, 65536,
+             "Gated DeltaNet's width" if name != "k_heads" else "0 = no linear layers")
+    linear = m.layer_types is not None and "linear" in m.layer_types
+    if linear != (li.k_heads > 0):
+        raise ConfigError("model.linear.k_heads", f"{li.k_heads} with {'' if linear else 'no '}\"linear\" entries in "
+                          "model.layer_types: linear layers need k_heads > 0, and k_heads > 0 needs linear layers")
+    if not linear:
+        return
+    if li.v_heads < li.k_heads or li.v_heads % li.k_heads:
+        raise ConfigError("model.linear.v_heads", f"{li.v_heads} must be a positive multiple of model.linear.k_heads "
+                          f"({li.k_heads})")
+    p = cfg.parallel
+    if p.cp > 1:
+        raise ConfigError("parallel.cp", f"{p.cp}: context parallel for linear-attention layers is not built yet (the "
+                          "recurrent state and conv tail must pass rank to rank in sequence order); use 1")
 
 
 def _check_mla(cfg: Config) -> None:

@@ -27,7 +27,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLP_ACTS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU (Gemma: gelu_pytorch_tanh)
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "linear")  # linear: Gated DeltaNet (model.linear)
 BACKENDS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -64,6 +64,7 @@ class MoEConfig:
     # GPT-OSS's clamped SwiGLU: gate <= L, |up| <= L, out (up+1)*gate*sigmoid(alpha*gate); null = plain
     swiglu_limit: Optional[float] = None
     swiglu_alpha: float = 1.702  # its sigmoid gain (used only with swiglu_limit)
+    shared_gate: bool = False  # the shared expert's output × sigmoid(a learned d → 1 gate) (Qwen3-Next)
 
 
 @dataclass
@@ -102,6 +103,18 @@ class MTPConfig:
 
 
 @dataclass
+class LinearConfig:
+    """Gated DeltaNet layers (Qwen3-Next; paralayer/model/linear/): the layers model.layer_types
+    marks "linear". k_heads 0 = none."""
+    k_heads: int = 0  # query/key heads (linear_num_key_heads)
+    v_heads: int = 0  # value heads, a multiple of k_heads (linear_num_value_heads)
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel: int = 4  # the short causal conv before the delta rule
+    chunk: int = 64  # tokens per chunk of the chunked delta rule (the result does not depend on it)
+
+
+@dataclass
 class ModelConfig:
     d_model: int = 256
     n_layers: int = 4
@@ -134,6 +147,11 @@ class ModelConfig:
     # GPT-OSS's attention (paralayer/families/gpt_oss.py)
     attn_bias: bool = False  # biases on the q, k, v and o projections
     attn_sinks: bool = False  # a learned logit per head joining each query's softmax (its value 0)
+    # Qwen3-Next's full layers: the output × sigmoid(a per-head gate the q projection also makes), and
+    # RoPE on the first rotary_fraction of each head (partial_rotary_factor)
+    attn_gate: bool = False
+    rotary_fraction: float = 1.0
+    linear: LinearConfig = field(default_factory=LinearConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

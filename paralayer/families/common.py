@@ -120,6 +120,20 @@ def uniform_window(hf: dict, fp: str, mtype: str, head_dim: Optional[int], windo
     return {"layer_types": None, "head_dim": head_dim, "qk_norm": False, "sliding_window": window}
 
 
+def periodic_layer_types(hf: dict, fp: str, key: str, default: int, periodic: str, known: dict) -> list:
+    """config.json's ``layer_types`` (each one of ``known``), else every ``key``-th layer (1-based)
+    "full_attention" and the rest ``periodic`` (Gemma 3's sliding_window_pattern, Qwen3-Next's
+    full_attention_interval): one of their types per layer, as transformers derives them."""
+    n = int_key(hf, "num_hidden_layers", fp)
+    types = hf.get("layer_types")
+    if types is None:
+        k = int_key(hf, key, fp, default)
+        types = [periodic if (i + 1) % k else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in known for t in types):
+        raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} must list {n} of {', '.join(known)}")
+    return types
+
+
 # ------------------------------------------------------------------ weight names
 class ExpertNames(NamedTuple):
     """A MoE family's names under ``model.layers.{i}.``: its router, one expert's weight
@@ -138,8 +152,10 @@ class Traits(NamedTuple):
     moe: bool
     qk_norm: bool
     kinds: frozenset  # the layer kinds present: "full", "sliding"
-    gemma: bool = False  # any of Gemma's parts (families/gemma3.py)
+    gemma: bool = False  # any of Gemma's parts (families/gemma3.py), or linear layers (below)
     oss: bool = False  # any of GPT-OSS's parts (families/gpt_oss.py)
+    linear: bool = False  # Gated DeltaNet layers (families/qwen3_next.py): its (1 + w) norms are Gemma's, so
+    # gemma is set too, and the families of plain parts (which claim "not gemma") claim none of them
 
 
 def traits(cfg) -> Traits:
@@ -148,8 +164,10 @@ def traits(cfg) -> Traits:
                  or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None)
     m = cfg.moe
     oss = bool(cfg.attn_bias or cfg.attn_sinks or m.router_bias or m.expert_bias or m.swiglu_limit is not None)
-    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), frozenset(layer_types(cfg)),
-                  gemma, oss)
+    kinds = frozenset(layer_types(cfg))
+    linear = "linear" in kinds
+    return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), kinds, gemma or linear,
+                  oss, linear)
 
 
 def window_of(cfg) -> Optional[int]:

@@ -33,7 +33,7 @@ import json
 from typing import Optional
 
 from paralayer.config.layer_pattern import layer_types
-from paralayer.families.common import Traits, base_export, head_dim_field, int_key
+from paralayer.families.common import Traits, base_export, head_dim_field, int_key, periodic_layer_types
 from paralayer.families.errors import HFFormatError
 from paralayer.families.rope import rope_parameters
 
@@ -118,13 +118,7 @@ def read_attention(hf: dict, fp: str, d: int, heads: int) -> dict:
     """head_dim as transformers 5.25 derives it (Gemma3TextConfig ``head_dim: int = 256``, read by
     Gemma3Attention whatever hidden_size / heads is); q/k norms; the window per layer from
     ``layer_types``, else ``sliding_window_pattern`` (6: layer i full when (i + 1) % 6 == 0)."""
-    n = int_key(hf, "num_hidden_layers", fp)
-    types = hf.get("layer_types")
-    if types is None:
-        k = int_key(hf, "sliding_window_pattern", fp, PATTERN_DEFAULT)
-        types = ["sliding_attention" if (i + 1) % k else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in _HF_LAYER for t in types):
-        raise HFFormatError(f"{fp}: layer_types={json.dumps(types)[:60]} must list {n} of {', '.join(_HF_LAYER)}")
+    types = periodic_layer_types(hf, fp, "sliding_window_pattern", PATTERN_DEFAULT, "sliding_attention", _HF_LAYER)
     ours = [_HF_LAYER[t] for t in types]
     window = None
     if "sliding" in ours:
@@ -149,8 +143,9 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 
 def claims(t: Traits) -> bool:
-    """Export: any of Gemma's parts (the other families claim none of them)."""
-    return t.gemma and not t.oss
+    """Export: any of Gemma's parts (the other families claim none of them), without linear layers or
+    GPT-OSS's parts."""
+    return t.gemma and not t.oss and not t.linear
 
 
 #: the keys a config must set for Gemma 3 to express it, with the value it needs

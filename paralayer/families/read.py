@@ -15,6 +15,8 @@ GEMMA_KEYS = {"embed_scale": False, "norm_offset": False, "post_norms": False, "
 #: ModelConfig keys only GPT-OSS's family sets (model.*, model.moe.*), with every other family's value
 OSS_KEYS = {"attn_bias": False, "attn_sinks": False}
 OSS_MOE_KEYS = {"router_bias": False, "expert_bias": False, "swiglu_limit": None, "swiglu_alpha": 1.702}
+#: ModelConfig keys only Qwen3-Next's family sets (model.linear is reset beside them)
+NEXT_KEYS = {"attn_gate": False, "rotary_fraction": 1.0}
 
 
 def load_hf_config(path: str) -> dict:
@@ -45,11 +47,14 @@ def load_hf_config(path: str) -> dict:
 def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     """Set the shape fields of a ModelConfig from ``path``/config.json, in place. ``seq_len`` is
     replaced by ``max_position_embeddings`` only when ``keep_seq_len`` is False."""
-    from paralayer.config.schema import MLAConfig, RopeConfig
+    from paralayer.config.schema import LinearConfig, MLAConfig, RopeConfig
 
     fields = load_hf_config(path)
-    for key, other in {**GEMMA_KEYS, **OSS_KEYS}.items():  # a family not setting them takes the others' values
-        setattr(model_cfg, key, fields.pop(key, other))
+    for keys in (GEMMA_KEYS, OSS_KEYS, NEXT_KEYS):  # a family that does not set them takes every other family's
+        for key in keys:
+            setattr(model_cfg, key, fields.pop(key, keys[key]))
+    linear = fields.pop("linear", None)
+    model_cfg.linear = LinearConfig(**linear) if linear is not None else LinearConfig()
     moe = fields.pop("moe", None)
     if moe is not None:
         moe = {**OSS_MOE_KEYS, **moe}
@@ -63,6 +68,7 @@ def apply_hf_config(model_cfg, path: str, keep_seq_len: bool = True) -> None:
     if seq is not None and not keep_seq_len:
         model_cfg.seq_len = seq
     if moe is not None:
+        model_cfg.moe.shared_gate = moe.pop("shared_gate", False)
         for k, v in moe.items():
             setattr(model_cfg.moe, k, v)
     else:

@@ -12,7 +12,7 @@ import json
 from types import ModuleType
 from typing import Any, Optional
 
-from paralayer.families import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe
+from paralayer.families import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe, qwen3_next
 from paralayer.families.common import traits
 from paralayer.families.errors import HFFormatError
 
@@ -42,7 +42,7 @@ OPTIONAL = {
     "FUSED_EXPERTS": "its experts' keys when stored fused for all experts of a layer (checkpoint/hf_fused.py)",
 }
 
-_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, gpt_oss)
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, gpt_oss, qwen3_next)
 
 
 def check_family(mod: ModuleType) -> None:

@@ -93,7 +93,10 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.window = window
         bias = bool(cfg.attn_bias)  # GPT-OSS
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=bias)
+        # model.attn_gate (Qwen3-Next): q_proj makes [q | gate] per head, the output × sigmoid(gate);
+        # per head, so a column split under tensor parallel keeps each head's pair together
+        self.gated = bool(cfg.attn_gate)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim * (2 if self.gated else 1), bias=bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
@@ -121,8 +124,12 @@ class Attention(nn.Module):
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, -1)
         # -1 heads: under tensor parallel each rank holds n_heads/tp of them.
-        q = q.view(b, s, -1, self.head_dim)
+        q = q.reshape(b, s, -1, self.head_dim)
         k = k.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -133,6 +140,8 @@ class Attention(nn.Module):
         else:
             out = self._core(q, k, v, cos, sin)
         out = out.transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         if self.tp_overlap is not None:
             y = self.tp_overlap.matmul_scatter(out, self.wo.weight)
             # each rank adds the replicated bias to its s/tp tokens: its gradient is a partial sum

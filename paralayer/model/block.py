@@ -1,5 +1,6 @@
 """One decoder block, assembled from the config: pre-norm attention (plain or windowed, by the
-layer pattern of paralayer/config/layer_pattern.py), pre-norm SwiGLU / GeGLU or MoE feed-forward.
+layer pattern of paralayer/config/layer_pattern.py; Gated DeltaNet on its "linear" layers),
+pre-norm SwiGLU / GeGLU or MoE feed-forward.
 With ``model.post_norms`` (Gemma 3) the attention's and the feed-forward's outputs are normed too
 before they join the residual: x + post_attention_norm(attn(attention_norm(x))), then the same
 with ffn_norm / post_ffn_norm; the norms are Gemma's (1 + w) under ``model.norm_offset``."""
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from paralayer.config import ModelConfig
-from paralayer.config.layer_pattern import layer_window
+from paralayer.config.layer_pattern import layer_types, layer_window
 from paralayer.model.attention import Attention
 from paralayer.model.mlp import FeedForward
 from paralayer.model.norms import make_norm
@@ -21,6 +22,12 @@ def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     every ``every``-th (1-based, Qwen3-MoE's decoder_sparse_step) is MoE."""
     m = cfg.moe
     return m.num_experts > 0 and layer_id >= m.first_k_dense and (layer_id + 1) % m.every == 0
+
+
+def is_linear_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    """Layer ``layer_id`` is a Gated DeltaNet layer (model.layer_types "linear"; MTP depths are not)."""
+    types = layer_types(cfg)
+    return layer_id < len(types) and types[layer_id] == "linear"
 
 
 def router_spec(cfg: ModelConfig):
@@ -41,10 +48,16 @@ def _feed_forward(cfg: ModelConfig, layer_id: int) -> nn.Module:
     return MoEFeedForward(cfg.d_model, m.ffn_hidden or cfg.ffn_hidden, m.num_experts, m.top_k, m.capacity_factor,
                           router=m.router, shared_ffn_hidden=m.shared_ffn_hidden, spec=router_spec(cfg),
                           seq_aux=m.seq_aux_loss_coef > 0, router_bias=m.router_bias, expert_bias=m.expert_bias,
-                          swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
+                          swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, shared_gate=m.shared_gate)
 
 
 def _attention(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    if is_linear_layer(cfg, layer_id):  # Gated DeltaNet (Qwen3-Next)
+        from paralayer.model.linear.gated_deltanet import GatedDeltaNet
+
+        li = cfg.linear
+        return GatedDeltaNet(cfg.d_model, li.k_heads, li.v_heads, li.head_k_dim, li.head_v_dim, li.conv_kernel,
+                             li.chunk, cfg.norm_eps)
     if cfg.mla.kv_lora_rank > 0:  # multi-head latent attention (DeepSeek-V3)
         from paralayer.model.latent_attention import LatentAttention
 

@@ -98,24 +98,28 @@ class _ClampedSwiGLUFn(torch.autograd.Function):
 
 
 class SharedExpert(nn.Module):
-    """A plain SwiGLU feed-forward: w2 · (silu(w1 x) * (w3 x))."""
+    """A plain SwiGLU feed-forward: w2 · (silu(w1 x) * (w3 x)); with ``gated`` (Qwen3-Next's
+    shared_expert_gate, model.moe.shared_gate) times sigmoid(gate · x), one scalar per token."""
 
-    def __init__(self, d_model: int, ffn_hidden: int):
+    def __init__(self, d_model: int, ffn_hidden: int, gated: bool = False):
         super().__init__()
         self.w1 = nn.Linear(d_model, ffn_hidden, bias=False)
         self.w3 = nn.Linear(d_model, ffn_hidden, bias=False)
         self.w2 = nn.Linear(ffn_hidden, d_model, bias=False)
+        self.gate = nn.Linear(d_model, 1, bias=False) if gated else None
         self.recompute_act = False  # set with the routed experts' (MoEFeedForward.recompute_expert_act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.recompute_act))
+        y = self.w2(swiglu(self.w1(x), self.w3(x), self.recompute_act))
+        return y if self.gate is None else y * torch.sigmoid(self.gate(x))
 
 
 class MoEFeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_hidden: int, num_experts: int, top_k: int,
                  capacity_factor: float | None, router: str = "softmax", shared_ffn_hidden: int = 0,
                  spec: routing.RouterSpec | None = None, seq_aux: bool = False, router_bias: bool = False,
-                 expert_bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
+                 expert_bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+                 shared_gate: bool = False):
         super().__init__()
         spec = spec or routing.RouterSpec(kind=router, top_k=top_k)
         if (spec.kind, spec.top_k) != (router, top_k):
@@ -142,7 +146,7 @@ class MoEFeedForward(nn.Module):
         self.b3 = nn.Parameter(torch.empty(num_experts, ffn_hidden)) if expert_bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, d_model)) if expert_bias else None
         self.act_fn = _swiglu if swiglu_limit is None else ClampedSwiGLU(swiglu_limit, swiglu_alpha)
-        self.shared = SharedExpert(d_model, shared_ffn_hidden) if shared_ffn_hidden > 0 else None
+        self.shared = SharedExpert(d_model, shared_ffn_hidden, shared_gate) if shared_ffn_hidden > 0 else None
         # recompute=swiglu (runtime/build.py apply_recompute): each expert's silu(gate)·up, and the
         # shared expert's, recomputed in backward (selective leaves the experts alone, as planned)
         self._recompute_expert_act = False

@@ -108,7 +108,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, s, d); cos/sin: (s, d) or (b, s, d)."""
+    """x: (b, heads, s, d); cos/sin: (s, r) or (b, s, r). r < d (partial RoPE, Qwen3-Next's
+    partial_rotary_factor): the first r dims turn, the rest pass as they are."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        turned = x[..., :r] * cos + _rotate_half(x[..., :r]) * sin
+        return torch.cat([turned, x[..., r:]], dim=-1)
     return x * cos + _rotate_half(x) * sin

@@ -47,7 +47,9 @@ class Transformer(nn.Module):
         self.norm: Optional[nn.RMSNorm] = make_norm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, self.vocab_padded, bias=False)
         # the dims RoPE rotates: a head's, or MLA's decoupled rope part
-        self.head_dim = cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0 else head_dim_of(cfg)
+        # (model.rotary_fraction: RoPE on the first part of each head only, Qwen3-Next)
+        self.head_dim = (cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0
+                         else int(head_dim_of(cfg) * cfg.rotary_fraction))
         # Global positions of the local tokens (set under context parallel: zigzag chunks).
         self.positions: Optional[torch.Tensor] = None
         # Gemma 3: the sliding layers' own RoPE base (a plain RoPE), the full layers' is model.rope
@@ -136,6 +138,11 @@ def full_init(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) ->
         name = "tok_embeddings.weight"  # the last stage's copy of the embedding (model/mtp.py)
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if leaf == "dt_bias" or name.endswith("attention.norm.weight"):  # Gated DeltaNet: 1 (its norm's gain is w)
+        return torch.ones(shape)
+    if leaf == "A_log":  # Gated DeltaNet's decay rates A in [1, 16], as transformers draws them
+        g = torch.Generator().manual_seed(_seed_for(seed, name))
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
     if name.endswith("norm.weight"):  # gain 1: w = 1, or w = 0 for Gemma's (1 + w)
         return torch.zeros(shape) if cfg.norm_offset else torch.ones(shape)
     if leaf in ("bias", "b1", "b2", "b3"):  # GPT-OSS's biases start at 0 (its sinks: normal, as weights)

@@ -14,6 +14,11 @@ cp ring's bytes; one place keeps them equal (issues #33, #34). Kinds:
          head qk width nope+rope, v width v_head_dim. Under tp the heads split (q_b or q, kv_b,
          o); the down-projections q_a, kv_a and their norms are replicated (their outputs are
          shared by every head)
+    linear  Gated DeltaNet (model/linear/, the layers model.layer_types marks "linear"): in_proj_qkvz
+         h·(2·hk·dk + 2·hv·dv), in_proj_ba h·2hv, out_proj hv·dv·h; besides the matmuls the conv
+         (channels 2·hk·dk + hv·dv, kernel K), dt_bias and A_log (hv each) and the gated norm's gain
+         dv. Its core is the chunked delta rule (:func:`linear_core_fwd_flops`), not attention.
+    model.attn_gate (Qwen3-Next's full layers) widens wq to 2·n_heads·hd (q and its gate).
 
 Imports no torch.
 """
@@ -60,7 +65,8 @@ def kv_heads(cfg: Config) -> int:
 def _gqa_weights(cfg: Config) -> tuple[int, int]:
     m = cfg.model
     hd = head_dim(cfg)
-    return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads), 0
+    gate = m.n_heads if m.attn_gate else 0  # q_proj makes [q | gate] per head
+    return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads + gate), 0
 
 
 def _mla_weights(cfg: Config) -> tuple[int, int]:
@@ -138,6 +144,67 @@ def expert_bias_params(cfg: Config) -> int:
     """model.moe.expert_bias: one expert's gate, up and down biases (2·f_E + h), split over ep."""
     m = cfg.model
     return 2 * (m.moe.ffn_hidden or m.ffn_hidden) + m.d_model if m.moe.expert_bias else 0
+
+
+# ------------------------------------------------------------------ linear attention (Gated DeltaNet)
+def is_linear_layer(cfg: Config, i: int) -> bool:
+    """Layer i is a Gated DeltaNet layer (model.layer_types "linear"; MTP blocks never are)."""
+    lt = cfg.model.layer_types
+    return lt is not None and i < len(lt) and lt[i] == "linear"
+
+
+def linear_weights(cfg: Config) -> int:
+    """Matmul weights of one Gated DeltaNet layer (all split by heads under tp)."""
+    m, li = cfg.model, cfg.model.linear
+    h, hk, hv = m.d_model, li.k_heads, li.v_heads
+    return h * (2 * hk * li.head_k_dim + 2 * hv * li.head_v_dim) + h * 2 * hv + hv * li.head_v_dim * h
+
+
+def linear_other_params(cfg: Config) -> int:
+    """Its parameters outside the matmuls: the depthwise conv, dt_bias, A_log, the gated norm's gain."""
+    li = cfg.model.linear
+    channels = 2 * li.k_heads * li.head_k_dim + li.v_heads * li.head_v_dim
+    return channels * li.conv_kernel + 2 * li.v_heads + li.head_v_dim
+
+
+def layer_attn_matmul_params(cfg: Config, i: int) -> int:
+    """Layer i's attention matmul weights: the linear layer's, or the attention block's."""
+    return linear_weights(cfg) if is_linear_layer(cfg, i) else attn_matmul_params(cfg)
+
+
+def linear_rank_params(cfg: Config, tp: int) -> float:
+    """One linear layer's parameters on one tp rank: the matmuls, dt_bias and A_log split by heads;
+    the conv weight and the gated norm's gain replicated (parallel/tensor/layout.py)."""
+    hv = cfg.model.linear.v_heads
+    return linear_weights(cfg) / tp + 2 * hv / tp + linear_other_params(cfg) - 2 * hv
+
+
+def layer_attn_rank_params(cfg: Config, i: int, tp: int) -> float:
+    """Layer i's attention (or linear layer) parameters on one tp rank."""
+    return linear_rank_params(cfg, tp) if is_linear_layer(cfg, i) else attn_rank_params(cfg, tp)
+
+
+def linear_core_fwd_flops(cfg: Config) -> float:
+    """Forward FLOPs per token of one linear layer's core: per value head and chunk of C tokens
+    (model/linear/delta_rule.py) k_beta·kᵀ and q·kᵀ (2C²dk each), the two triangular solves (C²dv,
+    C²dk), the state read twice and written once (2C·dk·dv each), attn·v_new (2C²dv): per token
+    C(5dk + 3dv) + 6dk·dv, over the padded chunks; plus the depthwise conv, 2K per channel."""
+    m, li = cfg.model, cfg.model.linear
+    s, c, dk, dv = m.seq_len, li.chunk, li.head_k_dim, li.head_v_dim
+    padded = -(-s // c) * c
+    rule = li.v_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv) * padded / s
+    return rule + 2.0 * li.conv_kernel * (2 * li.k_heads * dk + li.v_heads * dv)
+
+
+def layer_core_fwd_flops(cfg: Config, i: int) -> float:
+    """Forward FLOPs per token of layer i's core: the delta rule, or attention over its keys."""
+    return linear_core_fwd_flops(cfg) if is_linear_layer(cfg, i) else core_fwd_flops_per_key(cfg) * core_keys(cfg, i)
+
+
+def shared_gate_params(cfg: Config) -> int:
+    """model.moe.shared_gate (Qwen3-Next): the shared expert's d_model → 1 gate, per MoE layer."""
+    mo = cfg.model.moe
+    return cfg.model.d_model if mo.shared_gate and mo.shared_ffn_hidden else 0
 
 
 # ------------------------------------------------------------------ the layer's own norms

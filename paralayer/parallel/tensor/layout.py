@@ -60,6 +60,8 @@ def check_tp_shapes(model: nn.Module, tp: int) -> None:
     if cfg.n_kv_heads % tp:
         problems.append(f"model.n_kv_heads={cfg.n_kv_heads} is not divisible by parallel.tp={tp} "
                         "(KV heads are not replicated: choose tp dividing n_kv_heads)")
+    if getattr(cfg, "linear", None) is not None and cfg.linear.k_heads % tp:
+        problems.append(f"model.linear.k_heads={cfg.linear.k_heads} is not divisible by parallel.tp={tp}")
     if cfg.ffn_hidden % tp:
         problems.append(f"model.ffn_hidden={cfg.ffn_hidden} is not divisible by parallel.tp={tp}")
     if getattr(model, "vocab_padded", cfg.vocab_size) % tp:
@@ -155,6 +157,7 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     parallel (or replicated), an MoE block run whole on the full sequence. ``fused``: the SP or
     overlap GEMMs the block calls instead of its linears' DTensor hooks (None without SP)."""
     latent = hasattr(block.attention, "kv_b")  # MLA (model/latent_attention.py)
+    linear = hasattr(block.attention, "in_proj_qkvz")  # Gated DeltaNet (model/linear/)
     # an FP8 block (model/float8.py) takes its linears' own TP hooks, in the styles it names
     # (torchao's float8 ones for tensorwise: the SP all-gather in FP8), never the fused GEMMs
     fp8 = getattr(block, "fp8_tp_styles", None)
@@ -162,13 +165,14 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
                                  else (ColwiseParallel, RowwiseParallel, PrepareModuleInput))
     if fp8 is not None:
         fused = None
-    plan = _latent_plan(block.attention, tp_mesh, stream, colwise, rowwise) if latent else {
+    plan = _latent_plan(block.attention, tp_mesh, stream, colwise, rowwise) if latent else \
+        _linear_plan(block.attention, tp_mesh, stream, colwise, rowwise) if linear else {
         "attention.wq": colwise(),
         "attention.wk": colwise(),
         "attention.wv": colwise(),
         "attention.wo": rowwise(output_layouts=stream),
     }
-    if fused is None or latent:
+    if fused is None or latent or linear:
         plan["attention"] = prepare(input_layouts=(stream, None, None),
                                     desired_input_layouts=(Replicate(), None, None))
     else:  # the linears' own hooks never run: Attention.forward calls the fused GEMMs
@@ -211,6 +215,24 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh, sp: bool, stream, 
     if sinks is not None:  # GPT-OSS: one logit per head, split with the heads (wq's rows)
         block.attention.sinks = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]),
                                              requires_grad=sinks.requires_grad)
+
+
+def _linear_plan(att: nn.Module, tp_mesh: DeviceMesh, stream, colwise=ColwiseParallel,
+                 rowwise=RowwiseParallel) -> dict:
+    """Gated DeltaNet: in_proj_qkvz / in_proj_ba column-parallel (whole k-heads with their v-heads),
+    out_proj row-parallel; dt_bias and A_log split by rows (per v-head, in k-head order); the conv
+    weight and the gated norm's gain replicated, each rank reading its heads' share
+    (model/linear/gated_deltanet.py)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, place in (("dt_bias", Shard(0)), ("A_log", Shard(0))):
+        setattr(att, name, nn.Parameter(distribute_tensor(getattr(att, name).data, tp_mesh, [place],
+                                                          src_data_rank=None)))
+    for mod in (att.conv1d, att.norm):
+        mod.weight = nn.Parameter(distribute_tensor(mod.weight.data, tp_mesh, [Replicate()], src_data_rank=None))
+    att.tp_size, att.tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    return {"attention.in_proj_qkvz": colwise(), "attention.in_proj_ba": colwise(),
+            "attention.out_proj": rowwise(output_layouts=stream)}
 
 
 def _latent_plan(att: nn.Module, tp_mesh: DeviceMesh, stream, colwise=ColwiseParallel,

@@ -79,7 +79,7 @@ def flops_per_token(cfg: Config) -> int:
 def layer_core_flops(cfg: Config, i: int) -> float:
     """Training FLOPs per token of layer i's attention core: 3 × forward, the forward
     2·n_heads·(d_qk + d_v) per key (4·h for a plain block) × the keys counted (model_parts.core_keys)."""
-    return 3.0 * parts.core_fwd_flops_per_key(cfg) * parts.core_keys(cfg, i)
+    return 3.0 * parts.layer_core_fwd_flops(cfg, i)  # a linear layer's: its delta rule (model_parts)
 
 
 def attn_core_flops_per_token(cfg: Config) -> float:

@@ -92,11 +92,12 @@ def layer_params(cfg: Config, i: int, active: bool = False) -> int:
     experts + shared)."""
     m = cfg.model
     h = m.d_model
-    n = attn_params(cfg) + parts.attn_extra_params(cfg) + parts.layer_norm_params(cfg)
+    n = parts.layer_attn_rank_params(cfg, i, 1) + parts.layer_norm_params(cfg)
     if is_moe_layer(cfg, i):
         e = m.moe.top_k if active else m.moe.num_experts
         n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
         n += parts.router_bias_params(cfg) + e * parts.expert_bias_params(cfg)  # GPT-OSS
+        n += parts.shared_gate_params(cfg)
     else:
         n += 3 * h * m.ffn_hidden
     return n
@@ -126,9 +127,10 @@ def matmul_params(cfg: Config) -> int:
     h = m.d_model
     n = 0
     for i in list(range(m.n_layers)) + parts.mtp_layers(cfg):
-        n += attn_params(cfg)
+        n += parts.layer_attn_matmul_params(cfg, i)
         if is_moe_layer(cfg, i):
             n += m.moe.top_k * expert_params(cfg) + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
+            n += parts.shared_gate_params(cfg)
         else:
             n += 3 * h * m.ffn_hidden
     # each MTP depth: its 2h → h projection and one more pass through the shared head
@@ -159,12 +161,15 @@ def rank_params(cfg: Config, lay: Layout, r: int) -> tuple[float, float, int]:
     expert = 0.0
     # per-layer terms computed once (the planner calls this for thousands of layouts; same sums)
     attn = parts.attn_rank_params(cfg, t) + parts.layer_norm_params(cfg)
-    moe_dense = h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden + parts.router_bias_params(cfg)
+    linear = (parts.linear_rank_params(cfg, t) + parts.layer_norm_params(cfg)
+              if m.linear.k_heads else attn)  # a Gated DeltaNet layer's
+    moe_dense = (h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden + parts.router_bias_params(cfg)
+                 + parts.shared_gate_params(cfg))
     moe_expert = ((m.moe.num_experts / lay.ep) * (expert_params(cfg) + parts.expert_bias_params(cfg))
                   if m.moe.num_experts else 0.0)
     mlp = 3 * h * m.ffn_hidden / t
     for i in layers:
-        dense += attn
+        dense += linear if parts.is_linear_layer(cfg, i) else attn
         if is_moe_layer(cfg, i):
             dense += moe_dense
             expert += moe_expert
