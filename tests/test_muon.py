@@ -185,3 +185,39 @@ def test_bad_muon_input_exits_2_naming_the_field(bad, field):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and field in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ------------------------------------------------------------------ the plan's memory
+@pytest.mark.parametrize("recipe", ["tiny", "deepseek-v3-tiny", "tiny-moe"])
+def test_plan_counts_one_momentum_buffer_per_muon_parameter(recipe):
+    """One rank: AdamW's optimizer bytes less Muon's are 4 B (one fp32 moment) per parameter that
+    uses_muon picks on the real model (experts, MLA's pairs, MTP's projection included)."""
+    from paralayer.config import load_config
+    from paralayer.model.transformer import Transformer
+    from paralayer.optim.muon import split_params
+    from paralayer.resolve.plan import resolve
+
+    ov = [f"recipe={recipe}", "parallel.dp=1", "parallel.tp=1", "parallel.ep=1", "parallel.pp=1", "parallel.zero=0"]
+    opt = {o: resolve(load_config(ov + [f"train.optimizer={o}"])).to_dict()["memory_per_device_bytes"]["optimizer"]
+           for o in ("adamw", "muon")}
+    cfg = load_config(ov)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, resolve(cfg).to_dict()["padded_vocab_size"])
+    muon, adam = split_params(model.named_parameters())
+    n_muon = sum(p.numel() for p in muon)
+    assert n_muon > 0 and adam
+    assert opt["adamw"] - opt["muon"] == 4 * n_muon, (opt, n_muon)
+
+
+@pytest.mark.timeout(300)
+def test_rehearsal_holds_the_plans_muon_states():
+    """The runtime's states on fake tensors (--rehearse) equal the plan's, ep2 · ZeRO-3 on the tiny MoE."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-moe", "parallel.zero=3", "train.optimizer=muon",
+                        "--rehearse", "--json"], cwd=root, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ranks = json.loads(r.stdout)["ranks"]
+    assert ranks and all(x["memory_bytes"]["optimizer"] == x["plan_memory_bytes"]["optimizer"] > 0 for x in ranks), ranks

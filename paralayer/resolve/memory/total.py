@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paralayer.config import Config
+from paralayer.resolve.memory import muon_states
 from paralayer.resolve.memory.activations import rank_activations
 from paralayer.resolve.memory.autocast import autocast_copy_params
 from paralayer.resolve.memory.states import rank_params, state_bytes
@@ -58,6 +59,7 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     z = lay.zero
 
     params, grads, opt = state_bytes(dense, expert, d_dense, d_exp, z, lay.pp, lay.precision, lay.schedule)
+    opt = muon_states.optimizer_bytes(opt, muon_states.muon_split(cfg, lay, r), lay, z)  # train.optimizer=muon
     params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
 
     acts, _ = rank_activations(cfg, lay, r)

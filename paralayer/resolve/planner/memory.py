@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.memory import v_flight
+from paralayer.resolve.memory import muon_states, v_flight
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
@@ -35,6 +35,7 @@ class RankInfo(NamedTuple):
     split_chunks: tuple = ()
     chunk_has_layers: tuple = ()  # per chunk of split_chunks: it has pipeline layers (its RoPE tables)
     chunk_counts: tuple = ()  # per chunk of split_chunks: its (dense, MoE) blocks
+    muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
 
 
 #: pipelines up to this depth have every rank weighed under the V schedules (candidate_ranks)
@@ -66,7 +67,8 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
             counts = tuple(_chunk_counts(ch) for ch in split)
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
-                              sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts))
+                              sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts,
+                              muon_states.muon_split(cfg, lay, r)))
     return ranks
 
 
@@ -280,6 +282,7 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
     for rk in ranks:
         pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
                                                           lay.precision, lay.schedule))
+        op = int(muon_states.optimizer_bytes(op, rk.muon, lay, zero))
         out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
     return out
 
