@@ -125,6 +125,14 @@ class MuonAdamW(EagerAdamW):
         super().__init__(groups, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **impl)
         self.exchange = exchange
 
+    def __setstate__(self, state: dict) -> None:
+        """A loaded state dict (``load_state_dict`` ends here): Adam's fix-ups read every state's
+        ``step``, which Muon's states have not; they run on the AdamW groups only."""
+        groups = state["param_groups"]
+        state["param_groups"] = [g for g in groups if not g.get("muon")]
+        super().__setstate__(state)
+        self.param_groups = groups
+
     def step(self, closure=None):
         loss = None
         if closure is not None:
