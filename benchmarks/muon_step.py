@@ -92,7 +92,8 @@ def main() -> None:
     t_ns_all = median_step(NS(muon), args.steps, device)
     t_ns_owner = median_step(NS(mine), args.steps, device)
     n_muon, n_all = sum(p.numel() for p in muon), sum(p.numel() for p in params)
-    print(f"device {device.type} ({torch.get_num_threads()} threads), torch {torch.__version__}; model d={args.d_model} "
+    print(f"device {device.type} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
+          f"model d={args.d_model} "
           f"L={args.layers} ffn={args.ffn} vocab={args.vocab}: {n_all / 1e6:.1f}M params, {n_muon / 1e6:.1f}M on Muon "
           f"({len(muon)} matrices); median of {args.steps} steps")
     print(f"AdamW step   {t_adam * 1e3:9.2f} ms")

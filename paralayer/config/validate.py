@@ -112,7 +112,8 @@ def _check_muon(t: Any) -> None:
     mu = t.muon
     _choice("train.muon.adjust_lr", mu.adjust_lr, MUON_ADJUST_LR)
     if isinstance(mu.ns_steps, bool) or not isinstance(mu.ns_steps, int) or not 1 <= mu.ns_steps <= 20:
-        raise ConfigError("train.muon.ns_steps", f"'{mu.ns_steps}' is not an integer from 1 to 20 (Newton-Schulz steps)")
+        raise ConfigError("train.muon.ns_steps",
+                          f"'{mu.ns_steps}' is not an integer from 1 to 20 (Newton-Schulz steps)")
     if not 0.0 <= mu.momentum < 1.0:
         raise ConfigError("train.muon.momentum", f"'{mu.momentum}' is not a number in [0, 1)")
     if mu.lr is not None and not mu.lr > 0:

@@ -86,9 +86,12 @@ class EagerAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         with torch.set_grad_enabled(False):
-            for group in self.param_groups:
-                self._adam_group(group)
+            self._step_groups()
         return loss
+
+    def _step_groups(self) -> None:
+        for group in self.param_groups:
+            self._adam_group(group)
 
     def _adam_group(self, group: dict) -> None:
         from torch.optim.adam import adam
@@ -133,17 +136,11 @@ class MuonAdamW(EagerAdamW):
         super().__setstate__(state)
         self.param_groups = groups
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.set_grad_enabled(False):
-            for group in self.param_groups:
-                if not group.get("muon"):
-                    self._adam_group(group)
-            self._muon_step([g for g in self.param_groups if g.get("muon")])
-        return loss
+    def _step_groups(self) -> None:
+        for group in self.param_groups:
+            if not group.get("muon"):
+                self._adam_group(group)
+        self._muon_step([g for g in self.param_groups if g.get("muon")])
 
     def _muon_step(self, groups: list[dict]) -> None:
         from paralayer.optim.muon import adjusted_lr
