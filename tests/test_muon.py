@@ -222,3 +222,26 @@ def test_rehearsal_holds_the_plans_muon_states():
     ranks = json.loads(r.stdout)["ranks"]
     held = [(x["memory_bytes"]["optimizer"], x["plan_memory_bytes"]["optimizer"]) for x in ranks]
     assert held and all(got == plan > 0 for got, plan in held), held
+
+
+# ------------------------------------------------------------------ the plan's time and the ranking
+def test_the_plan_times_muons_step_and_the_planner_ranks_with_it():
+    """predict() (through resolve) adds Muon's step (resolve/cost/optimizer_step.py) to AdamW's, and
+    each ranked layout's step time and memory are what resolve + predict give for it."""
+    from paralayer.config import load_config
+    from paralayer.resolve import planner
+    from paralayer.resolve.plan import resolve
+
+    ov = ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=8"]
+    fixed = ["parallel.tp=1", "parallel.dp=64", "parallel.zero=2"]
+    adam, muon = (planner.predict(load_config(ov + fixed + [f"train.optimizer={o}"])) for o in ("adamw", "muon"))
+    assert adam["optimizer_s"] == 0.0 < muon["optimizer_s"]
+    assert muon["step_time_s"] - adam["step_time_s"] == pytest.approx(muon["optimizer_s"], rel=1e-9)
+    cfg = load_config(ov + ["train.optimizer=muon"])
+    rows = planner.plan_layouts(cfg, top=3)
+    assert rows
+    for d in rows:
+        c = planner.config_for(cfg, d)
+        assert c.train.optimizer == "muon"
+        assert resolve(c).memory_per_device_bytes["total"] == d["memory"]["total"]
+        assert planner.predict(c)["step_time_s"] == pytest.approx(d["step_time_s"], rel=1e-6), d["degrees"]
