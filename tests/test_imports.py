@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("resolve",),
     ("model",),
     ("parallel",),
+    ("optim",),  # Muon and its owners: torch.distributed over the parallel layer's groups
     ("data", "checkpoint", "metrics"),
     ("runtime",),
     ("rehearse",),

@@ -199,6 +199,22 @@ class Fp8Config:
     bf16_last_blocks: int = 0  # the last N blocks likewise
 
 
+OPTIMIZERS = ("adamw", "muon")
+#: train.muon.adjust_lr: torch.optim.Muon's LR adjustments (Moonshot's matches AdamW's update RMS)
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+
+
+@dataclass
+class MuonConfig:
+    """train.optimizer=muon: Newton-Schulz on the blocks' matrices, AdamW (train.lr, betas) for the
+    rest (paralayer/optim/muon.py). ``lr`` null = train.lr (right with match_rms_adamw)."""
+    lr: Optional[float] = None
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonshot) | original (Keller Jordan)
+
+
 @dataclass
 class TrainConfig:
     global_batch: int = 8
@@ -217,6 +233,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "auto"  # auto = fp32 on CPU, bf16 on GPU; fp8: the blocks' GEMMs in FP8 (train.fp8)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    optimizer: str = "adamw"  # adamw | muon (train.muon)
+    muon: MuonConfig = field(default_factory=MuonConfig)
     compile: bool = False  # torch.compile each transformer block (and the loss without tp)
     compile_backend: str = "inductor"
     resume: str = "none"  # none | auto | PATH

@@ -12,6 +12,8 @@ from paralayer.config.schema import (
     DATA_FORMATS,
     DEVICES,
     FP8_RECIPES,
+    MUON_ADJUST_LR,
+    OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
     ROUTERS,
@@ -84,6 +86,7 @@ def validate_values(cfg: Config) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m.n_layers:
             raise ConfigError(f"train.fp8.{name}", f"'{n}' is not an integer from 0 to model.n_layers={m.n_layers}")
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
+    _check_muon(t)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
     _choice("data.format", cfg.data.format, DATA_FORMATS)
@@ -103,3 +106,17 @@ def validate_values(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     bounds.check_bounds(cfg)
+
+
+def _check_muon(t: Any) -> None:
+    """train.optimizer and train.muon.* (read whatever the optimizer, so a typo never waits)."""
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    mu = t.muon
+    _choice("train.muon.adjust_lr", mu.adjust_lr, MUON_ADJUST_LR)
+    if isinstance(mu.ns_steps, bool) or not isinstance(mu.ns_steps, int) or not 1 <= mu.ns_steps <= 20:
+        raise ConfigError("train.muon.ns_steps",
+                          f"'{mu.ns_steps}' is not an integer from 1 to 20 (Newton-Schulz steps)")
+    if not 0.0 <= mu.momentum < 1.0:
+        raise ConfigError("train.muon.momentum", f"'{mu.momentum}' is not a number in [0, 1)")
+    if mu.lr is not None and not mu.lr > 0:
+        raise ConfigError("train.muon.lr", f"'{mu.lr}' is not a positive number or null (= train.lr)")

@@ -204,13 +204,17 @@ def lr_lambda(cfg: Config):
 
 
 def build_optimizer(cfg: Config, built: Built, meshes: Meshes):
-    """AdamW over this rank's parameters (ZeRO-1: over its share), in the groups of
-    paralayer/runtime/optimizer.py (``train.weight_decay_1d``), and the LambdaLR of :func:`lr_lambda`."""
+    """AdamW (``train.optimizer=muon``: Muon and AdamW) over this rank's parameters (ZeRO-1: over its
+    share), in the groups of paralayer/runtime/optimizer.py (``train.weight_decay_1d``), and the
+    LambdaLR of :func:`lr_lambda`."""
     t = cfg.train
 
     def make(params):  # fused on CUDA, foreach elsewhere (paralayer/runtime/optimizer.py)
         return optimizer.adamw(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                eps=t.adam_eps, decay_1d=t.weight_decay_1d)
+
+    if t.optimizer == "muon":
+        make = optimizer.muon_maker(cfg, built, meshes)
 
     if int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1:
         dp_mesh = meshes["dp_cp"]

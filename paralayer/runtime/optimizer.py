@@ -80,29 +80,122 @@ class EagerAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         """Adam.step's body with grad off (``differentiable`` is False here), calling the functional
         ``adam`` without its dynamo-disable wrapper."""
-        from torch.optim.adam import adam
-
         self._accelerator_graph_capture_health_check()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.set_grad_enabled(False):
-            for group in self.param_groups:
-                if group["differentiable"]:
-                    raise ValueError("EagerAdamW: differentiable=True is not supported")
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-                has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-                beta1, beta2 = group["betas"]
-                adam.__wrapped__(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                                 amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
-                                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                                 maximize=group["maximize"], foreach=group["foreach"],
-                                 capturable=group["capturable"], differentiable=False, fused=group["fused"],
-                                 grad_scale=getattr(self, "grad_scale", None),
-                                 found_inf=getattr(self, "found_inf", None),
-                                 decoupled_weight_decay=group["decoupled_weight_decay"])
+            self._step_groups()
         return loss
+
+    def _step_groups(self) -> None:
+        for group in self.param_groups:
+            self._adam_group(group)
+
+    def _adam_group(self, group: dict) -> None:
+        from torch.optim.adam import adam
+
+        if group["differentiable"]:
+            raise ValueError("EagerAdamW: differentiable=True is not supported")
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam.__wrapped__(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                         amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+                         lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                         maximize=group["maximize"], foreach=group["foreach"],
+                         capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                         grad_scale=getattr(self, "grad_scale", None),
+                         found_inf=getattr(self, "found_inf", None),
+                         decoupled_weight_decay=group["decoupled_weight_decay"])
+
+
+class MuonAdamW(EagerAdamW):
+    """``train.optimizer=muon``: Muon on the blocks' matrices (paralayer/optim/muon.py), AdamW on the
+    rest, one optimizer so that the LR schedule, the state dict and ZeRO-1's sharing see one object.
+    The Muon group holds one state per parameter, ``momentum_buffer`` (shaped as its gradient, a
+    DTensor where the gradient is one); its Newton-Schulz runs where ``exchange`` places it."""
+
+    def __init__(self, muon_params: Sequence[nn.Parameter], adam_params: Sequence[nn.Parameter], *, lr: float,
+                 betas: tuple[float, float], weight_decay: float, eps: float, decay_1d: bool, muon_lr: float,
+                 momentum: float, nesterov: bool, ns_steps: int, adjust_lr: str, exchange, fused: bool = False):
+        groups = param_groups(adam_params, weight_decay, decay_1d)
+        if muon_params:
+            groups.append({"params": list(muon_params), "lr": muon_lr, "weight_decay": weight_decay, "muon": True,
+                           "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr})
+        impl = {"fused": True} if fused else {"foreach": True}
+        super().__init__(groups, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **impl)
+        self.exchange = exchange
+
+    def __setstate__(self, state: dict) -> None:
+        """A loaded state dict (``load_state_dict`` ends here): Adam's fix-ups read every state's
+        ``step``, which Muon's states have not; they run on the AdamW groups only."""
+        groups = state["param_groups"]
+        state["param_groups"] = [g for g in groups if not g.get("muon")]
+        super().__setstate__(state)
+        self.param_groups = groups
+
+    def _step_groups(self) -> None:
+        for group in self.param_groups:
+            if not group.get("muon"):
+                self._adam_group(group)
+        self._muon_step([g for g in self.param_groups if g.get("muon")])
+
+    def _muon_step(self, groups: list[dict]) -> None:
+        from paralayer.optim.muon import adjusted_lr
+        from paralayer.parallel.local_shard import local_tensor
+
+        params, updates, owner_group = [], [], []
+        for group in groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                g, buf = local_tensor(p.grad), local_tensor(state["momentum_buffer"])
+                buf.lerp_(g, 1 - mu)
+                params.append(p)
+                updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
+                owner_group.append(group)
+        if not params:
+            return
+        for p, o, group in zip(params, self.exchange(params, updates), owner_group):
+            w, lr = local_tensor(p.data), group["lr"]
+            w.mul_(1 - lr * group["weight_decay"])
+            w.add_(o, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+
+
+def muon_maker(cfg, built, meshes):
+    """``make(params)`` for ``train.optimizer=muon``: a :class:`MuonAdamW` over ``params`` (every
+    parameter of the rank, or ZeRO-1's share of them, whose matrices are then all local). Owners
+    are dealt over dp·cp (paralayer/optim/owners.py); experts under ep stay on their rank; the
+    iteration runs in bf16 on CUDA (torch.optim.Muon's), fp32 elsewhere."""
+    import torch.distributed as dist
+
+    from paralayer.optim.muon import DataGroup, MatrixExchange, split_params
+
+    t, mu = cfg.train, cfg.train.muon
+    names = {id(p): n for c in built.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+    zero1 = int(cfg.parallel.zero) == 1 and meshes.size("dp_cp") > 1
+    if meshes.size("dp_cp") > 1 and not zero1:
+        m = meshes["dp_cp"]
+        data = DataGroup(m.get_group(), m.get_local_rank(), m.size(), dist.get_process_group_ranks(m.get_group()),
+                         {id(p) for p in built.expert_params})
+    else:  # one data rank, or ZeRO-1: the share is owned whole by this rank
+        data = DataGroup(None)
+    dtype = torch.bfloat16 if built.device.type == "cuda" else torch.float32
+
+    def make(params):
+        muon, adam = split_params((names.get(id(p), ""), p) for p in params)
+        return MuonAdamW(muon, adam, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, eps=t.adam_eps,
+                         decay_1d=t.weight_decay_1d, muon_lr=mu.lr if mu.lr is not None else t.lr,
+                         momentum=mu.momentum, nesterov=mu.nesterov, ns_steps=mu.ns_steps, adjust_lr=mu.adjust_lr,
+                         exchange=MatrixExchange(data, mu.ns_steps, dtype), fused=built.device.type == "cuda")
+
+    return make
 
 
 def implementation(opt: torch.optim.Optimizer) -> str:

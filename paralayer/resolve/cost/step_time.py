@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
+from paralayer.resolve.cost import optimizer_step
 from paralayer.resolve.cost import terms as cost_mod
 from paralayer.resolve.cost.machine import (
     Machine,
@@ -165,13 +166,14 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
     else:
         dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
                                         plan.zero, g["pp"], work_s + recomp, mm, mach)
-    step = inner * (1 + plan.bubble_fraction) + dp_exposed
+    opt_s = optimizer_step.plan_seconds(cfg, g, plan.zero, plan.stage_layers, mach, plan.spans)  # muon; 0: adamw
+    step = inner * (1 + plan.bubble_fraction) + dp_exposed + opt_s
     out = {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "tp_overlap": plan.tp_overlap,
             "micro_batch": plan.micro_batch, "microbatches": mm, "step_time_s": step,
             "compute_s": compute, "imbalance": shape.imbalance, "recompute_s": recomp, "overhead_s": ovh,
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
-            "dp_exposed_s": dp_exposed, "memory": dict(plan.memory_per_device_bytes),
+            "dp_exposed_s": dp_exposed, "optimizer_s": opt_s, "memory": dict(plan.memory_per_device_bytes),
             "tokens_per_s": plan.tokens_per_step / step,
             "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
     if change is not None:

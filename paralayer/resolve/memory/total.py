@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paralayer.config import Config
-from paralayer.resolve.memory import zero1
+from paralayer.resolve.memory import muon_states, zero1
 from paralayer.resolve.memory.activations import rank_activations
 from paralayer.resolve.memory.autocast import autocast_copy_params
 from paralayer.resolve.memory.states import rank_params, state_bytes
@@ -62,6 +62,7 @@ def rank_memory(cfg: Config, lay: Layout, r: int) -> tuple[int, int, int, int]:
     if z == 1 and d_dense > 1:  # the busiest data rank's share (zero1.busiest_dense): experts under ep kept apart
         opt = state_bytes(zero1.busiest_dense(cfg, lay, r), expert if lay.ep > 1 else 0.0, d_dense, d_exp, z,
                           lay.pp, lay.precision, lay.schedule)[2]
+    opt = muon_states.optimizer_bytes(opt, muon_states.muon_split(cfg, lay, r), lay, z)  # train.optimizer=muon
     params = int(params) + int(2 * autocast_copy_params(cfg, lay, r))  # as the planner adds them
     if cfg.train.precision == "fp8":  # FSDP's FP8 all-gather keeps those weights gathered at 1 byte
         from paralayer.resolve.fp8 import fp8_copy_saving

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.memory import v_flight, zero1
+from paralayer.resolve.memory import muon_states, v_flight, zero1
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
@@ -36,6 +36,7 @@ class RankInfo(NamedTuple):
     chunk_has_layers: tuple = ()  # per chunk of split_chunks: it has pipeline layers (its RoPE tables)
     chunk_counts: tuple = ()  # per chunk of split_chunks: its (dense, MoE) blocks
     zero1_dense: float = 0.0  # ZeRO-1's busiest data rank's share times d (memory.zero1.busiest_dense)
+    muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
 
 
 #: pipelines up to this depth have every rank weighed under the V schedules (candidate_ranks)
@@ -68,7 +69,8 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
                               tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
                               sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts,
-                              zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0))
+                              zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0,
+                              muon_states.muon_split(cfg, lay, r)))
     return ranks
 
 
@@ -286,6 +288,7 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         if zero == 1 and d_dense > 1:  # the busiest data rank's share, as memory.rank_memory
             op = int(mem_mod.state_bytes(rk.zero1_dense, rk.expert if lay.ep > 1 else 0.0, d_dense, d_exp, zero,
                                          lay.pp, lay.precision, lay.schedule)[2])
+        op = int(muon_states.optimizer_bytes(op, rk.muon, lay, zero))
         if fp8_saving is not None:
             pa -= int(fp8_saving(rk))
         out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))

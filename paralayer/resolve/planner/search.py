@@ -59,6 +59,7 @@ from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts
+from paralayer.resolve.cost import optimizer_step
 from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
     Machine,
@@ -290,6 +291,10 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                                              structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe)
                                              * scale,
                                              least_bubble=least_bubble))
+                        if cfg.train.optimizer == "muon":  # Muon's step per ZeRO stage (cost/optimizer_step.py)
+                            st = out[-1]
+                            st.optimizer_s = {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay.stage_layers,
+                                                                             mach, st.spans) for z in range(4)}
     return out
 
 
@@ -463,7 +468,7 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
     def step_of(work: float, recomp: float) -> tuple[float, float, float]:
         inner = work + recomp + fixed + per_m * mm + t_tp + ovh
         dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
-        return inner * (1 + bubble) + dp_exposed, inner, dp_exposed
+        return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed  # + Muon's step
 
     step, inner, dp_exposed = step_of(work, recomp)
     extra = None

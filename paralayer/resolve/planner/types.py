@@ -54,6 +54,7 @@ class Structure:
     per_ax: dict = dataclasses.field(default_factory=dict)
     first_pts: Optional[list] = None  # comm at recompute=none, zero first_zero (for the refined bound)
     least_bubble: float = 0.0  # the bubble at the most microbatches the global batch allows
+    optimizer_s: dict = dataclasses.field(default_factory=dict)  # zero -> Muon's step (cost.optimizer_step)
 
     @property
     def pp_layout(self) -> Optional[list]:

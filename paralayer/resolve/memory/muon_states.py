@@ -1,0 +1,60 @@
+"""Muon's optimizer states (``train.optimizer=muon``): one fp32 momentum buffer per parameter it
+steps, in place of AdamW's two moments; AdamW's two stay for the parameters it keeps.
+
+Which parameters Muon steps is paralayer/optim/muon.py's rule (``uses_muon``): every matrix of the
+blocks and the experts; AdamW keeps the norm gains (the layer's, the attention's inner, the final,
+MTP's), the token embedding and the output head (and MTP's copy of the embedding under pp). The
+momentum is sharded as AdamW's moments are (ZeRO ≥ 1 over dp·cp, experts over expert-dp), so the
+Muon share of the optimizer bytes is half of what :func:`states.state_bytes` gives for it. Under
+ZeRO-1 the runtime deals whole parameters by size, not by kind: the plan takes a share's Muon
+fraction as the rank's (exact only on average over the data ranks).
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
+from paralayer.resolve.memory.states import rank_chunks, rank_params, state_bytes
+from paralayer.resolve.rules import Layout
+
+#: Muon's held state bytes over AdamW's, per parameter: one fp32 buffer (4 B) against m and v (8 B)
+MUON_STATE_RATIO = 0.5
+
+
+def rank_adamw_params(cfg: Config, lay: Layout, r: int) -> float:
+    """Parameters pipeline rank r steps with AdamW under Muon (after tp sharding): its layers' norm
+    gains, the embedding on the first chunk, the final norm and head on the last (MTP's norms, and
+    its embedding copy under pp, with them)."""
+    m = cfg.model
+    h = m.d_model
+    chunks = rank_chunks(lay, r)
+    n_layers = sum(len(lay.stage_layers[c]) for c in chunks)
+    norms = parts.layer_norm_params(cfg) + parts.attn_norm_params(cfg)
+    out = n_layers * norms
+    vocab = lay.padded_vocab * h / lay.tp
+    if 0 in chunks:
+        out += vocab
+    if (lay.chunks - 1) in chunks:
+        out += h + vocab
+        if m.mtp.depth and lay.pp > 1:
+            out += vocab
+        out += len(parts.mtp_layers(cfg)) * (norms + 3 * h)
+    return out
+
+
+def muon_split(cfg: Config, lay: Layout, r: int) -> tuple:
+    """(dense, expert) parameters Muon steps on pipeline rank r; () under AdamW."""
+    if getattr(cfg.train, "optimizer", "adamw") != "muon":
+        return ()
+    dense, expert, _ = rank_params(cfg, lay, r)
+    return (max(dense - rank_adamw_params(cfg, lay, r), 0.0), expert)
+
+
+def optimizer_bytes(opt_adamw: float, split: tuple, lay: Layout, zero: int) -> float:
+    """The rank's optimizer bytes: AdamW's figure less what Muon does not keep (``split`` from
+    :func:`muon_split`; () leaves AdamW's figure)."""
+    if not split:
+        return opt_adamw
+    d_dense = lay.dp * lay.cp
+    d_exp = max(d_dense // max(lay.ep, 1), 1)
+    muon_as_adamw = state_bytes(split[0], split[1], d_dense, d_exp, zero, lay.pp, lay.precision, lay.schedule)[2]
+    return opt_adamw - (1 - MUON_STATE_RATIO) * muon_as_adamw
