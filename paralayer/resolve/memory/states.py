@@ -92,7 +92,7 @@ def layer_params(cfg: Config, i: int, active: bool = False) -> int:
     experts + shared)."""
     m = cfg.model
     h = m.d_model
-    n = parts.layer_attn_rank_params(cfg, i, 1) + parts.layer_norm_params(cfg)
+    n = int(parts.layer_attn_rank_params(cfg, i, 1)) + parts.layer_norm_params(cfg)  # whole at tp 1
     if is_moe_layer(cfg, i):
         e = m.moe.top_k if active else m.moe.num_experts
         n += h * m.moe.num_experts + e * expert_params(cfg) + 3 * h * m.moe.shared_ffn_hidden
