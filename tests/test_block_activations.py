@@ -30,7 +30,8 @@ CASES = {
 }
 
 
-def _block_saved(overrides: list[str], precision: str, mode: str = "none", fake: bool = True) -> list[tuple[int, float]]:
+def _block_saved(overrides: list[str], precision: str, mode: str = "none",
+                 fake: bool = True) -> list[tuple[int, float]]:
     """[(saved bytes, the plan's bytes)] of layer 0 (dense) and layer 1 (MoE), one microbatch,
     under ``parallel.recompute=mode`` (built as the runtime builds it: apply_recompute); ``fake``
     False: on real CPU tensors (small shapes only), the runtime's own dtypes and storages."""
