@@ -171,16 +171,20 @@ def recipes_table(only: str) -> None:
                 print(f"| {name} | {r['layout']} | | | | FAIL: {r['error'][:140]} | | | | | | | {r['wall']:.0f} |",
                       flush=True)
                 continue
-            q = r["ratios"]
-            comm = " ".join(f"{a} {fmt(v)}" for a, v in sorted(q["comm"].items()))
             print(f"| {name} | {r['layout']} | {r['world']} | {r['m']} | {r['rank']} | {'yes' if r['ok'] else 'NO'} | "
-                  f"{fmt(q['params'])} | {fmt(q['grads'])} | {fmt(q['optimizer'])} | {fmt(q['activations'])} | "
-                  f"{comm} | {fmt(q['flops'])} | {r['seconds']:.0f} |", flush=True)
+                  f"{ratio_cells(r['ratios'])} | {r['seconds']:.0f} |", flush=True)
     print(f"\nwall time {time.time() - t0:.0f} s", flush=True)
 
 
 def fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def ratio_cells(q: dict) -> str:
+    """params | grads | optimizer | activations | comm per axis | FLOPs, as ratios."""
+    comm = " ".join(f"{a} {fmt(v)}" for a, v in sorted(q["comm"].items()))
+    return (f"{fmt(q['params'])} | {fmt(q['grads'])} | {fmt(q['optimizer'])} | {fmt(q['activations'])} | "
+            f"{comm} | {fmt(q['flops'])}")
 
 
 def main() -> int:
@@ -201,11 +205,8 @@ def main() -> int:
         if "error" in r:
             print(f"| {label} | | | FAIL | {r['error'][:120]} | | | | | | {r['wall']:.0f} |", flush=True)
             continue
-        q = r["ratios"]
-        comm = " ".join(f"{a} {fmt(v)}" for a, v in sorted(q["comm"].items()))
-        print(f"| {label} | {r['world']} | {r['m']} | {'yes' if r['ok'] else 'NO'} | {fmt(q['params'])} | "
-              f"{fmt(q['grads'])} | {fmt(q['optimizer'])} | {fmt(q['activations'])} | {comm} | "
-              f"{fmt(q['flops'])} | {r['seconds']:.0f} |", flush=True)
+        print(f"| {label} | {r['world']} | {r['m']} | {'yes' if r['ok'] else 'NO'} | {ratio_cells(r['ratios'])} | "
+              f"{r['seconds']:.0f} |", flush=True)
     return 0
 
 
