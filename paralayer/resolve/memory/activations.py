@@ -70,7 +70,9 @@ def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> 
       fp32 too: 2·h/t more; without SP every linear saves its own bf16 cast of the input: q, k, v
       three and w1, w3 two where one was counted: 3h more.
       Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
-    - qk_norm: its 1/rms per head, (a + g)/t more (Qwen3's widths, fake tensors, tp 1);
+    - qk_norm: its 1/rms per head, (a + g)/t more (Qwen3's widths, fake tensors, tp 1); under
+      autocast with core_attn or selective the core's inputs q and k are the norms' fp32 outputs:
+      (a + g)·head_dim/t more (not Gemma's offset norm, which casts back);
     - MLA: its two inner norms' 1/rms, 2 more; under autocast without SP two GEMMs read the
       attention norm's output (q_a or wq, and kv_a), not three: h fewer.
     - MoE: the router's scores are fp32, E more; under autocast each routed row's input is cast
@@ -109,9 +111,21 @@ def _block_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[flo
 
 
 def _gqa_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """qk_norm: the q and k norms' 1/rms per head (attn_saved_elems' a + g)."""
+    """qk_norm: the q and k norms' 1/rms per head (attn_saved_elems' a + g). Under autocast the
+    norms' weights are fp32, so their outputs are fp32 (bf16 x normalised, times an fp32 weight:
+    as transformers' Qwen3RMSNorm), and a recomputed core (core_attn, selective) keeps its inputs q
+    and k as they come: q + kv more (qwen3-8b tp8 selective rehearsed activations 1.036 at 6
+    layers, 1.020 at 2, without; "none" saves RoPE's bf16 casts, counted in the fit). Not Gemma's
+    offset norm, whose output is cast back to bf16 (gemma3-27b's block reads 1.000 without it, 0.959 with)."""
     m = cfg.model
-    return [(m.n_heads + m.n_kv_heads) / lay.tp] if m.qk_norm else []
+    if not m.qk_norm:
+        return []
+    terms = [(m.n_heads + m.n_kv_heads) / lay.tp]
+    # Gemma's offset norm casts back to its input's dtype (model/norms.py): nothing more there
+    if autocast and mode in ("core_attn", "selective") and not m.norm_offset:
+        hd = parts.head_dim(cfg)
+        terms.append((m.n_heads + m.n_kv_heads) * hd / lay.tp)
+    return terms
 
 
 def _mla_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:

@@ -1,0 +1,71 @@
+"""The plan against the rehearsal at two depths (issue 46 item 1): a per-layer term that is
+missing, or one that appears only past two layers, shows as a ratio that moves with depth.
+
+The rehearsal tests of the families (tests/test_rehearse_models.py) run two-layer copies in fp32;
+qwen3-8b and qwen3-32b then agreed at 1.000 while their bf16 recipes at full depth rehearsed
+5-7% over the plan (the q/k norms' fp32 outputs, one term per layer). Here each family runs in
+its recipe's own precision (bf16 for the full-size recipes), recompute and kind of layout (tp,
+pp, ep), at tiny widths so the cost stays small, at 2 and 6 layers: states exact, activations
+exact (1e-4; the MoE families within their measured bounds, TOLERANCE) at both depths,
+and the per-layer increment of the measured activations is the plan's. The full recipes at their
+own depth and layout are rows of ``benchmarks/rehearse_matrix.py --recipes`` (docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import pytest
+
+from paralayer import config as config_mod
+from paralayer import rehearse as R
+from paralayer.resolve import resolve
+
+#: Tiny widths with Qwen3's shape: q = n_heads·head_dim (96) wider than d_model (64), GQA.
+TINY_GQA = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=24", "model.ffn_hidden=128",
+            "model.vocab_size=256", "model.seq_len=64", "train.global_batch=8", "train.micro_batch=2",
+            "cluster.nodes=1", "cluster.devices_per_node=4"]
+CASES = {
+    # qk_norm, selective recompute, bf16 under autocast (ZeRO-1), tp2 with SP
+    "qwen3-dense": ["recipe=qwen3-8b", "parallel.tp=2", "parallel.dp=2"] + TINY_GQA,
+    # the same block under pp2 (1F1B): first and last stage
+    "qwen3-pp2": ["recipe=qwen3-32b", "parallel.tp=2", "parallel.pp=2", "parallel.dp=1"] + TINY_GQA,
+    # Llama 3.1's block (no qk_norm, head_dim = d_model / n_heads)
+    "llama3.1": ["recipe=llama3.1-8b", "parallel.tp=2", "parallel.dp=2", "model.head_dim=null"] + TINY_GQA,
+    # the MoE families at their tiny recipes (dp2 ep2; fp32 on a CPU cluster)
+    "qwen3-moe": ["recipe=tiny-qwen3-moe"],
+    "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
+}
+#: measured, not exact (activations ratio at 2 / 6 layers, and the per-layer increment): tiny-qwen3-moe
+#: 1.0013 / 1.0014, increment 1.0014; deepseek-v3-tiny 0.9925 / 0.9990, increment 1.0047 (CPU's math path
+#: for MLA, docs/planner.md). Bounds just above them: a missing per-layer term of the size issue 46
+#: found (5%) fails. tiny-gemma3 (tp2, windows, offset norms) reads 1.021 / 1.022, increment 1.023: a
+#: per-layer term not found yet, so it is not held here (docs/planner.md).
+TOLERANCE = {"qwen3-moe": 2e-3, "deepseek-v3-tiny": 1e-2}
+DEPTHS = (2, 6)
+
+
+def _rehearse(overrides: list[str], layers: int) -> list[dict]:
+    cfg = config_mod.load_config(overrides + [f"model.n_layers={layers}"])
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], plan["errors"]
+    pp = plan["degrees"]["pp"]
+    out = R.rehearse(cfg, plan, sorted({0, (pp - 1) * (plan["world_size"] // pp)}))
+    assert out["ok"] and out["ranks"], out.get("errors")
+    return out["ranks"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_plan_holds_at_two_depths(name):
+    tol = TOLERANCE.get(name, 1e-4)
+    by_depth = {n: _rehearse(CASES[name], n) for n in DEPTHS}
+    for n, ranks in by_depth.items():
+        for r in ranks:
+            for part in ("params", "grads", "optimizer"):
+                assert r["memory_bytes"][part] == r["plan_memory_bytes"][part], (name, n, r["rank"], part)
+            assert abs(r["ratios"]["activations"] - 1) < tol, (name, n, r["rank"], r["ratios"])
+            assert abs(r["ratios"]["flops"] - 1) < 1e-3, (name, n, r["rank"], r["ratios"])
+    # what each layer adds, measured and planned: a per-layer term missing from the plan shows here
+    # even where a fixed term (the head, the logits) would hide it in the total
+    lo, hi = by_depth[DEPTHS[0]], by_depth[DEPTHS[1]]
+    for a, b in zip(lo, hi):
+        got = b["memory_bytes"]["activations"] - a["memory_bytes"]["activations"]
+        plan = b["plan_memory_bytes"]["activations"] - a["plan_memory_bytes"]["activations"]
+        assert got > 0 and abs(got / plan - 1) < tol, (name, a["rank"], got, plan)
