@@ -3,10 +3,15 @@
 
     PYTHONPATH=. python benchmarks/plan_models.py
 """
-import gc, statistics, time, sys
+import gc
+import statistics
+import sys
+import time
+
 from paralayer.config import load_config
 from paralayer.resolve import planner
 from paralayer.resolve.planner import report as plan_report
+
 CASES = [["recipe=deepseek-v3"], ["recipe=deepseek-v3", "parallel.schedule=dualpipev"],
          ["recipe=qwen3-235b-a22b"], ["recipe=qwen3-235b-a22b", "parallel.schedule=dualpipev"],
          ["recipe=qwen3-32b"], ["recipe=qwen3-32b", "model.sliding_window=1024", "model.full_attention_every=4"],

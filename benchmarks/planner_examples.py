@@ -22,8 +22,8 @@ EXAMPLES = [
 
 
 def _example_table(ov: str, n: int) -> list[str]:
-    from paralayer.resolve.planner import report as plan_report
     from paralayer.resolve.plan import resolve
+    from paralayer.resolve.planner import report as plan_report
 
     cfg = load_config(ov.split())
     stats: dict = {}

@@ -40,9 +40,9 @@ if REPO not in sys.path:
 from paralayer.config import load_config  # noqa: E402
 from paralayer.resolve import cost as cost_mod  # noqa: E402
 from paralayer.resolve.cost.machine import machine_for  # noqa: E402
+from paralayer.resolve.cost.step_time import RUNTIME, Framework, step_shape, time_plan  # noqa: E402
 from paralayer.resolve.plan import resolve  # noqa: E402
 from paralayer.resolve.planner import config_for, plan_layouts  # noqa: E402
-from paralayer.resolve.cost.step_time import RUNTIME, Framework, step_shape, time_plan  # noqa: E402
 
 TABLE = os.path.join(REPO, "benchmarks", "published_runs.csv")
 PROFILE = {"a100": "a100-80gb-8x", "h100": "h100-80gb-8x", "h200": "h200-141gb-8x"}

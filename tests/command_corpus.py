@@ -400,10 +400,10 @@ def main(n: int, seed: int, kinds: list[str] | None, show: int) -> int:
     import torch  # noqa: F401 - imported once here, shared by every child (export loads it)
 
     from paralayer.checkpoint import dcp, export  # noqa: F401
-    from paralayer.model import transformer  # noqa: F401
     from paralayer.data import prepare  # noqa: F401
     from paralayer.dispatch import slurm  # noqa: F401
     from paralayer.metrics import report  # noqa: F401
+    from paralayer.model import transformer  # noqa: F401
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     results = []

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import command_corpus as corpus  # noqa: E402
+
 from paralayer import cli  # noqa: E402
 
 

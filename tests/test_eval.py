@@ -23,7 +23,6 @@ import pytest
 import torch  # noqa: F401 - imported once here: the forked ranks inherit it
 
 import paralayer.runtime.train  # noqa: F401 - likewise
-
 from tests.dist import cfg_and_plan, max_rel_err, paired, run_ranks
 
 VOCAB, SEQ = 128, 32

@@ -33,8 +33,8 @@ def test_export_matches_transformers(tmp_path, tie):
     from transformers import AutoModelForCausalLM
 
     from paralayer.checkpoint import dcp as ckpt
-    from paralayer.config import from_yaml_file
     from paralayer.checkpoint.export import export_run
+    from paralayer.config import from_yaml_file
     from paralayer.model.transformer import Transformer
 
     run_dir = str(tmp_path / "run")

@@ -198,8 +198,8 @@ def test_rehearsed_weight_copies_equal_the_plan(extra):
     (``weight_copy_bytes``, the live peak of saved casts of weights); the plan's params are the fp32
     weights plus those copies: equal to the byte, on every pipeline rank."""
     from paralayer import config as config_mod
-    from paralayer.resolve import resolve, rules
     from paralayer import rehearse as R
+    from paralayer.resolve import resolve, rules
 
     cfg = config_mod.load_config(["recipe=tiny", "train.precision=bf16", "parallel.zero=1", *extra])
     plan = resolve(cfg).to_dict()

@@ -10,6 +10,7 @@ backward in one layer, per mode, against the resolver's ``act_elems_per_token`` 
 from __future__ import annotations
 
 import contextlib
+
 import pytest
 import torch
 

@@ -12,8 +12,8 @@ import torch
 
 from paralayer.config import load_config
 from paralayer.model.transformer import Transformer, init_weights, lm_loss
-from paralayer.resolve import memory, rules
 from paralayer.rehearse.memory import SavedPeak
+from paralayer.resolve import memory, rules
 from paralayer.runtime.train import apply_recompute
 
 torch.set_num_threads(1)

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from paralayer import config as config_mod
-from paralayer.resolve import resolve
 from paralayer import rehearse as R
+from paralayer.resolve import resolve
 
 BASE = ["recipe=llama3-8b", "cluster.nodes=8", "train.precision=fp32", "model.n_layers=2"]
 

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = str(REPO / "launch.py")
 SMALL = ["recipe=tiny", "parallel.tp=1", "cluster=local-slurm", "logging.progress=true"]

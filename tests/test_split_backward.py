@@ -128,8 +128,8 @@ def test_v_schedule_rehearsal_counts_the_plans_tp_bytes_and_flops(schedule, over
     the last chunk) sends the plan's tp bytes and does its FLOPs (before: tp 1.25 / 1.05, FLOPs
     1.125 / 1.031: every fused backward ran in both passes)."""
     from paralayer import config as config_mod
-    from paralayer.resolve import resolve
     from paralayer import rehearse as R
+    from paralayer.resolve import resolve
 
     cfg = config_mod.load_config(["recipe=llama3-8b", "cluster.nodes=8", "train.precision=fp32", "model.n_layers=4",
                                   "parallel.tp=2", "parallel.pp=2", f"parallel.schedule={schedule}",

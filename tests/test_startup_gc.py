@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-
 from pathlib import Path
 
 from tests.dist import TINY_SMALL, cfg_and_plan, run_ranks

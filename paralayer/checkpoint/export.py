@@ -21,7 +21,16 @@ import sys
 import tempfile
 
 from paralayer.inputs.echo import one_line
-from paralayer.inputs.untrusted import ArgParser, BadInput, check_dir, check_file, check_out, guard, refuse_overwrite, show
+from paralayer.inputs.untrusted import (
+    ArgParser,
+    BadInput,
+    check_dir,
+    check_file,
+    check_out,
+    guard,
+    refuse_overwrite,
+    show,
+)
 
 
 def _candidates(root: str) -> list[str]:

@@ -37,16 +37,25 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from paralayer.inputs.depth import MAX_DEPTH, json_depth
-from paralayer.inputs.echo import one_line
-from paralayer.inputs.untrusted import ArgParser, BadInput, check_dir, check_file as check_input, check_out, guard
-from paralayer.inputs.untrusted import read_json, refuse_overwrite, show
 from paralayer.data import readers
 from paralayer.data.errors import DataError
 from paralayer.data.indexed import IndexedShard, IndexedWriter, fsync_dir, write_index
 from paralayer.data.preflight import check_file, data_files
 from paralayer.data.tokenizers import load_tokenizer
+from paralayer.inputs.depth import MAX_DEPTH, json_depth
+from paralayer.inputs.echo import one_line
 from paralayer.inputs.idx_header import optimal_dtype_code
+from paralayer.inputs.untrusted import (
+    ArgParser,
+    BadInput,
+    check_dir,
+    check_out,
+    guard,
+    read_json,
+    refuse_overwrite,
+    show,
+)
+from paralayer.inputs.untrusted import check_file as check_input
 
 _PART_VERSION = 1
 

@@ -35,7 +35,6 @@ from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import apply_rope
 from paralayer.model.recompute import recompute
 
-
 #: the latent norms' eps: DeepSeek's code and transformers' DeepseekV3Attention build them with the
 #: RMSNorm default 1e-6, whatever rms_norm_eps says
 LATENT_NORM_EPS = 1e-6

@@ -34,10 +34,10 @@ if __name__ == "__main__":  # a rank of the local launcher: the collector off wh
 import torch
 import torch.distributed as dist
 
-from paralayer.config import resolved as config_resolved  # to_dict without OmegaConf (issue #36)
 from paralayer.checkpoint.manifest import CheckpointError
 from paralayer.clock import StepClock
 from paralayer.config import Config
+from paralayer.config import resolved as config_resolved  # to_dict without OmegaConf (issue #36)
 from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
 from paralayer.parallel import data as dpar
@@ -48,12 +48,8 @@ from paralayer.parallel.grad_scaling import GradScaling, finish_grads
 from paralayer.parallel.mesh import Meshes, build_mesh
 from paralayer.parallel.tensor import loss_parallel_ctx
 from paralayer.resolve.plan import Plan
-from paralayer.runtime import evaluate, placement, precision
+from paralayer.runtime import evaluate, mtp_step, placement, precision, rank_checkpoints, startup_gc
 from paralayer.runtime import moe_step as moe_step
-from paralayer.runtime import startup_gc
-from paralayer.runtime import mtp_step
-from paralayer.runtime import rank_checkpoints
-from paralayer.runtime.health import stability as stab_mod
 from paralayer.runtime.batch import rank_batch
 from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the rehearsal use train.*
     Built,
@@ -71,6 +67,7 @@ from paralayer.runtime.build import (  # noqa: F401 - re-exported: tests and the
     make_loss_fn,
     resolve_device,
 )
+from paralayer.runtime.health import stability as stab_mod
 from paralayer.runtime.health.preempt import Preempted, PreemptSave
 from paralayer.runtime.rank_entry import _report_input_error, init_distributed, load_run  # noqa: F401
 
