@@ -139,6 +139,14 @@ MODEL_FIELDS = {
     # Gemma3ForCausalLM under tp2, pp2, cp2 and dp2·ZeRO-3 -- not yet a family of this matrix
     **{k: None for k in ("embed_scale", "norm_offset", "post_norms", "mlp_act", "query_pre_attn_scalar",
                          "rope_local_theta")},
+    # GPT-OSS's parts: fixed here; tests/test_families.py proves them against GptOssForCausalLM under tp2,
+    # pp2, cp2, dp2·ZeRO-3 and ep2
+    **{k: None for k in ("attn_bias", "attn_sinks", "rope.truncate", "moe.router_bias", "moe.expert_bias",
+                         "moe.swiglu_limit", "moe.swiglu_alpha")},
+    # Qwen3-Next's parts: fixed here; tests/test_qwen3_next.py proves them against Qwen3NextForCausalLM
+    # under tp2 (+SP), pp2, dp2·ZeRO-3 and ep2 (cp refused by name)
+    **{k: None for k in ("attn_gate", "rotary_fraction", "moe.shared_gate", "linear.chunk", "linear.conv_kernel",
+                         "linear.head_k_dim", "linear.head_v_dim", "linear.k_heads", "linear.v_heads")},
 }
 
 
@@ -358,7 +366,10 @@ PLANNER_PREDICTION_KEYS = {"rank", "step_time_s", "tokens_per_s", "mfu", "bubble
 #: the schema's parallel fields the features cover (dp is what is left of the world: derived)
 PARALLEL_FIELDS = {"tp": "tp", "pp": "pipe", "vpp": "pipe", "schedule": "pipe", "cp": "cp", "ep": "ep",
                    "dp": None, "zero": "zero", "recompute": "recompute", "recompute_every": "recompute_every",
-                   "sequence_parallel": "tp", "tp_overlap": "tp", "pp_layout": "pp_layout"}
+                   "sequence_parallel": "tp", "tp_overlap": "tp", "pp_layout": "pp_layout",
+                   # null: dualpipev with ep > 1 runs overlapped, so the pipe feature's dualpipev rows with ep
+                   # run it (tests/test_overlap.py proves it bit for bit against the serial order)
+                   "pp_overlap": "pipe"}
 
 
 def planner_row(layout: dict, model) -> dict:

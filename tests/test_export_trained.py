@@ -22,7 +22,7 @@ from paralayer.families.registry import FAMILIES
 from tests.dist import run_ranks, write_tokens
 
 SEQ, VOCAB, BATCH, TOL = 32, 61, 4, 1e-5
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 LAYOUTS = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"],
            "ep2": ["parallel.dp=2", "parallel.ep=2"]}
 CASES = [(f, lay) for f in FAMILIES for lay in LAYOUTS if lay != "ep2" or f in MOE]
@@ -32,8 +32,12 @@ def _save(family: str, path: str) -> None:
     """transformers' tiny model of ``family`` (fp32, wide init) saved into ``path``."""
     from tests import families as fam
 
-    if family in ("llama", "mistral", "qwen3", "gemma3_text"):
+    if family in ("llama", "mistral", "qwen3", "gemma3_text", "gpt_oss"):
         fam.save_family({"llama": "llama3", "gemma3_text": "gemma3"}.get(family, family), path)
+    elif family == "qwen3_next":
+        from tests.qwen3_next_ref import save as save_qwen3_next
+
+        save_qwen3_next(path)
     elif family == "qwen3_moe":
         from tests.test_hf_moe import _save as save_qwen3_moe
 
@@ -107,7 +111,9 @@ def hf_loss(folder: str, tokens: str) -> tuple[float, str]:
 
     rows = [json.loads(line)["input_ids"] for line in open(tokens)]
     x = torch.tensor(rows[2 * BATCH:3 * BATCH])
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().eval()
+    with open(os.path.join(folder, "config.json")) as f:  # GPT-OSS's sinks: transformers' eager attention only
+        impl = "eager" if json.load(f)["model_type"] == "gpt_oss" else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=impl).float().eval()
     with torch.no_grad():
         return float(model(input_ids=x, labels=x).loss), type(model).__name__
 

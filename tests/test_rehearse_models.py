@@ -104,7 +104,7 @@ def test_a_failing_rank_names_the_module_even_from_a_checkout_under_rehearse():
     from paralayer.resolve.memory import zero1
 
     with pytest.raises(ValueError) as info:
-        zero1.share([1], 0, 0)  # min() of no data ranks
+        zero1.share([1], 0, 0)  # no data ranks
     assert _module_of(info.value).startswith("paralayer.resolve.memory.zero1:"), _module_of(info.value)
     with pytest.raises(KeyError) as info:
         R.driver.rank_of({"degrees": {}}, pp=1)  # only the rehearsal's own frames: none named

@@ -81,6 +81,8 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
 def deal(sizes: list[int], d: int) -> list[int]:
     """Elements each of ``d`` data ranks owns after the deal (largest first, to the least loaded
     rank, ties to the lowest index: ``ZeroOneOptimizer``'s order); a heap, as d reaches thousands."""
+    if d < 1:
+        raise ValueError(f"ZeRO-1 deals over at least one data rank, not {d}")
     heap = [(0, k) for k in range(d)]  # sorted: already a heap
     for s in sorted(sizes, reverse=True):
         load, k = heapq.heappop(heap)
