@@ -68,7 +68,8 @@ class StragglerWatch:
         med = statistics.median(busy)
         waits = len(table[0]) > len(PARTS)
         caused, score = waited_for.net([row[len(PARTS):] for row in table]) if waits else (None, busy)
-        if waits and not any(caused):
+        nobody = waits and not any(caused)
+        if nobody:
             score = busy  # nobody waited on anybody (one rank): the busiest
         slow = max(range(len(busy)), key=lambda r: (score[r], busy[r], -r))
         out = {"slowest_rank": slow, "slowest_host": self.hosts[slow],
@@ -77,11 +78,14 @@ class StragglerWatch:
         if waits:
             out.update(waited_for_slowest_s=caused[slow], waited_for_slowest_net_s=score[slow])
         for r in range(len(busy)):
-            over = med > 0 and (score[r] > med * self.pct / 100 if waits else busy[r] > med * (1 + self.pct / 100))
+            # one rank has no straggler; where nobody waited on anybody, the busy-time rule decides
+            by_wait = waits and not nobody
+            over = med > 0 and len(busy) > 1 and (
+                score[r] > med * self.pct / 100 if by_wait else busy[r] > med * (1 + self.pct / 100))
             self.runs[r] = self.runs[r] + 1 if over else 0
             if self.runs[r] >= self.streak and r not in self.warned:
                 self.warned.add(r)
-                self.printer(self.warning(table, r, busy, med, step, caused))
+                self.printer(self.warning(table, r, busy, med, step, caused if by_wait else None))
         return out
 
     def warning(self, table, r: int, busy, med: float, step: int, caused=None) -> str:
