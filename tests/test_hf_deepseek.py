@@ -137,28 +137,20 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layout_results(saved, tokens):
     """{layout: [(loss, grads) per rank]}: every layout in turn in one forked 2-rank world."""
-    from tests.dist import run_ranks
-    from tests.test_hf_moe import _layouts_worker, _overrides
+    from tests.test_hf_moe import _overrides, run_layouts
 
-    res = run_ranks(_layouts_worker, 2, [_overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS], timeout_s=300)
-    return {k: [r[i] for r in res] for i, k in enumerate(LAYOUTS)}
+    return run_layouts({k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}, timeout_s=300)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_deepseek_v3(saved, tokens, layout_results, layout):
-    import json
-
-    from tests.test_hf_moe import layout_errors
+    from tests.test_hf_moe import layout_errors, reference_loss
 
     path, ref = saved
-    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:4])
-    ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=x, labels=x)
-    out.loss.backward()
+    want = reference_loss(ref, tokens, 4)
     hf, rows = dict(ref.named_parameters()), hfmod._rope_rows(path)
     ours, mcfg = _ours(path)
-    loss_err, errs = layout_errors(layout_results[layout], layout, out.loss.item(),
-                                   lambda n: _hf_grad(hf, n, mcfg, rows))
+    loss_err, errs = layout_errors(layout_results[layout], layout, want, lambda n: _hf_grad(hf, n, mcfg, rows))
     print(f"deepseek_v3 {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     names = {n for n, _ in ours.named_parameters()}

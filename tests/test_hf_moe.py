@@ -168,9 +168,24 @@ def layout_results(saved, tokens, tmp_path_factory):
     cfg = json.load(open(os.path.join(bad, "config.json")))
     cfg["norm_topk_prob"] = True
     json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
-    runs = [_overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS] + [_overrides(bad, tokens, LAYOUTS[PLANT])]
-    res = run_ranks(_layouts_worker, 2, runs, timeout_s=300)
-    return {k: [r[i] for r in res] for i, k in enumerate([*LAYOUTS, "planted"])}
+    runs = {k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}
+    return run_layouts({**runs, "planted": _overrides(bad, tokens, LAYOUTS[PLANT])}, timeout_s=300)
+
+
+def run_layouts(runs: dict, timeout_s: float) -> dict:
+    """{layout: [(loss, grads) per rank]}: each layout's overrides in ``runs`` in turn, in one forked
+    2-rank world (the MoE and hybrid families' layout tests share it)."""
+    res = run_ranks(_layouts_worker, 2, list(runs.values()), timeout_s=timeout_s)
+    return {k: [r[i] for r in res] for i, k in enumerate(runs)}
+
+
+def reference_loss(ref, tokens: str, rows: int) -> float:
+    """transformers' loss on the first ``rows`` sequences of ``tokens``, backward run: its grads are on ``ref``."""
+    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:rows])
+    ref.zero_grad(set_to_none=True)
+    out = ref(input_ids=x, labels=x)
+    out.loss.backward()
+    return out.loss.item()
 
 
 def layout_errors(res, layout: str, want_loss: float, want_grad) -> tuple[float, dict]:
@@ -193,13 +208,10 @@ def layout_errors(res, layout: str, want_loss: float, want_grad) -> tuple[float,
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_transformers(saved, tokens, layout_results, layout):
     path, ref = saved
-    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
-    ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=x, labels=x)
-    out.loss.backward()
+    want = reference_loss(ref, tokens, BATCH)
     hf = dict(ref.named_parameters())
     ffn = CFG["moe_intermediate_size"]
-    loss_err, errs = layout_errors(layout_results[layout], layout, out.loss.item(), lambda n: _hf_grad(hf, n, ffn))
+    loss_err, errs = layout_errors(layout_results[layout], layout, want, lambda n: _hf_grad(hf, n, ffn))
     names = {n for n, _ in _ours(path)[0].named_parameters()}
     print(f"qwen3_moe {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)}) "
           f"over {len(errs)}")
@@ -208,8 +220,7 @@ def test_layouts_match_transformers(saved, tokens, layout_results, layout):
         held = [{n.split(".")[1] for n in g if n.startswith("layers.")} for _, g in layout_results[layout]]
         assert held == [{"0", "3"}, {"1", "2"}], held
     if layout == PLANT:
-        p_loss, p_errs = layout_errors(layout_results["planted"], layout, out.loss.item(),
-                                       lambda n: _hf_grad(hf, n, ffn))
+        p_loss, p_errs = layout_errors(layout_results["planted"], layout, want, lambda n: _hf_grad(hf, n, ffn))
         print(f"qwen3_moe {layout} planted renormalise: loss {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
         assert p_loss > 100 * TOL and max(p_errs.values()) > 100 * TOL, (p_loss, p_errs)
     assert loss_err < TOL and max(errs.values()) < TOL, errs

@@ -158,24 +158,19 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layout_results(saved, tokens):
     """{layout: [(loss, grads) per rank]}: every layout in turn in one forked 2-rank world."""
-    from tests.dist import run_ranks
-    from tests.test_hf_moe import _layouts_worker
+    from tests.test_hf_moe import run_layouts
 
-    res = run_ranks(_layouts_worker, 2, [_overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS], timeout_s=600)
-    return {k: [r[i] for r in res] for i, k in enumerate(LAYOUTS)}
+    return run_layouts({k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}, timeout_s=600)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_transformers(saved, tokens, layout_results, layout):
-    from tests.test_hf_moe import layout_errors
+    from tests.test_hf_moe import layout_errors, reference_loss
 
     path, ref = saved
-    x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
-    ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=x, labels=x)
-    out.loss.backward()
+    want = reference_loss(ref, tokens, BATCH)
     hf, ffn = dict(ref.named_parameters()), q.CONFIG["moe_intermediate_size"]
-    loss_err, errs = layout_errors(layout_results[layout], layout, out.loss.item(), lambda n: hf_grad(hf, n, ffn))
+    loss_err, errs = layout_errors(layout_results[layout], layout, want, lambda n: hf_grad(hf, n, ffn))
     print(f"qwen3_next {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)}) "
           f"over {len(errs)}")
     assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}  # every parameter came back
