@@ -39,6 +39,7 @@ def allreduce_entry(run_dir: str, *overrides: str) -> dict:
     dist.all_reduce(t)
     out = {"rank": rank, "world_size": world, "sum": t.item(),
            "local_rank": int(os.environ["LOCAL_RANK"]), "master": os.environ["MASTER_ADDR"],
+           "port": int(os.environ["MASTER_PORT"]), "job_id": os.environ["SLURM_JOB_ID"],
            "resume": dict(o.split("=", 1) for o in overrides).get("train.resume")}
     dist.destroy_process_group()
     Path(run_dir, f"rank{rank}.json").write_text(json.dumps(out))
@@ -174,7 +175,7 @@ def test_a_slurm_folder_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
 
 
 def test_two_ranks_allreduce(slurm, tmp_path):
-    from paralayer.dispatch.slurm import submit
+    from paralayer.dispatch.slurm import master_port, submit
 
     rd = _run_dir(tmp_path, "run")
     t0 = time.monotonic()
@@ -189,7 +190,19 @@ def test_two_ranks_allreduce(slurm, tmp_path):
         out = json.loads(Path(rd, f"rank{r}.json").read_text())
         assert out["world_size"] == 2 and out["sum"] == 3.0 and out["local_rank"] == r
         assert out["resume"] is None
+        # the store's port lies below the kernel's ephemeral range, the same on both ranks
+        assert out["port"] == master_port(out["job_id"]) and 20000 <= out["port"] < 32768
     assert res.states[res.job_ids[0]] == "COMPLETED"
+
+
+def test_master_port_is_below_the_ephemeral_range_and_one_per_job():
+    from paralayer.dispatch.slurm import master_port
+
+    ports = [master_port(str(j)) for j in range(1, 2001)]
+    assert len(set(ports)) == 2000 and min(ports) >= 20000 and max(ports) < 32768
+    assert master_port("41") == 20041 and master_port("12809") == 20041  # wraps after 12768 jobs
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not any(lo <= p <= hi for p in ports), (lo, hi)
 
 
 def test_job_array_of_two_runs(slurm, tmp_path):

@@ -35,6 +35,20 @@ DEFAULT_ENTRY = "paralayer.runtime.train:main"
 # (sbatch exports the caller's environment) must not leak into the ranks
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
+# rank 0's store listens below Linux's default ephemeral range (32768-60999), where the kernel hands
+# out the ports of outgoing and port-0 sockets (every gloo pair): submitit's own choice, a port drawn
+# from 20000-60000 by the job id, collided with one of them under load (EADDRINUSE at rank 0, and the
+# job failed before any rank ran)
+MASTER_PORT_RANGE = (20000, 32768)
+
+
+def master_port(job_id: str) -> int:
+    """The store's port for a SLURM job: every task of the job computes the same one from
+    ``SLURM_JOB_ID`` (unique per array element too); consecutive jobs get consecutive ports."""
+    lo, hi = MASTER_PORT_RANGE
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return lo + int(digits) % (hi - lo)
+
 from paralayer.dispatch.errors import DispatchError, LaunchError  # noqa: E402,F401 - the front door catches them: one line, exit 2
 from paralayer.dispatch.slurm_jobs import (  # noqa: E402 - SubmitResult and follow are this module's API too
     SubmitResult,
@@ -100,6 +114,8 @@ class RankTask(_checkpointable_base()):  # type: ignore[misc]
         for k in _DIST_VARS:
             os.environ.pop(k, None)
         os.environ.update(self.env)
+        if "MASTER_PORT" not in os.environ and os.environ.get("SLURM_JOB_ID"):
+            os.environ["MASTER_PORT"] = str(master_port(os.environ["SLURM_JOB_ID"]))
         resume = self.resume
         if not resume and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
             # requeued without our checkpoint() running (a bare `scontrol requeue`, a node failure,
