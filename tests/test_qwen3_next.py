@@ -5,9 +5,11 @@ shared expert; partial RoPE 0.5; init std 0.2), imported by ``model.init=hf:DIR`
 - one rank: logits within 1e-5 and every gradient within 1e-4 relative; planted errors move them
   past 100× those (the delta rule's gate applied after the update, RoPE on the whole head, the
   shared expert's gate dropped, the attention's output gate dropped);
-- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3 and ep2 through the runtime's
-  step: loss within 1e-5, every gradient within 1e-4 of transformers' on the same global batch;
-- cp with linear layers is refused by name (exit 2, one line);
+- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3, ep2, cp2 and cp2·tp2 through
+  the runtime's step: loss within 1e-5, every gradient within 1e-4 of transformers' on the same
+  global batch; under cp2 the conv tail or the recurrent state not passed across the cp ranks
+  (planted) moves them past 100× those;
+- cp whose zigzag chunks are shorter than the conv's tail is refused by name (exit 2, one line);
 - round trip: import → 2 steps → export; transformers loads Qwen3NextForCausalLM from it and its
   logits equal ours within 1e-6."""
 from __future__ import annotations
@@ -139,7 +141,9 @@ def test_one_rank_matches_transformers_and_plants_fail(saved, monkeypatch):
 # ------------------------------------------------------------------ multi-rank, through the runtime
 LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.schedule=1f1b"], "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "ep2": ["parallel.dp=2", "parallel.ep=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
-           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2": ["parallel.cp=2"]}
+#: planted under cp2 (tests/test_linear_cp.py's): the conv tail, or the recurrent state, not passed
+CP_PLANTS = ("tail_not_passed", "state_not_passed")
 
 
 def _overrides(path: str, data: str, layout: list) -> list:
@@ -163,22 +167,74 @@ def layout_results(saved, tokens):
     return run_layouts({k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}, timeout_s=600)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_transformers(saved, tokens, layout_results, layout):
+def _planted_cp_worker(rank, world, runs):
+    """tests/test_families.py's _grads_worker for each (plant, overrides) of ``runs``, the plant set
+    in this forked rank for its run only."""
+    from paralayer.parallel.context import linear_state
+    from tests.test_families import _grads_worker as grads
+    from tests.test_linear_cp import _no_state, _no_tail
+
+    out, kept = [], (linear_state._Tails.apply, linear_state.cp_delta_rule)
+    for plant, overrides in runs:
+        if plant == "tail_not_passed":
+            linear_state._Tails.apply = _no_tail
+        else:
+            linear_state.cp_delta_rule = _no_state
+        try:
+            out += grads(rank, world, [overrides])
+        finally:
+            linear_state._Tails.apply, linear_state.cp_delta_rule = kept
+    return out
+
+
+@pytest.fixture(scope="module")
+def planted_cp_results(saved, tokens):
+    """{plant: [(loss, grads) per rank]} under cp2."""
+    from tests.dist import run_ranks
+
+    runs = [(p, _overrides(saved[0], tokens, LAYOUTS["cp2"])) for p in CP_PLANTS]
+    res = run_ranks(_planted_cp_worker, 2, runs, timeout_s=300)
+    return {p: [r[i] for r in res] for i, p in enumerate(CP_PLANTS)}
+
+
+def _check_layout(saved, tokens, results, layout) -> tuple[float, float]:
+    """(loss rel err, worst grad rel err) of ``results`` against transformers'; every parameter came back."""
     from tests.test_hf_moe import layout_errors, reference_loss
 
     path, ref = saved
     want = reference_loss(ref, tokens, BATCH)
     hf, ffn = dict(ref.named_parameters()), q.CONFIG["moe_intermediate_size"]
-    loss_err, errs = layout_errors(layout_results[layout], layout, want, lambda n: hf_grad(hf, n, ffn))
+    loss_err, errs = layout_errors(results, layout, want, lambda n: hf_grad(hf, n, ffn))
     print(f"qwen3_next {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)}) "
           f"over {len(errs)}")
-    assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}  # every parameter came back
-    assert loss_err < LOGITS_TOL and max(errs.values()) < GRAD_TOL, errs
+    assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}
+    return loss_err, max(errs.values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_transformers(saved, tokens, layout_results, layout, request):
+    loss_err, grad_err = _check_layout(saved, tokens, layout_results[layout], layout)
+    assert loss_err < LOGITS_TOL and grad_err < GRAD_TOL, (loss_err, grad_err)
+    if layout == "cp2":
+        for plant, res in request.getfixturevalue("planted_cp_results").items():
+            p_loss, p_grad = _check_layout(saved, tokens, res, f"cp2 planted {plant}")
+            assert p_loss > 100 * LOGITS_TOL and p_grad > 100 * GRAD_TOL, (plant, p_loss, p_grad)
+
+
+def test_cp2_tp2_matches_transformers(saved, tokens):
+    """cp2 × tp2 (sequence parallel on) in a 4-rank world: each tp rank passes its own heads' states."""
+    from tests.dist import run_ranks
+    from tests.test_hf_moe import _layouts_worker
+
+    layout = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    res = run_ranks(_layouts_worker, 4, [_overrides(saved[0], tokens, layout)], timeout_s=600)
+    loss_err, grad_err = _check_layout(saved, tokens, [r[0] for r in res], "cp2_tp2")
+    assert loss_err < LOGITS_TOL and grad_err < GRAD_TOL, (loss_err, grad_err)
 
 
 @pytest.mark.parametrize("layout, words", [
-    (["parallel.cp=2"], "parallel.cp: 2: context parallel for linear-attention layers is not built yet")])
+    (["parallel.cp=2", "model.seq_len=8"], "parallel.cp: 2: a zigzag chunk (model.seq_len 8 / 2·cp = 2 tokens) "
+                                           "is shorter than the linear layers' conv tail")])
 def test_unbuilt_layouts_refused_by_name(layout, words):
     import subprocess
     import sys
