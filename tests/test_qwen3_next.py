@@ -319,3 +319,32 @@ def test_rehearse_states_exact():
         got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
         print(f"tiny-qwen3-next {layout} rehearsed: {got}; plan {plan}")
         assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
+
+
+def test_rehearse_counts_the_cp_state_passes(monkeypatch):
+    """--rehearse of tiny-qwen3-next under cp2 (rank 0, in this process): the cp bytes the runtime
+    sent (the full layer's ring, the linear layers' states and conv tails) equal the plan's; the
+    states are (micro_batch, 4, 16, 16) in fp32, one per linear layer, microbatch and direction (rank
+    0 has one neighbour). Planted: the plan without the linear layers' sends (resolve/cost/cp_sends.py)
+    falls short."""
+    from paralayer import config as config_mod
+    from paralayer import rehearse as R
+    from paralayer.resolve import resolve
+    from paralayer.resolve.cost import terms
+
+    cfg = config_mod.load_config(["recipe=tiny-qwen3-next", "parallel.dp=1", "parallel.ep=1", "parallel.cp=2"])
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], plan["errors"]
+    out = R.rehearse(cfg, plan, [0])
+    assert out["ok"], out.get("errors")
+    rank = out["ranks"][0]
+    states = [c for c in rank["collectives"] if c["axis"] == "cp" and c["kind"] == "send" and
+              c["message_bytes"] == cfg.train.micro_batch * 4 * 16 * 16 * 4]
+    print(f"tiny-qwen3-next cp2 rehearsed: cp ratio {rank['ratios']['comm']['cp']:.6f}, state sends {states}")
+    assert sum(c["count"] for c in states) == 3 * 2 * out["microbatches"]
+    assert rank["ratios"]["comm"]["cp"] == pytest.approx(1.0, abs=1e-9), rank["ratios"]
+    assert all(rank["ratios"][k] == 1.0 for k in ("params", "grads", "optimizer")), rank["ratios"]
+    monkeypatch.setattr(terms, "linear_cp_traffic", lambda *a, **k: (0, 0))
+    planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, rank)
+    print(f"planted (no state/tail sends in the plan): cp ratio {planted['ratios']['comm']['cp']:.3f}")
+    assert planted["ratios"]["comm"]["cp"] > 1.2, planted["ratios"]
