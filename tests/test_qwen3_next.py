@@ -5,10 +5,10 @@ shared expert; partial RoPE 0.5; init std 0.2), imported by ``model.init=hf:DIR`
 - one rank: logits within 1e-5 and every gradient within 1e-4 relative; planted errors move them
   past 100× those (the delta rule's gate applied after the update, RoPE on the whole head, the
   shared expert's gate dropped, the attention's output gate dropped);
-- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3, ep2, cp2 and cp2·tp2 through
-  the runtime's step: loss within 1e-5, every gradient within 1e-4 of transformers' on the same
-  global batch; under cp2 the conv tail or the recurrent state not passed across the cp ranks
-  (planted) moves them past 100× those;
+- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3, ep2, cp2, cp2·tp2, cp2·dp2 with
+  full recompute and cp2·pp2 through the runtime's step: loss within 1e-5, every gradient within
+  1e-4 of transformers' on the same global batch; under cp2 the conv tail or the recurrent state
+  not passed across the cp ranks (planted) moves them past 100× those;
 - cp whose zigzag chunks are shorter than the conv's tail is refused by name (exit 2, one line);
 - round trip: import → 2 steps → export; transformers loads Qwen3NextForCausalLM from it and its
   logits equal ours within 1e-6."""
@@ -221,14 +221,27 @@ def test_layouts_match_transformers(saved, tokens, layout_results, layout, reque
             assert p_loss > 100 * LOGITS_TOL and p_grad > 100 * GRAD_TOL, (plant, p_loss, p_grad)
 
 
-def test_cp2_tp2_matches_transformers(saved, tokens):
-    """cp2 × tp2 (sequence parallel on) in a 4-rank world: each tp rank passes its own heads' states."""
+#: cp2 combined with another axis, in one 4-rank world
+CP_COMBINED = {"cp2_tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+               "cp2_dp2_full_recompute": ["parallel.cp=2", "parallel.dp=2", "parallel.recompute=full"],
+               "cp2_pp2": ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def cp_combined_results(saved, tokens):
+    """{layout: [(loss, grads) per rank]} of CP_COMBINED: each tp rank passes its own heads' states;
+    full recompute reruns the state pass; pp2 passes them within each stage."""
     from tests.dist import run_ranks
     from tests.test_hf_moe import _layouts_worker
 
-    layout = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    res = run_ranks(_layouts_worker, 4, [_overrides(saved[0], tokens, layout)], timeout_s=600)
-    loss_err, grad_err = _check_layout(saved, tokens, [r[0] for r in res], "cp2_tp2")
+    res = run_ranks(_layouts_worker, 4, [_overrides(saved[0], tokens, v) for v in CP_COMBINED.values()],
+                    timeout_s=600)
+    return {k: [r[i] for r in res] for i, k in enumerate(CP_COMBINED)}
+
+
+@pytest.mark.parametrize("layout", list(CP_COMBINED))
+def test_cp2_combined_matches_transformers(saved, tokens, cp_combined_results, layout):
+    loss_err, grad_err = _check_layout(saved, tokens, cp_combined_results[layout], layout)
     assert loss_err < LOGITS_TOL and grad_err < GRAD_TOL, (loss_err, grad_err)
 
 
