@@ -23,10 +23,10 @@ Conv tail
 
 Backward
     Gradients of the states travel the snake in reverse (rank 0 hi → … → rank cp−1 hi → rank cp−1
-    lo → … → rank 0 lo). The forward saves the chunks' inputs and received states; the backward
-    reruns each chunk's delta rule (the core only, no communication) to differentiate it, so the
-    core runs twice in backward's worth of time under cp, the price of passing state gradients
-    between the two chunks' backwards.
+    lo → … → rank 0 lo). The forward saves the chunks' inputs and received states, not the core's
+    graph; the backward reruns each chunk's delta rule (the core only, no communication, under the
+    forward's autocast state) to differentiate it between receiving its final state's gradient and
+    sending its initial state's. The core thus runs 4 forward passes' worth in a cp step, not 3.
 
 Every send/recv is point-to-point on the cp group passed in (``group``), waited on under that
 process group's timeout (set at init_process_group); tags keep them apart from the ring's."""
@@ -101,11 +101,12 @@ def cp_causal_conv(x: Tensor, weight: Tensor, snake: Snake) -> Tensor:
 
 
 def _rule_grads(inputs: list[Tensor], state_in: Tensor, chunk: int, d_out: Tensor,
-                d_state_out: Optional[Tensor]) -> tuple[list[Optional[Tensor]], Tensor]:
-    """Rerun one chunk's delta rule from ``state_in`` and return (d inputs, d state_in)."""
+                d_state_out: Optional[Tensor], amp: tuple[bool, torch.dtype]) -> tuple[list[Optional[Tensor]], Tensor]:
+    """Rerun one chunk's delta rule from ``state_in`` (under the forward's autocast state ``amp``)
+    and return (d inputs, d state_in)."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
     s0 = state_in.detach().requires_grad_(True)
-    with torch.enable_grad():
+    with torch.enable_grad(), torch.autocast(s0.device.type, dtype=amp[1], enabled=amp[0]):
         out, s1 = chunk_gated_delta_rule(*leaves, chunk=chunk, initial_state=s0)
         outs, grads = [out], [d_out]
         if d_state_out is not None:
@@ -134,6 +135,8 @@ class _SnakeRule(torch.autograd.Function):
         snake.p2p([(end_hi, snake.prev)], [], _STATE_TAG)
         ctx.save_for_backward(q, k, v, g, beta, state_lo, state_hi)
         ctx.snake, ctx.chunk = snake, chunk
+        dev = v.device.type
+        ctx.amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         return torch.cat([out_lo, out_hi], dim=1)
 
     @staticmethod
@@ -143,10 +146,12 @@ class _SnakeRule(torch.autograd.Function):
         inputs = (q, k, v, g, beta)
         d_end_hi = None if snake.prev is None else torch.empty_like(state_hi)
         snake.p2p([], [(d_end_hi, snake.prev)], _STATE_TAG)
-        d_hi, d_state_hi = _rule_grads([t[:, c:] for t in inputs], state_hi, chunk, d_out[:, c:], d_end_hi)
+        d_hi, d_state_hi = _rule_grads([t[:, c:] for t in inputs], state_hi, chunk, d_out[:, c:], d_end_hi,
+                                         ctx.amp)
         d_end_lo = d_state_hi if snake.next is None else torch.empty_like(state_lo)
         snake.p2p([(d_state_hi, snake.next)], [(d_end_lo, snake.next)], _STATE_TAG)
-        d_lo, d_state_lo = _rule_grads([t[:, :c] for t in inputs], state_lo, chunk, d_out[:, :c], d_end_lo)
+        d_lo, d_state_lo = _rule_grads([t[:, :c] for t in inputs], state_lo, chunk, d_out[:, :c], d_end_lo,
+                                         ctx.amp)
         snake.p2p([(d_state_lo, snake.prev)], [], _STATE_TAG)
         grads = []
         for t, a, z in zip(inputs, d_lo, d_hi):
