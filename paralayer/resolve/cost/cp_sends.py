@@ -57,7 +57,7 @@ def linear_cp_traffic(cfg: Config, lay: Layout, layers: list, act_bytes: float,
     """(messages, bytes) per step a cp rank sends for the linear layers among ``layers`` (the
     busiest rank's when ``cp_rank`` is None): forward and backward, plus a forward's again for each
     layer full recompute reruns."""
-    if lay.cp == 1:
+    if lay.cp == 1 or cfg.model.linear.k_heads == 0:  # no linear layers (the planner asks per layout)
         return 0, 0
     n = busiest_sends(lay.cp) if cp_rank is None else rank_sends(lay.cp, cp_rank)
     state, tail = message_bytes(cfg, lay.micro_batch, lay.tp, act_bytes)

@@ -198,7 +198,7 @@ def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, 
     kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
     win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
     w = m.sliding_window
-    for i in (i for i in layers if not parts.is_linear_layer(cfg, i)):  # linear layers: no ring
+    for i in (layers if m.linear.k_heads == 0 else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
         reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
         if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
             kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
