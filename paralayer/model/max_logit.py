@@ -47,9 +47,14 @@ class MaxLogit:
 
     def __init__(self, heads: int, device: torch.device):
         self.value = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
+        # False while a forward must not count: a pipeline stage's shape inference runs one on
+        # uninitialised tensors (runtime/moe_step.py count_real_forwards_only toggles it)
+        self.count_stats = True
 
     def reset(self) -> None:
         self.value.fill_(float("-inf"))
 
     def record(self, q: torch.Tensor, k: torch.Tensor, scale: float, window: Optional[int] = None) -> None:
+        if not self.count_stats:
+            return
         torch.maximum(self.value, head_max_logits(q.detach(), k.detach(), scale, window), out=self.value)
