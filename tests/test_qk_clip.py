@@ -169,3 +169,40 @@ def test_bad_qk_clip_input_exits_2_naming_the_field(bad, why):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "train.muon.qk_clip_tau" in r.stderr and why in r.stderr, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ------------------------------------------------------------------ the plan's time
+@pytest.mark.parametrize("extra", [[], MLA])
+def test_plan_prices_the_max_logit_gemm_as_torch_counts_it(extra):
+    """max_logit_flops = layers × sequences × the FLOPs torch's counter sees in one sequence's
+    head_max_logits; the planner's step time grows by it at the attention rate (llama3-8b, 64 H100)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from paralayer.config import load_config
+    from paralayer.model.max_logit import head_max_logits
+    from paralayer.resolve import planner
+    from paralayer.resolve.cost.machine import machine_for
+    from paralayer.resolve.cost.optimizer_step import max_logit_flops
+
+    cfg = load_config(BASE + extra + ["train.muon.qk_clip_tau=10"])
+    m = cfg.model
+    d_qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if extra else m.d_model // m.n_heads
+    q, k = torch.randn(1, m.n_heads, m.seq_len, d_qk), torch.randn(1, m.n_kv_heads, m.seq_len, d_qk)
+    with FlopCounterMode(display=False) as fc:
+        head_max_logits(q, k, 0.1)
+    per_seq = fc.get_total_flops()
+    assert per_seq > 0
+    degrees = {"tp": 1, "dp": 1}
+    assert max_logit_flops(cfg, degrees, m.n_layers) == m.n_layers * GB * per_seq
+    assert max_logit_flops(load_config(BASE + extra), degrees, m.n_layers) == 0.0
+    ov = ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=8", "parallel.tp=1", "parallel.dp=64",
+          "parallel.zero=2", "train.optimizer=muon"]
+    off, on = (planner.predict(load_config(ov + x)) for x in ([], ["train.muon.qk_clip_tau=100"]))
+    assert on["step_time_s"] - off["step_time_s"] == pytest.approx(on["optimizer_s"] - off["optimizer_s"], rel=1e-9)
+    big = load_config(ov + ["train.muon.qk_clip_tau=100"])
+    mach = machine_for(big)
+    want = (max_logit_flops(big, {"tp": 1, "dp": 64}, big.model.n_layers)
+            / (mach.peak_tflops * 1e12 * (mach.attention_efficiency or mach.efficiency)))
+    assert on["optimizer_s"] - off["optimizer_s"] == pytest.approx(want, rel=1e-9) and want > 0
+    print(f"llama3-8b on 64 H100, ZeRO-2: QK-clip's max logit adds {want * 1e3:.1f} ms to a "
+          f"{off['step_time_s']:.3f} s step")

@@ -32,11 +32,11 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, window: Opti
     hidden = diff < 0 if window is None else (diff < 0) | (diff >= window)
     per = max(1, min(h, CHUNK_ELEMENTS // max(1, b * s * s)))
     out = torch.empty(h, dtype=torch.float32, device=q.device)
-    with torch.autocast(q.device.type, enabled=False):  # fp32 scores whatever the run's autocast
+    with torch.autocast(q.device.type, enabled=False):  # the GEMM in q's dtype, as the kernel's own
         for a in range(0, h, per):
             e = min(h, a + per)
             kv = torch.arange(a, e, device=q.device) // groups
-            scores = torch.matmul(q[:, a:e].float(), k[:, kv].float().transpose(-1, -2)).mul_(scale)
+            scores = torch.matmul(q[:, a:e], k[:, kv].transpose(-1, -2)).float().mul_(scale)
             out[a:e] = scores.masked_fill_(hidden, float("-inf")).amax(dim=(0, 2, 3))
     return out
 
