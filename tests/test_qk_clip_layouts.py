@@ -5,9 +5,10 @@
 heads clipped (counted). The layouts reach each way the maxima and the rescale meet the
 parallelism: replicas that must all scale alike (dp2, ZeRO-1's whole-parameter shares), FSDP2 row
 shards each rank scales its rows of (ZeRO-3), tp's heads measured where they live and reduced over
-tp (tp2; with ZeRO-3 the rows are strided shards: dp2·tp2), stages apart (pp2), and MLA (DeepSeek-V3
-/ Kimi K2's attention: q_b and kv_b split by heads under tp2). A plant that leaves the maxima
-unreduced over dp·cp makes the data ranks clip differently, and fails.
+tp (tp2; with ZeRO-3 the rows are strided shards: dp2·tp2), stages apart (pp2), each context rank's
+zigzag queries against the gathered keys (cp2), and MLA (DeepSeek-V3 / Kimi K2's attention: q_b and
+kv_b split by heads under tp2; its ring under cp2). Plants fail: maxima left unreduced over dp·cp
+(the data ranks clip differently), and under cp each rank's chunks measured alone (keys not gathered).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ LAYOUTS = {
     "dp2 tp2 zero3": (DENSE, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
     "mla dp2 zero3": (MLA, ["parallel.dp=2", "parallel.zero=3"]),
     "mla tp2": (MLA, ["parallel.dp=1", "parallel.tp=2"]),
+    "cp2": (DENSE, ["parallel.dp=1", "parallel.cp=2"]),
+    "mla cp2": (MLA, ["parallel.dp=1", "parallel.cp=2"]),
 }
 ONE = {"dense": DENSE + ["parallel.dp=1"], "mla": MLA + ["parallel.dp=1"]}
 
@@ -41,15 +44,18 @@ def _train(rank: int, world: int, overrides: list, plant: str) -> list:
     from paralayer.optim import qk_clip
     from paralayer.runtime.train import train
 
-    if plant == "unreduced_over_dp":  # each data rank clips by its own sequences' maxima
-        good = qk_clip.build
+    good = qk_clip.build
 
-        def build(cfg, built, meshes):
-            clip = good(cfg, built, meshes)
+    def build(cfg, built, meshes):
+        clip = good(cfg, built, meshes)
+        if plant == "unreduced_over_dp":  # each data rank clips by its own sequences' maxima
             clip.groups = [g for g in clip.groups if g is not meshes["dp_cp"].get_group()]
-            return clip
+        if plant == "cp_keys_not_gathered":  # each context rank's chunks alone, as if a whole sequence
+            for m in clip.modules:
+                m.max_logit.cp = None
+        return clip
 
-        qk_clip.build = build
+    qk_clip.build = build
     cfg, plan = cfg_and_plan(overrides)
     return [{k: r[k] for k in ("step", *KEYS, "qk_clipped_heads")} for r in train(cfg, plan)]
 
@@ -82,8 +88,10 @@ def test_layout_equals_one_process(name, reference):
 
 
 @pytest.mark.timeout(600)
-def test_maxima_left_unreduced_over_dp_fail(reference):
-    got = run(DENSE + ["parallel.dp=2"], plant="unreduced_over_dp")
+@pytest.mark.parametrize("plant,layout", [("unreduced_over_dp", ["parallel.dp=2"]),
+                                          ("cp_keys_not_gathered", ["parallel.dp=1", "parallel.cp=2"])])
+def test_planted_distribution_errors_fail(plant, layout, reference):
+    got = run(DENSE + layout, plant=plant)
     err = max_err(got, reference["dense"])
-    print(f"maxima not reduced over dp: max rel err {err:.2e}")
+    print(f"{plant}: max rel err {err:.2e}")
     assert err > 100 * TOL, (got, reference["dense"])

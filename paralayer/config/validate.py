@@ -125,7 +125,7 @@ def _check_muon(t: Any) -> None:
 
 def _check_qk_clip(cfg: Any) -> None:
     """train.muon.qk_clip_tau: a positive number with train.optimizer=muon, or null; refused where the
-    rescale would not bound the logit (q/k norms undo it) or the max is not built (context parallel)."""
+    rescale would not bound the logit (q/k norms undo it)."""
     tau = cfg.train.muon.qk_clip_tau
     if tau is None:
         return
@@ -138,6 +138,3 @@ def _check_qk_clip(cfg: Any) -> None:
     if cfg.model.qk_norm:
         raise ConfigError(field_name, "model.qk_norm normalises q and k after W_q/W_k, undoing the rescale; "
                                       "set qk_clip_tau=null (the norm already bounds the logits)")
-    if int(cfg.parallel.cp) > 1:
-        raise ConfigError(field_name, f"the max logit over the ring's blocks is not built under parallel.cp="
-                                      f"{cfg.parallel.cp}; valid: parallel.cp=1 or qk_clip_tau=null")

@@ -12,7 +12,8 @@ the same maxima again, which a max does not mind.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -21,16 +22,20 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 @torch.no_grad()
-def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, window: Optional[int] = None) -> torch.Tensor:
-    """(heads,) fp32: each query head's largest visible ``scale · q·k`` on (b, heads, s, d) q and
-    (b, kv_heads, s, d) k (GQA: query head h reads kv head h // (heads / kv_heads), as the cores
-    repeat K)."""
-    b, h, s, _ = q.shape
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, window: Optional[int] = None,
+                    q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(heads,) fp32: each query head's largest visible ``scale · q·k`` on (b, heads, s_q, d) q and
+    (b, kv_heads, s_k, d) k (GQA: query head h reads kv head h // (heads / kv_heads), as the cores
+    repeat K). ``q_pos``/``k_pos``: the rows' sequence positions (context parallel's zigzag
+    shards); default 0 … s−1."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
     groups = h // k.shape[1]
-    pos = torch.arange(s, device=q.device)
-    diff = pos[:, None] - pos[None, :]
+    q_pos = torch.arange(sq, device=q.device) if q_pos is None else q_pos.to(q.device)
+    k_pos = torch.arange(sk, device=q.device) if k_pos is None else k_pos.to(q.device)
+    diff = q_pos[:, None] - k_pos[None, :]
     hidden = diff < 0 if window is None else (diff < 0) | (diff >= window)
-    per = max(1, min(h, CHUNK_ELEMENTS // max(1, b * s * s)))
+    per = max(1, min(h, CHUNK_ELEMENTS // max(1, b * sq * sk)))
     out = torch.empty(h, dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # the GEMM in q's dtype, as the kernel's own
         for a in range(0, h, per):
@@ -41,11 +46,31 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, window: Opti
     return out
 
 
+@dataclass
+class ContextShards:
+    """Context parallel: this rank holds the queries at ``q_pos``; every rank's keys are gathered
+    over ``group`` (no grad, in rank order), their positions ``k_pos``."""
+    group: Any
+    world: int
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    @torch.no_grad()
+    def all_keys(self, k: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        b, kvh, s, d = k.shape
+        out = torch.empty((self.world * b, kvh, s, d), dtype=k.dtype, device=k.device)  # rank-major on dim 0
+        dist.all_gather_into_tensor(out, k.contiguous(), group=self.group)
+        return out.view(self.world, b, kvh, s, d).permute(1, 2, 0, 3, 4).reshape(b, kvh, self.world * s, d)
+
+
 class MaxLogit:
     """A module's running per-head maximum over a step (its local heads: under tensor parallel the
     rank's own); ``reset`` before the step's first forward."""
 
-    def __init__(self, heads: int, device: torch.device):
+    def __init__(self, heads: int, device: torch.device, cp: Optional[ContextShards] = None):
+        self.cp = cp
         self.value = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
         # False while a forward must not count: a pipeline stage's shape inference runs one on
         # uninitialised tensors (runtime/moe_step.py count_real_forwards_only toggles it)
@@ -57,4 +82,9 @@ class MaxLogit:
     def record(self, q: torch.Tensor, k: torch.Tensor, scale: float, window: Optional[int] = None) -> None:
         if not self.count_stats:
             return
-        torch.maximum(self.value, head_max_logits(q.detach(), k.detach(), scale, window), out=self.value)
+        q, k = q.detach(), k.detach()
+        if self.cp is None:
+            m = head_max_logits(q, k, scale, window)
+        else:  # this rank's queries against the whole sequence's keys
+            m = head_max_logits(q, self.cp.all_keys(k), scale, window, self.cp.q_pos, self.cp.k_pos)
+        torch.maximum(self.value, m, out=self.value)

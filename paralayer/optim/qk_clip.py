@@ -17,7 +17,8 @@ every head of the group then ends at or below τ, none above. MHA is the case of
 which is Kimi's per-head rule exactly. Biases (GPT-OSS's q/k biases) scale with their rows, so that
 q and k themselves scale by √γ.
 
-Distributed: the maxima are all-reduced (MAX) over dp·cp (every data rank saw other sequences;
+Distributed: the maxima are all-reduced (MAX) over dp·cp (every data rank saw other sequences,
+every context rank other queries, against the whole sequence's keys: model/max_logit.py;
 pipeline microbatches already met in the running max) and over tp (each tp rank measured its
 own heads; the others' are −inf), so every rank holds every head's S_max of the layers of its
 stage. Each rank then scales ITS part of each weight, whatever parallelism made it: the per-row
@@ -35,7 +36,7 @@ from torch import nn
 
 from paralayer.model.attention import Attention
 from paralayer.model.latent_attention import LatentAttention
-from paralayer.model.max_logit import MaxLogit
+from paralayer.model.max_logit import ContextShards, MaxLogit
 
 
 def attention_modules(chunks: Sequence[nn.Module]) -> list[nn.Module]:
@@ -94,13 +95,13 @@ class QKClip:
     ``groups``: the process groups the maxima are reduced over (dp·cp, tp; None where size 1)."""
 
     def __init__(self, modules: list[nn.Module], tau: float, n_heads: int, n_kv_heads: int, tp: int,
-                 tp_rank: int, groups: list, device: torch.device):
+                 tp_rank: int, groups: list, device: torch.device, cp: Optional[ContextShards] = None):
         self.modules, self.tau, self.n_heads, self.groups = modules, float(tau), n_heads, groups
         self.n_kv = {id(m): (n_heads if isinstance(m, LatentAttention) else n_kv_heads) for m in modules}
         self.local = n_heads // tp
         self.offset = tp_rank * self.local
         for m in modules:
-            m.max_logit = MaxLogit(self.local, device)
+            m.max_logit = MaxLogit(self.local, device, cp)
         self.last: dict = {}
 
     def reset(self) -> None:
@@ -140,9 +141,15 @@ def build(cfg, built, meshes) -> Optional[QKClip]:
     if tau is None:
         return None
     groups = [meshes[a].get_group() for a in ("dp_cp", "tp") if meshes.size(a) > 1]
-    m = cfg.model
+    m, cp = cfg.model, meshes.size("cp")
+    shards = None
+    if cp > 1:  # the queries of this rank's zigzag chunks against every rank's keys
+        from paralayer.parallel.context.zigzag import zigzag_indices
+
+        shards = ContextShards(meshes["cp"].get_group(), cp, zigzag_indices(m.seq_len, cp, meshes.local_rank("cp")),
+                               torch.cat([zigzag_indices(m.seq_len, cp, r) for r in range(cp)]))
     return QKClip(attention_modules(built.chunks), tau, m.n_heads, m.n_kv_heads, meshes.size("tp"),
-                  meshes.local_rank("tp"), groups, built.device)
+                  meshes.local_rank("tp"), groups, built.device, shards)
 
 
 def step_stats(clip: Optional[QKClip], meshes, pp: int) -> dict:

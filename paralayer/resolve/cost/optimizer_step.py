@@ -107,11 +107,13 @@ def max_logit_flops(cfg: Config, degrees: dict, n_layers: int) -> float:
     """QK-clip's (``train.muon.qk_clip_tau``) extra work per step on a rank holding ``n_layers``: the
     max logit's q·kᵀ (paralayer/model/max_logit.py), the whole s × s of each of its heads (the mask
     is applied after, no causal half skipped), once per sequence of its data share; 0 when off. Its
-    all-reduce (one float per head and layer) and the rescale of W_q/W_k rows are not charged."""
+    all-reduce (one float per head and layer), the K all-gather under cp and the rescale of W_q/W_k
+    rows are not charged."""
     if getattr(cfg.train.muon, "qk_clip_tau", None) is None:
         return 0.0
     m = cfg.model
     d_qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.kv_lora_rank > 0
             else (m.head_dim or m.d_model // m.n_heads))
-    seqs = cfg.train.global_batch / max(int(degrees["dp"]), 1)  # cp is refused with QK-clip
-    return n_layers * seqs * 2.0 * (m.n_heads / int(degrees["tp"])) * m.seq_len ** 2 * d_qk
+    seqs = cfg.train.global_batch / max(int(degrees["dp"]), 1)
+    cp = max(int(degrees.get("cp", 1)), 1)  # the rank's s/cp queries against the whole sequence's keys
+    return n_layers * seqs * 2.0 * (m.n_heads / int(degrees["tp"])) * m.seq_len ** 2 / cp * d_qk
