@@ -28,8 +28,11 @@ MLA = ["model.n_kv_heads=4", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank
        "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
        "model.rope.type=yarn", "model.rope.factor=4.0", "model.rope.original_max_position=16",
        "model.rope.mscale=1.0", "model.rope.mscale_all_dim=1.0"]
+#: GPT-OSS's q/k biases and a sliding window on every layer (the bias rows scale with their weights)
+BIAS_WINDOW = ["model.attn_bias=true", "model.sliding_window=8"]
+EXTRA = {"gqa": [], "mla": MLA, "gqa-bias-window": BIAS_WINDOW}
 #: τ of each attention kind at init std 0.2: some heads clipped at each step, not all after the first
-TAU = {"gqa": 10.0, "mla": 5.0}
+TAU = {"gqa": 10.0, "mla": 5.0, "gqa-bias-window": 8.0}
 
 
 class ReferenceClip:
@@ -64,8 +67,10 @@ class ReferenceClip:
             q = apply_rope(mod.wq(x).view(b, s, H, hd).transpose(1, 2), cos, sin)
             k = apply_rope(mod.wk(x).view(b, s, KV, hd).transpose(1, 2), cos, sin)
             logits = q @ k.repeat_interleave(H // KV, dim=1).transpose(-1, -2) / hd ** 0.5
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        m = logits.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+        seen = torch.ones(s, s, dtype=torch.bool).tril()
+        if mod.window is not None:  # a sliding-window layer: key j seen by query i when i - j < w
+            seen &= ~torch.ones(s, s, dtype=torch.bool).tril(-mod.window)
+        m = logits.masked_fill(~seen, float("-inf")).amax(dim=(0, 2, 3))
         self.smax[mod] = torch.maximum(self.smax[mod], m) if mod in self.smax else m
 
     @torch.no_grad()
@@ -83,6 +88,9 @@ class ReferenceClip:
                 g = gamma.view(KV, H // KV).min(dim=1).values  # one γ per key head: its group's smallest
                 mod.wq.weight.view(KV, H // KV, mod.head_dim, -1).mul_(g.sqrt().view(KV, 1, 1, 1))
                 mod.wk.weight.view(KV, mod.head_dim, -1).mul_(g.sqrt().view(KV, 1, 1))
+                if mod.wq.bias is not None:  # q = W_q x + b_q scales as a whole
+                    mod.wq.bias.view(KV, -1).mul_(g.sqrt().view(KV, 1))
+                    mod.wk.bias.view(KV, -1).mul_(g.sqrt().view(KV, 1))
                 gamma = g.repeat_interleave(H // KV)
             clipped += int((gamma < 1).sum())
         self.smax = {}
@@ -113,11 +121,10 @@ def _err(ours, ref) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", list(EXTRA))
 def test_one_rank_equals_the_reports_muonclip_and_gamma_for_sqrt_gamma_fails(kind, tmp_path):
     data = f"data.path={write_tokens(os.path.join(tmp_path, 't.jsonl'), GB * STEPS, SEQ, VOCAB)}"
-    (ours, planted), ref = run_ranks(_both, 1, [data] + (MLA if kind == "mla" else []),
-                                     [None, "gamma_not_sqrt"], TAU[kind])[0]
+    (ours, planted), ref = run_ranks(_both, 1, [data] + EXTRA[kind], [None, "gamma_not_sqrt"], TAU[kind])[0]
     err, err_plant = _err(ours, ref), _err(planted, ref)
     counts = [r["qk_clipped_heads"] for r in ref]
     print(f"{kind}: ours vs the report's MuonClip: max rel err {err:.2e}; gamma for sqrt(gamma): "
