@@ -148,8 +148,9 @@ def test_head_max_logits_is_the_masked_max_and_chunks_agree(monkeypatch):
         seen = (pos[:, None] >= pos[None, :]) & ((pos[:, None] - pos[None, :] < window) if window else True)
         want = full.masked_fill(~seen, float("-inf")).amax(dim=(0, 2, 3))
         assert torch.allclose(max_logit.head_max_logits(q, k, 0.3, window), want, atol=1e-6), window
-        monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", 2 * 10 * 10)  # one head at a time
-        assert torch.allclose(max_logit.head_max_logits(q, k, 0.3, window), want, atol=1e-6), window
+        for chunk in (2 * 10 * 10, 2 * 3 * 10):  # one head at a time; then 3 query rows of one head
+            monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", chunk)
+            assert torch.allclose(max_logit.head_max_logits(q, k, 0.3, window), want, atol=1e-6), (window, chunk)
         monkeypatch.undo()
     unmasked = full.amax(dim=(0, 2, 3))
     assert (unmasked > max_logit.head_max_logits(q, k, 0.3)).any()  # the mask matters on this draw

@@ -17,8 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-#: the most (b, heads, s, s) scores formed at once (fp32: 256 MiB)
-CHUNK_ELEMENTS = 1 << 26
+#: the most (b, heads, rows, s) scores formed at once (fp32: 64 MiB, + the GEMM's own output in
+#: q's dtype), in blocks of heads, then of query rows (one head of b · s · s may be larger)
+CHUNK_ELEMENTS = 1 << 24
 
 
 @torch.no_grad()
@@ -35,14 +36,17 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, window: Opti
     k_pos = torch.arange(sk, device=q.device) if k_pos is None else k_pos.to(q.device)
     diff = q_pos[:, None] - k_pos[None, :]
     hidden = diff < 0 if window is None else (diff < 0) | (diff >= window)
-    per = max(1, min(h, CHUNK_ELEMENTS // max(1, b * sq * sk)))
-    out = torch.empty(h, dtype=torch.float32, device=q.device)
+    per = max(1, min(h, CHUNK_ELEMENTS // max(1, b * sq * sk)))  # heads at once
+    rows = sq if per > 1 else max(1, min(sq, CHUNK_ELEMENTS // max(1, b * sk)))  # query rows at once
+    out = torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # the GEMM in q's dtype, as the kernel's own
         for a in range(0, h, per):
             e = min(h, a + per)
-            kv = torch.arange(a, e, device=q.device) // groups
-            scores = torch.matmul(q[:, a:e], k[:, kv].transpose(-1, -2)).float().mul_(scale)
-            out[a:e] = scores.masked_fill_(hidden, float("-inf")).amax(dim=(0, 2, 3))
+            kv = k[:, torch.arange(a, e, device=q.device) // groups].transpose(-1, -2)
+            for r in range(0, sq, rows):
+                scores = torch.matmul(q[:, a:e, r:r + rows], kv).float().mul_(scale)
+                m = scores.masked_fill_(hidden[r:r + rows], float("-inf")).amax(dim=(0, 2, 3))
+                torch.maximum(out[a:e], m, out=out[a:e])
     return out
 
 
