@@ -4,8 +4,9 @@
 4 steps: loss, grad norm and the step's max logit within 1e-5 (relative) of one rank, and the same
 heads clipped (counted). The layouts reach each way the maxima and the rescale meet the
 parallelism: replicas that must all scale alike (dp2, ZeRO-1's whole-parameter shares), FSDP2 row
-shards each rank scales its rows of (ZeRO-3), tp's heads measured where they live and reduced over
-tp (tp2; with ZeRO-3 the rows are strided shards: dp2·tp2), stages apart (pp2), each context rank's
+shards each rank scales its rows of (ZeRO-2, whose gathered weights must not outlive the step;
+ZeRO-3), tp's heads measured where they live and reduced over tp (tp2; with ZeRO-3 the rows are
+strided shards: dp2·tp2), stages apart (pp2), each context rank's
 zigzag queries against the gathered keys (cp2), and MLA (DeepSeek-V3 / Kimi K2's attention: q_b and
 kv_b split by heads under tp2; its ring under cp2), and DeepSeek-V3's tiny block (MLA, MoE under ep2,
 the MTP block's attention clipped too). Plants fail: maxima left unreduced over dp·cp
@@ -31,6 +32,7 @@ DSV3 = [x for x in DENSE if not x.startswith(("recipe=", "model.n_layers", "mode
 LAYOUTS = {
     "dp2": (DENSE, ["parallel.dp=2"]),
     "dp2 zero1": (DENSE, ["parallel.dp=2", "parallel.zero=1"]),
+    "dp2 zero2": (DENSE, ["parallel.dp=2", "parallel.zero=2"]),
     "dp2 zero3": (DENSE, ["parallel.dp=2", "parallel.zero=3"]),
     "tp2": (DENSE, ["parallel.dp=1", "parallel.tp=2"]),
     "pp2": (DENSE, ["parallel.dp=1", "parallel.pp=2"]),
