@@ -224,3 +224,9 @@ def test_plan_prices_the_max_logit_gemm_as_torch_counts_it(extra):
     assert on["optimizer_s"] - off["optimizer_s"] == pytest.approx(want, rel=1e-9) and want > 0
     print(f"llama3-8b on 64 H100, ZeRO-2: QK-clip's max logit adds {want * 1e3:.1f} ms to a "
           f"{off['step_time_s']:.3f} s step")
+    rows = planner.plan_layouts(big, top=3)  # --plan ranks with it: each row is what predict gives
+    assert rows
+    for d in rows:
+        c = planner.config_for(big, d)
+        assert c.train.muon.qk_clip_tau == 100
+        assert planner.predict(c)["step_time_s"] == pytest.approx(d["step_time_s"], rel=1e-6), d["degrees"]
