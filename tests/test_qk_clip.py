@@ -30,9 +30,10 @@ MLA = ["model.n_kv_heads=4", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank
        "model.rope.mscale=1.0", "model.rope.mscale_all_dim=1.0"]
 #: GPT-OSS's q/k biases and a sliding window on every layer (the bias rows scale with their weights)
 BIAS_WINDOW = ["model.attn_bias=true", "model.sliding_window=8"]
-EXTRA = {"gqa": [], "mla": MLA, "gqa-bias-window": BIAS_WINDOW}
+EXTRA = {"gqa": [], "mla": MLA, "mla-plain-q": MLA + ["model.mla.q_lora_rank=null"],
+         "gqa-bias-window": BIAS_WINDOW}
 #: τ of each attention kind at init std 0.2: some heads clipped at each step, not all after the first
-TAU = {"gqa": 10.0, "mla": 5.0, "gqa-bias-window": 8.0}
+TAU = {"gqa": 10.0, "mla": 5.0, "mla-plain-q": 5.0, "gqa-bias-window": 8.0}
 
 
 class ReferenceClip:
