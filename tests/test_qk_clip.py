@@ -194,13 +194,11 @@ def test_bad_qk_clip_input_exits_2_naming_the_field(bad, why):
 @pytest.mark.parametrize("extra", [[], MLA])
 def test_plan_prices_the_max_logit_gemm_as_torch_counts_it(extra):
     """max_logit_flops = layers × sequences × the FLOPs torch's counter sees in one sequence's
-    head_max_logits; the planner's step time grows by it at the attention rate (llama3-8b, 64 H100)."""
+    head_max_logits (GQA and MLA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from paralayer.config import load_config
     from paralayer.model.max_logit import head_max_logits
-    from paralayer.resolve import planner
-    from paralayer.resolve.cost.machine import machine_for
     from paralayer.resolve.cost.optimizer_step import max_logit_flops
 
     cfg = load_config(BASE + extra + ["train.muon.qk_clip_tau=10"])
@@ -214,6 +212,16 @@ def test_plan_prices_the_max_logit_gemm_as_torch_counts_it(extra):
     degrees = {"tp": 1, "dp": 1}
     assert max_logit_flops(cfg, degrees, m.n_layers) == m.n_layers * GB * per_seq
     assert max_logit_flops(load_config(BASE + extra), degrees, m.n_layers) == 0.0
+
+
+def test_plan_adds_it_to_the_step_and_ranks_with_it():
+    """The planner's step time grows by max_logit_flops at the attention rate (llama3-8b, 64 H100),
+    and --plan's ranked rows are what predict gives each."""
+    from paralayer.config import load_config
+    from paralayer.resolve import planner
+    from paralayer.resolve.cost.machine import machine_for
+    from paralayer.resolve.cost.optimizer_step import max_logit_flops
+
     ov = ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=8", "parallel.tp=1", "parallel.dp=64",
           "parallel.zero=2", "train.optimizer=muon"]
     off, on = (planner.predict(load_config(ov + x)) for x in ([], ["train.muon.qk_clip_tau=100"]))
