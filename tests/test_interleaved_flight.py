@@ -108,3 +108,24 @@ def test_the_plan_is_the_rehearsal_at_each_rank():
         assert rank["plan_memory_bytes"]["activations"] == activations.rank_activations(cfg, lay, r)[0]
         assert abs(rank["ratios"]["activations"] - 1) < 0.01, (r, rank["ratios"])
         assert abs(got / _per_rank_count(cfg, lay, r) - 1) > 0.05, r
+
+
+def test_each_rank_is_held_by_the_rank_before():
+    """The planner drops an interleaved rank whose chunks match the rank before's
+    (planner.memory.candidate_ranks): each backward moment of rank r must hold no more of any chunk
+    than some moment of rank r-1, so with equal chunks r-1 peaks at least as high."""
+    from paralayer.resolve.memory.interleaved_flight import moments
+
+    checked = 0
+    for p in range(2, 17):
+        for v in (2, 3, 4):
+            for m in sorted({p, p + 1, 2 * p, 2 * p + 3, 4 * p}):
+                try:
+                    ms = [moments(p, m, v, r) for r in range(p)]
+                except ValueError:
+                    continue
+                for r in range(1, p):
+                    for mo in ms[r]:
+                        checked += 1
+                        assert any(all(a <= b for a, b in zip(mo, mp)) for mp in ms[r - 1]), (p, v, m, r, mo)
+    assert checked > 10_000

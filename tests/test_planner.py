@@ -210,8 +210,10 @@ def test_dropped_layouts_are_counted_by_reason():
 #: CPU seconds for --plan's table. Measured on this 2-core VM at load < 1 (2026-12-01): 70B/512
 #: ~1.0 s, 405B/4,096 ~2.5 s, after the model gained autocast weight copies, RoPE tables,
 #: full recompute's transient and the GPU model's per-microbatch weight streaming (it was ~1.5 s);
-#: issue #16's bound for any input is 5 s wall.
-PLAN_CPU_S = 3.0
+#: issue #16's bound for any input is 5 s wall. 6 Dec: 5.0, after the interleaved schedule's memory
+#: became exact per chunk (memory.interleaved_flight, issue 46: kimi-k2's last rank was under-counted
+#: 1.169x): 405B/4,096 3.8-4.1 s against 2.1-2.6 s before, measured side by side at load ~2.
+PLAN_CPU_S = 5.0
 
 
 @pytest.mark.parametrize("ov", [H100_70B, H100_405B], ids=["70b-512", "405b-4096"])

@@ -268,5 +268,7 @@ def test_plan_cost_is_bounded(kind):
     stats: dict = {}
     plans = planner.plan_layouts(cfg, top=15, stats=stats)
     took = time.process_time() - t0
-    assert plans and took < 4.0, (took, stats["considered"])
+    # 6 s since 6 Dec (was 4): the interleaved schedule's memory is exact per chunk (issue 46), which
+    # costs these plans ~2.1x (layers 2.31 -> 4.98 s, devices 2.14 -> 4.29 s side by side at load ~2)
+    assert plans and took < 6.0, (took, stats["considered"])
     assert stats["considered"] <= planner.MAX_STRUCTURES

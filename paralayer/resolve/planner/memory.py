@@ -63,6 +63,14 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         # up to V_RANKS_ALL every rank; deeper pipelines (none published) the ends and every
         # pp // V_RANKS_ALL-th rank between, which may miss a middle rank's recompute_every mix
         picked |= set(range(0, pp, 1 if pp <= V_RANKS_ALL else pp // V_RANKS_ALL))
+    if pp > 2 and schedule == "interleaved":
+        # a rank whose chunks hold the same kinds of layers as the rank before it is dropped: each
+        # of its backward moments holds no more of any chunk than one of the rank before's
+        # (interleaved_flight.moments; tests/test_interleaved_flight.py checks p 2-16, v 2-4). Not
+        # so under recompute_every > 1, whose recomputed layers differ by rank: docs/planner.md
+        def kinds(r: int) -> tuple:
+            return tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
+        picked = {r for r in picked if r in (0, pp - 1) or kinds(r) != kinds(r - 1)}
     for r in sorted(picked & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = rank_chunks(lay, r)  # not a walk over every chunk: O(pp) ranks under the V schedules
@@ -180,7 +188,10 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
                 a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
             live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
-            a = _il_activations(rk, fl, [_dot(c, es) for c in rk.chunk_counts], tab, live)
+            per = _chunk_sets(rk, es)
+            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(rk, st, recompute) <= best[0]:
+                continue  # cannot be the most loaded: the walk over its moments is skipped
+            a = _il_activations(rk, fl, per, tab, live)
         else:
             inf, extra, head = fl
             a = inf * _dot(rk.kinds, es) * tab + extra
@@ -196,13 +207,32 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
             copies = int(st[4] + max(_copies(c, st) for c in rk.chunk_counts))
         else:
-            copies = int(max(st[4], _largest(rk.kinds, st[5:9])) if recompute == "full"
-                         else st[4] + _dot(rk.kinds, st[5:9]))
+            copies = _flat_copies(rk, st, recompute)
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
     assert best is not None
     total, at, st, copies, a = best
     return MemPick(total, at, st[0] + copies, st[1], st[2], a)
+
+
+def _chunk_sets(rk: RankInfo, es: list) -> list:
+    """Each chunk's saved elements per token (Σ count · elements), by the identity of the rank and
+    the act table's row: the plan's micro-batches and overlaps weigh the same sums again."""
+    key = (id(rk), id(es))
+    hit = _CHUNK_SETS.get(key)
+    if hit is None or hit[0] is not rk or hit[1] is not es:
+        if len(_CHUNK_SETS) > 65536:
+            _CHUNK_SETS.clear()
+        hit = _CHUNK_SETS[key] = (rk, es, [_dot(c, es) for c in rk.chunk_counts])
+    return hit[2]
+
+
+_CHUNK_SETS: dict = {}
+
+
+def _flat_copies(rk: RankInfo, st: tuple, recompute: str) -> int:
+    """A rank's autocast weight copies outside the V schedules (memory.autocast_copy_params)."""
+    return int(max(st[4], _largest(rk.kinds, st[5:9])) if recompute == "full" else st[4] + _dot(rk.kinds, st[5:9]))
 
 
 def _dot(counts: tuple, elems: tuple) -> float:
@@ -232,7 +262,19 @@ def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: in
     split, head, rope, freed = flight[:4]
     sets = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
     sets[-1] += head  # with each microbatch the last chunk holds (memory.rank_activations)
-    return int(interleaved_flight.peak(split, sets, freed, live)[0])
+    key = (id(split), tuple(sets), freed, live)
+    hit = _IL_PEAKS.get(key)
+    if hit is None or hit[0] is not split:  # split: the flight cache's own tuple
+        if len(_IL_PEAKS) > 65536:
+            _IL_PEAKS.clear()
+        hit = _IL_PEAKS[key] = (split, int(interleaved_flight.peak(split, sets, freed, live)[0]))
+    return hit[1]
+
+
+#: :func:`_il_activations` by the identity of the split and its sets: structures that differ only
+#: in what moves no activation (dp, ZeRO, the precision of the optimizer) weigh the same moments;
+#: a bounded memo of pure results, as interleaved_flight._GROUPED
+_IL_PEAKS: dict = {}
 
 
 def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> float:
