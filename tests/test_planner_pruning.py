@@ -8,8 +8,8 @@ costs the walk, not 10^5 rows. Checked for every recipes/*.yaml with its own clu
 GPU profile and the local one at the recipe's node count, MoE recipes included, except the pairs
 in :data:`TOO_SLOW` (the uncapped walk over 2.5 s of CPU, measured on the shared 2-core machine)
 and the recipes in :data:`NOT_MEASURED`; CI takes each recipe on its own cluster and on two of the
-other profiles (:func:`_in_ci`), ``PARALAYER_PRUNING_ALL=1`` every pair. A lower bound that counts the ep traffic three times
-(planted) must change the answer.
+other profiles (:func:`_in_ci`), ``PARALAYER_PRUNING_ALL=1`` every pair. A lower bound that
+counts the ep traffic three times (planted) must change the answer.
 """
 from __future__ import annotations
 

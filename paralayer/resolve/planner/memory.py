@@ -189,7 +189,8 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
             live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
             per = _chunk_sets(rk, es)
-            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(rk, st, recompute) <= best[0]:
+            bound = _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(rk, st, recompute)
+            if best is not None and bound <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
             a = _il_activations(rk, fl, per, tab, live)
         else:
