@@ -68,9 +68,9 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         # of its backward moments holds no more of any chunk than one of the rank before's
         # (interleaved_flight.moments; tests/test_interleaved_flight.py checks p 2-16, v 2-4). Not
         # so under recompute_every > 1, whose recomputed layers differ by rank: docs/planner.md
-        def kinds(r: int) -> tuple:
-            return tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
-        picked = {r for r in picked if r in (0, pp - 1) or kinds(r) != kinds(r - 1)}
+        kinds = {r: tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
+                 for r in {x for q in picked for x in (q - 1, q) if 0 <= x < pp}}
+        picked = {r for r in picked if r in (0, pp - 1) or kinds[r] != kinds[r - 1]}
     for r in sorted(picked & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = rank_chunks(lay, r)  # not a walk over every chunk: O(pp) ranks under the V schedules
@@ -189,8 +189,8 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
             live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
             per = _chunk_sets(rk, es)
-            bound = _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(rk, st, recompute)
-            if best is not None and bound <= best[0]:
+            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(
+                    rk, st, recompute) <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
             a = _il_activations(rk, fl, per, tab, live)
         else:
