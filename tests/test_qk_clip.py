@@ -52,7 +52,7 @@ class ReferenceClip:
     def record(self, mod, args):
         from paralayer.model.positions import apply_rope
 
-        x, cos, sin = args
+        x, cos, sin = args[:3]  # a windowed layer also takes its chunk's mask
         b, s, _ = x.shape
         H = self.cfg.model.n_heads
         if hasattr(mod, "kv_b"):  # MLA

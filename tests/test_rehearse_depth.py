@@ -35,14 +35,18 @@ CASES = {
     # Qwen3-Next's hybrid: Gated DeltaNet layers (resolve/memory/linear_acts.py) and gated full
     # attention, 3:1, with the gated shared expert (dp2 ep2, fp32)
     "qwen3-next": ["recipe=tiny-qwen3-next"],
+    # Gemma 3 (tp2 SP, fp32): sliding layers on their own RoPE table and the window mask, the full
+    # layer (the sixth) on the global table; at 2 layers all sliding
+    "gemma3": ["recipe=tiny-gemma3"],
 }
 #: the layer pattern at each depth where the recipe's own list has another length (3:1 kept)
 PATTERNS = {"qwen3-next": {2: "[linear,full]", 6: "[linear,linear,linear,full,linear,full]"}}
 #: measured, not exact (activations ratio at 2 / 6 layers, and the per-layer increment): tiny-qwen3-moe
 #: 1.0013 / 1.0014, increment 1.0014; deepseek-v3-tiny 0.9925 / 0.9990, increment 1.0047 (CPU's math path
 #: for MLA, docs/planner.md). Bounds just above them: a missing per-layer term of the size issue 46
-#: found (5%) fails. tiny-gemma3 (tp2, windows, offset norms) reads 1.021 / 1.022, increment 1.023: a
-#: per-layer term not found yet, so it is not held here (docs/planner.md).
+#: found (5%) fails. tiny-gemma3 read 1.021 / 1.022, increment 1.023, until each windowed layer's SDPA
+#: stopped converting the bool mask into its own float copy (one shared per chunk: model/attention.py
+#: window_bias) and the plan counted the sliding layers' RoPE table (memory/chunk_tables.py): exact.
 #: tiny-qwen3-next reads 1.0012 at 4 layers: the Gated DeltaNet layer's per-microbatch terms (its
 #: chunk's causal mask, C² bytes) are not counted (linear_acts), 0.15% a layer at these widths.
 TOLERANCE = {"qwen3-moe": 2e-3, "deepseek-v3-tiny": 1e-2, "qwen3-next": 5e-3}
@@ -83,3 +87,27 @@ def test_the_plan_holds_at_two_depths(name):
         got = b["memory_bytes"]["activations"] - a["memory_bytes"]["activations"]
         plan = b["plan_memory_bytes"]["activations"] - a["plan_memory_bytes"]["activations"]
         assert got > 0 and abs(got / plan - 1) < tol, (name, a["rank"], got, plan)
+
+
+
+def test_gemma3_tables_and_mask_are_counted_per_chunk(monkeypatch):
+    """tiny-gemma3 at 6 layers (5 sliding, 1 full) under pp2 1F1B: each stage keeps the RoPE tables
+    its layers use (stage 0: the sliding layers' only; stage 1: both) and one window mask per
+    microbatch in flight; exact on both stages. Planted: the plan as before (one table, no mask)
+    falls short on both."""
+    from paralayer.resolve.memory import activations
+
+    ov = ["recipe=tiny-gemma3", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=1f1b", "model.n_layers=6"]
+    cfg = config_mod.load_config(ov)
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], plan["errors"]
+    out = R.rehearse(cfg, plan, [0, 1])
+    assert out["ok"] and len(out["ranks"]) == 2, out.get("errors")
+    for r in out["ranks"]:
+        assert abs(r["ratios"]["activations"] - 1) < 1e-4, (r["rank"], r["ratios"])
+    monkeypatch.setattr(activations, "chunk_tables", lambda cfg, lay, ids, last=False: (1, 0) if ids else (0, 0))
+    for r in out["ranks"]:
+        planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, r)
+        print(f"rank {r['rank']}: activations {r['ratios']['activations']:.5f}, planted "
+              f"{planted['ratios']['activations']:.5f}")
+        assert planted["ratios"]["activations"] > 1.002, (r["rank"], planted["ratios"])

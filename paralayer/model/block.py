@@ -6,6 +6,8 @@ before they join the residual: x + post_attention_norm(attn(attention_norm(x))),
 with ffn_norm / post_ffn_norm; the norms are Gemma's (1 + w) under ``model.norm_offset``."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -79,13 +81,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = _feed_forward(cfg, layer_id)
         self.recompute_full = False
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``mask``: the chunk's window mask (attention.window_bias) for a windowed layer."""
         if self.recompute_full:
-            return recompute(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+            return recompute(self._forward, x, cos, sin, mask)
+        return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x, cos, sin):
-        a = self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x, cos, sin, mask=None):
+        xn = self.attention_norm(x)
+        # by keyword: tensor parallel's input plan for the attention names its three positional inputs
+        a = self.attention(xn, cos, sin) if mask is None else self.attention(xn, cos, sin, mask=mask)
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
         f = self.feed_forward(self.ffn_norm(h))
         return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))

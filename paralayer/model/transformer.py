@@ -19,7 +19,7 @@ from torch import nn
 
 from paralayer.config import ModelConfig
 from paralayer.config.layer_pattern import layer_types
-from paralayer.model.attention import head_dim_of
+from paralayer.model.attention import head_dim_of, window_bias
 from paralayer.model.block import TransformerBlock, is_moe_layer
 from paralayer.model.mtp import MultiTokenPrediction
 from paralayer.model.norms import make_norm
@@ -70,11 +70,15 @@ class Transformer(nn.Module):
         pos = self.positions.to(h.device) if self.positions is not None else torch.arange(s, device=h.device)
         cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope)
         local = rope_cos_sin(pos, self.head_dim, self.cfg.rope_local_theta, h.dtype) if self.local_rope else None
+        masks: dict = {}  # window -> the chunk's one mask, shared by its windowed layers (attention.window_bias)
         for name, layer in self.layers.items():
-            if local is not None and self.sliding[int(name)]:
-                h = layer(h, *local)
-            else:
-                h = layer(h, cos, sin)
+            w = getattr(layer.attention, "shared_mask_window", None)
+            if w is not None and w not in masks:
+                dev = h.device.type
+                dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+                masks[w] = window_bias(pos.shape[0], w, h.device, dtype)  # the full sequence under SP
+            args = local if local is not None and self.sliding[int(name)] else (cos, sin)
+            h = layer(h, *args) if w is None else layer(h, *args, masks[w])
         if self.norm is not None:
             h = self.norm(h)
         if self.mtp is not None and self.output is not None and self.mtp.count_stats:

@@ -38,6 +38,7 @@ from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import interleaved_flight, v_flight
 from paralayer.resolve.memory.bf16_acts import bf16_extra_elems, routed_rows_per_token
+from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.linear_acts import linear_saved_elems
 from paralayer.resolve.memory.states import (
     ACT_BYTES,
@@ -233,8 +234,8 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
     """(peak, saved) activation bytes on pipeline rank r: what the forward leaves for backward at
     the schedule's peak in flight, and the peak, which adds full recompute's transient.
 
-    Per microbatch in flight: each layer's saved set, and each chunk's RoPE cos/sin
-    (:func:`rope_bytes`). The last stage also holds, per microbatch whose backward has not begun,
+    Per microbatch in flight: each layer's saved set, and each chunk's RoPE tables and window
+    masks (:func:`chunk_fixed_bytes`). The last stage also holds, per microbatch whose backward has not begun,
     the fp32 logits 4·s·b·V/t (vocab-parallel) and what the final norm and head save; a
     microbatch's backward frees its own before any layer of it is recomputed, so the recomputed
     layer's set and that microbatch's head are never live together (the larger one counts), except
@@ -259,8 +260,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         # order (interleaved_flight), and the head's bytes with each microbatch the last chunk
         # holds (its logits live from its forward to its backward; none while only earlier chunks
         # hold microbatches: tests/test_interleaved_flight.py) (planner.memory: the same bytes)
-        rope = rope_bytes(cfg, lay)
-        sets = [chunk_saved_elems(cfg, lay, ids) * tokens * ab + (rope if lay.stage_layers[c] else 0.0)
+        sets = [chunk_saved_elems(cfg, lay, ids) * tokens * ab + chunk_fixed_bytes(cfg, lay, c)
                 for c, ids in zip(chunks, chunk_blocks(cfg, lay, r))]
         sets[-1] += head
         # a recomputed layer's transient beside them, the head freed only at the last chunk's
@@ -274,7 +274,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
                                          parts.is_linear_layer(cfg, i)) for i in layers) * tokens * ab
         inf = in_flight(lay, r)
         # summed in the planner's order (planner.memory.in_flight, peak_memory: the same bytes to the unit)
-        extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
+        extra = inf * sum(chunk_fixed_bytes(cfg, lay, c) for c in chunks)
         if head:
             extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
         saved = inf * per_mb + extra
@@ -300,12 +300,11 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     the first chunk, whose backward recomputes while a later microbatch's head is live: nothing
     freed), and the transient of the pass: a full backward recomputes one layer at a time, a split
     pass keeps its chunk's recomputed sets together (:func:`recompute_transient`)."""
-    rope = rope_bytes(cfg, lay)
     tr = [_transient_elems(cfg, lay, k) for k in range(len(KINDS))]
     full = lay.recompute == "full"
     saved, split_t, full_t = [], [], []
     for c, ids, counts in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_kind_counts(cfg, lay, r)):
-        saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + (rope if lay.stage_layers[c] else 0.0))
+        saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + chunk_fixed_bytes(cfg, lay, c))
         split_t.append(split_transient(counts, tr) * tokens * ab if full else 0.0)
         full_t.append(max(t if n else 0.0 for n, t in zip(counts, tr)) * tokens * ab if full else 0.0)
     peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
@@ -359,6 +358,13 @@ def rope_bytes(cfg: Config, lay: Layout) -> float:
     m = cfg.model
     return rope_bytes_for(parts.rope_dim(cfg), m.seq_len / lay.cp,
                           precision_mode(lay.precision, lay.zero, lay.dp * lay.cp))
+
+
+def chunk_fixed_bytes(cfg: Config, lay: Layout, c: int) -> float:
+    """Chunk c's RoPE tables and window masks per microbatch (memory/chunk_tables.py)."""
+    mode = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp)
+    tables = chunk_tables(cfg, lay, lay.stage_layers[c], c == lay.chunks - 1)
+    return fixed_bytes(tables, rope_bytes(cfg, lay), mask_bytes_for(cfg.model.seq_len / lay.cp, mode))
 
 
 def rope_bytes_for(head_dim: int, positions: float, mode: str) -> float:

@@ -15,6 +15,7 @@ from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
 from paralayer.resolve.memory.activations import KINDS, layer_kind
+from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
@@ -32,11 +33,11 @@ class RankInfo(NamedTuple):
     #: (global layer index, kind) of the layers held (recompute_every's choice; kind:
     #: memory.layer_kind, MoE and Gated DeltaNet)
     layers: tuple = ()
-    n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
+    #: per chunk held, (RoPE tables, window masks) it keeps per microbatch (memory.chunk_tables)
+    tables: tuple = ((1, 0),)
     #: under a split backward (zbv, dualpipev) the (global index, kind) blocks of each chunk
     #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
     split_chunks: tuple = ()
-    chunk_has_layers: tuple = ()  # per chunk of split_chunks or il_chunks: it has pipeline layers (RoPE)
     chunk_counts: tuple = ()  # per chunk of split_chunks or il_chunks: its blocks by kind
     zero1_dense: float = 0.0  # ZeRO-1's busiest data rank's share times d (memory.zero1.busiest_dense)
     muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
@@ -68,27 +69,31 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         # of its backward moments holds no more of any chunk than one of the rank before's
         # (interleaved_flight.moments; tests/test_interleaved_flight.py checks p 2-16, v 2-4). Not
         # so under recompute_every > 1, whose recomputed layers differ by rank: docs/planner.md
-        kinds = {r: tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
-                 for r in {x for q in picked for x in (q - 1, q) if 0 <= x < pp}}
+        kinds = {r: (tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r)),
+                     _tables(cfg, lay, r)) for r in {x for q in picked for x in (q - 1, q) if 0 <= x < pp}}
         picked = {r for r in picked if r in (0, pp - 1) or kinds[r] != kinds[r - 1]}
     for r in sorted(picked & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = rank_chunks(lay, r)  # not a walk over every chunk: O(pp) ranks under the V schedules
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        split, has, counts, il = (), (), (), ()
+        split, counts, il = (), (), ()
         if pp > 1 and schedule in V_SCHEDULES + ("interleaved",):
             per_chunk = tuple(tuple((i, layer_kind(cfg, i)) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
-            has = tuple(bool(lay.stage_layers[c]) for c in chunks)
             counts = tuple(_chunk_counts(ch) for ch in per_chunk)
             split, il = (per_chunk, ()) if schedule in V_SCHEDULES else ((), per_chunk)
         held = tuple((i, layer_kind(cfg, i)) for i in layers)
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
-                              sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts,
+                              _tables(cfg, lay, r), split, counts,
                               zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0,
                               muon_states.muon_split(cfg, lay, r),
                               tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
+
+
+def _tables(cfg: Config, lay: Layout, r: int) -> tuple:
+    """Per chunk pipeline rank r holds, its (RoPE tables, window masks) (memory.chunk_tables)."""
+    return tuple(chunk_tables(cfg, lay, lay.stage_layers[c], c == lay.chunks - 1) for c in rank_chunks(lay, r))
 
 
 def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> dict:
@@ -112,9 +117,10 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
 
 
 def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,
-               rope: float, mode: str, head_passes: int = 1, mtp_elems: float = 0.0) -> list[tuple]:
+               rope: tuple, mode: str, head_passes: int = 1, mtp_elems: float = 0.0) -> list[tuple]:
     """Per candidate rank: (microbatches in flight, the bytes beside the layers' sets — each chunk's
-    RoPE tables ``rope`` per microbatch in flight, the logits and head per microbatch the last
+    RoPE tables and window masks per microbatch in flight (``rope``: one table's and one mask's
+    bytes, memory.chunk_tables), the logits and head per microbatch the last
     stage holds —, one microbatch's logits and head if it is last: memory.rank_activations).
     Under the V schedules (a rank with ``split_chunks``): (its backward passes' in-flight counts,
     v_flight.moments; the head's bytes; ``rope``): memory.v_rank_activations."""
@@ -136,7 +142,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             continue
         if rk.split_chunks:
             mo = v_flight.moments(schedule, pp, mm, rk.rank)
-            key = (rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.chunk_has_layers)
+            key = (rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.tables)
             if key in groups:  # a follower: its counts join its group's leader's
                 joined, owners = groups[key]
                 joined += mo
@@ -147,7 +153,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
                 out.append((mo, head, rope, groups[key]))
             continue
         inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
-        extra = inf * rk.n_chunks * rope
+        extra = inf * sum(fixed_bytes(t, *rope) for t in rk.tables)
         if rk.last:
             extra += head * (mm if (schedule == "gpipe" and pp > 1) else 1)
         # the head freed before a layer is recomputed; one pass with MTP (memory.rank_activations)
@@ -162,7 +168,7 @@ def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t
     pass's transient. ``group``: (moments, their ranks) of the ranks alike but for their counts
     (in_flight's groups), weighed in one pass. Returns (peak bytes, the rank holding it)."""
     own, head, rope = flight[0], flight[1], flight[2]
-    saved = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
+    saved = [x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables)]
     moments, owners = group if group is not None else (own, None)
     peak, _, j = mem_mod.v_peak(moments, saved, head, [x * tab for x in split_t], [x * tab for x in full_t])
     return int(peak), (owners[j] if owners else rk.rank)
@@ -261,7 +267,7 @@ def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: in
     last chunk holds, and a recomputed layer's transient ``live`` (less the head at the last
     chunk's backward)."""
     split, head, rope, freed = flight[:4]
-    sets = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
+    sets = [x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables)]
     sets[-1] += head  # with each microbatch the last chunk holds (memory.rank_activations)
     key = (id(split), tuple(sets), freed, live)
     hit = _IL_PEAKS.get(key)
@@ -282,7 +288,7 @@ def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> 
     """An upper bound of :func:`_il_activations`: the most chunk-microbatches held at once times the
     heaviest chunk's set (in_flight's ``most``)."""
     rope = flight[2]
-    heaviest = max(x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers))
+    heaviest = max(x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables))
     return flight[5] * (heaviest + flight[1]) + live
 
 
