@@ -13,9 +13,10 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
 from paralayer.resolve.memory.activations import KINDS, layer_kind
-from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes
+from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
@@ -114,6 +115,11 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
             acts[(overlap, fsdp)] = act_cache[akey]
     lay.tp_overlap, lay.zero = False, zero0
     return acts
+
+
+def table_bytes(cfg: Config, positions: float, mode: str) -> tuple[float, float]:
+    """One RoPE table's and one window mask's bytes (memory.chunk_tables) in a ZeRO stage's mode."""
+    return mem_mod.rope_bytes_for(parts.rope_dim(cfg), positions, mode), mask_bytes_for(positions, mode)
 
 
 def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: int, h: int,

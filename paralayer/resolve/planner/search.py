@@ -58,7 +58,6 @@ from typing import Any, NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve import model_parts
 from paralayer.resolve.cost import optimizer_step
 from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, wire_factor: the planner's public names
     LOCAL_CALIBRATION,
@@ -73,7 +72,6 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
 from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
 from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
-from paralayer.resolve.memory.chunk_tables import mask_bytes_for
 from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
 from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes
@@ -87,6 +85,7 @@ from paralayer.resolve.planner.memory import (
     peak_memory,
     peak_memory_every,
     state_table,
+    table_bytes,
 )
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
@@ -409,8 +408,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
-        rope = (mem_mod.rope_bytes_for(model_parts.rope_dim(cfg), tot.seq / lay.cp, mode),
-                mask_bytes_for(tot.seq / lay.cp, mode))  # one RoPE table's, one window mask's (memory.chunk_tables)
+        rope = table_bytes(cfg, tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)
         if tot.avail is not None and min(s[3] for s in states) > tot.avail:
             drop("memory: model states alone exceed the device", len(mbs) * n_var)
