@@ -14,6 +14,7 @@ import functools
 from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
     ACT_BYTES,
@@ -145,10 +146,11 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = F
     return dense, moe
 
 
-def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> dict:
+def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_dp: bool = True) -> dict:
     """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
     is for; the rehearsal asks for each rank it steps). ``cp_rank``: the cp ring's figure for that
     cp rank (windowed layers move different chunks per rank); None, the busiest cp rank's.
+    ``with_dp=False``: without the dp entry (the planner's per-rank step times take dp from rank 0).
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
@@ -174,11 +176,13 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> di
     dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
-    return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
-            "pp": _pp_comm(lay, act_msg, r),
-            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
-            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
-            "dp": _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))}
+    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
+           "pp": _pp_comm(lay, act_msg, r),
+           "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
+           "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe)}
+    if with_dp:
+        out["dp"] = _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
+    return out
 
 
 def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
@@ -345,31 +349,9 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     n_moe_full = recompute_facts(cfg, lay, layers)[1]
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches
     e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+    e.update(ep_node_split(lay, e["bytes_per_step"]))
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))
     return e
-
-
-def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, count: float) -> dict:
-    """Node-limited routing (model.moe.n_group, topk_group; DeepSeek-V3 §2.1.2): the experts are
-    in n_group groups, and with the ep group spread over N nodes each node holds n_group/N whole
-    groups when N divides n_group. A token then reaches at most min(topk_group, N) nodes, and
-    inter-node dispatch is bounded by one copy of its row per node reached (DeepSeek's dispatch
-    sends a token once per node and forwards it over NVLink); without groups that bound is
-    min(top_k, N) nodes. ``inter_node_bytes_per_step_bound`` is that bound on this rank's
-    inter-node all-to-all payload (dispatch, combine, forward, backward: ``count`` as the entry's);
-    our all-to-all sends each of the top_k rows (``bytes_per_step``), so the bound is what a
-    deduplicating dispatch would move, and ``nodes_per_token_max`` the figure routing by group
-    guarantees. Empty when the ep group stays inside one node."""
-    m = cfg.model
-    mo = m.moe
-    nodes = -(-lay.ep // max(lay.devices_per_node, 1))
-    if nodes <= 1:
-        return {}
-    grouped = mo.n_group > 1 and mo.n_group % nodes == 0
-    reach = min(mo.topk_group if grouped else mo.top_k, nodes)
-    return {"ep_nodes": nodes, "nodes_per_token_max": reach,
-            "inter_node_message_bytes_bound": int(tokens * reach * m.d_model * ab),
-            "inter_node_bytes_per_step_bound": int(tokens * reach * m.d_model * ab * count)}
 
 
 def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params: float = 0.0) -> dict:

@@ -7,11 +7,15 @@ class give all of them (bytes of tp/pp/cp/ep are fixed by the step's tokens, cou
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds
+from paralayer.resolve.cost.rank_groups import timing_ranks
+from paralayer.resolve.cost.split import layer_work
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 
@@ -19,6 +23,7 @@ from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 # are core_attn's (the cp ring), full reruns the whole layer's
 COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}
 AXES = ("tp", "pp", "cp", "ep", "dp")
+RANK_AXES = ("tp", "pp", "cp", "ep")
 
 
 def recompute_key(recompute: str, every: int) -> str:
@@ -49,7 +54,8 @@ def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tup
         zs = ([2, 3] if fk else [0, 1]) if len(fks) == 2 else [0, 1, 2, 3]
         for i, cls in enumerate(("none", "core_attn", "full")):
             zero_ = zs[min(i, len(zs) - 1)]
-            if cls == "none" and zero_ == first_zero(st.lay) and st.first_pts is not None:
+            if cls == "none" and zero_ == first_zero(st.lay) and st.first_pts is not None \
+                    and not st.first_pts[0][1]["partial"]:
                 pts = st.first_pts
             else:
                 pts = comm_points(cfg, st, mach, gb, cls, zero_)
@@ -86,21 +92,37 @@ def set_axes(st: Structure, key: tuple, pts: list) -> None:
     if (False, rk, fk) not in st.per_ax:
         st.per_ax[(False, rk, fk)] = {ax: affine_line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
         st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
+        reps = pts[0][1]["ranks"]
+        st.rank_lines[(rk, fk)] = (reps, {q[0]: {ax: affine_line(pts, (q[0], ax))
+                                                 for ax in RANK_AXES + ("n_ep", "n_pp")} for q in reps})
 
 
 def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
-                 every: int = 1) -> list:
-    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
+                 every: int = 1, only_rank: Optional[int] = None) -> list:
+    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})],
+    rank 0's, and each timed rank's under (rank, axis) (``only_rank``: that rank's alone, for a
+    bound; ``t["partial"]`` says so)."""
     lay, spans = st.lay, st.spans
     lay.recompute_every = every
     m1 = gb // lay.dp
     mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
     pts = []
+    if not st.work_head:
+        st.work_head = layer_work(cfg)
     for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2))):
         lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero
         c = cost_mod.comm(cfg, lay)
         t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
         t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
+        # every timed rank's traffic (cost/rank_groups.py: the step is the slowest rank's), and its
+        # all-to-alls and sends (what parallel.pp_overlap's pairs hide is per collective)
+        t["partial"] = only_rank is not None
+        t["ranks"] = reps = ((only_rank,),) if t["partial"] else timing_ranks(cfg, lay, *st.work_head, prune=True)
+        for q in reps:
+            cr = c if q[0] == 0 else cost_mod.comm(cfg, lay, q[0], with_dp=False)
+            for ax in RANK_AXES:
+                t[(q[0], ax)] = comm_seconds(cr[ax], spans[ax], mach, ax)
+            t[(q[0], "n_ep")], t[(q[0], "n_pp")] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
         pts.append((mm_, t))
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
     lay.recompute_every = 1

@@ -42,7 +42,8 @@ class LazyLines:
         key = (cls, zero)
         if key not in self.pts:
             st = self.st
-            if cls == "none" and zero == first_zero(st.lay) and st.first_pts is not None:
+            if cls == "none" and zero == first_zero(st.lay) and st.first_pts is not None \
+                    and not st.first_pts[0][1]["partial"]:
                 self.pts[key] = st.first_pts
             else:
                 self.pts[key] = comm_points(self.cfg, st, self.mach, self.gb, cls, zero)

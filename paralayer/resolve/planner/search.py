@@ -31,22 +31,18 @@ lines ``planner.comm``, the records ``planner.types`` and the listed rows ``plan
                 (dp as the runtime moves it: FSDP per microbatch without pp, deferred under pp)
     tp        = comm[tp], or under parallel.tp_overlap what the GEMMs do not hide: per fused ring
                 (tp − 1)·max(0, hop − overlap·GEMM/tp) (``machine.tp_overlap_seconds``)
-    step      = (compute · imbalance + recompute + dispatch + tp + comm[cp, ep, pp]) · (1 + bubble)
-                + dp exposed (``machine.dp_exposed_seconds``: ZeRO 0–1 all of it, after the
-                backward; ZeRO 2–3 what the step's compute does not hide, and under pp the grad
-                reduce-scatter whole — torch's REDUCE_GRAD waits for it)
+    step      = (max over ranks of [its compute + recompute + tp, pp, cp, ep left exposed] + dispatch)
+                · (1 + bubble) + dp exposed (``planner.rank_time``; dp: ``machine.dp_exposed_seconds``)
 
 Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
 MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
 their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
-ranking's first ``top``); inside a structure a layout that fits but whose step without its traffic
-already exceeds the ``top``-th best so far is left untimed (``planner.bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
+ranking's first ``top``); a layout that fits but whose step without its traffic already exceeds
+the ``top``-th best so far is left untimed (``planner.bounds``). ``fixed`` narrows the walk itself.
 
-"tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
-whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
-hides behind the GEMMs pp only adds bubble, imbalance and an exposed reduce-scatter (without
-tp_overlap, pp can win by the tp traffic it saves: docs/planner.md, the 70B example).
-"""
+"tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis whose
+traffic hides behind compute, "pp only to fit" out of tp_overlap and the per-rank step (pp adds
+bubble, imbalance, middle ranks' sends and a reduce-scatter: docs/planner.md, the 70B example)."""
 from __future__ import annotations
 
 import dataclasses
@@ -87,6 +83,7 @@ from paralayer.resolve.planner.memory import (
     peak_memory_every,
     state_table,
 )
+from paralayer.resolve.planner.rank_time import inner_of
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
 from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
@@ -290,7 +287,7 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                                              override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
                                              structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe)
                                              * scale,
-                                             least_bubble=least_bubble))
+                                             least_bubble=least_bubble, work_head=(work, head)))
                         if cfg.train.optimizer == "muon":  # Muon's step per ZeRO stage (cost/optimizer_step.py)
                             st = out[-1]
                             st.optimizer_s = {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay.stage_layers,
@@ -356,8 +353,10 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
             set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
+        inner = inner_of(ctx.cfg, st, ctx.mach, st.rank_lines[(rk, fk)], mm, "full", k, zero,
+                         (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None)
         return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
-                      tot, ctx.mach, k, ch)
+                      tot, ctx.mach, k, ch, inner)
     return None
 
 
@@ -395,13 +394,15 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
     tp_cache: dict = {}
 
-    def tp_time(mb: int, recompute: str) -> float:
-        """tp_overlap's exposed tp seconds: independent of zero, once per (micro-batch, recompute)."""
-        if (mb, recompute) not in tp_cache:
-            tp_cache[(mb, recompute)] = tp_overlap_seconds(
-                ring_flops[recompute], ranks[0].n_dense, ranks[0].n_moe, mb * tot.seq / lay.cp, tot.gb // (mb * lay.dp),
+    def tp_time(mb: int, recompute: str, kinds: tuple = ()) -> float:
+        """tp_overlap's exposed tp seconds of a rank with ``kinds`` (dense, MoE) blocks (default: rank
+        0's): independent of zero, once per (micro-batch, recompute, kinds)."""
+        kinds = kinds or (ranks[0].n_dense, ranks[0].n_moe)
+        if (mb, recompute, kinds) not in tp_cache:
+            tp_cache[(mb, recompute, kinds)] = tp_overlap_seconds(
+                ring_flops[recompute], *kinds, mb * tot.seq / lay.cp, tot.gb // (mb * lay.dp),
                 lay.tp, tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
-        return tp_cache[(mb, recompute)]
+        return tp_cache[(mb, recompute, kinds)]
 
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
@@ -438,8 +439,11 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                         ctx.fits[1] += 1
                         continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
-                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch))
+                    line = lines.line(overlap, recompute, fk)
+                    inner = inner_of(cfg, st, mach, st.rank_lines[(recompute, fk)], mm, recompute, 1, zero,
+                                     (lambda kinds, mb=mb, rc=recompute: tp_time(mb, rc, kinds)) if overlap else None)
+                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, line, t_tp, lines.dp_at(zero, mm),
+                                       bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch, inner_of=inner))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
@@ -457,16 +461,14 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
 
 def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
            line: tuple, t_tp: float, dp: tuple, bubble: float, work: float, ovh_per_m: float, overlap: bool,
-           tot: Totals, mach: Machine, every: int = 1, fp8: Any = None) -> Candidate:
-    """The step time of one layout from its parts (the formula in the module docstring); ``fp8``:
-    its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step kept beside it."""
-    fixed, per_m = line
-    t_dp, t_red = dp
-    recomp = work * tot.rc_frac[recompute_key(recompute, every)]
-    ovh = ovh_per_m * mm
+           tot: Totals, mach: Machine, every: int = 1, fp8: Any = None, inner_of: Any = None) -> Candidate:
+    """The step time of one layout from its parts (the module docstring; ``inner_of``: rank_time's);
+    ``fp8``: its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step beside it."""
+    (fixed, per_m), (t_dp, t_red) = line, dp
+    recomp, ovh = work * tot.rc_frac[recompute_key(recompute, every)], ovh_per_m * mm
 
     def step_of(work: float, recomp: float) -> tuple[float, float, float]:
-        inner = work + recomp + fixed + per_m * mm + t_tp + ovh
+        inner = inner_of(work, recomp) + ovh
         dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
         return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed  # + Muon's step
 
