@@ -118,11 +118,19 @@ def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: s
         # all-to-alls and sends (what parallel.pp_overlap's pairs hide is per collective)
         t["partial"] = only_rank is not None
         t["ranks"] = reps = ((only_rank,),) if t["partial"] else timing_ranks(cfg, lay, *st.work_head, prune=True)
+        # a rank's tp/pp/cp/ep traffic depends on the recompute class only through reruns (cp's ring
+        # under core_attn, every axis under full) and on ZeRO only through FSDP's bf16 stream
+        key = (mb_, mm_, recompute if (recompute == "full" or lay.cp > 1) else "none", every, fsdp_key(lay, zero))
         for q in reps:
-            cr = c if q[0] == 0 else cost_mod.comm(cfg, lay, q[0], with_dp=False)
-            for ax in RANK_AXES:
-                t[(q[0], ax)] = comm_seconds(cr[ax], spans[ax], mach, ax)
-            t[(q[0], "n_ep")], t[(q[0], "n_pp")] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
+            got = st.rank_memo.get((q[0],) + key) if q[0] else None
+            if got is None:
+                cr = c if q[0] == 0 else cost_mod.comm(cfg, lay, q[0], with_dp=False)
+                got = {ax: comm_seconds(cr[ax], spans[ax], mach, ax) for ax in RANK_AXES}
+                got["n_ep"], got["n_pp"] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
+                if q[0]:
+                    st.rank_memo[(q[0],) + key] = got
+            for ax, v in got.items():
+                t[(q[0], ax)] = v
         pts.append((mm_, t))
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
     lay.recompute_every = 1
