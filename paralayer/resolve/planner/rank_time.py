@@ -8,11 +8,13 @@ agree. Torch-free.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.step_time import fb_overlap_facts, rank_inner
+from paralayer.resolve.planner.bounds import SLACK
 from paralayer.resolve.planner.comm import RANK_AXES
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import overlap_refusal
@@ -32,10 +34,11 @@ def inner_of(cfg: Config, st: Structure, mach: Machine, rank_lines: tuple, mm: i
     reps, lines = rank_lines
     lay = st.lay
     overlap = pp_overlap_on(cfg, st, zero)
-    if overlap and not st.fb_facts:
+    if overlap and any(q[0] not in st.fb_facts for q in reps):
         work, head = st.work_head
         total = sum(work) + head
-        st.fb_facts.update({q[0]: fb_overlap_facts(cfg, lay, q[0], work, head, total) for q in reps})
+        st.fb_facts.update({q[0]: fb_overlap_facts(cfg, lay, q[0], work, head, total) for q in reps
+                            if q[0] not in st.fb_facts})
     full = recompute == "full"
     k = max(every, 1)
     prepared = []
@@ -56,4 +59,18 @@ def inner_of(cfg: Config, st: Structure, mach: Machine, rank_lines: tuple, mm: i
     return inner
 
 
-__all__ = ["inner_of", "pp_overlap_on"]
+def timed_on_ranks(cfg: Config, st: Structure, mach: Machine, lines, at: tuple, tp_of: Callable | None,
+                   timed: Callable, bar: float):
+    """``timed(inner_of=...)`` (search._timed's Candidate) over every timed rank, or None where the step
+    on rank 0's work and traffic alone already exceeds ``bar``: the step is the max over the ranks, so
+    it cannot be listed, and no other rank's traffic is computed for it (``lines``: planner.lazy_lines).
+    ``at``: (microbatches, recompute, zero, FSDP key)."""
+    mm, recompute, zero, fk = at
+    first = lines.first_rank_lines(recompute, fk) if bar < math.inf else None
+    if first is not None and timed(inner_of=inner_of(cfg, st, mach, first, mm, recompute, 1, zero,
+                                                     tp_of)).step * SLACK > bar:
+        return None
+    return timed(inner_of=inner_of(cfg, st, mach, lines.rank_lines(recompute, fk), mm, recompute, 1, zero, tp_of))
+
+
+__all__ = ["inner_of", "pp_overlap_on", "timed_on_ranks"]

@@ -46,6 +46,7 @@ bubble, imbalance, middle ranks' sends and a reduce-scatter: docs/planner.md, th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -83,7 +84,7 @@ from paralayer.resolve.planner.memory import (
     peak_memory_every,
     state_table,
 )
-from paralayer.resolve.planner.rank_time import inner_of
+from paralayer.resolve.planner.rank_time import inner_of, timed_on_ranks
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
 from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
@@ -395,8 +396,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     tp_cache: dict = {}
 
     def tp_time(mb: int, recompute: str, kinds: tuple = ()) -> float:
-        """tp_overlap's exposed tp seconds of a rank with ``kinds`` (dense, MoE) blocks (default: rank
-        0's): independent of zero, once per (micro-batch, recompute, kinds)."""
+        """tp_overlap's exposed tp seconds of a rank of ``kinds`` (dense, MoE) blocks (rank 0's), any zero."""
         kinds = kinds or (ranks[0].n_dense, ranks[0].n_moe)
         if (mb, recompute, kinds) not in tp_cache:
             tp_cache[(mb, recompute, kinds)] = tp_overlap_seconds(
@@ -440,10 +440,12 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                         continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
                     line = lines.line(overlap, recompute, fk)
-                    inner = inner_of(cfg, st, mach, st.rank_lines[(recompute, fk)], mm, recompute, 1, zero,
-                                     (lambda kinds, mb=mb, rc=recompute: tp_time(mb, rc, kinds)) if overlap else None)
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, line, t_tp, lines.dp_at(zero, mm),
-                                       bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch, inner_of=inner))
+                    tp_of = (lambda kinds, mb=mb, rc=recompute: tp_time(mb, rc, kinds)) if overlap else None
+                    timed = functools.partial(_timed, st, key, zero, mb, mm, recompute, mem, line, t_tp, lines.dp_at(
+                        zero, mm), bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch)
+                    c = timed_on_ranks(cfg, st, mach, lines, (mm, recompute, zero, fk), tp_of, timed, bar)
+                    ctx.fits[1] += c is None  # fits, but cannot be listed on rank 0's step alone
+                    recs.extend(() if c is None else (c,))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
