@@ -33,7 +33,9 @@ def inner_of(cfg: Config, st: Structure, mach: Machine, rank_lines: tuple, mm: i
     at m = ``mm``; ``tp_of(kinds)``: a rank's exposed tp seconds under tp_overlap (None: its line)."""
     reps, lines = rank_lines
     lay = st.lay
-    overlap = pp_overlap_on(cfg, st, zero)
+    overlap = st.inner_memo.get(("pp_overlap", zero))
+    if overlap is None:
+        overlap = st.inner_memo[("pp_overlap", zero)] = pp_overlap_on(cfg, st, zero)
     if overlap and any(q[0] not in st.fb_facts for q in reps):
         work, head = st.work_head
         total = sum(work) + head
@@ -41,14 +43,21 @@ def inner_of(cfg: Config, st: Structure, mach: Machine, rank_lines: tuple, mm: i
                             if q[0] not in st.fb_facts})
     full = recompute == "full"
     k = max(every, 1)
-    prepared = []
-    for r, share, _, kinds in reps:
-        ln = lines[r]
-        t = {ax: ln[ax][0] + ln[ax][1] * mm for ax in RANK_AXES}
-        if tp_of is not None:
-            t["tp"] = tp_of(kinds)
-        n_ep, n_pp = (ln[n][0] + ln[n][1] * mm for n in ("n_ep", "n_pp"))
-        prepared.append((r, share, t, st.fb_facts.get(r) if overlap else None, n_ep, n_pp))
+    # the ranks' seconds at m (not tp_overlap's, which depend on the micro-batch): once per lines and m
+    hit = st.inner_memo.get((id(lines), mm, overlap)) if tp_of is None else None
+    if hit is not None and hit[0] is lines:
+        prepared = hit[1]
+    else:
+        prepared = []
+        for r, share, _, kinds in reps:
+            ln = lines[r]
+            t = {ax: ln[ax][0] + ln[ax][1] * mm for ax in RANK_AXES}
+            if tp_of is not None:
+                t["tp"] = tp_of(kinds)
+            n_ep, n_pp = (ln[n][0] + ln[n][1] * mm for n in ("n_ep", "n_pp"))
+            prepared.append((r, share, t, st.fb_facts.get(r) if overlap else None, n_ep, n_pp))
+        if tp_of is None:
+            st.inner_memo[(id(lines), mm, overlap)] = (lines, prepared)
 
     def inner(work: float, recomp: float) -> float:
         mean = work / st.imbalance

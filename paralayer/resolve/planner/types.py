@@ -60,6 +60,7 @@ class Structure:
     work_head: tuple = ()  # cost.split.layer_work, once per structure
     fb_facts: dict = dataclasses.field(default_factory=dict)  # rank -> step_time.fb_overlap_facts (pp_overlap)
     rank_memo: dict = dataclasses.field(default_factory=dict)  # planner.comm.comm_points' per-rank seconds
+    inner_memo: dict = dataclasses.field(default_factory=dict)  # planner.rank_time.inner_of's per-m seconds
 
     @property
     def pp_layout(self) -> Optional[list]:
