@@ -90,15 +90,28 @@ def _chunk_keys(cfg: Config, lay: Layout, work: list, head: float) -> list:
         return hit[2]
     last = lay.chunks - 1
     mtp = model_parts.mtp_layers(cfg)
+    per = _layer_keys(cfg, work)
     out = []
     for c, stage in enumerate(lay.stage_layers):
         layers = tuple(stage) + (tuple(mtp) if c == last else ())
-        keys = tuple((work[i] if i < len(work) else -1.0, is_moe_layer(cfg, i), model_parts.layer_window(cfg, i))
-                     for i in layers)
+        keys = tuple(map(per.__getitem__, layers))
         out.append((keys, layers, sum(work[i] for i in stage) + (head if c == last else 0.0),
                     sum(1 for q in keys if q[1])))
     cache[key] = (lay.stage_layers, cfg, out)
     return out
+
+
+def _layer_keys(cfg: Config, work: list) -> list:
+    """Every block's (FLOPs, MoE, window) key (the MTP blocks' FLOPs -1), once per config and
+    ``work`` (the same for every layout of a plan; kept on the config, checked by identity)."""
+    hit = cfg.__dict__.get("_layer_keys")
+    if hit is not None and hit[0] is work:
+        return hit[1]
+    n = cfg.model.n_layers + cfg.model.mtp.depth
+    per = [(work[i] if i < len(work) else -1.0, is_moe_layer(cfg, i), model_parts.layer_window(cfg, i))
+           for i in range(max(n, len(work)))]
+    cfg.__dict__["_layer_keys"] = (work, per)
+    return per
 
 
 __all__ = ["timing_ranks"]
