@@ -39,6 +39,24 @@ def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
     return facts
 
 
+def rank_layer_facts(cfg: Config, lay: Layout, r: int) -> tuple:
+    """(layers held, their indices, MoE layers among them) of pipeline rank r: :func:`rank_facts`
+    without the parameter sums, which only the dp entry reads (the planner's per-rank traffic
+    takes dp from rank 0), once per layout."""
+    cache, key = layout_cache(cfg, lay, ("rank", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2][2:]
+    cache, key = layout_cache(cfg, lay, ("layers", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    layers = rank_layers(cfg, lay, r)  # rank_params' count: the chunks' layers and the MTP blocks
+    facts = (len(layers), layers, sum(1 for i in layers if is_moe_layer(cfg, i)))
+    cache[key] = (lay.stage_layers, cfg, facts)
+    return facts
+
+
 def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
     and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch:

@@ -13,7 +13,7 @@ import functools
 
 from paralayer.config import Config, cp_window
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, rank_layer_facts, recompute_facts
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
@@ -173,7 +173,10 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
-    dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
+    if with_dp:
+        dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
+    else:
+        n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),

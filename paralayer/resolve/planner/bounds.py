@@ -12,7 +12,7 @@ from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.split import rank_work
 from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
-from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, tp_overlap_options
+from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, rank_points, tp_overlap_options
 from paralayer.resolve.planner.types import Structure, Totals
 from paralayer.resolve.rules import Layout, overlap_refusal
 
@@ -56,7 +56,10 @@ def refined_bound(cfg: Config, mach: Machine, tot: Totals, st: Structure) -> flo
     work, head = st.work_head
     rw = rank_work(work, head, st.split, st.lay.pp, st.lay.schedule)
     busiest = max(range(len(rw)), key=rw.__getitem__)
-    st.first_pts = comm_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay), only_rank=busiest)
+    if busiest == 0:
+        pts = st.first_pts = comm_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay), only_rank=0)
+    else:  # its traffic alone: rank 0's cost.comm waits until the structure is planned
+        pts = rank_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay), busiest)
     hideable_tp = True in tp_overlap_options(st.lay, mach, cfg.model.mla.kv_lora_rank > 0)
     # the busiest rank's traffic (the step is at least that rank's; rank_groups: its group's share is
     # the imbalance); pp and ep not where parallel.pp_overlap may hide them
@@ -65,6 +68,6 @@ def refined_bound(cfg: Config, mach: Machine, tot: Totals, st: Structure) -> flo
                                                                            lay.cp, 0) is None
     comm = 0.0
     for ax in (() if hideable_ep else ("pp", "ep")) + ("cp",) + (() if hideable_tp else ("tp",)):
-        fixed, per_m = affine_line(st.first_pts, (busiest, ax))
-        comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
+        fixed, per_m = affine_line(pts, (busiest, ax))
+        comm += max(0.0, min(fixed + per_m, fixed + per_m * pts[0][0]))
     return st.bound + comm * (1.0 + st.least_bubble)

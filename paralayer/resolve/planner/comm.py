@@ -130,6 +130,17 @@ def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: s
     return pts
 
 
+def rank_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int, rank: int) -> list:
+    """One pipeline rank's (rank, axis) seconds at :func:`comm_points`' two micro-batch sizes, without
+    rank 0's ``cost.comm`` (the refined bound's busiest rank; memoised, so the same floats later)."""
+    lay = st.lay
+    m1 = gb // lay.dp
+    mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
+    pts = [(mm_, {"args": (mb_, recompute, zero, 1)}) for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2)))]
+    _add_ranks(cfg, st, mach, pts, ((rank,),))
+    return pts
+
+
 def with_ranks(cfg: Config, st: Structure, mach: Machine, pts: list) -> list:
     """``pts`` (of :func:`comm_points`) with every timed rank's traffic (cost/rank_groups.py: the step
     is the slowest rank's), and its all-to-alls and sends (what parallel.pp_overlap's pairs hide is
