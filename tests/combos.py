@@ -144,7 +144,7 @@ MODEL_FIELDS = {
     **{k: None for k in ("attn_bias", "attn_sinks", "rope.truncate", "moe.router_bias", "moe.expert_bias",
                          "moe.swiglu_limit", "moe.swiglu_alpha")},
     # Qwen3-Next's parts: fixed here; tests/test_qwen3_next.py proves them against Qwen3NextForCausalLM
-    # under tp2 (+SP), pp2, dp2·ZeRO-3 and ep2 (cp refused by name)
+    # under tp2 (+SP), pp2, dp2·ZeRO-3, ep2, cp2 and cp2 with tp2, dp2 or pp2
     **{k: None for k in ("attn_gate", "rotary_fraction", "moe.shared_gate", "linear.chunk", "linear.conv_kernel",
                          "linear.head_k_dim", "linear.head_v_dim", "linear.k_heads", "linear.v_heads")},
 }

@@ -155,9 +155,13 @@ def local_slurm_2node():
 SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py", "test_recovery_slurm.py"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under ``-n N --dist loadgroup`` (pyproject's addopts) each file's tests stay on one worker,
-    so a module's shared one-rank references are computed once; the SLURM files share one group."""
+    so a module's shared one-rank references are computed once; the SLURM files share one group.
+    tryfirst: xdist's own hook turns the marks into the "@group" the scheduler reads, so the marks
+    must be there before it runs (without it no test had a group, and two SLURM files ran at once:
+    a test that kills node n2 failed another file's job on the two-node cluster)."""
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("slurm" if name in SLURM_FILES else name))

@@ -19,6 +19,7 @@ from paralayer.config import load_config, to_dict
 from paralayer.config.sweep_base import SweepBase
 from paralayer.inputs import depth, interpolation
 from paralayer.resolve.planner import report as plan_report
+from tests.cpu_budget import machine_scale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import front_door_corpus as corpus  # noqa: E402
@@ -209,7 +210,10 @@ def test_405b_on_16384_gpus_with_a_huge_top_stays_within_the_cpu_budget():
     rc, cpu, out, err = _run(["recipe=llama3-405b", "cluster.nodes=2048", "--plan", "--top", "1000000"])
     assert rc == 0 and "capped at" in err
     assert len(out.splitlines()) > plan_report.MAX_TOP
-    assert cpu < 2 * BOUND_CPU_S, f"{cpu:.2f} s CPU"
+    # 3x since 6 Dec: the interleaved schedule's exact per-chunk memory (issue 46) costs the planner
+    # ~1.7x on the 405B plans (4.4-5.5 s here at load ~2, where 2x was the bound)
+    allowed = 3 * BOUND_CPU_S * (machine_scale() if cpu >= 3 * BOUND_CPU_S else 1.0)  # tests/cpu_budget.py
+    assert cpu < allowed, f"{cpu:.2f} s CPU (allowed {allowed:.2f})"
 
 
 def test_a_256_run_sweep_dry_run_resolves_the_base_once_and_answers_in_budget():

@@ -94,7 +94,9 @@ def test_slowed_rank_is_named_in_metrics_and_on_the_console(tmp_path, capfd, lay
     warm = 0 if layout == "zero0" else 2
     assert named[warm:] == [1] * (5 - warm), named
     # (warm-up steps: the 0.2 s sleep is a smaller share of them)
-    assert all(r["rank_time_spread"] > 1.2 for r in recs[max(warm, 1):]), [r["rank_time_spread"] for r in recs]
+    # the median step: one step of a loaded machine read 1.16 under tp2 (6 Dec CI) beside 1.60 and 1.28
+    spreads = sorted(r["rank_time_spread"] for r in recs[max(warm, 1):])
+    assert spreads[len(spreads) // 2] > 1.2 and spreads[0] > 1.05, [r["rank_time_spread"] for r in recs]
     assert recs[0]["slowest_host"] == os.uname().nodename
     assert out[0]["timing"] == out[1]["timing"]  # every rank has the gathered fields
     warned = [x for x in (err.out + err.err).splitlines() if "straggler: rank 1" in x]

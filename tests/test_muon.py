@@ -44,8 +44,10 @@ def _paper_ns(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if tall else x
 
 
-def _reference(cfg, token_path: str) -> list[dict]:
-    """The plain loop: our model and init, the paper's Muon written above, torch's AdamW."""
+def _reference(cfg, token_path: str, clip=None) -> list[dict]:
+    """The plain loop: our model and init, the paper's Muon written above, torch's AdamW;
+    ``clip(model)``: a callable run after each update that returns extra keys of the step's record
+    (tests/test_qk_clip.py's QK-clip)."""
     from paralayer.model.transformer import Transformer, init_weights
 
     with torch.device("meta"):
@@ -60,6 +62,7 @@ def _reference(cfg, token_path: str) -> list[dict]:
                               {"params": [p for _, p in rest if p.ndim < 2], "weight_decay": 0.0}],
                              lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     bufs = {id(p): torch.zeros_like(p) for p in matrices}
+    after_step = clip(model) if clip is not None else dict
     with open(token_path) as f:
         lines = [json.loads(ln)["input_ids"] for ln in f]
     out = []
@@ -67,7 +70,9 @@ def _reference(cfg, token_path: str) -> list[dict]:
         ids = torch.tensor(lines[(step - 1) * GB: step * GB])
         for p in model.parameters():
             p.grad = None
-        loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        # the whole line goes in, as the runtime feeds it (the last position's output has no label):
+        # the same loss, and the attention QK-clip measures sees the same queries
+        loss = F.cross_entropy(model(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         loss.backward()
         norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
         with torch.no_grad():
@@ -80,7 +85,7 @@ def _reference(cfg, token_path: str) -> list[dict]:
                 p.mul_(1 - LR * WD)
                 p.sub_(LR * 0.2 * math.sqrt(max(m, n)) * X)
         adam.step()
-        out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
+        out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), **after_step()})
     return out
 
 

@@ -3,11 +3,9 @@ model, every listed layout passes the resolver with the same numbers, and it is 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from paralayer.config import load_config
 from paralayer.resolve import planner
 from paralayer.resolve.plan import resolve
 from paralayer.resolve.planner import report as plan_report
+from tests.cpu_budget import cpu_within
 
 REPO = Path(__file__).resolve().parent.parent
 H100_70B = ["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64"]
@@ -214,29 +213,20 @@ def test_dropped_layouts_are_counted_by_reason():
 #: CPU seconds for --plan's table. Measured on this 2-core VM at load < 1 (2026-12-01): 70B/512
 #: ~1.0 s, 405B/4,096 ~2.5 s, after the model gained autocast weight copies, RoPE tables,
 #: full recompute's transient and the GPU model's per-microbatch weight streaming (it was ~1.5 s);
-#: issue #16's bound for any input is 5 s wall.
-PLAN_CPU_S = 3.0
+#: issue #16's bound for any input is 5 s wall. 6 Dec: 5.0, after the interleaved schedule's memory
+#: became exact per chunk (memory.interleaved_flight, issue 46: kimi-k2's last rank was under-counted
+#: 1.169x): 405B/4,096 3.8-4.1 s against 2.1-2.6 s before, measured side by side at load ~2.
+PLAN_CPU_S = 5.0
 
 
 @pytest.mark.parametrize("ov", [H100_70B, H100_405B], ids=["70b-512", "405b-4096"])
 def test_plans_within_the_cpu_budget(ov):
-    """CPU time (robust to other processes on the machine), best of 3, for the table's top 15."""
+    """CPU time, best of 3, for the table's top 15, scaled to this machine (tests/cpu_budget.py)."""
     cfg = load_config(list(ov))
-    best = float("inf")
-    gc.collect()
-    gc.disable()  # the planner's own time, not collections of the test session's heap
-    try:
-        for _ in range(3):
-            t0 = time.process_time()
-            plans = planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS)  # what `--plan` computes for its table
-            best = min(best, time.process_time() - t0)
-            if best < PLAN_CPU_S:
-                break
-    finally:
-        gc.enable()
+    took, allowed, plans = cpu_within(lambda: planner.plan_layouts(cfg, top=plan_report.TABLE_ROWS), PLAN_CPU_S)
     world = 512 if ov is H100_70B else 4096
     assert plans and plans[0]["world_size"] == world
-    assert best < PLAN_CPU_S, f"planning took {best:.2f} s CPU"
+    assert took < allowed, f"planning took {took:.2f} s CPU (allowed {allowed:.2f})"
 
 
 def test_balanced_split_keeps_the_remainder_off_the_ends():

@@ -8,7 +8,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from paralayer.config import load_config
 from paralayer.resolve import planner
 from paralayer.resolve.cost.machine import GPU_CALIBRATION, machine_for
 from paralayer.resolve.cost.step_time import DP_SYNCS
+from tests.cpu_budget import cpu_within
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -264,9 +264,10 @@ def test_plan_cost_is_bounded(kind):
     of CPU: structures are ranked by a lower bound and the work is capped (MAX_STRUCTURES,
     MAX_CANDIDATES); nothing grows with the square of pp or of the layers."""
     cfg = load_config(_largest(kind))
-    t0 = time.process_time()
     stats: dict = {}
-    plans = planner.plan_layouts(cfg, top=15, stats=stats)
-    took = time.process_time() - t0
-    assert plans and took < 4.0, (took, stats["considered"])
+    took, allowed, plans = cpu_within(lambda: planner.plan_layouts(cfg, top=15, stats=stats), 6.0)
+    # 6 s since 6 Dec (was 4): the interleaved schedule's memory is exact per chunk (issue 46), which
+    # costs these plans ~2.1x (layers 2.31 -> 4.98 s, devices 2.14 -> 4.29 s side by side at load ~2);
+    # scaled to a slower or busier machine by tests/cpu_budget.py
+    assert plans and took < allowed, (took, allowed, stats["considered"])
     assert stats["considered"] <= planner.MAX_STRUCTURES

@@ -5,13 +5,11 @@ refused with exit 2 and one line. Torch-free and in-process except the exit-code
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,11 @@ from paralayer.resolve import cost, memory, model_parts, planner
 from paralayer.resolve.plan import resolve
 from paralayer.resolve.planner import report as plan_report
 from paralayer.resolve.rules import check
+from tests.cpu_budget import cpu_within
 
 ROOT = Path(__file__).resolve().parents[1]
-#: CPU seconds for --plan's table (the issue's 2 s bound; tests/test_planner.py's budget is 3 s).
+#: CPU seconds for --plan's table on the dev VM (the issue's 2 s bound), scaled by tests/cpu_budget.py
+#: on a slower or busier machine.
 PLAN_CPU_S = 2.0
 
 
@@ -325,19 +325,8 @@ def test_deepseek_v3_dry_run_at_the_published_layout_fits_80gb_with_the_breakdow
 def _plan_in_budget(ov, n_sample=6):
     cfg = load_config(list(ov))
     fixed = plan_report.fixed_from_overrides(list(ov), cfg)
-    best, plans = float("inf"), []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(3):
-            t0 = time.process_time()
-            plans = planner.plan_layouts(cfg, top=15, fixed=fixed)
-            best = min(best, time.process_time() - t0)
-            if best < PLAN_CPU_S:
-                break
-    finally:
-        gc.enable()
-    assert best < PLAN_CPU_S, f"planning took {best:.2f} s CPU"
+    took, allowed, plans = cpu_within(lambda: planner.plan_layouts(cfg, top=15, fixed=fixed), PLAN_CPU_S)
+    assert took < allowed, f"planning took {took:.2f} s CPU (allowed {allowed:.2f})"
     for d in plans[:n_sample]:  # the listed numbers are the resolver's
         p = resolve(planner.config_for(cfg, d))
         assert not p.errors and p.fits, (d["degrees"], p.errors)

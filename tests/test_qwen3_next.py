@@ -5,9 +5,11 @@ shared expert; partial RoPE 0.5; init std 0.2), imported by ``model.init=hf:DIR`
 - one rank: logits within 1e-5 and every gradient within 1e-4 relative; planted errors move them
   past 100× those (the delta rule's gate applied after the update, RoPE on the whole head, the
   shared expert's gate dropped, the attention's output gate dropped);
-- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3 and ep2 through the runtime's
-  step: loss within 1e-5, every gradient within 1e-4 of transformers' on the same global batch;
-- cp with linear layers is refused by name (exit 2, one line);
+- tp2 (with and without sequence parallel), pp2 (1f1b), dp2·ZeRO-3, ep2, cp2, cp2·tp2, cp2·dp2 with
+  full recompute and cp2·pp2 through the runtime's step: loss within 1e-5, every gradient within
+  1e-4 of transformers' on the same global batch; under cp2 the conv tail or the recurrent state
+  not passed across the cp ranks (planted) moves them past 100× those;
+- cp whose zigzag chunks are shorter than the conv's tail is refused by name (exit 2, one line);
 - round trip: import → 2 steps → export; transformers loads Qwen3NextForCausalLM from it and its
   logits equal ours within 1e-6."""
 from __future__ import annotations
@@ -139,7 +141,9 @@ def test_one_rank_matches_transformers_and_plants_fail(saved, monkeypatch):
 # ------------------------------------------------------------------ multi-rank, through the runtime
 LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.schedule=1f1b"], "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "ep2": ["parallel.dp=2", "parallel.ep=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
-           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2": ["parallel.cp=2"]}
+#: planted under cp2 (tests/test_linear_cp.py's): the conv tail, or the recurrent state, not passed
+CP_PLANTS = ("tail_not_passed", "state_not_passed")
 
 
 def _overrides(path: str, data: str, layout: list) -> list:
@@ -163,22 +167,87 @@ def layout_results(saved, tokens):
     return run_layouts({k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}, timeout_s=600)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_transformers(saved, tokens, layout_results, layout):
+def _planted_cp_worker(rank, world, runs):
+    """tests/test_families.py's _grads_worker for each (plant, overrides) of ``runs``, the plant set
+    in this forked rank for its run only."""
+    from paralayer.parallel.context import linear_state
+    from tests.test_families import _grads_worker as grads
+    from tests.test_linear_cp import _no_state, _no_tail
+
+    out, kept = [], (linear_state._Tails.apply, linear_state.cp_delta_rule)
+    for plant, overrides in runs:
+        if plant == "tail_not_passed":
+            linear_state._Tails.apply = _no_tail
+        else:
+            linear_state.cp_delta_rule = _no_state
+        try:
+            out += grads(rank, world, [overrides])
+        finally:
+            linear_state._Tails.apply, linear_state.cp_delta_rule = kept
+    return out
+
+
+@pytest.fixture(scope="module")
+def planted_cp_results(saved, tokens):
+    """{plant: [(loss, grads) per rank]} under cp2."""
+    from tests.dist import run_ranks
+
+    runs = [(p, _overrides(saved[0], tokens, LAYOUTS["cp2"])) for p in CP_PLANTS]
+    res = run_ranks(_planted_cp_worker, 2, runs, timeout_s=300)
+    return {p: [r[i] for r in res] for i, p in enumerate(CP_PLANTS)}
+
+
+def _check_layout(saved, tokens, results, layout) -> tuple[float, float]:
+    """(loss rel err, worst grad rel err) of ``results`` against transformers'; every parameter came back."""
     from tests.test_hf_moe import layout_errors, reference_loss
 
     path, ref = saved
     want = reference_loss(ref, tokens, BATCH)
     hf, ffn = dict(ref.named_parameters()), q.CONFIG["moe_intermediate_size"]
-    loss_err, errs = layout_errors(layout_results[layout], layout, want, lambda n: hf_grad(hf, n, ffn))
+    loss_err, errs = layout_errors(results, layout, want, lambda n: hf_grad(hf, n, ffn))
     print(f"qwen3_next {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} ({max(errs, key=errs.get)}) "
           f"over {len(errs)}")
-    assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}  # every parameter came back
-    assert loss_err < LOGITS_TOL and max(errs.values()) < GRAD_TOL, errs
+    assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}
+    return loss_err, max(errs.values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_transformers(saved, tokens, layout_results, layout, request):
+    loss_err, grad_err = _check_layout(saved, tokens, layout_results[layout], layout)
+    assert loss_err < LOGITS_TOL and grad_err < GRAD_TOL, (loss_err, grad_err)
+    if layout == "cp2":
+        for plant, res in request.getfixturevalue("planted_cp_results").items():
+            p_loss, p_grad = _check_layout(saved, tokens, res, f"cp2 planted {plant}")
+            assert p_loss > 100 * LOGITS_TOL and p_grad > 100 * GRAD_TOL, (plant, p_loss, p_grad)
+
+
+#: cp2 combined with another axis, in one 4-rank world
+CP_COMBINED = {"cp2_tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+               "cp2_dp2_full_recompute": ["parallel.cp=2", "parallel.dp=2", "parallel.recompute=full"],
+               "cp2_pp2": ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def cp_combined_results(saved, tokens):
+    """{layout: [(loss, grads) per rank]} of CP_COMBINED: each tp rank passes its own heads' states;
+    full recompute reruns the state pass; pp2 passes them within each stage."""
+    from tests.dist import run_ranks
+    from tests.test_hf_moe import _layouts_worker
+
+    res = run_ranks(_layouts_worker, 4, [_overrides(saved[0], tokens, v) for v in CP_COMBINED.values()],
+                    timeout_s=600)
+    return {k: [r[i] for r in res] for i, k in enumerate(CP_COMBINED)}
+
+
+@pytest.mark.parametrize("layout", list(CP_COMBINED))
+def test_cp2_combined_matches_transformers(saved, tokens, cp_combined_results, layout):
+    loss_err, grad_err = _check_layout(saved, tokens, cp_combined_results[layout], layout)
+    assert loss_err < LOGITS_TOL and grad_err < GRAD_TOL, (loss_err, grad_err)
 
 
 @pytest.mark.parametrize("layout, words", [
-    (["parallel.cp=2"], "parallel.cp: 2: context parallel for linear-attention layers is not built yet")])
+    (["parallel.cp=2", "model.seq_len=8"], "parallel.cp: 2: a zigzag chunk (model.seq_len 8 / 2·cp = 2 tokens) "
+                                           "is shorter than the linear layers' conv tail")])
 def test_unbuilt_layouts_refused_by_name(layout, words):
     import subprocess
     import sys
@@ -263,3 +332,32 @@ def test_rehearse_states_exact():
         got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
         print(f"tiny-qwen3-next {layout} rehearsed: {got}; plan {plan}")
         assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
+
+
+def test_rehearse_counts_the_cp_state_passes(monkeypatch):
+    """--rehearse of tiny-qwen3-next under cp2 (rank 0, in this process): the cp bytes the runtime
+    sent (the full layer's ring, the linear layers' states and conv tails) equal the plan's; the
+    states are (micro_batch, 4, 16, 16) in fp32, one per linear layer, microbatch and direction (rank
+    0 has one neighbour). Planted: the plan without the linear layers' sends (resolve/cost/cp_sends.py)
+    falls short."""
+    from paralayer import config as config_mod
+    from paralayer import rehearse as R
+    from paralayer.resolve import resolve
+    from paralayer.resolve.cost import terms
+
+    cfg = config_mod.load_config(["recipe=tiny-qwen3-next", "parallel.dp=1", "parallel.ep=1", "parallel.cp=2"])
+    plan = resolve(cfg).to_dict()
+    assert not plan["errors"], plan["errors"]
+    out = R.rehearse(cfg, plan, [0])
+    assert out["ok"], out.get("errors")
+    rank = out["ranks"][0]
+    states = [c for c in rank["collectives"] if c["axis"] == "cp" and c["kind"] == "send" and
+              c["message_bytes"] == cfg.train.micro_batch * 4 * 16 * 16 * 4]
+    print(f"tiny-qwen3-next cp2 rehearsed: cp ratio {rank['ratios']['comm']['cp']:.6f}, state sends {states}")
+    assert sum(c["count"] for c in states) == 3 * 2 * out["microbatches"]
+    assert rank["ratios"]["comm"]["cp"] == pytest.approx(1.0, abs=1e-9), rank["ratios"]
+    assert all(rank["ratios"][k] == 1.0 for k in ("params", "grads", "optimizer")), rank["ratios"]
+    monkeypatch.setattr(terms, "linear_cp_traffic", lambda *a, **k: (0, 0))
+    planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, rank)
+    print(f"planted (no state/tail sends in the plan): cp ratio {planted['ratios']['comm']['cp']:.3f}")
+    assert planted["ratios"]["comm"]["cp"] > 1.2, planted["ratios"]

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path

@@ -186,10 +186,14 @@ def _check_linear(cfg: Config) -> None:
     if li.v_heads < li.k_heads or li.v_heads % li.k_heads:
         raise ConfigError("model.linear.v_heads", f"{li.v_heads} must be a positive multiple of model.linear.k_heads "
                           f"({li.k_heads})")
-    p = cfg.parallel
-    if p.cp > 1:
-        raise ConfigError("parallel.cp", f"{p.cp}: context parallel for linear-attention layers is not built yet (the "
-                          "recurrent state and conv tail must pass rank to rank in sequence order); use 1")
+    cp, tail = cfg.parallel.cp, li.conv_kernel - 1
+    if isinstance(cp, int) and cp > 1 and m.seq_len // (2 * cp) < tail:
+        # under cp each zigzag chunk's conv reads the previous chunk's last K-1 inputs, and only those
+        # (paralayer/parallel/context/linear_state.py)
+        raise ConfigError("parallel.cp", f"{cp}: a zigzag chunk (model.seq_len {m.seq_len} / 2·cp = "
+                          f"{m.seq_len // (2 * cp)} tokens) is shorter than the linear layers' conv tail "
+                          f"(model.linear.conv_kernel − 1 = {tail}); valid cp: at most "
+                          f"{max(1, m.seq_len // (2 * tail))}")
 
 
 def _check_mla(cfg: Config) -> None:

@@ -213,6 +213,9 @@ class MuonConfig:
     nesterov: bool = True
     ns_steps: int = 5
     adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonshot) | original (Keller Jordan)
+    # QK-clip (Kimi K2's MuonClip, paralayer/optim/qk_clip.py): after each step, the heads whose largest
+    # pre-softmax logit passed tau get W_q/W_k rescaled to bring it to tau; null = off (Kimi K2: 100)
+    qk_clip_tau: Optional[float] = None
 
 
 @dataclass

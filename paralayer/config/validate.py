@@ -87,6 +87,7 @@ def validate_values(cfg: Config) -> None:
             raise ConfigError(f"train.fp8.{name}", f"'{n}' is not an integer from 0 to model.n_layers={m.n_layers}")
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     _check_muon(t)
+    _check_qk_clip(cfg)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
     _choice("data.format", cfg.data.format, DATA_FORMATS)
@@ -123,3 +124,20 @@ def _check_muon(t: Any) -> None:
         raise ConfigError("train.muon.momentum", f"'{mu.momentum}' is not a number in [0, 1)")
     if mu.lr is not None and not mu.lr > 0:
         raise ConfigError("train.muon.lr", f"'{mu.lr}' is not a positive number or null (= train.lr)")
+
+
+def _check_qk_clip(cfg: Any) -> None:
+    """train.muon.qk_clip_tau: a positive number with train.optimizer=muon, or null; refused where the
+    rescale would not bound the logit (q/k norms undo it)."""
+    tau = cfg.train.muon.qk_clip_tau
+    if tau is None:
+        return
+    field_name = "train.muon.qk_clip_tau"
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+        raise ConfigError(field_name, f"'{tau}' is not a positive number or null (off; Kimi K2 used 100)")
+    if cfg.train.optimizer != "muon":
+        raise ConfigError(field_name, f"QK-clip is MuonClip's: set train.optimizer=muon (got "
+                                      f"'{cfg.train.optimizer}') or qk_clip_tau=null")
+    if cfg.model.qk_norm:
+        raise ConfigError(field_name, "model.qk_norm normalises q and k after W_q/W_k, undoing the rescale; "
+                                      "set qk_clip_tau=null (the norm already bounds the logits)")

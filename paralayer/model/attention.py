@@ -113,6 +113,7 @@ class Attention(nn.Module):
         # Replaced by ring attention under context parallel; wrapped by selective recompute.
         self.attn_fn: AttnFn = core_for(window)
         self.recompute_core = False
+        self.max_logit = None  # QK-clip on: a paralayer.model.max_logit.MaxLogit of this rank's heads
         # parallel.tp_overlap: the tp collectives fused into the GEMMs (parallel/tensor/tp_overlap.py)
         self.tp_overlap = None
 
@@ -151,6 +152,8 @@ class Attention(nn.Module):
     def _core(self, q, k, v, cos, sin):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        if self.max_logit is not None:
+            self.max_logit.record(q, k, self.core_kw.get("scale", self.head_dim ** -0.5), self.window)
         if self.sinks is None:
             return self.attn_fn(q, k, v, **self.core_kw)
         return self.attn_fn(q, k, v, **self.core_kw, sinks=_local(self.sinks))

@@ -83,6 +83,7 @@ class LatentAttention(nn.Module):
         self.window = None
         self.attn_fn: AttnFn = core_for(None)
         self.recompute_core = False
+        self.max_logit = None  # QK-clip on: a paralayer.model.max_logit.MaxLogit of this rank's heads
         #: run the memory-efficient fused kernel's op whatever the device: the rehearsal of a GPU
         #: layout sets it (rehearse/rank.py), where SDPA would pick it, because on CPU the
         #: differing q/k and v widths send SDPA to its math path, which saves the score matrix
@@ -114,6 +115,8 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
+        if self.max_logit is not None:
+            self.max_logit.record(q, k, self.scale)
         if self.attn_fn is sdpa_causal and self.fused_kernel:
             # as CUDA's autocast casts SDPA's inputs before its kernel (the aten op has no autocast
             # rule of its own on CPU, where the rehearsal runs it: it would keep fp32 q and k)

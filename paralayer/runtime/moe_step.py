@@ -24,9 +24,11 @@ def moe_layers(chunks: Sequence[nn.Module], mtp: bool = True) -> list:
 
 
 def count_real_forwards_only(runner, chunks: Sequence[nn.Module]) -> None:
-    """MoE statistics and the MTP loss count only the schedule's microbatch forwards, not the
-    stages' one-off shape inference (a forward on uninitialised tensors at the first step)."""
+    """MoE statistics, the MTP loss and QK-clip's max logits (model/max_logit.py) count only the
+    schedule's microbatch forwards, not the stages' one-off shape inference (a forward on
+    uninitialised tensors at the first step)."""
     layers = moe_layers(chunks, mtp=False) + [c.mtp for c in chunks if getattr(c, "mtp", None) is not None]
+    layers += [m.max_logit for c in chunks for m in c.modules() if getattr(m, "max_logit", None) is not None]
     if not layers:
         return
     for ff in layers:

@@ -40,6 +40,7 @@ from paralayer.config import Config
 from paralayer.config import resolved as config_resolved  # to_dict without OmegaConf (issue #36)
 from paralayer.data.errors import DataError
 from paralayer.model.moe import shared_weight_casts
+from paralayer.optim import qk_clip
 from paralayer.parallel import data as dpar
 from paralayer.parallel import tied_embeddings as tied
 from paralayer.parallel.collective_timing import step_waits, time_fsdp
@@ -123,6 +124,7 @@ class RankRun:
     checkpointer: Any = None  # paralayer.checkpoint.dcp.Checkpointer, made by checkpoints()
     comm: CommTrace = field(default_factory=CommTrace)  # where am I; our collectives (parallel/comm_trace.py)
     stability: Any = None  # runtime/health/stability.py: non-finite and spiking losses, batches skipped by rollbacks
+    qk_clip: Any = None  # paralayer/optim/qk_clip.py (train.muon.qk_clip_tau set): maxima, rescale after the step
 
     @property
     def rank(self) -> int:
@@ -143,6 +145,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
     torch.manual_seed(cfg.train.seed)
     built = build_model(cfg, plan, meshes, device)
     opt, sched = build_optimizer(cfg, built, meshes)
+    clip = qk_clip.build(cfg, built, meshes)
     scaling = grad_scaling(plan, meshes)
     loss_fn = make_loss_fn(cfg, plan, cfg.model.seq_len - 1, mtp_step.mtp_chunk(built.chunks))
     reducer = build_reducer(scaling, built, meshes)
@@ -151,7 +154,7 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
                   tied_group=build_tied_group(cfg, plan, meshes),
                   autocast_dtype=precision.autocast_dtype(precision.mode(cfg, device, meshes.size("dp_cp"))),
                   ckpt_dir=cfg.checkpoint.dir or (os.path.join(run_dir, "checkpoints") if run_dir else None),
-                  hooks=hooks or StepHooks())
+                  hooks=hooks or StepHooks(), qk_clip=clip)
     run.comm.rank = dist.get_rank()
     for chunk in built.chunks:  # the cp ring counts its K/V bytes in the comm trace
         for layer in chunk.layers.values():
@@ -289,6 +292,8 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
 
         refresh_scales(run.built.chunks)
     moe_step.reset(run.built.chunks)
+    if run.qk_clip is not None:
+        run.qk_clip.reset()
     mtp_step.reset(run.built.chunks)
     with step_waits(run.comm, run.degree["tp"] > 1):  # DTensor's and P2P waits are not compute
         local_loss = run.hooks.local_loss(run.rank, step, forward_backward(run, tokens, labels))
@@ -300,6 +305,8 @@ def train_step(run: RankRun, step: int) -> Union[dict, stab_mod.Verdict]:
     run.comm.at(step, "optimizer")
     with run.comm.region("optimizer"):
         run.opt.step()
+        if run.qk_clip is not None:  # MuonClip: the heads whose logits passed tau, rescaled
+            run.qk_clip.after_step()
     moe_step.update_bias(run.built.chunks, run.cfg, run.meshes)
     run.sched.step()
     return step_record(run, step, loss, lr, grad_norm, clock.elapsed())
@@ -318,6 +325,7 @@ def step_record(run: RankRun, step: int, loss: float, lr: float, grad_norm: floa
         rec["bubble_measured"] = run.runner.bubble_measured
     rec.update(moe_step.step_stats(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.moe.num_experts,
                                    run.device) or {})
+    rec.update(qk_clip.step_stats(run.qk_clip, run.meshes, run.degree["pp"]))
     rec.update(mtp_step.step_loss(run.built.chunks, run.meshes, run.degree["pp"], cfg.model.mtp.depth, run.device))
     if hasattr(run.dataset, "source_sequences"):  # {source: sequences drawn so far} (data/blend.py)
         batch = run.stability.batch_for(step) if run.stability is not None else step  # batches a rollback skipped count

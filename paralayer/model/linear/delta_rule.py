@@ -12,7 +12,7 @@ write strength beta in (0, 1):
 :func:`chunk_gated_delta_rule` does the same in chunks of C tokens: inside a chunk the C updates are
 one triangular solve (the UT transform) and a few matmuls; between chunks only S is carried. Both
 take an ``initial_state`` and return the final one: context parallel passes it from rank to rank
-(paralayer/model/linear/cp_state.py). Everything in fp32 (transformers' fallback does the same)."""
+(paralayer/parallel/context/linear_state.py). Everything in fp32 (transformers' fallback does the same)."""
 from __future__ import annotations
 
 from typing import Optional

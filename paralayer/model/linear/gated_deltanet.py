@@ -18,7 +18,7 @@ sum the tp all-reduce completes, as the gated norm's gain shared by every head
 (paralayer/parallel/tensor/layout.py)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,10 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(head_v_dim))
         self.out_proj = nn.Linear(v_heads * head_v_dim, d_model, bias=False)
         self.tp_size, self.tp_rank = 1, 0  # set by tensor parallel (this rank holds k_heads / tp_size)
+        # set by context parallel (paralayer/parallel/context/linear_state.py): the conv and the delta
+        # rule of a zigzag shard, the conv's tail and the recurrent state passed over the cp ranks
+        self.conv_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self.rule_fn: Optional[Callable[..., torch.Tensor]] = None
 
     def conv_rows(self) -> Optional[torch.Tensor]:
         """The conv channels of this rank's heads ([q | k | v] blocks each split), None for all."""
@@ -99,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         rows = self.conv_rows()
         if rows is not None:
             weight = weight.index_select(0, rows.to(weight.device))
-        mixed, _ = causal_conv(mixed, weight)
+        mixed = causal_conv(mixed, weight)[0] if self.conv_fn is None else self.conv_fn(mixed, weight)
         q, k, v = torch.split(mixed, [hk * self.dk, hk * self.dk, hv * self.dv], dim=-1)
         q = l2norm(q.reshape(bsz, s, hk, self.dk).float())
         k = l2norm(k.reshape(bsz, s, hk, self.dk).float())
@@ -107,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         a_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk)
+        out = (chunk_gated_delta_rule(q, k, v, g, beta, self.chunk)[0] if self.rule_fn is None
+               else self.rule_fn(q, k, v, g, beta))
         out = gated_rms_norm(out.to(x.dtype), _local(self.norm.weight, partial=True), z, self.eps)
         return self.out_proj(out.reshape(bsz, s, -1))

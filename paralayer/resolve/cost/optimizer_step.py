@@ -12,6 +12,8 @@ Moves, fp32 (4 B) per element, one device's share: ZeRO 0 receives the other own
 ((d−1)/d of the stage's Muon matrices, by broadcast); ZeRO 2/3 two all-to-alls of (d−1)/d of its
 shard; ZeRO-1 none beyond AdamW's (its owners broadcast whole parameters already); tp > 1 gathers
 (tp−1)/tp of each matrix over tp.
+QK-clip (``train.muon.qk_clip_tau``) adds its max-logit GEMM (:func:`max_logit_flops`) at the
+attention core's rate.
 """
 from __future__ import annotations
 
@@ -95,6 +97,23 @@ def plan_seconds(cfg: Config, degrees: dict, zero: int, stage_layers: list, mach
             counts[c % pp][1 if is_moe_layer(cfg, i) else 0] += 1
     terms = {moe: layer_terms(cfg, moe) for moe in (False, True)}
     flop_s = mach.peak_tflops * 1e12 * mach.efficiency
+    attn_s = mach.peak_tflops * 1e12 * (mach.attention_efficiency or mach.efficiency)
     dp_bw, tp_bw = mach.bandwidth(spans.get("dp", "intra-node")), mach.bandwidth(spans.get("tp", "intra-node"))
     return max(muon_step_seconds(cfg, degrees, zero, nd, nm, terms, flop_s, dp_bw, tp_bw)
-               for nd, nm in {tuple(c) for c in counts})
+               + max_logit_flops(cfg, degrees, nd + nm) / attn_s for nd, nm in {tuple(c) for c in counts})
+
+
+def max_logit_flops(cfg: Config, degrees: dict, n_layers: int) -> float:
+    """QK-clip's (``train.muon.qk_clip_tau``) extra work per step on a rank holding ``n_layers``: the
+    max logit's q·kᵀ (paralayer/model/max_logit.py), the whole s × s of each of its heads (the mask
+    is applied after, no causal half skipped), once per sequence of its data share; 0 when off. Its
+    all-reduce (one float per head and layer), the K all-gather under cp and the rescale of W_q/W_k
+    rows are not charged."""
+    if getattr(cfg.train.muon, "qk_clip_tau", None) is None:
+        return 0.0
+    m = cfg.model
+    d_qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.kv_lora_rank > 0
+            else (m.head_dim or m.d_model // m.n_heads))
+    seqs = cfg.train.global_batch / max(int(degrees["dp"]), 1)
+    cp = max(int(degrees.get("cp", 1)), 1)  # the rank's s/cp queries against the whole sequence's keys
+    return n_layers * seqs * 2.0 * (m.n_heads / int(degrees["tp"])) * m.seq_len ** 2 / cp * d_qk

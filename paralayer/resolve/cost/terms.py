@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 
-from paralayer.config import Config, cp_window
+from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, rank_layer_facts, recompute_facts
+from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
@@ -161,7 +162,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
         in forward, cp−1 more when recompute (selective or full) reruns the ring, cp−1 in backward,
         plus cp sends of the partial dK/dV (same shape, fp32) in backward. ``message_bytes`` is the
         K/V block; ``bytes_per_step`` counts the dK/dV sends at 4 bytes per element (counted
-        against ``_Ring.exchange`` in tests/test_context_e2e.py).
+        against ``_Ring.exchange`` in tests/test_context_e2e.py). A Gated DeltaNet layer runs no ring:
+        its states and conv tails go to its zigzag neighbours instead (cost/cp_sends.py).
     ep: all-to-all of routed token rows (tokens·top_k·h), dispatch + combine, forward and backward.
     dp: gradient sync over dp·cp, as our runtime does it: ZeRO 0 one all-reduce of the grads per
         step (in buckets); ZeRO 1 that all-reduce plus one broadcast of the updated weights per
@@ -203,7 +205,7 @@ def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, 
     kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
     win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
     w = m.sliding_window
-    for i in layers:
+    for i in (layers if m.linear.k_heads == 0 else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
         reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
         if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
             kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
@@ -323,24 +325,11 @@ def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
             if best is None or got_bytes > best[0]:
                 best = (got_bytes, kv_s, dkv_s)
     _, kv_sends, dkv_sends = best
-    e = _entry("ring send/recv (K,V)", kv, (kv_sends + dkv_sends) * lay.microbatches, lay.cp)
-    e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches)
+    lin_msgs, lin_bytes = linear_cp_traffic(cfg, lay, layers, ab, cp_rank)  # Gated DeltaNet: states, tails
+    e = _entry("ring send/recv (K,V)" + (" + state/tail send/recv" if lin_msgs else ""), kv,
+               (kv_sends + dkv_sends) * lay.microbatches + lin_msgs, lay.cp)
+    e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches) + lin_bytes
     return e
-
-
-def window_sends(seq: int, cp: int, window: int, cp_rank: int) -> tuple[int, int]:
-    """(chunks cp rank ``cp_rank`` sends per forward call of a windowed layer, chunks it receives
-    = the dK/dV chunks it returns in backward), from config/cp_window.py's ``needed`` (the
-    runtime's own plan of the sends)."""
-    sent, got = _window_table(seq, cp, window)
-    return sent[cp_rank], got[cp_rank]
-
-
-@functools.lru_cache(maxsize=1024)
-def _window_table(seq: int, cp: int, window: int) -> tuple[list[int], list[int]]:
-    """Every cp rank's sends at once (one pass over the ranks, not one per rank: the planner
-    weighs every cp rank of a windowed layout, cp up to a thousand)."""
-    return cp_window.sends(cp, seq // (2 * cp), window)
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:

@@ -28,14 +28,17 @@ context parallel the ring attention saves them unexpanded (2h·g/a instead of 2h
 wo's input storage as SDPA's does; measured at cp=2 and 4 with g/a = 1/2 and 1/4).
 Sequence parallel: the replicated part is split over tp, the column GEMMs' inputs included (they
 save their sequence shard and re-gather it in backward, Megatron's §4.2.2: measured at tp 2 and 4 in
-tests/test_tensor_memory.py); an MoE block's input is gathered by DTensor and saved whole (h). Context parallel divides the tokens. Predictions are lower bounds (allocator
+tests/test_tensor_memory.py); an MoE block's input is gathered by DTensor and saved whole (h).
+Context parallel divides the tokens. Predictions are lower bounds (allocator
 fragmentation, temporary buffers and communication buffers are not counted; Megatron #525, #597).
 """
 from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.memory import v_flight
+from paralayer.resolve.memory import interleaved_flight, v_flight
+from paralayer.resolve.memory.bf16_acts import bf16_extra_elems, routed_rows_per_token
+from paralayer.resolve.memory.linear_acts import linear_saved_elems
 from paralayer.resolve.memory.states import (
     ACT_BYTES,
     chunk_blocks,
@@ -48,131 +51,47 @@ from paralayer.resolve.memory.states import (
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
-def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None) -> float:
+def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | None = None,
+                        linear: bool = False) -> float:
     """Saved elements per token for one layer on one device (see the module docstring), in units
-    of ``ACT_BYTES[precision]``: under bf16 what is kept in fp32 counts twice (:func:`bf16_extra_elems`)."""
+    of ``ACT_BYTES[precision]``: under bf16 what is kept in fp32 counts twice (:func:`bf16_extra_elems`).
+    ``linear``: a Gated DeltaNet layer (resolve/memory/linear_acts.py) in place of the attention."""
     mode = recompute or lay.recompute
-    elems = _act_elems(cfg, lay, moe, mode)
+    elems = _act_elems(cfg, lay, moe, mode, linear)
     if lay.precision == "bf16":
-        elems += bf16_extra_elems(cfg, lay, mode, moe)
+        elems += bf16_extra_elems(cfg, lay, mode, moe, linear)
     return elems
 
 
-def bf16_extra_elems(cfg: Config, lay: Layout, mode: str, moe: bool = False) -> float:
-    """What a bf16 run keeps in fp32, as extra 2-byte elements per token per layer (measured on
-    our block at tp 1 and 2, with bf16 weights as FSDP's MixedPrecisionPolicy runs it and under
-    autocast, tests/test_tensor_memory.py):
-
-    - RMSNorm keeps its 1/rms in fp32: 2 more (split over tp under SP);
-    - SDPA's logsumexp is fp32: a more (heads split over tp; recomputed under core_attn/selective);
-    - autocast only (ZeRO 0/1: fp32 weights, ``precision_mode``): the residual stream is fp32, so
-      are the norms' saved inputs: 2h more (/t under SP). The column GEMMs' saved shard (SP) is
-      fp32 too: 2·h/t more; without SP every linear saves its own bf16 cast of the input: q, k, v
-      three and w1, w3 two where one was counted: 3h more.
-      Under full recompute the block's input is all that is kept, in fp32: h (h/t under SP) more.
-    - qk_norm: its 1/rms per head, (a + g)/t more (Qwen3's widths, fake tensors, tp 1); under
-      autocast with core_attn or selective the core's inputs q and k are the norms' fp32 outputs:
-      (a + g)·head_dim/t more (not Gemma's offset norm, which casts back);
-    - MLA: its two inner norms' 1/rms, 2 more; under autocast without SP two GEMMs read the
-      attention norm's output (q_a or wq, and kv_a), not three: h fewer.
-    - MoE: the router's scores are fp32, E more; under autocast each routed row's input is cast
-      again for its expert's GEMM (not under ep, where the rows travel in bf16) and the router's
-      input for its own: rows·h + h more, and 2h
-      fewer without a shared expert (no w1/w3 cast of the whole token stream).
-    The MLA and MoE terms were measured on one block of DeepSeek-V3's widths and of
-    deepseek-v3-tiny's, with the rehearsal's GPU kernel (fake tensors) and on CPU, tp 1.
-
-    One row per part (the block's norms and casts; the attention by kind, ``_ATTN_BF16``; the FFN,
-    ``_FFN_BF16``): a new attention kind or FFN is one entry. Each part gives its terms in the order
-    they are summed, so the sum is the same to the bit whatever the part's shape.
-    """
-    h = cfg.model.d_model
-    autocast = precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
-    if mode == "full":
-        return (h / lay.tp if lay.sequence_parallel else h) if autocast else 0.0
-    extra = 0.0
-    for part in (_block_bf16, _ATTN_BF16[parts.attention_kind(cfg)], _FFN_BF16["moe" if moe else "mlp"]):
-        for term in part(cfg, lay, mode, autocast):
-            extra += term
-    return extra
+def layer_kind(cfg: Config, i: int) -> int:
+    """Layer i's kind for the activation tables: 1 if MoE, plus 2 if a Gated DeltaNet layer
+    (:data:`KINDS`: dense, MoE, linear dense, linear MoE)."""
+    return int(is_moe_layer(cfg, i)) + 2 * int(parts.is_linear_layer(cfg, i))
 
 
-def _block_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """The norms' 1/rms (and under autocast their fp32 inputs), SDPA's logsumexp, autocast's casts."""
-    h, a, t, sp = cfg.model.d_model, cfg.model.n_heads, lay.tp, lay.sequence_parallel
-    terms = [(2 + (2 * h if autocast else 0)) / (t if sp else 1)]
-    if cfg.model.post_norms:  # Gemma 3's two more norms keep their 1/rms in fp32 too
-        terms.append(2 / (t if sp else 1))
-    if mode not in ("core_attn", "selective"):
-        terms.append(a / t)
-    if autocast:
-        terms.append(2 * h / t if sp else 3 * h)
-    return terms
+#: The (moe, linear) of each layer kind, by :func:`layer_kind`.
+KINDS = ((False, False), (True, False), (False, True), (True, True))
 
 
-def _gqa_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """qk_norm: the q and k norms' 1/rms per head (attn_saved_elems' a + g). Under autocast the
-    norms' weights are fp32, so their outputs are fp32 (bf16 x normalised, times an fp32 weight:
-    as transformers' Qwen3RMSNorm), and a recomputed core (core_attn, selective) keeps its inputs q
-    and k as they come: q + kv more (qwen3-8b tp8 selective rehearsed activations 1.036 at 6
-    layers, 1.020 at 2, without; "none" saves RoPE's bf16 casts, counted in the fit). Not Gemma's
-    offset norm, whose output is cast back to bf16 (gemma3-27b's block reads 1.000 without it, 0.959 with)."""
+def kind_elems(cfg: Config, lay: Layout, kind: int, recompute: str | None = None) -> float:
+    """:func:`act_elems_per_token` of a layer kind (:func:`layer_kind`)."""
+    moe, linear = KINDS[kind]
+    return act_elems_per_token(cfg, lay, moe, recompute, linear)
+
+
+def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = False) -> float:
     m = cfg.model
-    if not m.qk_norm:
-        return []
-    terms = [(m.n_heads + m.n_kv_heads) / lay.tp]
-    # Gemma's offset norm casts back to its input's dtype (model/norms.py): nothing more there
-    if autocast and mode in ("core_attn", "selective") and not m.norm_offset:
-        hd = parts.head_dim(cfg)
-        terms.append((m.n_heads + m.n_kv_heads) * hd / lay.tp)
-    return terms
-
-
-def _mla_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """The two inner norms' 1/rms; two GEMMs read the attention norm's output, not three; under cp
-    or CPU's math path the attention's fp32 copies."""
-    m, t = cfg.model, lay.tp
-    a, dqk, dv = m.n_heads, parts.qk_head_dim(cfg), parts.v_head_dim(cfg)
-    terms = [2 - (m.d_model if autocast and not lay.sequence_parallel else 0)]
-    if autocast and lay.cp > 1 and mode not in ("core_attn", "selective"):
-        # the ring takes q and k as RoPE leaves them (fp32) and returns fp32: q, k, the output
-        # count twice, and wo casts the output again
-        terms.append(a * (2 * dqk + 2 * dv) / t)
-    elif autocast and lay.device == "cpu" and mode not in ("core_attn", "selective") and dqk != dv:
-        # CPU's math path (attn_saved_elems) runs in fp32 under autocast: q, k, v, the probabilities
-        terms.append(a * (2 * dqk + dv + m.seq_len) / t)
-    return terms
-
-
-def _mlp_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """A dense FFN keeps nothing in fp32 beyond the block's terms."""
-    return []
-
-
-def _moe_bf16(cfg: Config, lay: Layout, mode: str, autocast: bool) -> list[float]:
-    """The router's fp32 scores; under autocast the casts of the routed rows and the router's input
-    (and without a shared expert no w1/w3 cast of the token stream: 2h fewer). Under ep the rows
-    travel in bf16 (parallel/expert.py _wire_dtype): no cast at the experts."""
-    mo = cfg.model.moe
-    casts = (routed_rows_per_token(cfg) if lay.ep == 1 else 0) + 1 - (0 if mo.shared_ffn_hidden else 2)
-    return [mo.num_experts + (casts * cfg.model.d_model if autocast else 0)]
-
-
-#: What each part keeps in fp32 under bf16, by kind (model_parts.attention_kind; dense or MoE FFN).
-_ATTN_BF16 = {"gqa": _gqa_bf16, "mla": _mla_bf16}
-_FFN_BF16 = {"mlp": _mlp_bf16, "moe": _moe_bf16}
-
-
-def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
-    m = cfg.model
-    h, a, g, f, t = m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, lay.tp
+    h, f, t = m.d_model, m.ffn_hidden, lay.tp
     if mode == "full":
         return h / t if lay.sequence_parallel else h
     rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
     if m.post_norms:  # Gemma 3's norms on wo's and w2's outputs: their inputs and 1/rms
         rep += 2 * h + 2
-    shard = attn_saved_elems(cfg, lay, mode)
-    rep += attn_replicated_elems(cfg, mode)
+    if linear:  # a Gated DeltaNet layer: no recomputed core, nothing replicated over tp
+        shard = linear_saved_elems(cfg, lay)
+    else:
+        shard = attn_saved_elems(cfg, lay, mode)
+        rep += attn_replicated_elems(cfg, mode)
     # the SwiGLU product recomputed: gate and up are kept (its inputs), silu(gate) is not
     ffn_mult = 3 if mode in ("swiglu", "selective") else 4
     moe_whole = 0.0
@@ -190,6 +109,10 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str) -> float:
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
         moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows
+        if mo.shared_gate and mo.shared_ffn_hidden:
+            # Qwen3-Next's sigmoid gate on the shared expert: the sigmoid's output and the shared
+            # expert's output it scales (model/moe.py)
+            moe_whole += h + 1
     else:
         shard += ffn_mult * f
     if lay.sequence_parallel:
@@ -241,9 +164,14 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
     # one term of the fit is d_model wide, not q (its constants were fitted with q = h): measured
     # with head_dim ≠ h/a (qwen3-32b, q = 8192 on h = 5120, tp8: none and selective, exact)
     h = m.d_model
+    # model.attn_gate (Qwen3-Next's full layers): out · sigmoid(gate) before wo: the sigmoid's
+    # output, the product (wo's input, no longer the core's output), the core's output as the
+    # product's operand, and the q norm's input is half of wq's output 2q wide (measured at
+    # tiny-qwen3-next's widths: 4q in "none", 3q where the core is recomputed)
+    gated = q if m.attn_gate else 0
     if mode in ("core_attn", "selective"):  # RoPE'd q, k, v, the output and its lse recomputed
-        return 2 * q + h + 2 * kv + norms
-    shard = 4 * q + h + a
+        return 2 * q + h + 2 * kv + norms + 3 * gated
+    shard = 4 * q + h + a + 4 * gated
     if lay.cp > 1 or (m.attn_sinks and lay.device == "cpu"):
         # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only), and so
         # does one rank's sink core (model/sinks.py)
@@ -263,22 +191,18 @@ def attn_replicated_elems(cfg: Config, mode: str) -> float:
     return 2 * ql + (1 if ql else 0) + 2 * ml.kv_lora_rank + 1 + ml.qk_rope_head_dim + cfg.model.d_model
 
 
-def routed_rows_per_token(cfg: Config) -> float:
-    """Expert rows per token: top_k (dropless), or fewer when capacity_factor·top_k < top_k."""
-    mo = cfg.model.moe
-    if mo.capacity_factor is None:
-        return float(mo.top_k)
-    return min(float(mo.top_k), mo.top_k * mo.capacity_factor)
-
-
 def in_flight(lay: Layout, r: int) -> float:
     """Microbatches whose activations rank r holds at peak (times its own layers).
 
     GPipe: all m. 1F1B: p − r. Interleaved: torch's ScheduleInterleaved1F1B order (the one we
     run): rank r runs w = (v−1)·p + 2·(p−1−r) warm-up forwards (at most m·v), then holds w + 1
-    chunk-microbatches, (w + 1)/v of its layers' sets: Megatron's p·(1 + (p−1)/(p·v)) on the first
-    rank, ((v−1)·p + 1)/v on the last (not (p − r)·(1 + (p−1)/(p·v)): the last rank holds a
-    whole round of its earlier chunks; gpt3-175b's last stage rehearsed 3.04× that).
+    chunk-microbatches, (w + 1)/v of its layers' sets where its chunks weigh the same: Megatron's
+    p·(1 + (p−1)/(p·v)) on the first rank, ((v−1)·p + 1)/v on the last (not (p − r)·(1 +
+    (p−1)/(p·v)): the last rank holds a whole round of its earlier chunks; gpt3-175b's last stage
+    rehearsed 3.04× that). The memory plan weighs each chunk by its own count instead
+    (:func:`rank_activations`, resolve/memory/interleaved_flight.py): the last rank holds p of each
+    earlier chunk and one of its last, which is lighter where the head sits (kimi-k2 rehearsed 1.169×
+    the per-rank count).
     ZB-V: as 1F1B's first stage, p (sail-sg ZB table: "activation memory 1x"). DualPipeV: p + 1/2
     — the DualPipe README says PP+1, but torch's DualPipeV order (the one we run) peaks at 2p + 1
     chunk-microbatches on every rank, half a rank's layers each. Never more than m. (The memory
@@ -330,18 +254,44 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         head += mtp_saved_elems(cfg) * tokens * ab  # and what each depth keeps beside its block
     if lay.pp > 1 and lay.schedule in V_SCHEDULES:
         return v_rank_activations(cfg, lay, r, head, tokens, ab)
-    per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i))
-                 for i in layers) * tokens * ab
-    inf = in_flight(lay, r)
-    # summed in the planner's order (planner.memory.in_flight, peak_memory: the same bytes to the unit)
-    extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
-    if head:
-        extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
-    saved = inf * per_mb + extra
+    if lay.pp > 1 and lay.schedule == "interleaved":
+        # per chunk its set times the chunk-microbatches it holds at the worst backward of torch's
+        # order (interleaved_flight), and the head's bytes with each microbatch the last chunk
+        # holds (its logits live from its forward to its backward; none while only earlier chunks
+        # hold microbatches: tests/test_interleaved_flight.py) (planner.memory: the same bytes)
+        rope = rope_bytes(cfg, lay)
+        sets = [chunk_saved_elems(cfg, lay, ids) * tokens * ab + (rope if lay.stage_layers[c] else 0.0)
+                for c, ids in zip(chunks, chunk_blocks(cfg, lay, r))]
+        sets[-1] += head
+        # a recomputed layer's transient beside them, the head freed only at the last chunk's
+        # backward (kimi-k2's last rank peaks at its first chunk's: 17 microbatches of it, none
+        # of its last)
+        top, saved = interleaved_flight.peak(interleaved_flight.split_moments(lay.pp, lay.microbatches, lay.vpp, r),
+                                             sets, one_pass if m.mtp.depth else head, recompute_transient(cfg, lay, r))
+        return int(top), int(saved)
+    else:
+        per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i),
+                                         parts.is_linear_layer(cfg, i)) for i in layers) * tokens * ab
+        inf = in_flight(lay, r)
+        # summed in the planner's order (planner.memory.in_flight, peak_memory: the same bytes to the unit)
+        extra = inf * sum(1 for c in chunks if lay.stage_layers[c]) * rope_bytes(cfg, lay)
+        if head:
+            extra += head * (lay.microbatches if (lay.schedule == "gpipe" and lay.pp > 1) else 1)
+        saved = inf * per_mb + extra
     # with MTP depths, a depth's block is recomputed once its own head pass is freed, while the
     # main head's is not yet (deepseek-v3-tiny pp2 1F1B: 1.375 counting all freed, 0.873 none)
     freed = one_pass if m.mtp.depth else head
     return int(saved + max(recompute_transient(cfg, lay, r) - freed, 0.0)), int(saved)
+
+
+def chunk_saved_elems(cfg: Config, lay: Layout, ids: list[int]) -> float:
+    """A chunk's saved elements per token, summed by (kind, mode) in order as the planner's tables
+    count them (planner.memory: the same bytes)."""
+    kinds: dict = {}
+    for i in ids:
+        key = (layer_kind(cfg, i), layer_recompute(lay, i))
+        kinds[key] = kinds.get(key, 0) + 1
+    return sum(n * kind_elems(cfg, lay, kind, mode) for (kind, mode), n in sorted(kinds.items()))
 
 
 def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: float, ab: int) -> tuple[int, int]:
@@ -351,21 +301,24 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     freed), and the transient of the pass: a full backward recomputes one layer at a time, a split
     pass keeps its chunk's recomputed sets together (:func:`recompute_transient`)."""
     rope = rope_bytes(cfg, lay)
-    dn, mn = _transient_elems(cfg, lay, False), _transient_elems(cfg, lay, True)
+    tr = [_transient_elems(cfg, lay, k) for k in range(len(KINDS))]
     full = lay.recompute == "full"
     saved, split_t, full_t = [], [], []
-    for c, ids, (cd, cm) in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_recompute_counts(cfg, lay, r)):
-        # by kind and mode, as the planner's tables count them (planner.memory.peak_memory: the same bytes)
-        kinds: dict = {}
-        for i in ids:
-            key = (is_moe_layer(cfg, i), layer_recompute(lay, i))
-            kinds[key] = kinds.get(key, 0) + 1
-        elems = sum(n * act_elems_per_token(cfg, lay, moe, mode) for (moe, mode), n in sorted(kinds.items()))
-        saved.append(elems * tokens * ab + (rope if lay.stage_layers[c] else 0.0))
-        split_t.append((cd * dn + cm * mn) * tokens * ab if full else 0.0)
-        full_t.append(max(dn if cd else 0.0, mn if cm else 0.0) * tokens * ab if full else 0.0)
+    for c, ids, counts in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_kind_counts(cfg, lay, r)):
+        saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + (rope if lay.stage_layers[c] else 0.0))
+        split_t.append(split_transient(counts, tr) * tokens * ab if full else 0.0)
+        full_t.append(max(t if n else 0.0 for n, t in zip(counts, tr)) * tokens * ab if full else 0.0)
     peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
     return int(peak), int(kept)
+
+
+def split_transient(counts: tuple, tr: list) -> float:
+    """A split pass's transient: each fully recomputed block of its chunk (``counts`` by kind) holds
+    its set less its input (``tr`` by kind), together."""
+    out = 0.0
+    for n, t in zip(counts, tr):
+        out += n * t
+    return out
 
 
 def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float, int]:
@@ -385,9 +338,10 @@ def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: lis
     return peak, kept, at
 
 
-def _transient_elems(cfg: Config, lay: Layout, moe: bool) -> float:
-    """A fully recomputed layer's "none" set less its input (:func:`recompute_transient`)."""
-    return act_elems_per_token(cfg, lay, moe, "none") - act_elems_per_token(cfg, lay, moe, "full")
+def _transient_elems(cfg: Config, lay: Layout, kind: int) -> float:
+    """A fully recomputed layer's "none" set less its input (:func:`recompute_transient`), by kind
+    (:func:`layer_kind`)."""
+    return kind_elems(cfg, lay, kind, "none") - kind_elems(cfg, lay, kind, "full")
 
 
 def mtp_saved_elems(cfg: Config) -> float:
@@ -447,16 +401,17 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
         return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
     ab = ACT_BYTES[lay.precision]
-    return int(max(_transient_elems(cfg, lay, is_moe_layer(cfg, i)) for i in layers) * tokens * ab)
+    return int(max(_transient_elems(cfg, lay, layer_kind(cfg, i)) for i in layers) * tokens * ab)
 
 
-def chunk_recompute_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, int]]:
-    """(dense, MoE) fully recomputed blocks of each chunk of pipeline rank r, the MTP blocks with
-    the last chunk (states.rank_layers puts them there)."""
+def chunk_kind_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, ...]]:
+    """Fully recomputed blocks of each chunk of pipeline rank r by kind (:func:`layer_kind`), the MTP
+    blocks with the last chunk."""
     out = []
     for ids in chunk_blocks(cfg, lay, r):
-        full = [i for i in ids if layer_recompute(lay, i) == "full"]
-        moe = sum(1 for i in full if is_moe_layer(cfg, i))
-        out.append((len(full) - moe, moe))
-    return out or [(0, 0)]
-
+        counts = [0] * len(KINDS)
+        for i in ids:
+            if layer_recompute(lay, i) == "full":
+                counts[layer_kind(cfg, i)] += 1
+        out.append(tuple(counts))
+    return out or [(0,) * len(KINDS)]

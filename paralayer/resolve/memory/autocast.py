@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts
-from paralayer.resolve.memory.activations import chunk_recompute_counts
+from paralayer.resolve.memory.activations import chunk_kind_counts, layer_kind
 from paralayer.resolve.memory.states import (
-    attn_params,
     expert_params,
-    is_moe_layer,
     layer_recompute,
     precision_mode,
     rank_chunks,
@@ -22,9 +20,10 @@ from paralayer.resolve.memory.states import (
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
-def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
-    """(head, dense layer, MoE layer): weight elements on one device whose bf16 copy autocast keeps
-    for backward (one copy per weight per step, shared by the microbatches in flight).
+def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, ...]:
+    """(head, then each layer kind's: dense, MoE, and the two with a Gated DeltaNet layer in place
+    of the attention, activations.layer_kind): weight elements on one device whose bf16 copy
+    autocast keeps for backward (one copy per weight per step, shared by the microbatches in flight).
 
     Under autocast (ZeRO 0/1) the weights are fp32 and every GEMM casts its weight to bf16; the
     copy lives as long as something holds it. ``nn.Linear`` GEMMs save their bf16 weight for
@@ -38,20 +37,29 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, float, float]:
     saves nothing in its forward: its copies are made again when backward recomputes it and live
     through that layer's backward, never beside the head's copy of the same microbatch (the larger
     counts; under pp, where the autocast region is the whole step, the caches also keep them after
-    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal (``weight_copy_bytes``, rehearse/memory.py)
-    and tests/test_precision.py."""
+    that: not counted, as the rehearsal cannot see them). Measured by the rehearsal
+    (``weight_copy_bytes``, rehearse/memory.py) and tests/test_precision.py. A Gated DeltaNet
+    layer's GEMMs (in_proj_qkvz, in_proj_ba, out_proj) keep theirs as the attention's do, and on
+    one tp rank its conv's weight too (under tp each rank casts its rows, an index_select the
+    rehearsal counts with the activations; the conv is not sequence-parallel); Qwen3-Next's
+    shared-expert gate keeps its d_model weight."""
     m = cfg.model
     h, t = m.d_model, lay.tp
     split_w, rep_w = model_parts.attn_weights(cfg)  # MLA's down-projections are not tp-split
     split = 0.0 if lay.sequence_parallel else split_w / t + rep_w
-    dense = split + (0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t)
-    moe = 0.0
+    li = m.linear
+    conv = (2 * li.k_heads * li.head_k_dim + li.v_heads * li.head_v_dim) * li.conv_kernel if t == 1 else 0.0
+    lin = (0.0 if lay.sequence_parallel else model_parts.linear_weights(cfg) / t) + conv
+    ffn = 0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t
+    moe_ffn = 0.0
     if m.moe.num_experts:
-        moe = (split + h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden
-               + (m.moe.num_experts / lay.ep) * expert_params(cfg))
+        moe_ffn = (h * m.moe.num_experts + 3 * h * m.moe.shared_ffn_hidden + model_parts.shared_gate_params(cfg)
+                   + (m.moe.num_experts / lay.ep) * expert_params(cfg))
     # the head's term also holds each MTP depth's 2h -> h projection (replicated over tp; outside
     # its block, so not recomputed; deepseek-v3 rank 0 rehearsed 0.19 GiB of it)
-    return lay.padded_vocab * h / t + m.mtp.depth * 2 * h * h, dense, moe
+    head = lay.padded_vocab * h / t + m.mtp.depth * 2 * h * h
+    return (head, split + ffn, split + moe_ffn if m.moe.num_experts else 0.0,
+            lin + ffn, lin + moe_ffn if m.moe.num_experts else 0.0)
 
 
 def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
@@ -59,22 +67,21 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     0 unless bf16 runs under autocast, :func:`precision_mode`)."""
     if precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) != "bf16-autocast":
         return 0.0
-    head, dense, moe = autocast_copy_terms(cfg, lay)
+    head, *kinds = autocast_copy_terms(cfg, lay)
     chunks = rank_chunks(lay, r)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES and lay.recompute == "full":
         # a split backward keeps a chunk's recomputed copies together, beside the head's copy
         # (activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
-        n = sum(moe if is_moe_layer(cfg, i) else dense for i in rank_layers(cfg, lay, r)
-                if layer_recompute(lay, i) != "full")
-        transient = max(cd * dense + cm * moe for cd, cm in chunk_recompute_counts(cfg, lay, r))
+        n = sum(kinds[layer_kind(cfg, i)] for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) != "full")
+        transient = max(sum(c * k for c, k in zip(counts, kinds)) for counts in chunk_kind_counts(cfg, lay, r))
         return n + ((head if (lay.chunks - 1) in chunks else 0.0) + transient)
     n, transient = 0.0, 0.0
     for i in rank_layers(cfg, lay, r):  # the MTP blocks too, on the last chunk's rank
         if layer_recompute(lay, i) != "full":
-            n += moe if is_moe_layer(cfg, i) else dense
+            n += kinds[layer_kind(cfg, i)]
         else:
             # a fully recomputed layer casts again in backward: its copies live while its
             # backward runs, after the same microbatch's head backward freed the head's copy
-            transient = max(transient, moe if is_moe_layer(cfg, i) else dense)
+            transient = max(transient, kinds[layer_kind(cfg, i)])
     return n + max(head if (lay.chunks - 1) in chunks else 0.0, transient)
 

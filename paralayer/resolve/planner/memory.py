@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.memory import muon_states, v_flight, zero1
+from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
+from paralayer.resolve.memory.activations import KINDS, layer_kind
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
@@ -28,15 +29,21 @@ class RankInfo(NamedTuple):
     n_dense: int  # layers held
     n_moe: int
     last: bool  # holds the output head
-    layers: tuple = ()  # (global layer index, is MoE) of the layers held (recompute_every's choice)
+    #: (global layer index, kind) of the layers held (recompute_every's choice; kind:
+    #: memory.layer_kind, MoE and Gated DeltaNet)
+    layers: tuple = ()
     n_chunks: int = 1  # chunks held that have layers (each keeps its RoPE tables per microbatch)
-    #: under a split backward (zbv, dualpipev) the (global index, is MoE) blocks of each chunk
+    #: under a split backward (zbv, dualpipev) the (global index, kind) blocks of each chunk
     #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
     split_chunks: tuple = ()
-    chunk_has_layers: tuple = ()  # per chunk of split_chunks: it has pipeline layers (its RoPE tables)
-    chunk_counts: tuple = ()  # per chunk of split_chunks: its (dense, MoE) blocks
+    chunk_has_layers: tuple = ()  # per chunk of split_chunks or il_chunks: it has pipeline layers (RoPE)
+    chunk_counts: tuple = ()  # per chunk of split_chunks or il_chunks: its blocks by kind
     zero1_dense: float = 0.0  # ZeRO-1's busiest data rank's share times d (memory.zero1.busiest_dense)
     muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
+    kinds: tuple = ()  # layers held by kind (memory.layer_kind)
+    #: under the interleaved schedule (pp > 1) the (global index, kind) blocks of each chunk held:
+    #: each chunk is weighed by the microbatches it holds (memory.interleaved_flight)
+    il_chunks: tuple = ()
 
 
 #: pipelines up to this depth have every rank weighed under the V schedules (candidate_ranks)
@@ -45,37 +52,48 @@ V_RANKS_ALL = 16
 
 def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
     """The ranks that can be the most loaded: first, second, second to last, last; under the V
-    schedules every rank up to :data:`V_RANKS_ALL` (a rank's peak weighs its two chunks by unequal
-    in-flight counts, v_flight.moments, so with recompute_every a middle rank's mix of recomputed
-    layers can hold the most)."""
+    and interleaved schedules every rank up to :data:`V_RANKS_ALL` (a rank's peak weighs its chunks
+    by unequal in-flight counts, v_flight.moments and interleaved_flight.moments, so a middle rank
+    can hold the most: llama3-70b pp8 vpp4 with recompute_every, rank 2 of 8, whose steady state
+    holds 16 microbatches of each of its two heavier chunks)."""
     pp, schedule = lay.pp, lay.schedule
     ranks = []
     picked = {0, 1, pp - 2, pp - 1}
-    if pp > 1 and schedule in V_SCHEDULES:
+    if pp > 1 and schedule in V_SCHEDULES + ("interleaved",):
         # up to V_RANKS_ALL every rank; deeper pipelines (none published) the ends and every
         # pp // V_RANKS_ALL-th rank between, which may miss a middle rank's recompute_every mix
         picked |= set(range(0, pp, 1 if pp <= V_RANKS_ALL else pp // V_RANKS_ALL))
+    if pp > 2 and schedule == "interleaved":
+        # a rank whose chunks hold the same kinds of layers as the rank before it is dropped: each
+        # of its backward moments holds no more of any chunk than one of the rank before's
+        # (interleaved_flight.moments; tests/test_interleaved_flight.py checks p 2-16, v 2-4). Not
+        # so under recompute_every > 1, whose recomputed layers differ by rank: docs/planner.md
+        kinds = {r: tuple(tuple(layer_kind(cfg, i) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
+                 for r in {x for q in picked for x in (q - 1, q) if 0 <= x < pp}}
+        picked = {r for r in picked if r in (0, pp - 1) or kinds[r] != kinds[r - 1]}
     for r in sorted(picked & set(range(pp))):
         dense, expert, _ = mem_mod.rank_params(cfg, lay, r)
         chunks = rank_chunks(lay, r)  # not a walk over every chunk: O(pp) ranks under the V schedules
         layers = mem_mod.rank_layers(cfg, lay, r)  # with the MTP blocks on the last chunk's rank
         n_moe = sum(1 for i in layers if mem_mod.is_moe_layer(cfg, i))
-        split, has, counts = (), (), ()
-        if pp > 1 and schedule in V_SCHEDULES:
-            split = tuple(tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in blocks)
-                          for blocks in chunk_blocks(cfg, lay, r))
+        split, has, counts, il = (), (), (), ()
+        if pp > 1 and schedule in V_SCHEDULES + ("interleaved",):
+            per_chunk = tuple(tuple((i, layer_kind(cfg, i)) for i in blocks) for blocks in chunk_blocks(cfg, lay, r))
             has = tuple(bool(lay.stage_layers[c]) for c in chunks)
-            counts = tuple(_chunk_counts(ch) for ch in split)
-        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks,
-                              tuple((i, mem_mod.is_moe_layer(cfg, i)) for i in layers),
+            counts = tuple(_chunk_counts(ch) for ch in per_chunk)
+            split, il = (per_chunk, ()) if schedule in V_SCHEDULES else ((), per_chunk)
+        held = tuple((i, layer_kind(cfg, i)) for i in layers)
+        ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
                               sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts,
                               zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0,
-                              muon_states.muon_split(cfg, lay, r)))
+                              muon_states.muon_split(cfg, lay, r),
+                              tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
 
 
 def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> dict:
-    """(overlap, FSDP shards) -> {recompute: saved elements per token (dense layer, MoE layer)};
+    """(overlap, FSDP shards) -> {recompute: saved elements per token of each layer kind
+    (memory.layer_kind: dense, MoE, and the two as Gated DeltaNet layers)};
     shared by the structures with the same keys act_elems_per_token depends on (bf16 keeps more
     in fp32 under autocast, ZeRO 0/1, than under FSDP's mixed precision: memory.bf16_extra_elems)."""
     acts = {}
@@ -86,9 +104,8 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
             akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1,
                     lay.ep > 1)  # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
             if akey not in act_cache:
-                act_cache[akey] = {mode: (mem_mod.act_elems_per_token(cfg, lay, False, mode),
-                                              mem_mod.act_elems_per_token(cfg, lay, True, mode))
-                                       for mode in RECOMPUTES}
+                act_cache[akey] = {mode: tuple(mem_mod.kind_elems(cfg, lay, k, mode) for k in range(len(KINDS)))
+                                   for mode in RECOMPUTES}
             acts[(overlap, fsdp)] = act_cache[akey]
     lay.tp_overlap, lay.zero = False, zero0
     return acts
@@ -111,6 +128,12 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             one_pass = head
             head *= head_passes  # 1 + model.mtp.depth (memory.rank_activations)
             head += mtp_elems * tokens * ab  # memory.mtp_saved_elems
+        if rk.il_chunks:  # per chunk its microbatches at the worst backward (memory.rank_activations)
+            sm = interleaved_flight.split_moments(pp, mm, lay.vpp, rk.rank)
+            freed = one_pass if head_passes > 1 else head
+            most = max(sum(held) for held in sm[0] + sm[1])  # the most chunk-microbatches held: a bound
+            out.append((sm, head, rope, freed, None, most))
+            continue
         if rk.split_chunks:
             mo = v_flight.moments(schedule, pp, mm, rk.rank)
             key = (rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.chunk_has_layers)
@@ -148,8 +171,8 @@ def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
                  recompute: str, tab: float) -> MemPick:
     """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
-    ed, em = act[recompute]
-    nd_none, nm_none = act["none"]
+    es = act[recompute]
+    tr = [n - e for n, e in zip(act["none"], es)]  # a fully recomputed block's transient, by kind
     best: Optional[tuple] = None
     for rk, st, fl in zip(ranks, states, flight):
         at = rk.rank
@@ -157,35 +180,110 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
             if fl[3] is None:
                 continue  # weighed with its group's leader (in_flight)
             cts = rk.chunk_counts
-            per = [cd * ed + cm * em for cd, cm in cts]
+            per = [_dot(c, es) for c in cts]
             if recompute == "full":
-                dn, mn = nd_none - ed, nm_none - em
-                a, at = _v_activations(rk, fl, per, [cd * dn + cm * mn for cd, cm in cts],
-                                       [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts], tab, fl[3])
+                a, at = _v_activations(rk, fl, per, [mem_mod.split_transient(c, tr) for c in cts],
+                                       [_largest(c, tr) for c in cts], tab, fl[3])
             else:
                 a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
+        elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
+            live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
+            per = _chunk_sets(rk, es)
+            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(
+                    rk, st, recompute) <= best[0]:
+                continue  # cannot be the most loaded: the walk over its moments is skipped
+            a = _il_activations(rk, fl, per, tab, live)
         else:
             inf, extra, head = fl
-            a = inf * (rk.n_dense * ed + rk.n_moe * em) * tab + extra
+            a = inf * _dot(rk.kinds, es) * tab + extra
             if recompute == "full" and (rk.n_dense + rk.n_moe):
                 # the recomputed layer's set less its input (memory.recompute_transient), never live
                 # beside the same microbatch's logits and head (memory.rank_activations)
-                live = int(max(nd_none - ed if rk.n_dense else 0, nm_none - em if rk.n_moe else 0) * tab)
+                live = int(_largest(rk.kinds, tr) * tab)
                 a += max(live - head, 0.0)
         a = int(a)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
         # (under full recompute a layer's copies are made again in its backward, never beside the
         # same microbatch's head copy: memory.autocast_copy_params)
         if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
-            copies = int(st[4] + max(cd * st[5] + cm * st[6] for cd, cm in rk.chunk_counts))
+            copies = int(st[4] + max(_copies(c, st) for c in rk.chunk_counts))
         else:
-            copies = int(max(st[4], st[5] if rk.n_dense else 0.0, st[6] if rk.n_moe else 0.0) if recompute == "full"
-                         else st[4] + rk.n_dense * st[5] + rk.n_moe * st[6])
+            copies = _flat_copies(rk, st, recompute)
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
     assert best is not None
     total, at, st, copies, a = best
     return MemPick(total, at, st[0] + copies, st[1], st[2], a)
+
+
+def _chunk_sets(rk: RankInfo, es: list) -> list:
+    """Each chunk's saved elements per token (Σ count · elements), by the identity of the rank and
+    the act table's row: the plan's micro-batches and overlaps weigh the same sums again."""
+    key = (id(rk), id(es))
+    hit = _CHUNK_SETS.get(key)
+    if hit is None or hit[0] is not rk or hit[1] is not es:
+        if len(_CHUNK_SETS) > 65536:
+            _CHUNK_SETS.clear()
+        hit = _CHUNK_SETS[key] = (rk, es, [_dot(c, es) for c in rk.chunk_counts])
+    return hit[2]
+
+
+_CHUNK_SETS: dict = {}
+
+
+def _flat_copies(rk: RankInfo, st: tuple, recompute: str) -> int:
+    """A rank's autocast weight copies outside the V schedules (memory.autocast_copy_params)."""
+    return int(max(st[4], _largest(rk.kinds, st[5:9])) if recompute == "full" else st[4] + _dot(rk.kinds, st[5:9]))
+
+
+def _dot(counts: tuple, elems: tuple) -> float:
+    """Σ count · elements over the layer kinds, in kind order (memory.chunk_saved_elems' order)."""
+    out = 0.0
+    for n, e in zip(counts, elems):
+        out += n * e
+    return out
+
+
+def _largest(counts: tuple, tr: list) -> float:
+    """The largest transient of the kinds present (memory.recompute_transient)."""
+    return max((t for n, t in zip(counts, tr) if n), default=0.0)
+
+
+def _copies(counts: tuple, st: tuple) -> float:
+    """A chunk's autocast weight copies: kind k's st[5 + k] (memory.autocast_copy_params)."""
+    return sum(n * w for n, w in zip(counts, st[5:9]))
+
+
+def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> int:
+    """memory.rank_activations under the interleaved schedule from the planner's tables: each
+    chunk's saved elements ``per`` times ``tab`` (plus RoPE's tables where it has layers) weighed by
+    its microbatches at each backward (interleaved_flight.peak), the head with each microbatch the
+    last chunk holds, and a recomputed layer's transient ``live`` (less the head at the last
+    chunk's backward)."""
+    split, head, rope, freed = flight[:4]
+    sets = [x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers)]
+    sets[-1] += head  # with each microbatch the last chunk holds (memory.rank_activations)
+    key = (id(split), tuple(sets), freed, live)
+    hit = _IL_PEAKS.get(key)
+    if hit is None or hit[0] is not split:  # split: the flight cache's own tuple
+        if len(_IL_PEAKS) > 65536:
+            _IL_PEAKS.clear()
+        hit = _IL_PEAKS[key] = (split, int(interleaved_flight.peak(split, sets, freed, live)[0]))
+    return hit[1]
+
+
+#: :func:`_il_activations` by the identity of the split and its sets: structures that differ only
+#: in what moves no activation (dp, ZeRO, the precision of the optimizer) weigh the same moments;
+#: a bounded memo of pure results, as interleaved_flight._GROUPED
+_IL_PEAKS: dict = {}
+
+
+def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> float:
+    """An upper bound of :func:`_il_activations`: the most chunk-microbatches held at once times the
+    heaviest chunk's set (in_flight's ``most``)."""
+    rope = flight[2]
+    heaviest = max(x * tab + (rope if has else 0.0) for x, has in zip(per, rk.chunk_has_layers))
+    return flight[5] * (heaviest + flight[1]) + live
 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -206,6 +304,10 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
     for rk, st, fl, (per, live, copies) in zip(ranks, states, flight, sums):
         if rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
             a = _v_activations(rk, fl, per, live[0], live[1], tab)[0]
+        elif rk.il_chunks:  # per: per chunk (rank_layer_sums)
+            if best is not None and _il_bound(rk, fl, per, tab, int(live * tab)) + st[3] + copies <= best[0]:
+                continue  # cannot be the most loaded: the walk over its moments is skipped
+            a = _il_activations(rk, fl, per, tab, int(live * tab))
         else:
             inf, extra, head = fl
             a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
@@ -219,7 +321,7 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
 def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: Optional[dict]) -> tuple:
     if shared is None:
         return rank_layer_sums(rk, st, act, every)
-    key = (every, id(act), st[4], st[5], st[6], rk.layers, rk.split_chunks)
+    key = (every, id(act), st[4:9], rk.layers, rk.split_chunks, rk.il_chunks)
     got = shared.get(key)
     if got is None:
         got = shared[key] = rank_layer_sums(rk, st, act, every)
@@ -231,21 +333,24 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
     copies) under recompute=full on every ``every``-th layer."""
     per, live = 0.0, 0.0
     copies, again = 0.0, 0.0  # autocast's copies held, and a recomputed layer's made again
-    for i, moe in rk.layers:
+    for i, kind in rk.layers:
         full = i % every == 0
-        per += act["full" if full else "none"][1 if moe else 0]
+        per += act["full" if full else "none"][kind]
+        w = st[5 + kind]  # autocast's copies of the kind's weights
         if full:
-            live = max(live, act["none"][1 if moe else 0] - act["full"][1 if moe else 0])
-            again = max(again, st[6] if moe else st[5])
+            live = max(live, act["none"][kind] - act["full"][kind])
+            again = max(again, w)
         else:
-            copies += st[6] if moe else st[5]
+            copies += w
     if rk.split_chunks:  # memory.v_rank_activations: per chunk its saved set and its passes' transients
-        dn, mn = act["none"][0] - act["full"][0], act["none"][1] - act["full"][1]
+        tr = [n - f for n, f in zip(act["none"], act["full"])]
         pers = [_chunk_saved(ch, act, every) for ch in rk.split_chunks]
         cts = [_chunk_counts(ch, every) for ch in rk.split_chunks]
-        live_v = ([cd * dn + cm * mn for cd, cm in cts], [max(dn if cd else 0.0, mn if cm else 0.0) for cd, cm in cts])
+        live_v = ([mem_mod.split_transient(c, tr) for c in cts], [_largest(c, tr) for c in cts])
         # and a chunk's copies together, beside the head's (memory.autocast_copy_params)
-        return pers, live_v, int(copies + (st[4] + max(cd * st[5] + cm * st[6] for cd, cm in cts)))
+        return pers, live_v, int(copies + (st[4] + max(_copies(c, st) for c in cts)))
+    if rk.il_chunks:  # memory.rank_activations: per chunk its saved set
+        return [_chunk_saved(ch, act, every) for ch in rk.il_chunks], live, int(copies + max(st[4], again))
     return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
 
 
@@ -256,23 +361,26 @@ def _chunk_saved(chunk: tuple, act: dict, every: int) -> float:
     """A chunk's saved elements per token under recompute=full on every ``every``-th block, summed
     by (MoE, mode) as memory.v_rank_activations sums them (the same order, the same bytes)."""
     kinds: dict = {}
-    for i, moe in chunk:
-        key = (moe, "full" if i % every == 0 else "none")
+    for i, kind in chunk:
+        key = (kind, "full" if i % every == 0 else "none")
         kinds[key] = kinds.get(key, 0) + 1
-    return sum(n * act[mode][1 if moe else 0] for (moe, mode), n in sorted(kinds.items()))
+    return sum(n * act[mode][kind] for (kind, mode), n in sorted(kinds.items()))
 
 
-def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, int]:
-    """A chunk's fully recomputed (dense, MoE) blocks (memory.chunk_recompute_counts)."""
-    cd = sum(1 for i, moe in chunk if not moe and i % every == 0)
-    cm = sum(1 for i, moe in chunk if moe and i % every == 0)
-    return cd, cm
+def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, ...]:
+    """A chunk's fully recomputed blocks by kind (memory.chunk_kind_counts)."""
+    counts = [0] * len(KINDS)
+    for i, kind in chunk:
+        if i % every == 0:
+            counts[kind] += 1
+    return tuple(counts)
 
 
 def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
                  copy_terms: Optional[tuple] = None, fp8_saving=None) -> list[tuple]:
-    """(params, grads, optimizer, total, head copy, dense-layer copy, MoE-layer copy) bytes of each
-    candidate rank under a ZeRO stage: the last three are autocast's bf16 weight copies
+    """(params, grads, optimizer, total, head copy, then each layer kind's copy: dense, MoE, linear
+    dense, linear MoE) bytes of each candidate rank under a ZeRO stage: the last five are autocast's
+    bf16 weight copies
     (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
     ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
     ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16)."""
@@ -280,7 +388,7 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     autocast = copy_terms is not None and \
         mem_mod.precision_mode(lay.precision, zero, d_dense) == "bf16-autocast"
-    head, dense, moe = (2 * x for x in copy_terms) if autocast else (0.0, 0.0, 0.0)
+    head, *kinds = (2 * x for x in copy_terms) if autocast else (0.0,) * (1 + len(KINDS))
     out = []
     for rk in ranks:
         pa, gr, op = (int(x) for x in mem_mod.state_bytes(rk.dense, rk.expert, d_dense, d_exp, zero, lay.pp,
@@ -291,6 +399,6 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         op = int(muon_states.optimizer_bytes(op, rk.muon, lay, zero))
         if fp8_saving is not None:
             pa -= int(fp8_saving(rk))
-        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, dense, moe))
+        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds))
     return out
 
