@@ -7,13 +7,13 @@ class give all of them (bytes of tp/pp/cp/ep are fixed by the step's tokens, cou
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds
+from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, tp_overlap_seconds
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.split import layer_work
 from paralayer.resolve.planner.types import Structure
@@ -39,6 +39,25 @@ def tp_overlap_options(lay: Layout, mach: Machine, mla: bool = False) -> tuple:
     ok = lay.tp > 1 and lay.sequence_parallel and lay.schedule not in V_SCHEDULES and mach.tp_overlap > 0 \
         and not mla  # not built for MLA (rules.check_sequence_parallel)
     return (False, True) if ok else (False,)
+
+
+def tp_timer(cfg: Config, mach: Machine, tot, st: Structure, first: tuple) -> Callable:
+    """tp_overlap's exposed tp seconds (``machine.tp_overlap_seconds``) of a rank of ``kinds`` (dense,
+    MoE) blocks (``first``: rank 0's), any zero: once per (micro-batch, recompute, kinds)."""
+    lay = st.lay
+    split = lay.schedule in V_SCHEDULES and lay.pp > 1
+    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES}
+    cache: dict = {}
+
+    def tp_time(mb: int, recompute: str, kinds: tuple = ()) -> float:
+        key = (mb, recompute, kinds or first)
+        if key not in cache:
+            cache[key] = tp_overlap_seconds(ring_flops[recompute], *key[2], mb * tot.seq / lay.cp,
+                                            tot.gb // (mb * lay.dp), lay.tp, tot.h, tot.ab, recompute == "full", mach,
+                                            st.spans["tp"])
+        return cache[key]
+
+    return tp_time
 
 
 def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tuple) -> dict:

@@ -169,14 +169,21 @@ def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t
 
 
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                 recompute: str, tab: float) -> MemPick:
-    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
+                 recompute: str, tab: float, memo: Optional[dict] = None, cap: Optional[float] = None) -> MemPick:
+    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap). ``memo``:
+    each rank's activations as computed here, kept by the caller per (flight, act, recompute, tab):
+    the ZeRO stages that share those weigh the same activations beside other states. ``cap``: the
+    device's capacity; the first rank over it is returned (the layout does not fit, whichever the
+    most loaded: the caller reads only its total)."""
     es = act[recompute]
     tr = [n - e for n, e in zip(act["none"], es)]  # a fully recomputed block's transient, by kind
     best: Optional[tuple] = None
-    for rk, st, fl in zip(ranks, states, flight):
+    for i, (rk, st, fl) in enumerate(zip(ranks, states, flight)):
         at = rk.rank
-        if rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
+        hit = None if memo is None else memo.get(i)
+        if hit is not None:
+            a, at = hit
+        elif rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
             if fl[3] is None:
                 continue  # weighed with its group's leader (in_flight)
             cts = rk.chunk_counts
@@ -201,7 +208,10 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
                 # beside the same microbatch's logits and head (memory.rank_activations)
                 live = int(_largest(rk.kinds, tr) * tab)
                 a += max(live - head, 0.0)
-        a = int(a)
+        if hit is None:
+            a = int(a)
+            if memo is not None:
+                memo[i] = (a, at)
         # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
         # (under full recompute a layer's copies are made again in its backward, never beside the
         # same microbatch's head copy: memory.autocast_copy_params)
@@ -211,6 +221,8 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
             copies = _flat_copies(rk, st, recompute)
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
+            if cap is not None and best[0] > cap:
+                break
     assert best is not None
     total, at, st, copies, a = best
     return MemPick(total, at, st[0] + copies, st[1], st[2], a)
@@ -288,21 +300,26 @@ def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
                       every: int, tab: float, layer_sums: Optional[dict] = None,
-                      shared_sums: Optional[dict] = None) -> MemPick:
+                      shared_sums: Optional[dict] = None, memo: Optional[dict] = None,
+                      cap: Optional[float] = None) -> MemPick:
     """``peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
     "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
     ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
     but not on the micro-batch (the caller keys it so; same sums, same order, same bytes).
     ``shared_sums``: a cache for one plan (its ``act`` tables live as long) of each rank's sums by
-    its layers, act table, copy terms and ``every``: structures that share a split share them."""
+    its layers, act table, copy terms and ``every``: structures that share a split share them.
+    ``memo``, ``cap``: as :func:`peak_memory`'s (the memo per flight, act, ``every``, tab)."""
     sums = None if layer_sums is None else layer_sums.get(every)
     if sums is None:
         sums = [_shared_layer_sums(rk, st, act, every, shared_sums) for rk, st in zip(ranks, states)]
         if layer_sums is not None:
             layer_sums[every] = sums
     best: Optional[tuple] = None
-    for rk, st, fl, (per, live, copies) in zip(ranks, states, flight, sums):
-        if rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
+    for i, (rk, st, fl, (per, live, copies)) in enumerate(zip(ranks, states, flight, sums)):
+        a = None if memo is None else memo.get(i)
+        if a is not None:
+            pass
+        elif rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
             a = _v_activations(rk, fl, per, live[0], live[1], tab)[0]
         elif rk.il_chunks:  # per: per chunk (rank_layer_sums)
             if best is not None and _il_bound(rk, fl, per, tab, int(live * tab)) + st[3] + copies <= best[0]:
@@ -311,8 +328,12 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
         else:
             inf, extra, head = fl
             a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
+        if memo is not None:
+            memo[i] = a
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, rk, st, copies, a)
+            if cap is not None and best[0] > cap:
+                break
     assert best is not None
     total, rk, st, copies, a = best
     return MemPick(total, rk.rank, st[0] + copies, st[1], st[2], a)

@@ -35,10 +35,10 @@ lines ``planner.comm``, the records ``planner.types`` and the listed rows ``plan
                 · (1 + bubble) + dp exposed (``planner.rank_time``; dp: ``machine.dp_exposed_seconds``)
 
 Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
-MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
-their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
-ranking's first ``top``); a layout that fits but whose step without its traffic already exceeds
-the ``top``-th best so far is left untimed (``planner.bounds``). ``fixed`` narrows the walk itself.
+MAX_CANDIDATES weighed layouts; with ``top`` structures go by a lower bound on their step, those that
+cannot reach the best ``top`` skipped (exactly the exhaustive ranking's first ``top``), and a layout
+whose step without its traffic exceeds the ``top``-th best so far is left untimed (``planner.bounds``).
+A ZeRO stage reuses the activations another of the same precision mode weighed. ``fixed`` narrows.
 
 "tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis whose
 traffic hides behind compute, "pp only to fit" out of tp_overlap and the per-rank step (pp adds
@@ -64,7 +64,6 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
     dp_exposed_seconds,
     dp_reduce_seconds,
     machine_for,
-    tp_overlap_seconds,
     wire_factor,
 )
 from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
@@ -72,7 +71,7 @@ from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes
+from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes, tp_timer
 from paralayer.resolve.planner.gc_pause import gc_paused
 from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
@@ -283,16 +282,14 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                             drop(why)
                             continue
                         least_bubble = cost_mod.bubble_fraction(schedule, pp, tot.gb // dp, vpp)
-                        out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
-                                             {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
-                                             override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
-                                             structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe)
-                                             * scale,
-                                             least_bubble=least_bubble, work_head=(work, head)))
+                        bound = structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe) * scale
+                        out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn), dict(
+                            tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp), override_prefix(
+                            tp, pp, vpp, cp, ep, dp, schedule, split), bound, least_bubble=least_bubble,
+                            work_head=(work, head)))
                         if cfg.train.optimizer == "muon":  # Muon's step per ZeRO stage (cost/optimizer_step.py)
-                            st = out[-1]
-                            st.optimizer_s = {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay.stage_layers,
-                                                                             mach, st.spans) for z in range(4)}
+                            out[-1].optimizer_s = {z: optimizer_step.plan_seconds(
+                                cfg, out[-1].degrees, z, lay.stage_layers, mach, out[-1].spans) for z in range(4)}
     return out
 
 
@@ -315,8 +312,7 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
         return []
     if "recompute_every" in ctx.fixed:  # given on the command line: that k (or those) only
         want = ctx.fixed["recompute_every"]
-        return sorted({int(k) for k in (want if isinstance(want, (list, tuple, set)) else [want]) if k > 1},
-                      reverse=True)
+        return sorted({int(k) for k in (want if isinstance(want, (list, tuple, set)) else [want]) if k > 1})[::-1]
     n = max(len(rk.layers) for rk in ranks)
     ks = {k for k in divisors(n) if k > 1} | {k for k in (2, 3, 4) if k < n}
     return sorted(ks, reverse=True)
@@ -325,7 +321,7 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
                   tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf,
-                  fp8_at: Any = None) -> Any:
+                  fp8_at: Any = None, memo_of: Any = None) -> Any:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
@@ -342,7 +338,8 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.rc_frac[rk] >= bar:
             return None  # k descends, so the fraction only grows from here
         ctx.weighed[0] += 1
-        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums, ctx.layer_sums)
+        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums, ctx.layer_sums,
+                                memo_of(k) if memo_of else None, tot.avail)
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
@@ -384,8 +381,6 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     lines = LazyLines(cfg, st, mach, tot.gb)
     work = structure_work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
-    split = lay.schedule in V_SCHEDULES and lay.pp > 1
-    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
     acts = act_tables(cfg, ctx.act_cache, lay, overlaps)
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
     ks = _every_options(ctx, ranks, recomputes)
@@ -393,19 +388,10 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
         recomputes = [r for r in recomputes if r != "full"]
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
-    tp_cache: dict = {}
-
-    def tp_time(mb: int, recompute: str, kinds: tuple = ()) -> float:
-        """tp_overlap's exposed tp seconds of a rank of ``kinds`` (dense, MoE) blocks (rank 0's), any zero."""
-        kinds = kinds or (ranks[0].n_dense, ranks[0].n_moe)
-        if (mb, recompute, kinds) not in tp_cache:
-            tp_cache[(mb, recompute, kinds)] = tp_overlap_seconds(
-                ring_flops[recompute], *kinds, mb * tot.seq / lay.cp, tot.gb // (mb * lay.dp),
-                lay.tp, tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
-        return tp_cache[(mb, recompute, kinds)]
-
+    tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
+    flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
@@ -422,13 +408,14 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
             n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, *mtp)
+            flight = flights.get((mb, mode)) or flights.setdefault(  # the same for a precision mode's ZeRO stages
+                (mb, mode), in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, *mtp))
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()
                 for recompute in recomputes:
-                    mem = peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
-                                       tokens * tot.ab)
+                    mem = peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute, tokens * tot.ab,
+                                      act_memo.setdefault((mb, mode, overlap, zero >= 2, recompute), {}), tot.avail)
                     if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
@@ -449,7 +436,8 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
-                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar, fp8_at)
+                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar, fp8_at,
+                                      lambda k, key=(mb, mode, overlap, zero >= 2): act_memo.setdefault(key + (k,), {}))
                     if c is not None:
                         ctx.fits[0] += 1
                         ctx.fits[1] += c is True
@@ -474,8 +462,7 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
         dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
         return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed  # + Muon's step
 
-    step, inner, dp_exposed = step_of(work, recomp)
-    extra = None
+    (step, inner, dp_exposed), extra = step_of(work, recomp), None
     if fp8 is not None:
         extra = (step, work + recomp, fp8)
         step, inner, dp_exposed = step_of(work - fp8.save_work, recomp - fp8.save_recompute)
