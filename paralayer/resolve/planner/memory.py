@@ -55,7 +55,21 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
     and interleaved schedules every rank up to :data:`V_RANKS_ALL` (a rank's peak weighs its chunks
     by unequal in-flight counts, v_flight.moments and interleaved_flight.moments, so a middle rank
     can hold the most: llama3-70b pp8 vpp4 with recompute_every, rank 2 of 8, whose steady state
-    holds 16 microbatches of each of its two heavier chunks)."""
+    holds 16 microbatches of each of its two heavier chunks). Built once per shape (the structures
+    that differ in dp and cp share it; ZeRO-1's busiest data rank is dealt per dp·cp)."""
+    key = (lay.tp, lay.pp, lay.vpp, lay.schedule, tuple(map(tuple, lay.stage_layers)), lay.ep, lay.sequence_parallel,
+           lay.tp_overlap, lay.pp_overlap, lay.zero, lay.recompute, lay.recompute_every, lay.padded_vocab,
+           lay.device, lay.precision, lay.devices_per_node)
+    cache = cfg.__dict__.setdefault("_candidate_ranks", {})  # kept on the config: its ranks' shapes
+    if key not in cache:
+        cache[key] = [(rk, tuple(sorted(zero1.dense_sizes(cfg, lay, rk.rank), reverse=True)))
+                      for rk in _candidate_ranks(cfg, lay)]
+    d = lay.dp * lay.cp
+    return [rk._replace(zero1_dense=zero1.largest_load(sizes, d) * d if d > 1 else 0.0) for rk, sizes in cache[key]]
+
+
+def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
+    """:func:`candidate_ranks` of a shape, without ZeRO-1's busiest data rank."""
     pp, schedule = lay.pp, lay.schedule
     ranks = []
     picked = {0, 1, pp - 2, pp - 1}
@@ -85,7 +99,7 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
         held = tuple((i, layer_kind(cfg, i)) for i in layers)
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
                               sum(1 for c in chunks if lay.stage_layers[c]), split, has, counts,
-                              zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0,
+                              0.0,
                               muon_states.muon_split(cfg, lay, r),
                               tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
@@ -342,11 +356,12 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
 def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: Optional[dict]) -> tuple:
     if shared is None:
         return rank_layer_sums(rk, st, act, every)
-    key = (every, id(act), st[4:9], rk.layers, rk.split_chunks, rk.il_chunks)
-    got = shared.get(key)
-    if got is None:
-        got = shared[key] = rank_layer_sums(rk, st, act, every)
-    return got
+    # by the identity of the rank's layer tuples (candidate_ranks keeps them per shape), checked
+    key = (every, id(act), st[4:9], id(rk.layers), id(rk.split_chunks), id(rk.il_chunks))
+    hit = shared.get(key)
+    if hit is None or hit[0] is not rk.layers or hit[1] is not rk.split_chunks or hit[2] is not rk.il_chunks:
+        hit = shared[key] = (rk.layers, rk.split_chunks, rk.il_chunks, rank_layer_sums(rk, st, act, every))
+    return hit[3]
 
 
 def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
