@@ -189,12 +189,14 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
     the ZeRO stages that share those weigh the same activations beside other states. ``cap``: the
     device's capacity; the first rank over it is returned (the layout does not fit, whichever the
     most loaded: the caller reads only its total)."""
-    es = act[recompute]
-    tr = [n - e for n, e in zip(act["none"], es)]  # a fully recomputed block's transient, by kind
+    es, full = act[recompute], recompute == "full"
+    tr: list = []  # a fully recomputed block's transient, by kind (made where a rank needs it)
     best: Optional[tuple] = None
     for i, (rk, st, fl) in enumerate(zip(ranks, states, flight)):
         at = rk.rank
         hit = None if memo is None else memo.get(i)
+        if hit is None and not tr:
+            tr = [n - e for n, e in zip(act["none"], es)]
         if hit is not None:
             a, at = hit
         elif rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
@@ -202,22 +204,21 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
                 continue  # weighed with its group's leader (in_flight)
             cts = rk.chunk_counts
             per = [_dot(c, es) for c in cts]
-            if recompute == "full":
+            if full:
                 a, at = _v_activations(rk, fl, per, [mem_mod.split_transient(c, tr) for c in cts],
                                        [_largest(c, tr) for c in cts], tab, fl[3])
             else:
                 a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
-            live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
+            live = int(_largest(rk.kinds, tr) * tab) if full else 0
             per = _chunk_sets(rk, es)
-            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(
-                    rk, st, recompute) <= best[0]:
+            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + st[10 if full else 9] <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
             a = _il_activations(rk, fl, per, tab, live)
         else:
             inf, extra, head = fl
             a = inf * _dot(rk.kinds, es) * tab + extra
-            if recompute == "full" and (rk.n_dense + rk.n_moe):
+            if full and (rk.n_dense + rk.n_moe):
                 # the recomputed layer's set less its input (memory.recompute_transient), never live
                 # beside the same microbatch's logits and head (memory.rank_activations)
                 live = int(_largest(rk.kinds, tr) * tab)
@@ -226,13 +227,7 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
             a = int(a)
             if memo is not None:
                 memo[i] = (a, at)
-        # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
-        # (under full recompute a layer's copies are made again in its backward, never beside the
-        # same microbatch's head copy: memory.autocast_copy_params)
-        if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
-            copies = int(st[4] + max(_copies(c, st) for c in rk.chunk_counts))
-        else:
-            copies = _flat_copies(rk, st, recompute)
+        copies = st[11 if full and rk.split_chunks else (10 if full else 9)]  # autocast's copies: _rank_copies
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
             if cap is not None and best[0] > cap:
@@ -257,9 +252,13 @@ def _chunk_sets(rk: RankInfo, es: list) -> list:
 _CHUNK_SETS: dict = {}
 
 
-def _flat_copies(rk: RankInfo, st: tuple, recompute: str) -> int:
-    """A rank's autocast weight copies outside the V schedules (memory.autocast_copy_params)."""
-    return int(max(st[4], _largest(rk.kinds, st[5:9])) if recompute == "full" else st[4] + _dot(rk.kinds, st[5:9]))
+def _rank_copies(rk: RankInfo, st: tuple) -> tuple[int, int, int]:
+    """A rank's autocast weight copies (memory.autocast_copy_params): unless fully recomputed (the
+    head's and every layer's), fully recomputed (the head's or one layer's: a layer's are made again
+    in its backward, never beside the same microbatch's head copy), and fully recomputed under a V
+    schedule (a chunk's together, beside the head's)."""
+    none, full = int(st[4] + _dot(rk.kinds, st[5:9])), int(max(st[4], _largest(rk.kinds, st[5:9])))
+    return none, full, int(st[4] + max(_copies(c, st) for c in rk.chunk_counts)) if rk.split_chunks else full
 
 
 def _dot(counts: tuple, elems: tuple) -> float:
@@ -416,9 +415,9 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
                  copy_terms: Optional[tuple] = None, fp8_saving=None) -> list[tuple]:
     """(params, grads, optimizer, total, head copy, then each layer kind's copy: dense, MoE, linear
     dense, linear MoE) bytes of each candidate rank under a ZeRO stage: the last five are autocast's
-    bf16 weight copies
-    (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
-    ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
+    bf16 weight copies (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this
+    stage), then the rank's copies by recompute mode that ``peak_memory`` adds (:func:`_rank_copies`).
+    ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
     ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16)."""
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
@@ -435,6 +434,7 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         op = int(muon_states.optimizer_bytes(op, rk.muon, lay, zero))
         if fp8_saving is not None:
             pa -= int(fp8_saving(rk))
-        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds))
+        row = (pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds)
+        out.append(row + _rank_copies(rk, row))  # [9:12]: peak_memory's copies by recompute
     return out
 
