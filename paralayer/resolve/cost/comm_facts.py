@@ -63,14 +63,19 @@ def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     the V schedules' second rerun in a split backward's weight pass (memory.states.layer_reruns,
     counted in FLOPs) is not in the traffic, whose lines the planner takes as affine in m (that
     term goes as 1/m)."""
-    cache, key = layout_cache(cfg, lay, ("full", tuple(layers), lay.recompute, lay.recompute_every))
-    hit = cache.get(key)
-    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
-        return hit[2]
-    full = [i for i in layers if layer_recompute(lay, i) == "full"]
-    facts = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
-    cache[key] = (lay.stage_layers, cfg, facts)
+    cache = config_cache(cfg)  # a function of the layers and the recompute alone: every layout's
+    key = ("full", tuple(layers), lay.recompute, lay.recompute_every)
+    facts = cache.get(key)
+    if facts is None:
+        full = [i for i in layers if layer_recompute(lay, i) == "full"]
+        facts = cache[key] = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
     return facts
+
+
+def config_cache(cfg: Config) -> dict:
+    """A cache kept on the config of what depends on it and plain numbers only (the layers held,
+    the recompute): the planner's layouts that share them share the entries."""
+    return cfg.__dict__.setdefault("_comm_counts", {})
 
 
 def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:

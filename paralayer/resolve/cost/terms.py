@@ -13,7 +13,13 @@ import functools
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, rank_layer_facts, recompute_facts
+from paralayer.resolve.cost.comm_facts import (
+    chunk_facts,
+    config_cache,
+    rank_facts,
+    rank_layer_facts,
+    recompute_facts,
+)
 from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
@@ -192,29 +198,32 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
 
 def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
     """:func:`_cp_comm`'s ring over ``layers`` per microbatch: (full-ring K/V block sends, their
-    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), once per (layout,
-    recompute, k): the same loop, the same order, so the same floats."""
-    cache, key = layout_cache(cfg, lay, ("ring", tuple(layers), lay.cp, lay.recompute, lay.recompute_every))
+    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), counted once per
+    (layers, recompute, k) on the config and times the layout's cp."""
+    cache = config_cache(cfg)  # the counts depend on the layers and the recompute alone
+    key = ("ring", tuple(layers), lay.recompute, lay.recompute_every)
     hit = cache.get(key)
-    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
-        return hit[2]
-    m = cfg.model
-    # core_attn / selective recompute rerun the attention core (the ring) as full recompute
-    # does on its layers
-    rerun_all = lay.recompute in ("core_attn", "selective")
-    kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
-    win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
-    w = m.sliding_window
-    for i in (layers if m.linear.k_heads == 0 else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
-        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-        if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
-            kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-            dkv_full += lay.cp                      # partial dK/dV in fp32: cp hops home
-        else:
-            win_calls += 1 + reruns
-            n_win += 1
-    cache[key] = (lay.stage_layers, cfg, (kv_full, dkv_full, win_calls, n_win))
-    return kv_full, dkv_full, win_calls, n_win
+    if hit is None:
+        m = cfg.model
+        # core_attn / selective recompute rerun the attention core (the ring) as full recompute
+        # does on its layers
+        rerun_all = lay.recompute in ("core_attn", "selective")
+        calls = n_ring = 0        # full-ring layers: forward calls (with reruns) and backward, layers
+        win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
+        w = m.sliding_window
+        linear = m.linear.k_heads != 0
+        for i in (layers if not linear else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
+            reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+            if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+                calls += 2 + reruns  # forward (+ rerun), backward
+                n_ring += 1          # partial dK/dV in fp32: cp hops home
+            else:
+                win_calls += 1 + reruns
+                n_win += 1
+        hit = cache[key] = (calls, n_ring, win_calls, n_win)
+    calls, n_ring, win_calls, n_win = hit
+    # in K/V blocks of the rank's 2 chunks: integers, so the products are the per-layer sums exactly
+    return 0.0 + calls * (lay.cp - 1), 0.0 + n_ring * lay.cp, win_calls, n_win
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
