@@ -1,7 +1,7 @@
 """Fit the planner's GPU constants to published training runs and check them, leave-one-out.
 
     python benchmarks/calibrate_gpu.py [--table benchmarks/published_runs.csv] [--out docs/planner.md]
-                                       [--loo] [--json FILE]
+                                       [--loo] [--json FILE] [--shipped]
 
 Why published runs: no GPU has been lent to this project, but many runs at scale have been
 published with their layout, hardware and measured throughput (benchmarks/published_runs.csv, the
@@ -23,7 +23,10 @@ FITTED_PEAK_500W), the per-row table, median and worst error, Spearman's rank co
 within each source table, and with ``--loo`` the leave-one-out errors (each row predicted from a fit
 without it). ``--out`` rewrites the "GPU calibration" section of docs/planner.md and, with ``--loo``,
 RECORD (benchmarks/published_runs_fit.json: the per-row fit and leave-one-out predictions that
-tests/test_planner_gpu.py checks against the model as it is).
+tests/test_planner_gpu.py checks against the model as it is). ``--shipped`` keeps the shipped
+constants instead of refitting them: after a model change, ``--shipped --loo --out docs/planner.md``
+renews the record (its fit column, and the leave-one-out fits, which start from the shipped
+constants) without moving any GPU figure.
 """
 from __future__ import annotations
 
@@ -328,6 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loo", action="store_true", help="also the leave-one-out errors (a fit per row)")
     ap.add_argument("--out", default=None, help="rewrite the GPU calibration section of this markdown file")
     ap.add_argument("--json", default=None, help="write the fitted constants and predictions as JSON")
+    ap.add_argument("--shipped", action="store_true",
+                    help="keep machine.GPU_CALIBRATION (no refit): renew the record for the model as it is")
     ap.add_argument("--examples", default=None, metavar="MD",
                     help="only rewrite the worked examples section of this markdown file (no fit)")
     args = ap.parse_args(argv)
@@ -338,13 +343,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     t0 = time.time()
     rows = [Row(r) for r in load_rows(args.table) if r.get("fit", "yes") != "no"]
-    cal = rounded(fit(rows))
+    cal = shipped() if args.shipped else rounded(fit(rows))
     for r in rows:
         r.choose(cal)
     pred = {r.id: r.predict(cal) for r in rows}
     loo = leave_one_out(rows, cal) if args.loo else None
     secs = time.time() - t0
-    cmd = ("python benchmarks/calibrate_gpu.py" + (" --loo" if args.loo else "")
+    cmd = ("python benchmarks/calibrate_gpu.py" + (" --shipped" if args.shipped else "")
+           + (" --loo" if args.loo else "")
            + (f" --out {args.out}" if args.out else ""))
     md = report_md(rows, cal, pred, loo, cmd, secs)
     print(md)

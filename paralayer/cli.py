@@ -233,6 +233,17 @@ def _time_rows(t: Any, d: dict, cfg: Any) -> None:
         t.add_row("step time by precision (busiest rank)",
                   f"FP8 GEMMs {s['fp8_gemm_s']:.3g} s, bf16 GEMMs {s['bf16_gemm_s']:.3g} s, casts {s['cast_s']:.3g} s, "
                   f"the rest {s['other_s']:.3g} s; {d['fp8_gain']:.3f}× the bf16 step ({d['bf16_step_time_s']:.3g} s)")
+    if d.get("step_rank") is not None and len(d.get("rank_step_time_s") or ()) > 1:
+        t.add_row("slowest pipeline rank (sets the step)", f"rank {d['step_rank']}")
+    ov = d.get("comm_overlap") or {}
+    for ax in ("tp", "pp", "cp", "ep"):
+        o = ov.get(ax)
+        if o and o["comm_s"] > 0:
+            t.add_row(f"{ax} traffic of that rank: hidden / exposed",
+                      f"{o['hidden_s']:.3g} s / {o['exposed_s']:.3g} s of {o['comm_s']:.3g} s")
+    if d.get("comm_sm_slowdown_s"):
+        t.add_row("compute slowed by communication kernels",
+                  f"{d['comm_sm_slowdown_s']:.3g} s (cluster.comm_sm_fraction={d['comm_sm_fraction']:.3g})")
     t.add_row("predicted tokens/s", f"{d['tokens_per_s']:,.0f}")
     if d.get("mfu") is not None:
         t.add_row("predicted MFU", f"{100 * d['mfu']:.1f}%")

@@ -41,8 +41,8 @@ def test_70b_top_pick_keeps_tp_in_a_node_and_uses_no_pp():
     to dp. It comes out of the model once tp traffic hides behind the GEMMs (parallel.tp_overlap,
     the runtime's ring-decomposed all-gather/reduce-scatter): pp then only adds a bubble, stage
     imbalance and the grad reduce-scatter torch's stage cannot overlap. Without tp_overlap the
-    exposed tp traffic of tp = 8 is what pp (tp = 4 on fewer layers per rank) saves: the best
-    such layout uses pp, and wins over its pp = 1 rival by no more than the tp traffic it saves."""
+    exposed tp traffic of tp = 8 is what pp (tp = 4 on fewer layers per rank) saves, and its middle
+    ranks' sends spend: the best such layout comes within 3% of its pp = 1 rival."""
     cfg, plans, stats = _plans(H100_70B)
     assert stats["machine"]["world"] == 512
     top = plans[0]
@@ -61,12 +61,16 @@ def test_70b_top_pick_keeps_tp_in_a_node_and_uses_no_pp():
     with_pp = next(d for d in plans if d["degrees"]["pp"] > 1)
     pp_terms = with_pp["bubble_s"] + with_pp["imbalance_s"] + with_pp["dp_exposed_s"] + with_pp["comm_time_s"]["pp"]
     assert pp_terms > 0.05 * top["step_time_s"] and top["dp_exposed_s"] == 0.0
-    # without tp_overlap, pp wins by the tp traffic it saves (docs/planner.md)
+    # without tp_overlap, pp saves tp traffic (tp = 4 on a quarter of the layers), but the step is its
+    # slowest rank's: a middle rank sends across two boundaries and the busiest holds its own tp
+    # traffic, so the best pp layout comes within 3% of the best pp = 1 one, not under it
+    # (docs/planner.md "One rank's figures"; before the per-rank step it won by 0.4%)
     plain = [d for d in plans if not d["tp_overlap"]]
     plain_pp1 = next(d for d in plain if d["degrees"]["pp"] == 1)
-    assert plain[0]["degrees"]["pp"] > 1 and plain[0]["spans"]["tp"] == "intra-node"
-    assert plain[0]["step_time_s"] - plain[0]["comm_time_s"]["tp"] >= \
-        plain_pp1["step_time_s"] - plain_pp1["comm_time_s"]["tp"]
+    plain_pp = next(d for d in plain if d["degrees"]["pp"] > 1)
+    assert plain[0]["spans"]["tp"] == "intra-node" and plain_pp["spans"]["tp"] == "intra-node"
+    assert plain_pp["comm_time_s"]["tp"] < 0.5 * plain_pp1["comm_time_s"]["tp"]
+    assert plain_pp1["step_time_s"] < plain_pp["step_time_s"] <= 1.03 * plain_pp1["step_time_s"]
     # the recipe's Megatron layout (tp=8, pp=4, dp=16) fits and ranks below (planned on its own: in
     # the full listing its structure may lie past the work bound, planner.MAX_CANDIDATES)
     meg_fixed = {"tp": 8, "pp": 4, "dp": 16, "schedule": "1f1b", "zero": 1, "recompute": "selective", "micro_batch": 1}

@@ -303,6 +303,10 @@ class ClusterConfig:
     # dense FP8 peak per device (train.precision=fp8); null: 2 × peak_tflops, the FP8/bf16 ratio of
     # Hopper and Blackwell tensor cores (NVIDIA datasheets; docs/planner.md "FP8")
     peak_fp8_tflops: Optional[float] = None
+    # the share of a device that communication kernels take while they run beside compute
+    # (parallel.pp_overlap's hidden all-to-alls and sends); null: GPUs 20/132 (DeepSeek-V3 gave 20
+    # of the H800's 132 SMs to communication, arXiv 2412.19437 §3.2.1), CPU ranks 0 (not measured)
+    comm_sm_fraction: Optional[float] = None
     intra_node_gbps: float = 10.0  # GB/s per device, inside a node
     inter_node_gbps: float = 1.0  # GB/s per device, across nodes
     memory_reserve_gib: float = 2.0  # kept free for the framework, allocator and kernels

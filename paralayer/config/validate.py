@@ -103,6 +103,9 @@ def validate_values(cfg: Config) -> None:
         raise ConfigError("cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
     if c.peak_fp8_tflops is not None and c.peak_fp8_tflops <= 0:
         raise ConfigError("cluster.peak_fp8_tflops", f"must be > 0, got {c.peak_fp8_tflops}")
+    if c.comm_sm_fraction is not None and not 0.0 <= c.comm_sm_fraction < 1.0:
+        raise ConfigError("cluster.comm_sm_fraction", f"must be in [0, 1) (the device's share communication "
+                          f"kernels take; null: GPUs 20/132, CPU 0), got {c.comm_sm_fraction}")
     _positive("checkpoint.every", cfg.checkpoint.every, 0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)

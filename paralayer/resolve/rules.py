@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve.fp8 import check_fp8
@@ -379,6 +380,20 @@ def check_experts(cfg: Config, lay: Layout) -> None:
               "all-to-all and the busiest expert sets the pace")
 
 
+def overlap_refusal(cfg: Config, schedule: str, ep: int, tp: int, cp: int, zero: int) -> Optional[str]:
+    """Why parallel.pp_overlap does not apply to (or is not built for) this layout; None: it runs.
+    The planner asks it of every layout it weighs (an unset pp_overlap is on where it applies)."""
+    if schedule != "dualpipev":
+        return f"parallel.schedule=dualpipev (the overlapped actions are DualPipe's; got schedule={schedule})"
+    if cfg.model.moe.num_experts == 0 or ep < 2:
+        return "parallel.ep > 1 (the halves switch at the expert all-to-alls; got " \
+               f"ep={ep}{', a dense model' if cfg.model.moe.num_experts == 0 else ''})"
+    if tp > 1 or cp > 1 or zero >= 2:
+        return "parallel.tp=1, parallel.cp=1 and parallel.zero <= 1 (not built with tensor, context or " \
+               f"ZeRO-2/3 sharding yet; got tp={tp}, cp={cp}, zero={zero})"
+    return None
+
+
 def check_overlap(cfg: Config, lay: Layout) -> None:
     """parallel.pp_overlap: DualPipe's overlapped forward-backward (parallel/pipeline/overlap.py).
 
@@ -391,15 +406,7 @@ def check_overlap(cfg: Config, lay: Layout) -> None:
     not apply or is not built: exit 2 naming this field."""
     p = cfg.parallel
     ask = p.pp_overlap
-    why = None
-    if p.schedule != "dualpipev":
-        why = f"parallel.schedule=dualpipev (the overlapped actions are DualPipe's; got schedule={p.schedule})"
-    elif cfg.model.moe.num_experts == 0 or p.ep < 2:
-        why = "parallel.ep > 1 (the halves switch at the expert all-to-alls; got " \
-              f"ep={p.ep}{', a dense model' if cfg.model.moe.num_experts == 0 else ''})"
-    elif p.tp > 1 or p.cp > 1 or int(p.zero) >= 2:
-        why = "parallel.tp=1, parallel.cp=1 and parallel.zero <= 1 (not built with tensor, context or " \
-              f"ZeRO-2/3 sharding yet; got tp={p.tp}, cp={p.cp}, zero={p.zero})"
+    why = overlap_refusal(cfg, p.schedule, p.ep, p.tp, p.cp, int(p.zero))
     if ask and why:
         _error(lay, "parallel.pp_overlap", f"parallel.pp_overlap=true needs {why}; valid: false, or null "
                "(on where it applies)")

@@ -16,12 +16,23 @@ from paralayer.resolve.memory.states import rank_layers
 from paralayer.resolve.rules import Layout, chunk_rank
 
 
+class Memo(dict):
+    """A cache kept on a config or a layout. A copy starts empty: the copy may be changed (the no-fit
+    search deep-copies the config per attempt), and copying the entries cost more than the plan."""
+
+    def __deepcopy__(self, memo: dict) -> "Memo":
+        return type(self)()
+
+    def __copy__(self) -> "Memo":
+        return type(self)()
+
+
 def layout_cache(cfg: Optional[Config], lay: Layout, key: tuple) -> tuple[dict, tuple]:
     """The per-layout cache of :func:`cost.comm`'s structure facts: the planner calls comm ~10⁴ times
     per ``--plan`` on a few hundred layouts, varying only what these facts do not depend on
     (micro-batch, microbatches, recompute, ZeRO). Valid while the layout keeps its split and
     config (checked by identity; the entries hold both)."""
-    cache = lay.__dict__.setdefault("_comm_facts", {})
+    cache = lay.__dict__.setdefault("_comm_facts", Memo())
     return cache, (id(cfg), lay.tp, lay.ep, lay.pp, lay.vpp, lay.schedule, lay.padded_vocab) + key
 
 
@@ -39,20 +50,43 @@ def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
     return facts
 
 
+def rank_layer_facts(cfg: Config, lay: Layout, r: int) -> tuple:
+    """(layers held, their indices, MoE layers among them) of pipeline rank r: :func:`rank_facts`
+    without the parameter sums, which only the dp entry reads (the planner's per-rank traffic
+    takes dp from rank 0), once per layout."""
+    cache, key = layout_cache(cfg, lay, ("rank", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2][2:]
+    cache, key = layout_cache(cfg, lay, ("layers", r))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    layers = rank_layers(cfg, lay, r)  # rank_params' count: the chunks' layers and the MTP blocks
+    facts = (len(layers), layers, sum(1 for i in layers if is_moe_layer(cfg, i)))
+    cache[key] = (lay.stage_layers, cfg, facts)
+    return facts
+
+
 def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
     and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch:
     the V schedules' second rerun in a split backward's weight pass (memory.states.layer_reruns,
     counted in FLOPs) is not in the traffic, whose lines the planner takes as affine in m (that
     term goes as 1/m)."""
-    cache, key = layout_cache(cfg, lay, ("full", tuple(layers), lay.recompute, lay.recompute_every))
-    hit = cache.get(key)
-    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
-        return hit[2]
-    full = [i for i in layers if layer_recompute(lay, i) == "full"]
-    facts = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
-    cache[key] = (lay.stage_layers, cfg, facts)
+    cache = config_cache(cfg)  # a function of the layers and the recompute alone: every layout's
+    key = ("full", tuple(layers), lay.recompute, lay.recompute_every)
+    facts = cache.get(key)
+    if facts is None:
+        full = [i for i in layers if layer_recompute(lay, i) == "full"]
+        facts = cache[key] = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
     return facts
+
+
+def config_cache(cfg: Config) -> dict:
+    """A cache kept on the config of what depends on it and plain numbers only (the layers held,
+    the recompute): the planner's layouts that share them share the entries."""
+    return cfg.__dict__.setdefault("_comm_counts", Memo())
 
 
 def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:

@@ -58,6 +58,11 @@ GPU_WEIGHT_PASSES = 3
 #: HBM bandwidth per GPU kind, TB/s (datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8,
 #: B200 8.0; B200 takes H100's fitted efficiencies: none of its runs is in the table).
 HBM_TBPS = {"a100": 2.039, "h100": 3.35, "h200": 4.8, "b200": 8.0}
+#: The share of a GPU that communication kernels take while they run beside compute (the SMs NCCL's
+#: or DeepEP's kernels occupy): DeepSeek-V3 gave 20 of the H800's 132 SMs to communication (arXiv
+#: 2412.19437 §3.2.1). Not fitted: no published row runs parallel.pp_overlap. ``cluster.comm_sm_fraction``
+#: overrides it; CPU ranks: 0 (gloo's threads were not measured taking cores from compute).
+GPU_COMM_SM_FRACTION = 20.0 / 132.0
 #: Kept for callers of the first GPU model (same meaning, now from GPU_CALIBRATION).
 GPU_EFFICIENCY = GPU_CALIBRATION["efficiency"]["h100"]
 GPU_LATENCY_S = GPU_CALIBRATION["latency_s"]
@@ -131,6 +136,8 @@ class Machine:
     weight_bytes_layer: tuple = (0.0, 0.0)
     #: the dense FP8 peak (cluster.peak_fp8_tflops, else 2 × peak_tflops); CPU: the peak (emulated)
     peak_fp8_tflops: float = 0.0
+    #: the share of the device communication kernels take beside compute (cost/fb_overlap.py)
+    comm_sm_fraction: float = 0.0
 
     def elementwise_seconds(self, tokens: float, n_layers: int, hidden: int) -> float:
         """Seconds per device for the non-matmul kernels of ``tokens`` tokens spread over the world."""
@@ -182,7 +189,8 @@ def machine_for(cfg: Config, calibration: Optional[dict] = None) -> Machine:
         ovh = {k: cal.get(f"overhead_{k}_s", 0.0) / share for k in ("layer", "tp", "moe")}
         return Machine(c.nodes * dpn, dpn, c.nodes, peak, cal["efficiency"],
                        bw, bw, {"intra": cal["latency_s"], "inter": cal["latency_s"]}, cal["dp_overlap"],
-                       cap, reserve, "local", ovh, cal.get("tp_overlap", 0.0))
+                       cap, reserve, "local", ovh, cal.get("tp_overlap", 0.0),
+                       comm_sm_fraction=float(c.comm_sm_fraction or 0.0))
     return _gpu_machine(cfg, dpn, cap, reserve, calibration or {})
 
 
@@ -201,7 +209,8 @@ def _gpu_machine(cfg: Config, dpn: int, cap: Optional[int], reserve: int, cal: d
                    hbm_bytes_per_s=1e12 * HBM_TBPS.get(kind, HBM_TBPS["h100"]), gpu=kind,
                    attention_efficiency=att if "efficiency" not in cal or "attention_efficiency" in cal else eff,
                    weight_bytes_layer=_weight_bytes_layer(cfg),
-                   peak_fp8_tflops=float(c.peak_fp8_tflops or 2.0 * float(c.peak_tflops or 989.0)))
+                   peak_fp8_tflops=float(c.peak_fp8_tflops or 2.0 * float(c.peak_tflops or 989.0)),
+                   comm_sm_fraction=float(GPU_COMM_SM_FRACTION if c.comm_sm_fraction is None else c.comm_sm_fraction))
 
 
 def _weight_bytes_layer(cfg: Config) -> tuple[float, float]:
@@ -241,11 +250,17 @@ def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float
     count · latency + bytes · wire / bandwidth. The planner computes the same in closed form.
 
     tp under sequence parallel counts one all-gather + reduce-scatter PAIR per all-reduce it
-    replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name."""
+    replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name.
+    An ep all-to-all across nodes moves its intra-node and inter-node shares (``cost.ep_bytes``) at
+    once, each on its own link: the slower of the two."""
     if entry["collective"] == "none" or entry["group_size"] <= 1:
         return 0.0
     n = entry["group_size"]
     count = entry["count_per_step"]
+    if "inter_node_bytes_per_step" in entry and span == "inter-node":
+        # the ep all-to-all by destination (cost/ep_bytes.py): its NVLink and network shares move at once
+        return count * mach.latency(span) + max(entry["inter_node_bytes_per_step"] / mach.bandwidth(span),
+                                                entry["intra_node_bytes_per_step"] / mach.bandwidth("intra-node"))
     if "wire_bytes_per_step" in entry:
         return count * mach.latency(span) + entry["wire_bytes_per_step"] / mach.bandwidth(span)
     wf = wire_factor("all-reduce" if axis == "tp" else entry["collective"], n)

@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 
 from paralayer.config import Config
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve import model_parts
-from paralayer.resolve.cost import optimizer_step
+from paralayer.resolve import model_parts, rules
+from paralayer.resolve.cost import fb_overlap, optimizer_step
 from paralayer.resolve.cost import terms as cost_mod
 from paralayer.resolve.cost.machine import (
     Machine,
@@ -25,6 +25,7 @@ from paralayer.resolve.cost.machine import (
     tp_overlap_seconds,
     wire_factor,
 )
+from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.split import layer_work, rank_work
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.rules import V_SCHEDULES, chunk_rank
@@ -42,6 +43,9 @@ class StepShape(NamedTuple):
     ring_flops: tuple  # cost.tp_ring_flops under tp_overlap, else ()
     rank_layers: tuple = ()  # the blocks of each pipeline rank (MTP depths apart)
     busiest: int = 0  # the pipeline rank with the most FLOPs
+    ranks: tuple = ()  # cost.rank_groups.timing_ranks: (rank, FLOPs / the mean rank's, its group, kinds)
+    rank_comm: dict = {}  # rank -> cost.comm of that rank, for the ranks in ``ranks`` (0: plan.comm)
+    chunk_facts: dict = {}  # rank -> fb_overlap_facts of its two chunks, under pp_overlap
 
 
 def step_shape(cfg: Config, plan) -> StepShape:
@@ -49,8 +53,8 @@ def step_shape(cfg: Config, plan) -> StepShape:
     work, head = layer_work(cfg)
     split = [len(s) for s in plan.stage_layers]
     rw = rank_work(work, head, split, g["pp"], plan.schedule)
-    imbalance = g["pp"] * max(rw) / (sum(work) + head)
-    L, h, seq = cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len
+    total = sum(work) + head
+    imbalance = g["pp"] * max(rw) / total
     rc = cost_mod.recompute_fraction(cfg, plan.recompute, cfg.parallel.recompute_every, plan.flops_per_token)
     kinds, rank_layers = [], []
     for r in range(g["pp"]):
@@ -63,7 +67,50 @@ def step_shape(cfg: Config, plan) -> StepShape:
         kinds.append((len(layers) - n_moe, n_moe))
     split = plan.schedule in V_SCHEDULES and g["pp"] > 1
     ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute, split) if plan.tp_overlap else ()
-    return StepShape(imbalance, rc, kinds, ring, tuple(rank_layers), max(range(len(rw)), key=rw.__getitem__))
+    lay = rules.check(cfg)  # the plan's layout (resolve's), for every rank's traffic
+    ranks = timing_ranks(cfg, lay, work, head)
+    rank_comm = {q[0]: plan.comm if q[0] == 0 else cost_mod.comm(cfg, lay, q[0]) for q in ranks}
+    facts = {q[0]: fb_overlap_facts(cfg, lay, q[0], work, head, total) for q in ranks} \
+        if getattr(plan, "pp_overlap", False) else {}
+    return StepShape(imbalance, rc, kinds, ring, tuple(rank_layers), max(range(len(rw)), key=rw.__getitem__),
+                     ranks, rank_comm, facts)
+
+
+def fb_overlap_facts(cfg: Config, lay, r: int, work: list, head: float, total: float) -> tuple:
+    """Rank r's two chunks (c0 = r, c1 = 2·pp − 1 − r) as cost/fb_overlap.py reads them: per chunk
+    (its FLOPs / the mean rank's, its MoE layers, whether its forward sends its output to another
+    rank, whether its backward sends its input's grad to another rank)."""
+    pp = lay.pp
+    out = []
+    for c in (r, 2 * pp - 1 - r):
+        layers = list(lay.stage_layers[c])
+        w = sum(work[i] for i in layers)
+        if c == lay.chunks - 1:
+            w += head
+            layers += model_parts.mtp_layers(cfg)
+        moe = tuple(i for i in layers if mem_mod.is_moe_layer(cfg, i))
+        fwd_send = c + 1 < lay.chunks and chunk_rank(c + 1, pp, lay.schedule) != r
+        bwd_send = c > 0 and chunk_rank(c - 1, pp, lay.schedule) != r
+        out.append((pp * w / total, moe, fwd_send, bwd_send))
+    return tuple(out)
+
+
+def overlap_exposure(facts: tuple, counts: tuple, work_s: float, rc: float, mm: int, t_ep: float, ep_count: float,
+                     t_pp: float, pp_count: float, full_layer, sm_fraction: float) -> fb_overlap.Exposure:
+    """One rank's :func:`fb_overlap.rank_exposure` from its chunk facts: ``work_s`` the mean rank's
+    compute seconds per step (a chunk's is its share of it), ``rc`` the recompute fraction (it runs in
+    the backward), ``t_ep``/``ep_count`` and ``t_pp``/``pp_count`` the rank's ep and pp seconds and
+    collectives per step (one all-to-all, one send: their mean), ``full_layer(i)``: layer i rerun."""
+    a2a = t_ep / ep_count if ep_count else 0.0
+    hop = t_pp / pp_count if pp_count else 0.0
+    halves = []
+    for share, moe, fwd_send, bwd_send in facts:
+        k = work_s * share / mm
+        n_full = sum(1 for i in moe if full_layer(i))
+        halves.append((fb_overlap.Half(k / 3.0, {"ep": 2 * len(moe) * a2a, "pp": fwd_send * hop}),
+                       fb_overlap.Half(k * (2.0 / 3.0 + rc), {"ep": (2 * len(moe) + 2 * n_full) * a2a,
+                                                               "pp": bwd_send * hop})))
+    return fb_overlap.rank_exposure(counts, halves[0], halves[1], sm_fraction)
 
 
 def compute_seconds(flops_step: float, tokens_step: float, cfg: Config, mach: Machine) -> float:
@@ -128,26 +175,22 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
     g = plan.degrees
     compute = compute_seconds(plan.flops_per_step, plan.tokens_per_step, cfg, mach)
     t_ax = {ax: comm_seconds(plan.comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
-    work_s = (compute + replicated_elementwise_seconds(cfg, mach, g["tp"], plan.sequence_parallel)) * shape.imbalance
+    base = compute + replicated_elementwise_seconds(cfg, mach, g["tp"], plan.sequence_parallel)  # the mean rank's
+    work_s = base * shape.imbalance
     recomp = work_s * shape.recompute_frac
     change = plan_fp8_change(cfg, plan, shape, mach) if fp8 else None
     if change is not None:  # the FP8 GEMMs' time and their casts (cost/fp8_time.py); bf16 plans: untouched
         work_s, recomp = work_s - change.save_work, recomp - change.save_recompute
     mm = plan.microbatches
     ovh = max(mach.layer_overhead(d, e, g["tp"]) for d, e in shape.layer_kinds) * mm
+    ranks = rank_seconds(cfg, plan, shape, mach, framework, base, change)
     if plan.tp_overlap:
-        t_ax["tp"] = tp_overlap_seconds(shape.ring_flops, *shape.layer_kinds[0],
-                                        plan.micro_batch * cfg.model.seq_len / g["cp"], mm, g["tp"],
-                                        cfg.model.d_model, ACT_BYTES[plan.precision],
-                                        plan.recompute == "full", mach, plan.spans["tp"])
+        t_ax["tp"] = ranks[0]["comm_s"]["tp"]
+    if framework.pp_scatter_gather:
+        t_ax["pp"] = ranks[0]["comm_s"]["pp"]
+    slowest = max(ranks, key=lambda q: q["inner_s"])  # the first of the slowest: the lowest rank
+    inner = slowest["inner_s"] + ovh
     dp_sync = framework.dp_sync
-    if framework.pp_scatter_gather and g["pp"] > 1 and g["tp"] > 1 and not plan.sequence_parallel:
-        e, span = plan.comm["pp"], plan.spans["pp"]
-        hop = e["message_bytes"] / g["tp"]
-        t_ax["pp"] = e["count_per_step"] * (mach.latency(span) + hop / mach.bandwidth(span)
-                                            + mach.latency("intra-node")
-                                            + hop * wire_factor("all-gather", g["tp"]) / mach.bandwidth("intra-node"))
-    inner = work_s + recomp + ovh + t_ax["tp"] + t_ax["pp"] + t_ax["cp"] + t_ax["ep"]
     if dp_sync not in DP_SYNCS:
         raise ValueError(f"dp_sync {dp_sync!r}: one of {DP_SYNCS}")
     d = g["dp"] * g["cp"]
@@ -174,6 +217,13 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
             "compute_s": compute, "imbalance": shape.imbalance, "recompute_s": recomp, "overhead_s": ovh,
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
             "dp_exposed_s": dp_exposed, "optimizer_s": opt_s, "memory": dict(plan.memory_per_device_bytes),
+            "step_rank": slowest["rank"],
+            "rank_step_time_s": [s for _, s in sorted((m, (q["inner_s"] + ovh) * (1 + plan.bubble_fraction)
+                                                         + dp_exposed + opt_s) for q in ranks for m in q["members"])],
+            "comm_overlap": {ax: {"comm_s": slowest["comm_s"][ax], "hidden_s": slowest["hidden_s"][ax],
+                                  "exposed_s": slowest["comm_s"][ax] - slowest["hidden_s"][ax]}
+                             for ax in ("tp", "pp", "cp", "ep")},
+            "comm_sm_slowdown_s": slowest["slowdown_s"],
             "tokens_per_s": plan.tokens_per_step / step,
             "mfu": plan.flops_per_step / (step * mach.world * mach.peak_tflops * 1e12)}
     if change is not None:
@@ -181,6 +231,68 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
         out.update(fp8_fields(step, bf16["step_time_s"], change, bf16["compute_s"] * shape.imbalance
                               + bf16["recompute_s"], matmul_share(cfg, plan, mach)))
     return out
+
+
+def rank_seconds(cfg: Config, plan, shape: StepShape, mach: Machine, framework: Framework, base: float,
+                 change) -> list[dict]:
+    """Each pipeline rank's step before the bubble, the layer overhead and dp: its compute (its share of
+    the FLOPs, FP8's change scaled from the busiest rank's) and recompute, plus its own traffic
+    (``shape.rank_comm``) less what parallel.pp_overlap hides (cost/fb_overlap.py). Per rank:
+    {inner_s, comm_s by axis, hidden_s by axis, slowdown_s}; the step is the max over ranks."""
+    g = plan.degrees
+    mm = plan.microbatches
+    busiest = base * shape.imbalance
+    keep_w = keep_r = 1.0
+    if change is not None and busiest > 0:  # FP8's saving as a share of the busiest rank's work, every rank
+        keep_w = 1.0 - change.save_work / busiest
+        keep_r = (1.0 - change.save_recompute / (busiest * shape.recompute_frac)) if shape.recompute_frac else 1.0
+    every = max(cfg.parallel.recompute_every, 1)
+
+    def full_layer(i: int) -> bool:
+        return plan.recompute == "full" and i % every == 0
+
+    out = []
+    for r, share, members, kinds in shape.ranks:
+        comm = shape.rank_comm[r]
+        work = base * share * keep_w
+        recomp = base * share * shape.recompute_frac * keep_r
+        t = {ax: comm_seconds(comm[ax], plan.spans[ax], mach, ax) for ax in AXES}
+        if plan.tp_overlap:
+            t["tp"] = tp_overlap_seconds(shape.ring_flops, *kinds,
+                                         plan.micro_batch * cfg.model.seq_len / g["cp"], mm, g["tp"],
+                                         cfg.model.d_model, ACT_BYTES[plan.precision],
+                                         plan.recompute == "full", mach, plan.spans["tp"])
+        if framework.pp_scatter_gather and g["pp"] > 1 and g["tp"] > 1 and not plan.sequence_parallel:
+            e, span = comm["pp"], plan.spans["pp"]
+            hop = e["message_bytes"] / g["tp"]
+            t["pp"] = e["count_per_step"] * (mach.latency(span) + hop / mach.bandwidth(span)
+                                             + mach.latency("intra-node")
+                                             + hop * wire_factor("all-gather", g["tp"]) / mach.bandwidth("intra-node"))
+        inner, hidden, slow = rank_inner(work, recomp, t, shape.chunk_facts.get(r), r, g["pp"], mm, base * keep_w,
+                                         comm["ep"]["count_per_step"], comm["pp"]["count_per_step"],
+                                         full_layer, mach.comm_sm_fraction)
+        out.append({"rank": r, "members": members, "inner_s": inner, "comm_s": t,
+                    "hidden_s": hidden, "slowdown_s": slow})
+    return out
+
+
+def rank_inner(work: float, recomp: float, t: dict, facts, rank: int, pp: int, mm: int, mean_work: float,
+               ep_count: float, pp_count: float, full_layer, sm_fraction: float) -> tuple[float, dict, float]:
+    """One rank's step before the bubble, the layer overhead and dp: (its work + recompute + the tp,
+    pp, cp, ep seconds ``t`` left exposed + the slowdown, hidden seconds by axis, the slowdown).
+    ``facts``: pipeline rank ``rank``'s fb_overlap_facts under parallel.pp_overlap (None: nothing
+    hidden; the pairs are torch's, fb_overlap.pair_counts); ``mean_work``:
+    the mean rank's compute per step; ``ep_count``/``pp_count``: its all-to-alls and sends per step."""
+    hidden = dict.fromkeys(AXES, 0.0)
+    slow = 0.0
+    if facts:
+        ex = overlap_exposure(facts, fb_overlap.pair_counts(pp, mm, rank), mean_work,
+                              recomp / work if work else 0.0, mm, t["ep"], ep_count, t["pp"], pp_count,
+                              full_layer, sm_fraction)
+        hidden.update(ex.hidden_s)
+        slow = ex.slowdown_s
+    exposed = sum(t[ax] - hidden[ax] for ax in ("tp", "pp", "cp", "ep"))
+    return work + recomp + exposed + slow, hidden, slow
 
 
 def plan_fp8_change(cfg: Config, plan, shape: StepShape, mach: Machine):
@@ -251,6 +363,11 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     for key in ("bf16_step_time_s", "fp8_gain", "step_time_by_precision"):  # train.precision=fp8 only
         if key in t:
             out[key] = t[key]
+    # the step is the slowest pipeline rank's (each rank's compute and its own traffic); its traffic
+    # by axis, what parallel.pp_overlap hides of it and what stays exposed (cost/fb_overlap.py)
+    out.update({"step_rank": t["step_rank"], "rank_step_time_s": t["rank_step_time_s"],
+                "comm_overlap": t["comm_overlap"], "comm_sm_slowdown_s": t["comm_sm_slowdown_s"],
+                "comm_sm_fraction": mach.comm_sm_fraction})
     out.update(time_to_train(cfg, t["step_time_s"], plan.tokens_per_step, plan.world_size))
     return out
 

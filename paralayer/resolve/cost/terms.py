@@ -13,8 +13,15 @@ import functools
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache, rank_facts, recompute_facts
+from paralayer.resolve.cost.comm_facts import (
+    chunk_facts,
+    config_cache,
+    rank_facts,
+    rank_layer_facts,
+    recompute_facts,
+)
 from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
+from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
     ACT_BYTES,
@@ -146,10 +153,11 @@ def tp_ring_flops(cfg: Config, tp: int, recompute: str, split_backward: bool = F
     return dense, moe
 
 
-def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> dict:
+def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_dp: bool = True) -> dict:
     """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
     is for; the rehearsal asks for each rank it steps). ``cp_rank``: the cp ring's figure for that
     cp rank (windowed layers move different chunks per rank); None, the busiest cp rank's.
+    ``with_dp=False``: without the dp entry (the planner's per-rank step times take dp from rank 0).
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
@@ -173,41 +181,49 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None) -> di
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
-    dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
+    if with_dp:
+        dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
+    else:
+        n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
-    return {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
-            "pp": _pp_comm(lay, act_msg, r),
-            "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
-            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe),
-            "dp": _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))}
+    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
+           "pp": _pp_comm(lay, act_msg, r),
+           "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
+           "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe)}
+    if with_dp:
+        out["dp"] = _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
+    return out
 
 
 def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
     """:func:`_cp_comm`'s ring over ``layers`` per microbatch: (full-ring K/V block sends, their
-    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), once per (layout,
-    recompute, k): the same loop, the same order, so the same floats."""
-    cache, key = layout_cache(cfg, lay, ("ring", tuple(layers), lay.cp, lay.recompute, lay.recompute_every))
+    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), counted once per
+    (layers, recompute, k) on the config and times the layout's cp."""
+    cache = config_cache(cfg)  # the counts depend on the layers and the recompute alone
+    key = ("ring", tuple(layers), lay.recompute, lay.recompute_every)
     hit = cache.get(key)
-    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
-        return hit[2]
-    m = cfg.model
-    # core_attn / selective recompute rerun the attention core (the ring) as full recompute
-    # does on its layers
-    rerun_all = lay.recompute in ("core_attn", "selective")
-    kv_full = dkv_full = 0.0  # in K/V blocks of the rank's 2 chunks
-    win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
-    w = m.sliding_window
-    for i in (layers if m.linear.k_heads == 0 else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
-        reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-        if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
-            kv_full += (2 + reruns) * (lay.cp - 1)  # forward (+ rerun), backward
-            dkv_full += lay.cp                      # partial dK/dV in fp32: cp hops home
-        else:
-            win_calls += 1 + reruns
-            n_win += 1
-    cache[key] = (lay.stage_layers, cfg, (kv_full, dkv_full, win_calls, n_win))
-    return kv_full, dkv_full, win_calls, n_win
+    if hit is None:
+        m = cfg.model
+        # core_attn / selective recompute rerun the attention core (the ring) as full recompute
+        # does on its layers
+        rerun_all = lay.recompute in ("core_attn", "selective")
+        calls = n_ring = 0        # full-ring layers: forward calls (with reruns) and backward, layers
+        win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
+        w = m.sliding_window
+        linear = m.linear.k_heads != 0
+        for i in (layers if not linear else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
+            reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
+            if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+                calls += 2 + reruns  # forward (+ rerun), backward
+                n_ring += 1          # partial dK/dV in fp32: cp hops home
+            else:
+                win_calls += 1 + reruns
+                n_win += 1
+        hit = cache[key] = (calls, n_ring, win_calls, n_win)
+    calls, n_ring, win_calls, n_win = hit
+    # in K/V blocks of the rank's 2 chunks: integers, so the products are the per-layer sums exactly
+    return 0.0 + calls * (lay.cp - 1), 0.0 + n_ring * lay.cp, win_calls, n_win
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
@@ -334,31 +350,9 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     n_moe_full = recompute_facts(cfg, lay, layers)[1]
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches
     e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+    e.update(ep_node_split(lay, e["bytes_per_step"]))
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))
     return e
-
-
-def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, count: float) -> dict:
-    """Node-limited routing (model.moe.n_group, topk_group; DeepSeek-V3 §2.1.2): the experts are
-    in n_group groups, and with the ep group spread over N nodes each node holds n_group/N whole
-    groups when N divides n_group. A token then reaches at most min(topk_group, N) nodes, and
-    inter-node dispatch is bounded by one copy of its row per node reached (DeepSeek's dispatch
-    sends a token once per node and forwards it over NVLink); without groups that bound is
-    min(top_k, N) nodes. ``inter_node_bytes_per_step_bound`` is that bound on this rank's
-    inter-node all-to-all payload (dispatch, combine, forward, backward: ``count`` as the entry's);
-    our all-to-all sends each of the top_k rows (``bytes_per_step``), so the bound is what a
-    deduplicating dispatch would move, and ``nodes_per_token_max`` the figure routing by group
-    guarantees. Empty when the ep group stays inside one node."""
-    m = cfg.model
-    mo = m.moe
-    nodes = -(-lay.ep // max(lay.devices_per_node, 1))
-    if nodes <= 1:
-        return {}
-    grouped = mo.n_group > 1 and mo.n_group % nodes == 0
-    reach = min(mo.topk_group if grouped else mo.top_k, nodes)
-    return {"ep_nodes": nodes, "nodes_per_token_max": reach,
-            "inter_node_message_bytes_bound": int(tokens * reach * m.d_model * ab),
-            "inter_node_bytes_per_step_bound": int(tokens * reach * m.d_model * ab * count)}
 
 
 def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params: float = 0.0) -> dict:

@@ -13,7 +13,7 @@ by every layer that uses it, one storage for the chunk.
 from __future__ import annotations
 
 from paralayer.config import Config
-from paralayer.config.layer_pattern import layer_types, layer_window
+from paralayer.config.layer_pattern import layer_types
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.rules import Layout
 
@@ -25,8 +25,12 @@ def local_rope(cfg: Config) -> bool:
 
 def shares_mask(cfg: Config, lay: Layout, i: int) -> bool:
     """Layer i's core takes the chunk's window mask (model/attention.py ``shared_mask_window``)."""
-    return (lay.cp == 1 and layer_window(cfg.model, i) is not None and not cfg.model.attn_sinks
-            and parts.attention_kind(cfg) != "mla" and not parts.is_linear_layer(cfg, i))
+    return _shares_mask(cfg, lay, layer_types(cfg.model), i)
+
+
+def _shares_mask(cfg: Config, lay: Layout, types: list, i: int) -> bool:
+    return (lay.cp == 1 and i < len(types) and types[i] == "sliding" and not cfg.model.attn_sinks
+            and parts.attention_kind(cfg) != "mla")
 
 
 def chunk_tables(cfg: Config, lay: Layout, ids, last: bool = False) -> tuple[int, int]:
@@ -34,16 +38,16 @@ def chunk_tables(cfg: Config, lay: Layout, ids, last: bool = False) -> tuple[int
     it holds the model's last layers (the MTP depths rotate by the full layers' table)."""
     if not ids:
         return 0, 0
-    if not local_rope(cfg):
+    if cfg.model.sliding_window is None:  # no sliding layer: one table, no mask (the planner's common case)
+        return 1, 0
+    types = layer_types(cfg.model)
+    sliding = [types[i] == "sliding" for i in ids]
+    if cfg.model.rope_local_theta is None or not any(t == "sliding" for t in types):
         tables = 1
     else:
-        types = layer_types(cfg.model)
-        sliding = [types[i] == "sliding" for i in ids]
         tables = int(any(sliding)) + int(not all(sliding) or (last and cfg.model.mtp.depth > 0))
-    windows = {layer_window(cfg.model, i) for i in ids if shares_mask(cfg, lay, i)}
-    return tables, len(windows)
-
-
+    # one window size per model (model.sliding_window): a mask if any layer here shares it
+    return tables, int(any(_shares_mask(cfg, lay, types, i) for i in ids))
 def mask_bytes_for(positions: float, mode: str) -> float:
     """One window mask: (s, s) in the core's dtype (bf16 under autocast and FSDP's bf16)."""
     return positions * positions * (4 if mode == "fp32" else 2)

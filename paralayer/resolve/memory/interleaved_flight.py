@@ -14,6 +14,7 @@ resolver imports none); tests/test_interleaved_flight.py holds it equal to torch
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import ge
 
 
 def interleaved_order(p: int, m: int, v: int, r: int) -> list[tuple[str, int]]:
@@ -96,7 +97,7 @@ def front(held: "set | list") -> list:
     ts = sorted(set(held), key=sum, reverse=True)
     out: list = []
     for a in ts:
-        if not any(all(x >= y for x, y in zip(b, a)) for b in out):
+        if not any(all(map(ge, b, a)) for b in out):  # map(ge): the planner's deep splits, ~3x the generator
             out.append(a)
     return out
 

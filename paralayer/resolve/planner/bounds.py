@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.cost.split import rank_work
 from paralayer.resolve.cost.step_time import replicated_elementwise_seconds
-from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, tp_overlap_options
+from paralayer.resolve.planner.comm import affine_line, comm_points, first_zero, rank_points, tp_overlap_options
 from paralayer.resolve.planner.types import Structure, Totals
-from paralayer.resolve.rules import Layout
+from paralayer.resolve.rules import Layout, overlap_refusal
 
 
 def structure_work(cfg: Config, mach: Machine, tot: Totals, lay: Layout, imbalance: float) -> float:
@@ -50,11 +51,23 @@ def slower_than(work: float, recomp: float, ovh: float, bubble: float, bar: floa
 def refined_bound(cfg: Config, mach: Machine, tot: Totals, st: Structure) -> float:
     """A tighter lower bound on the structure's step time: its compute and least bubble, plus the
     pp/cp/ep traffic (and tp's, where tp_overlap cannot hide it) at recompute=none — every other
-    setting only adds to them — at the fewest microbatches. Keeps the comm points for reuse."""
-    st.first_pts = comm_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay))
+    setting only adds to them — at the fewest microbatches, of the busiest pipeline rank. Keeps the
+    comm points for reuse."""
+    work, head = st.work_head
+    rw = rank_work(work, head, st.split, st.lay.pp, st.lay.schedule)
+    busiest = max(range(len(rw)), key=rw.__getitem__)
+    if busiest == 0:
+        pts = st.first_pts = comm_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay), only_rank=0)
+    else:  # its traffic alone: rank 0's cost.comm waits until the structure is planned
+        pts = rank_points(cfg, st, mach, tot.gb, "none", first_zero(st.lay), busiest)
     hideable_tp = True in tp_overlap_options(st.lay, mach, cfg.model.mla.kv_lora_rank > 0)
+    # the busiest rank's traffic (the step is at least that rank's; rank_groups: its group's share is
+    # the imbalance); pp and ep not where parallel.pp_overlap may hide them
+    lay = st.lay
+    hideable_ep = cfg.parallel.pp_overlap is not False and overlap_refusal(cfg, lay.schedule, lay.ep, lay.tp,
+                                                                           lay.cp, 0) is None
     comm = 0.0
-    for ax in ("pp", "cp", "ep") + (() if hideable_tp else ("tp",)):
-        fixed, per_m = affine_line(st.first_pts, ax)
-        comm += max(0.0, min(fixed + per_m, fixed + per_m * st.first_pts[0][0]))
+    for ax in (() if hideable_ep else ("pp", "ep")) + ("cp",) + (() if hideable_tp else ("tp",)):
+        fixed, per_m = affine_line(pts, (busiest, ax))
+        comm += max(0.0, min(fixed + per_m, fixed + per_m * pts[0][0]))
     return st.bound + comm * (1.0 + st.least_bubble)

@@ -7,11 +7,15 @@ class give all of them (bytes of tp/pp/cp/ep are fixed by the step's tokens, cou
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds
+from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, tp_overlap_seconds
+from paralayer.resolve.cost.rank_groups import timing_ranks
+from paralayer.resolve.cost.split import layer_work
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 
@@ -19,6 +23,7 @@ from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 # are core_attn's (the cp ring), full reruns the whole layer's
 COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}
 AXES = ("tp", "pp", "cp", "ep", "dp")
+RANK_AXES = ("tp", "pp", "cp", "ep")
 
 
 def recompute_key(recompute: str, every: int) -> str:
@@ -36,6 +41,25 @@ def tp_overlap_options(lay: Layout, mach: Machine, mla: bool = False) -> tuple:
     return (False, True) if ok else (False,)
 
 
+def tp_timer(cfg: Config, mach: Machine, tot, st: Structure, first: tuple) -> Callable:
+    """tp_overlap's exposed tp seconds (``machine.tp_overlap_seconds``) of a rank of ``kinds`` (dense,
+    MoE) blocks (``first``: rank 0's), any zero: once per (micro-batch, recompute, kinds)."""
+    lay = st.lay
+    split = lay.schedule in V_SCHEDULES and lay.pp > 1
+    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES}
+    cache: dict = {}
+
+    def tp_time(mb: int, recompute: str, kinds: tuple = ()) -> float:
+        key = (mb, recompute, kinds or first)
+        if key not in cache:
+            cache[key] = tp_overlap_seconds(ring_flops[recompute], *key[2], mb * tot.seq / lay.cp,
+                                            tot.gb // (mb * lay.dp), lay.tp, tot.h, tot.ab, recompute == "full", mach,
+                                            st.spans["tp"])
+        return cache[key]
+
+    return tp_time
+
+
 def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tuple) -> dict:
     """Communication per step as lines in the microbatch count m, from the resolver's own
     ``cost.comm`` at two values of m per (recompute, zero): every axis's time is affine in m (bytes
@@ -50,7 +74,7 @@ def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tup
         for i, cls in enumerate(("none", "core_attn", "full")):
             zero_ = zs[min(i, len(zs) - 1)]
             if cls == "none" and zero_ == first_zero(st.lay) and st.first_pts is not None:
-                pts = st.first_pts
+                pts = with_ranks(cfg, st, mach, st.first_pts)
             else:
                 pts = comm_points(cfg, st, mach, gb, cls, zero_)
             for recompute in RECOMPUTES:
@@ -59,7 +83,7 @@ def comm_lines(cfg: Config, st: Structure, mach: Machine, gb: int, overlaps: tup
             dp_line.setdefault(zero_, (affine_line(pts, "dp"), affine_line(pts, "dp_reduce")))
     for zero_ in range(4):
         if zero_ not in dp_line:
-            pts = comm_points(cfg, st, mach, gb, "none", zero_)
+            pts = comm_points(cfg, st, mach, gb, "none", zero_, ranks=False)
             dp_line[zero_] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
     return dp_line
 
@@ -86,25 +110,102 @@ def set_axes(st: Structure, key: tuple, pts: list) -> None:
     if (False, rk, fk) not in st.per_ax:
         st.per_ax[(False, rk, fk)] = {ax: affine_line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
         st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
+    if key not in st.rank_lines and not pts[0][1]["partial"]:  # every timed rank's, once they are in pts
+        st.rank_lines[key] = (pts[0][1]["ranks"], rank_line_table(pts, pts[0][1]["ranks"]))
+
+
+def rank_line_table(pts: list, reps: tuple) -> dict:
+    """{rank: {axis or n_ep/n_pp: (fixed, per m)}} of ``reps`` from ``pts``."""
+    return {q[0]: {ax: affine_line(pts, (q[0], ax)) for ax in RANK_AXES + ("n_ep", "n_pp")} for q in reps}
 
 
 def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
-                 every: int = 1) -> list:
-    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})]."""
-    lay, spans = st.lay, st.spans
-    lay.recompute_every = every
+                 every: int = 1, only_rank: Optional[int] = None, ranks: bool = True) -> list:
+    """Every axis's seconds per step at micro-batch 1 and the next micro-batch size: [(m, {axis: s})],
+    rank 0's, and each timed rank's under (rank, axis) (``only_rank``: that rank's alone, for a
+    bound; ``t["partial"]`` says so; ``ranks=False``: rank 0's alone, for the dp lines).
+    :func:`with_ranks` adds the other timed ranks later, so one ``cost.comm`` of rank 0 serves all."""
+    lay = st.lay
     m1 = gb // lay.dp
     mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
     pts = []
+    if not st.work_head:
+        st.work_head = layer_work(cfg)
     for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2))):
-        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = mb_, mm_, recompute, zero
+        _set(lay, mb_, mm_, recompute, zero, every)
         c = cost_mod.comm(cfg, lay)
-        t = {ax: comm_seconds(c[ax], spans[ax], mach, ax) for ax in AXES}
-        t["dp_reduce"] = dp_reduce_seconds(c["dp"], spans["dp"], mach)
+        t = {ax: comm_seconds(c[ax], st.spans[ax], mach, ax) for ax in AXES}
+        t["dp_reduce"] = dp_reduce_seconds(c["dp"], st.spans["dp"], mach)
+        # rank 0's own lines are its axes' (the same call); its all-to-alls and sends for pp_overlap
+        t.update({(0, ax): t[ax] for ax in RANK_AXES})
+        t[(0, "n_ep")], t[(0, "n_pp")] = c["ep"]["count_per_step"], c["pp"]["count_per_step"]
+        t["args"], t["partial"], t["ranks"] = (mb_, recompute, zero, every), True, ((0,),)
         pts.append((mm_, t))
-    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero = 1, m1, "none", 0
-    lay.recompute_every = 1
+    _set(lay, 1, m1, "none", 0, 1)
+    if only_rank is not None:
+        _add_ranks(cfg, st, mach, pts, ((only_rank,),))
+    elif ranks:
+        with_ranks(cfg, st, mach, pts)
     return pts
+
+
+def rank_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int, rank: int) -> list:
+    """One pipeline rank's (rank, axis) seconds at :func:`comm_points`' two micro-batch sizes, without
+    rank 0's ``cost.comm`` (the refined bound's busiest rank; memoised, so the same floats later)."""
+    lay = st.lay
+    m1 = gb // lay.dp
+    mb2 = next((q for q in divisors(gb // lay.dp) if q > 1), 1)
+    pts = [(mm_, {"args": (mb_, recompute, zero, 1)}) for mb_, mm_ in ((1, m1), (mb2, gb // (lay.dp * mb2)))]
+    _add_ranks(cfg, st, mach, pts, ((rank,),))
+    return pts
+
+
+def with_ranks(cfg: Config, st: Structure, mach: Machine, pts: list) -> list:
+    """``pts`` (of :func:`comm_points`) with every timed rank's traffic (cost/rank_groups.py: the step
+    is the slowest rank's), and its all-to-alls and sends (what parallel.pp_overlap's pairs hide is
+    per collective); added in place, once."""
+    if not pts[0][1]["partial"]:
+        return pts
+    lay = st.lay
+    _, recompute, zero, every = pts[0][1]["args"]
+    _set(lay, 1, pts[0][0], recompute, zero, every)
+    reps = timing_ranks(cfg, lay, *st.work_head, prune=True)
+    _set(lay, 1, pts[0][0], "none", 0, 1)
+    _add_ranks(cfg, st, mach, pts, reps)
+    for _, t in pts:
+        t["partial"], t["ranks"] = False, reps
+    return pts
+
+
+def _add_ranks(cfg: Config, st: Structure, mach: Machine, pts: list, reps: tuple) -> None:
+    """Each of ``reps``' (rank, axis) seconds at both points. A rank's tp/pp/cp/ep traffic depends on the
+    recompute class only through reruns (cp's ring under core_attn, every axis under full) and on ZeRO
+    only through FSDP's bf16 stream: memoised by those, across classes and ZeRO stages."""
+    lay = st.lay
+    m1 = pts[0][0]
+    for mm_, t in pts:
+        mb_, recompute, zero, every = t["args"]
+        key = None
+        for q in reps:
+            if (q[0], "tp") in t:
+                continue
+            if key is None:
+                _set(lay, mb_, mm_, recompute, zero, every)
+                key = (mb_, mm_, recompute if (recompute == "full" or lay.cp > 1) else "none", every,
+                       fsdp_key(lay, zero))
+            got = st.rank_memo.get((q[0],) + key)
+            if got is None:
+                cr = cost_mod.comm(cfg, lay, q[0], with_dp=False)
+                got = {ax: comm_seconds(cr[ax], st.spans[ax], mach, ax) for ax in RANK_AXES}
+                got["n_ep"], got["n_pp"] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
+                st.rank_memo[(q[0],) + key] = got
+            for ax, v in got.items():
+                t[(q[0], ax)] = v
+    _set(lay, 1, m1, "none", 0, 1)
+
+
+def _set(lay: Layout, mb: int, mm: int, recompute: str, zero: int, every: int) -> None:
+    lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = mb, mm, recompute, zero, every
 
 
 def affine_line(pts: list, ax: str) -> tuple[float, float]:

@@ -9,9 +9,21 @@ call for each (class, zero), the same zero's dp line from the same class — on 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
-from paralayer.resolve.planner.comm import COMM_CLASS, affine_line, comm_points, first_zero, fsdp_able, set_axes
+from paralayer.resolve.cost.rank_groups import timing_ranks
+from paralayer.resolve.planner.comm import (
+    COMM_CLASS,
+    affine_line,
+    comm_points,
+    first_zero,
+    fsdp_able,
+    rank_line_table,
+    set_axes,
+    with_ranks,
+)
 from paralayer.resolve.planner.types import Structure
 
 CLASSES = ("none", "core_attn", "full")
@@ -25,6 +37,7 @@ class LazyLines:
         self.pts: dict = {}  # (class, zero) -> comm_points
         self.dp: dict = {}  # zero -> (dp line, grad reduce-scatter line)
         self.lin: dict = {}
+        self.first: dict = {}  # (recompute, fk) -> first_rank_lines
         self.dp_cache: dict = {}  # (zero, m) -> (dp seconds, grad reduce-scatter seconds)  # (overlap, recompute, fk) -> (fixed, per m), summed over the axes
         fks = (False, True) if fsdp_able(st.lay) else (False,)
         self.zero_of: dict = {}  # (fk, class) -> the zero comm_lines evaluated that class at
@@ -38,19 +51,21 @@ class LazyLines:
         for zero_ in range(4):
             self.dp_from.setdefault(zero_, ("none", zero_))
 
-    def points(self, cls: str, zero: int) -> list:
+    def points(self, cls: str, zero: int, ranks: bool = True) -> list:
+        """comm_points of (class, zero), the refined bound's where they are those; ``ranks``: with
+        every timed rank's traffic (the dp lines need rank 0's alone)."""
         key = (cls, zero)
         if key not in self.pts:
             st = self.st
             if cls == "none" and zero == first_zero(st.lay) and st.first_pts is not None:
                 self.pts[key] = st.first_pts
             else:
-                self.pts[key] = comm_points(self.cfg, st, self.mach, self.gb, cls, zero)
-        return self.pts[key]
+                self.pts[key] = comm_points(self.cfg, st, self.mach, self.gb, cls, zero, ranks=False)
+        return with_ranks(self.cfg, self.st, self.mach, self.pts[key]) if ranks else self.pts[key]
 
     def dp_line(self, zero: int) -> tuple:
         if zero not in self.dp:
-            pts = self.points(*self.dp_from[zero])
+            pts = self.points(*self.dp_from[zero], ranks=False)
             self.dp[zero] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
         return self.dp[zero]
 
@@ -67,7 +82,26 @@ class LazyLines:
         if key not in self.lin:
             if (overlap, recompute, fk) not in self.st.per_ax:
                 cls = COMM_CLASS[recompute]
-                set_axes(self.st, (recompute, fk), self.points(cls, self.zero_of[(fk, cls)]))
+                set_axes(self.st, (recompute, fk), self.points(cls, self.zero_of[(fk, cls)], ranks=False))
             t = self.st.per_ax[key]
             self.lin[key] = (sum(v[0] for v in t.values()), sum(v[1] for v in t.values()))
         return self.lin[key]
+
+    def rank_lines(self, recompute: str, fk: bool) -> tuple:
+        """``st.rank_lines`` of a plain recompute mode: every timed rank's lines (``planner.comm``)."""
+        if (recompute, fk) not in self.st.rank_lines:
+            cls = COMM_CLASS[recompute]
+            set_axes(self.st, (recompute, fk), self.points(cls, self.zero_of[(fk, cls)]))
+        return self.st.rank_lines[(recompute, fk)]
+
+    def first_rank_lines(self, recompute: str, fk: bool) -> Optional[tuple]:
+        """Rank 0's lines alone, as ``rank_lines`` would hold them (its rank group's entry first), from
+        the points rank 0's ``cost.comm`` already gave: its step is a lower bound on the slowest
+        rank's, so a layout that cannot beat the bar on it needs no other rank's traffic. None: rank
+        0 is not the first timed rank."""
+        if (recompute, fk) not in self.first:
+            cls = COMM_CLASS[recompute]
+            pts = self.points(cls, self.zero_of[(fk, cls)], ranks=False)
+            reps = timing_ranks(self.cfg, self.st.lay, *self.st.work_head, prune=True)  # every 1: no k in its key
+            self.first[(recompute, fk)] = ((reps[0],), rank_line_table(pts, reps[:1])) if reps[0][0] == 0 else None
+        return self.first[(recompute, fk)]

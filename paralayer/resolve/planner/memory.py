@@ -14,6 +14,7 @@ from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts as parts
+from paralayer.resolve.cost.comm_facts import Memo
 from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
 from paralayer.resolve.memory.activations import KINDS, layer_kind
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
@@ -57,7 +58,21 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
     and interleaved schedules every rank up to :data:`V_RANKS_ALL` (a rank's peak weighs its chunks
     by unequal in-flight counts, v_flight.moments and interleaved_flight.moments, so a middle rank
     can hold the most: llama3-70b pp8 vpp4 with recompute_every, rank 2 of 8, whose steady state
-    holds 16 microbatches of each of its two heavier chunks)."""
+    holds 16 microbatches of each of its two heavier chunks). Built once per shape (the structures
+    that differ in dp and cp share it; ZeRO-1's busiest data rank is dealt per dp·cp)."""
+    key = (lay.tp, lay.pp, lay.vpp, lay.schedule, tuple(map(tuple, lay.stage_layers)), lay.ep, lay.sequence_parallel,
+           lay.tp_overlap, lay.pp_overlap, lay.zero, lay.recompute, lay.recompute_every, lay.padded_vocab,
+           lay.device, lay.precision, lay.devices_per_node, lay.cp == 1)  # cp: the window masks (_tables)
+    cache = cfg.__dict__.setdefault("_candidate_ranks", Memo())  # kept on the config: its ranks' shapes
+    if key not in cache:
+        cache[key] = [(rk, tuple(sorted(zero1.dense_sizes(cfg, lay, rk.rank), reverse=True)))
+                      for rk in _candidate_ranks(cfg, lay)]
+    d = lay.dp * lay.cp
+    return [rk._replace(zero1_dense=zero1.largest_load(sizes, d) * d if d > 1 else 0.0) for rk, sizes in cache[key]]
+
+
+def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
+    """:func:`candidate_ranks` of a shape, without ZeRO-1's busiest data rank."""
     pp, schedule = lay.pp, lay.schedule
     ranks = []
     picked = {0, 1, pp - 2, pp - 1}
@@ -85,8 +100,7 @@ def candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
             split, il = (per_chunk, ()) if schedule in V_SCHEDULES else ((), per_chunk)
         held = tuple((i, layer_kind(cfg, i)) for i in layers)
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
-                              _tables(cfg, lay, r), split, counts,
-                              zero1.busiest_dense(cfg, lay, r) if lay.dp * lay.cp > 1 else 0.0,
+                              _tables(cfg, lay, r), split, counts, 0.0,
                               muon_states.muon_split(cfg, lay, r),
                               tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
@@ -144,7 +158,7 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
             sm = interleaved_flight.split_moments(pp, mm, lay.vpp, rk.rank)
             freed = one_pass if head_passes > 1 else head
             most = max(sum(held) for held in sm[0] + sm[1])  # the most chunk-microbatches held: a bound
-            out.append((sm, head, rope, freed, None, most))
+            out.append((sm, head, _fixed(rk, rope), freed, None, most))
             continue
         if rk.split_chunks:
             mo = v_flight.moments(schedule, pp, mm, rk.rank)
@@ -153,18 +167,23 @@ def in_flight(lay: Layout, ranks: list[RankInfo], mm: int, tokens: float, ab: in
                 joined, owners = groups[key]
                 joined += mo
                 owners += [rk.rank] * len(mo)
-                out.append((mo, head, rope, None))
+                out.append((mo, head, _fixed(rk, rope), None))
             else:
                 groups[key] = (list(mo), [rk.rank] * len(mo))
-                out.append((mo, head, rope, groups[key]))
+                out.append((mo, head, _fixed(rk, rope), groups[key]))
             continue
         inf = mem_mod.in_flight_count(pp, mm, schedule, lay.vpp, rk.rank)
-        extra = inf * sum(fixed_bytes(t, *rope) for t in rk.tables)
+        extra = inf * sum(_fixed(rk, rope))
         if rk.last:
             extra += head * (mm if (schedule == "gpipe" and pp > 1) else 1)
         # the head freed before a layer is recomputed; one pass with MTP (memory.rank_activations)
         out.append((inf, extra, one_pass if head_passes > 1 else head))
     return out
+
+
+def _fixed(rk: RankInfo, rope: tuple) -> list:
+    """Each chunk's RoPE tables and window masks in bytes (memory.chunk_fixed_bytes' sum), once per flight."""
+    return [fixed_bytes(t, *rope) for t in rk.tables]
 
 
 def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t: list, tab: float,
@@ -173,56 +192,63 @@ def _v_activations(rk: RankInfo, flight: tuple, per: list, split_t: list, full_t
     saved elements ``per`` (times ``tab``, plus RoPE's tables if it has layers), the head once, the
     pass's transient. ``group``: (moments, their ranks) of the ranks alike but for their counts
     (in_flight's groups), weighed in one pass. Returns (peak bytes, the rank holding it)."""
-    own, head, rope = flight[0], flight[1], flight[2]
-    saved = [x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables)]
+    own, head, fixed = flight[0], flight[1], flight[2]
+    saved = [x * tab + f for x, f in zip(per, fixed)]
     moments, owners = group if group is not None else (own, None)
     peak, _, j = mem_mod.v_peak(moments, saved, head, [x * tab for x in split_t], [x * tab for x in full_t])
     return int(peak), (owners[j] if owners else rk.rank)
 
 
 def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
-                 recompute: str, tab: float) -> MemPick:
-    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap)."""
-    es = act[recompute]
-    tr = [n - e for n, e in zip(act["none"], es)]  # a fully recomputed block's transient, by kind
+                 recompute: str, tab: float, memo: Optional[dict] = None, cap: Optional[float] = None) -> MemPick:
+    """The most loaded of the candidate ranks for one (micro-batch, recompute, overlap). ``memo``:
+    each rank's activations as computed here, kept by the caller per (flight, act, recompute, tab):
+    the ZeRO stages that share those weigh the same activations beside other states. ``cap``: the
+    device's capacity; the first rank over it is returned (the layout does not fit, whichever the
+    most loaded: the caller reads only its total)."""
+    es, full = act[recompute], recompute == "full"
+    tr: list = []  # a fully recomputed block's transient, by kind (made where a rank needs it)
     best: Optional[tuple] = None
-    for rk, st, fl in zip(ranks, states, flight):
+    for i, (rk, st, fl) in enumerate(zip(ranks, states, flight)):
         at = rk.rank
-        if rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
+        hit = None if memo is None else memo.get(i)
+        if hit is None and not tr:
+            tr = [n - e for n, e in zip(act["none"], es)]
+        if hit is not None:
+            a, at = hit
+        elif rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
             if fl[3] is None:
                 continue  # weighed with its group's leader (in_flight)
             cts = rk.chunk_counts
             per = [_dot(c, es) for c in cts]
-            if recompute == "full":
+            if full:
                 a, at = _v_activations(rk, fl, per, [mem_mod.split_transient(c, tr) for c in cts],
                                        [_largest(c, tr) for c in cts], tab, fl[3])
             else:
                 a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
-            live = int(_largest(rk.kinds, tr) * tab) if recompute == "full" else 0
+            live = int(_largest(rk.kinds, tr) * tab) if full else 0
             per = _chunk_sets(rk, es)
-            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + _flat_copies(
-                    rk, st, recompute) <= best[0]:
+            if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + st[10 if full else 9] <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
             a = _il_activations(rk, fl, per, tab, live)
         else:
             inf, extra, head = fl
             a = inf * _dot(rk.kinds, es) * tab + extra
-            if recompute == "full" and (rk.n_dense + rk.n_moe):
+            if full and (rk.n_dense + rk.n_moe):
                 # the recomputed layer's set less its input (memory.recompute_transient), never live
                 # beside the same microbatch's logits and head (memory.rank_activations)
                 live = int(_largest(rk.kinds, tr) * tab)
                 a += max(live - head, 0.0)
-        a = int(a)
-        # autocast's bf16 weight copies: the head's, and the layers' unless fully recomputed
-        # (under full recompute a layer's copies are made again in its backward, never beside the
-        # same microbatch's head copy: memory.autocast_copy_params)
-        if recompute == "full" and rk.split_chunks:  # memory.autocast_copy_params: a chunk's together
-            copies = int(st[4] + max(_copies(c, st) for c in rk.chunk_counts))
-        else:
-            copies = _flat_copies(rk, st, recompute)
+        if hit is None:
+            a = int(a)
+            if memo is not None:
+                memo[i] = (a, at)
+        copies = st[11 if full and rk.split_chunks else (10 if full else 9)]  # autocast's copies: _rank_copies
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, at, st, copies, a)  # the MemPick is made once, for the winner
+            if cap is not None and best[0] > cap:
+                break
     assert best is not None
     total, at, st, copies, a = best
     return MemPick(total, at, st[0] + copies, st[1], st[2], a)
@@ -243,9 +269,13 @@ def _chunk_sets(rk: RankInfo, es: list) -> list:
 _CHUNK_SETS: dict = {}
 
 
-def _flat_copies(rk: RankInfo, st: tuple, recompute: str) -> int:
-    """A rank's autocast weight copies outside the V schedules (memory.autocast_copy_params)."""
-    return int(max(st[4], _largest(rk.kinds, st[5:9])) if recompute == "full" else st[4] + _dot(rk.kinds, st[5:9]))
+def _rank_copies(rk: RankInfo, st: tuple) -> tuple[int, int, int]:
+    """A rank's autocast weight copies (memory.autocast_copy_params): unless fully recomputed (the
+    head's and every layer's), fully recomputed (the head's or one layer's: a layer's are made again
+    in its backward, never beside the same microbatch's head copy), and fully recomputed under a V
+    schedule (a chunk's together, beside the head's)."""
+    none, full = int(st[4] + _dot(rk.kinds, st[5:9])), int(max(st[4], _largest(rk.kinds, st[5:9])))
+    return none, full, int(st[4] + max(_copies(c, st) for c in rk.chunk_counts)) if rk.split_chunks else full
 
 
 def _dot(counts: tuple, elems: tuple) -> float:
@@ -272,8 +302,8 @@ def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: in
     its microbatches at each backward (interleaved_flight.peak), the head with each microbatch the
     last chunk holds, and a recomputed layer's transient ``live`` (less the head at the last
     chunk's backward)."""
-    split, head, rope, freed = flight[:4]
-    sets = [x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables)]
+    split, head, fixed, freed = flight[:4]
+    sets = [x * tab + f for x, f in zip(per, fixed)]
     sets[-1] += head  # with each microbatch the last chunk holds (memory.rank_activations)
     key = (id(split), tuple(sets), freed, live)
     hit = _IL_PEAKS.get(key)
@@ -293,28 +323,32 @@ _IL_PEAKS: dict = {}
 def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> float:
     """An upper bound of :func:`_il_activations`: the most chunk-microbatches held at once times the
     heaviest chunk's set (in_flight's ``most``)."""
-    rope = flight[2]
-    heaviest = max(x * tab + fixed_bytes(t, *rope) for x, t in zip(per, rk.tables))
+    heaviest = max(x * tab + f for x, f in zip(per, flight[2]))
     return flight[5] * (heaviest + flight[1]) + live
 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
                       every: int, tab: float, layer_sums: Optional[dict] = None,
-                      shared_sums: Optional[dict] = None) -> MemPick:
+                      shared_sums: Optional[dict] = None, memo: Optional[dict] = None,
+                      cap: Optional[float] = None) -> MemPick:
     """``peak_memory`` for recompute=full on the layers i % every == 0 only (the others keep their
     "none" set; the recomputed layer's "none" set is live once: memory.recompute_transient).
     ``layer_sums``: a cache of the per-layer sums, which depend on ``act``, ``states`` and ``every``
     but not on the micro-batch (the caller keys it so; same sums, same order, same bytes).
     ``shared_sums``: a cache for one plan (its ``act`` tables live as long) of each rank's sums by
-    its layers, act table, copy terms and ``every``: structures that share a split share them."""
+    its layers, act table, copy terms and ``every``: structures that share a split share them.
+    ``memo``, ``cap``: as :func:`peak_memory`'s (the memo per flight, act, ``every``, tab)."""
     sums = None if layer_sums is None else layer_sums.get(every)
     if sums is None:
         sums = [_shared_layer_sums(rk, st, act, every, shared_sums) for rk, st in zip(ranks, states)]
         if layer_sums is not None:
             layer_sums[every] = sums
     best: Optional[tuple] = None
-    for rk, st, fl, (per, live, copies) in zip(ranks, states, flight, sums):
-        if rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
+    for i, (rk, st, fl, (per, live, copies)) in enumerate(zip(ranks, states, flight, sums)):
+        a = None if memo is None else memo.get(i)
+        if a is not None:
+            pass
+        elif rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
             a = _v_activations(rk, fl, per, live[0], live[1], tab)[0]
         elif rk.il_chunks:  # per: per chunk (rank_layer_sums)
             if best is not None and _il_bound(rk, fl, per, tab, int(live * tab)) + st[3] + copies <= best[0]:
@@ -323,8 +357,12 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
         else:
             inf, extra, head = fl
             a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
+        if memo is not None:
+            memo[i] = a
         if best is None or st[3] + copies + a > best[0]:
             best = (st[3] + copies + a, rk, st, copies, a)
+            if cap is not None and best[0] > cap:
+                break
     assert best is not None
     total, rk, st, copies, a = best
     return MemPick(total, rk.rank, st[0] + copies, st[1], st[2], a)
@@ -333,11 +371,12 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
 def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: Optional[dict]) -> tuple:
     if shared is None:
         return rank_layer_sums(rk, st, act, every)
-    key = (every, id(act), st[4:9], rk.layers, rk.split_chunks, rk.il_chunks)
-    got = shared.get(key)
-    if got is None:
-        got = shared[key] = rank_layer_sums(rk, st, act, every)
-    return got
+    # by the identity of the rank's layer tuples (candidate_ranks keeps them per shape), checked
+    key = (every, id(act), st[4:9], id(rk.layers), id(rk.split_chunks), id(rk.il_chunks))
+    hit = shared.get(key)
+    if hit is None or hit[0] is not rk.layers or hit[1] is not rk.split_chunks or hit[2] is not rk.il_chunks:
+        hit = shared[key] = (rk.layers, rk.split_chunks, rk.il_chunks, rank_layer_sums(rk, st, act, every))
+    return hit[3]
 
 
 def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
@@ -392,9 +431,9 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
                  copy_terms: Optional[tuple] = None, fp8_saving=None) -> list[tuple]:
     """(params, grads, optimizer, total, head copy, then each layer kind's copy: dense, MoE, linear
     dense, linear MoE) bytes of each candidate rank under a ZeRO stage: the last five are autocast's
-    bf16 weight copies
-    (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this stage), which
-    ``peak_memory`` adds by recompute mode. ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
+    bf16 weight copies (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this
+    stage), then the rank's copies by recompute mode that ``peak_memory`` adds (:func:`_rank_copies`).
+    ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
     ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16)."""
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
@@ -411,6 +450,7 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         op = int(muon_states.optimizer_bytes(op, rk.muon, lay, zero))
         if fp8_saving is not None:
             pa -= int(fp8_saving(rk))
-        out.append((pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds))
+        row = (pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds)
+        out.append(row + _rank_copies(rk, row))  # [9:12]: peak_memory's copies by recompute
     return out
 

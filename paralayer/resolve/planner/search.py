@@ -31,25 +31,22 @@ lines ``planner.comm``, the records ``planner.types`` and the listed rows ``plan
                 (dp as the runtime moves it: FSDP per microbatch without pp, deferred under pp)
     tp        = comm[tp], or under parallel.tp_overlap what the GEMMs do not hide: per fused ring
                 (tp − 1)·max(0, hop − overlap·GEMM/tp) (``machine.tp_overlap_seconds``)
-    step      = (compute · imbalance + recompute + dispatch + tp + comm[cp, ep, pp]) · (1 + bubble)
-                + dp exposed (``machine.dp_exposed_seconds``: ZeRO 0–1 all of it, after the
-                backward; ZeRO 2–3 what the step's compute does not hide, and under pp the grad
-                reduce-scatter whole — torch's REDUCE_GRAD waits for it)
+    step      = (max over ranks of [its compute + recompute + tp, pp, cp, ep left exposed] + dispatch)
+                · (1 + bubble) + dp exposed (``planner.rank_time``; dp: ``machine.dp_exposed_seconds``)
 
 Its cost is bounded: per structure O(layers on four ranks); at most MAX_STRUCTURES structures and
-MAX_CANDIDATES weighed layouts; with ``top`` the structures go in the order of a lower bound on
-their step time and those that cannot reach the best ``top`` are skipped (exactly the exhaustive
-ranking's first ``top``); inside a structure a layout that fits but whose step without its traffic
-already exceeds the ``top``-th best so far is left untimed (``planner.bounds``: no ``cost.comm`` for it). Degrees given in ``fixed`` narrow the walk itself.
+MAX_CANDIDATES weighed layouts; with ``top`` structures go by a lower bound on their step, those that
+cannot reach the best ``top`` skipped (exactly the exhaustive ranking's first ``top``), and a layout
+whose step without its traffic exceeds the ``top``-th best so far is left untimed (``planner.bounds``).
+A ZeRO stage reuses the activations another of the same precision mode weighed. ``fixed`` narrows.
 
-"tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis
-whose traffic hides behind compute, and "pp only to fit" out of tp_overlap: once the tp traffic
-hides behind the GEMMs pp only adds bubble, imbalance and an exposed reduce-scatter (without
-tp_overlap, pp can win by the tp traffic it saves: docs/planner.md, the 70B example).
-"""
+"tp inside a node" falls out of the span bandwidths, "the rest is dp" out of dp being the axis whose
+traffic hides behind compute, "pp only to fit" out of tp_overlap and the per-rank step (pp adds
+bubble, imbalance, middle ranks' sends and a reduce-scatter: docs/planner.md, the 70B example)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -66,7 +63,6 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
     dp_exposed_seconds,
     dp_reduce_seconds,
     machine_for,
-    tp_overlap_seconds,
     wire_factor,
 )
 from paralayer.resolve.cost.split import balanced_split, best_split, layer_work, rank_work  # noqa: F401 - public here too
@@ -74,7 +70,7 @@ from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes
+from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes, tp_timer
 from paralayer.resolve.planner.gc_pause import gc_paused
 from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
@@ -87,6 +83,7 @@ from paralayer.resolve.planner.memory import (
     state_table,
     table_bytes,
 )
+from paralayer.resolve.planner.rank_time import inner_of, timed_on_ranks
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
 from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
@@ -285,16 +282,14 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                             drop(why)
                             continue
                         least_bubble = cost_mod.bubble_fraction(schedule, pp, tot.gb // dp, vpp)
-                        out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn),
-                                             {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp},
-                                             override_prefix(tp, pp, vpp, cp, ep, dp, schedule, split),
-                                             structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe)
-                                             * scale,
-                                             least_bubble=least_bubble))
+                        bound = structure_bound(cfg, mach, tot, lay, imbalance, least_bubble, n_moe) * scale
+                        out.append(Structure(lay, split, imbalance, axis_spans(tp, pp, cp, dp, ep, dpn), dict(
+                            tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp), override_prefix(
+                            tp, pp, vpp, cp, ep, dp, schedule, split), bound, least_bubble=least_bubble,
+                            work_head=(work, head)))
                         if cfg.train.optimizer == "muon":  # Muon's step per ZeRO stage (cost/optimizer_step.py)
-                            st = out[-1]
-                            st.optimizer_s = {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay.stage_layers,
-                                                                             mach, st.spans) for z in range(4)}
+                            out[-1].optimizer_s = {z: optimizer_step.plan_seconds(
+                                cfg, out[-1].degrees, z, lay.stage_layers, mach, out[-1].spans) for z in range(4)}
     return out
 
 
@@ -317,8 +312,7 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
         return []
     if "recompute_every" in ctx.fixed:  # given on the command line: that k (or those) only
         want = ctx.fixed["recompute_every"]
-        return sorted({int(k) for k in (want if isinstance(want, (list, tuple, set)) else [want]) if k > 1},
-                      reverse=True)
+        return sorted({int(k) for k in (want if isinstance(want, (list, tuple, set)) else [want]) if k > 1})[::-1]
     n = max(len(rk.layers) for rk in ranks)
     ks = {k for k in divisors(n) if k > 1} | {k for k in (2, 3, 4) if k < n}
     return sorted(ks, reverse=True)
@@ -327,7 +321,7 @@ def _every_options(ctx: _Context, ranks: list[RankInfo], recomputes: list) -> li
 def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo], states: list[tuple],
                   flight: list[tuple], act: dict, ks: list[int], fitted: set, lay_m: tuple,
                   tp_time: Any, layer_sums: Optional[dict] = None, bar_step: float = math.inf,
-                  fp8_at: Any = None) -> Any:
+                  fp8_at: Any = None, memo_of: Any = None) -> Any:
     """recompute=full on every k-th layer (parallel.recompute_every=k): the largest k that fits, as
     it recomputes the fewest layers (least FLOPs and tp/cp/ep traffic of the k's). Skipped once a
     mode that already fits is no dearer in recompute and traffic: none and swiglu always, core_attn
@@ -344,7 +338,8 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if tot.rc_frac[rk] >= bar:
             return None  # k descends, so the fraction only grows from here
         ctx.weighed[0] += 1
-        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums, ctx.layer_sums)
+        mem = peak_memory_every(ranks, states, flight, act, k, tokens * tot.ab, layer_sums, ctx.layer_sums,
+                                memo_of(k) if memo_of else None, tot.avail)
         if tot.avail is not None and mem.total > tot.avail:
             ctx.drop(f"memory: does not fit (recompute=full, recompute_every={k})")
             continue
@@ -356,8 +351,10 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
             set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
+        inner = inner_of(ctx.cfg, st, ctx.mach, st.rank_lines[(rk, fk)], mm, "full", k, zero,
+                         (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None)
         return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
-                      tot, ctx.mach, k, ch)
+                      tot, ctx.mach, k, ch, inner)
     return None
 
 
@@ -384,8 +381,6 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     lines = LazyLines(cfg, st, mach, tot.gb)
     work = structure_work(cfg, mach, tot, lay, st.imbalance)
     ovh_per_m = max(mach.layer_overhead(rk.n_dense, rk.n_moe, lay.tp) for rk in ranks)
-    split = lay.schedule in V_SCHEDULES and lay.pp > 1
-    ring_flops = {rc: cost_mod.tp_ring_flops(cfg, lay.tp, rc, split) for rc in RECOMPUTES} if True in overlaps else {}
     acts = act_tables(cfg, ctx.act_cache, lay, overlaps)
     recomputes = _allowed(ctx.fixed, "recompute", list(RECOMPUTES))
     ks = _every_options(ctx, ranks, recomputes)
@@ -393,18 +388,10 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
         recomputes = [r for r in recomputes if r != "full"]
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
-    tp_cache: dict = {}
-
-    def tp_time(mb: int, recompute: str) -> float:
-        """tp_overlap's exposed tp seconds: independent of zero, once per (micro-batch, recompute)."""
-        if (mb, recompute) not in tp_cache:
-            tp_cache[(mb, recompute)] = tp_overlap_seconds(
-                ring_flops[recompute], ranks[0].n_dense, ranks[0].n_moe, mb * tot.seq / lay.cp, tot.gb // (mb * lay.dp),
-                lay.tp, tot.h, tot.ab, recompute == "full", mach, st.spans["tp"])
-        return tp_cache[(mb, recompute)]
-
+    tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
+    flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
@@ -421,13 +408,14 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
             n_before = ctx.fits[0]
             tokens = mb * tot.seq / lay.cp
             bubble = cost_mod.bubble_fraction(lay.schedule, lay.pp, mm, lay.vpp)
-            flight = in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, *mtp)
+            flight = flights.get((mb, mode)) or flights.setdefault(  # the same for a precision mode's ZeRO stages
+                (mb, mode), in_flight(lay, ranks, mm, tokens, tot.ab, tot.h, rope, mode, *mtp))
             for overlap in overlaps:
                 ctx.weighed[0] += len(recomputes)
                 fitted = set()
                 for recompute in recomputes:
-                    mem = peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute,
-                                       tokens * tot.ab)
+                    mem = peak_memory(ranks, states, flight, acts[(overlap, zero >= 2)], recompute, tokens * tot.ab,
+                                      act_memo.setdefault((mb, mode, overlap, zero >= 2, recompute), {}), tot.avail)
                     if tot.avail is not None and mem.total > tot.avail:
                         drop(f"memory: does not fit (recompute={recompute})")
                         continue
@@ -438,12 +426,18 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
                         ctx.fits[1] += 1
                         continue  # fits, but cannot be listed: its traffic is never needed
                     t_tp = tp_time(mb, recompute) if overlap else 0.0
-                    recs.append(_timed(st, key, zero, mb, mm, recompute, mem, lines.line(overlap, recompute, fk), t_tp,
-                                       lines.dp_at(zero, mm), bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch))
+                    line = lines.line(overlap, recompute, fk)
+                    tp_of = (lambda kinds, mb=mb, rc=recompute: tp_time(mb, rc, kinds)) if overlap else None
+                    timed = functools.partial(_timed, st, key, zero, mb, mm, recompute, mem, line, t_tp, lines.dp_at(
+                        zero, mm), bubble, work, ovh_per_m, overlap, tot, mach, fp8=ch)
+                    c = timed_on_ranks(cfg, st, mach, lines, (mm, recompute, zero, fk), tp_of, timed, bar)
+                    ctx.fits[1] += c is None  # fits, but cannot be listed on rank 0's step alone
+                    recs.extend(() if c is None else (c,))
                 if ks:
                     c = _partial_full(ctx, st, key, ranks, states, flight, acts[(overlap, zero >= 2)], ks, fitted,
                                       (zero, mb, mm, tokens, lines.dp_at, bubble, work, ovh_per_m, overlap),
-                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar, fp8_at)
+                                      tp_time, every_sums.setdefault((overlap, zero), {}), bar, fp8_at,
+                                      lambda k, key=(mb, mode, overlap, zero >= 2): act_memo.setdefault(key + (k,), {}))
                     if c is not None:
                         ctx.fits[0] += 1
                         ctx.fits[1] += c is True
@@ -457,21 +451,18 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
 
 def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str, mem: MemPick,
            line: tuple, t_tp: float, dp: tuple, bubble: float, work: float, ovh_per_m: float, overlap: bool,
-           tot: Totals, mach: Machine, every: int = 1, fp8: Any = None) -> Candidate:
-    """The step time of one layout from its parts (the formula in the module docstring); ``fp8``:
-    its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step kept beside it."""
-    fixed, per_m = line
-    t_dp, t_red = dp
-    recomp = work * tot.rc_frac[recompute_key(recompute, every)]
-    ovh = ovh_per_m * mm
+           tot: Totals, mach: Machine, every: int = 1, fp8: Any = None, inner_of: Any = None) -> Candidate:
+    """The step time of one layout from its parts (the module docstring; ``inner_of``: rank_time's);
+    ``fp8``: its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step beside it."""
+    (fixed, per_m), (t_dp, t_red) = line, dp
+    recomp, ovh = work * tot.rc_frac[recompute_key(recompute, every)], ovh_per_m * mm
 
     def step_of(work: float, recomp: float) -> tuple[float, float, float]:
-        inner = work + recomp + fixed + per_m * mm + t_tp + ovh
+        inner = inner_of(work, recomp) + ovh
         dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
         return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed  # + Muon's step
 
-    step, inner, dp_exposed = step_of(work, recomp)
-    extra = None
+    (step, inner, dp_exposed), extra = step_of(work, recomp), None
     if fp8 is not None:
         extra = (step, work + recomp, fp8)
         step, inner, dp_exposed = step_of(work - fp8.save_work, recomp - fp8.save_recompute)

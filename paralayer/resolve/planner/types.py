@@ -55,6 +55,12 @@ class Structure:
     first_pts: Optional[list] = None  # comm at recompute=none, zero first_zero (for the refined bound)
     least_bubble: float = 0.0  # the bubble at the most microbatches the global batch allows
     optimizer_s: dict = dataclasses.field(default_factory=dict)  # zero -> Muon's step (cost.optimizer_step)
+    # (recompute, FSDP key) -> (cost.rank_groups.timing_ranks, {rank: {axis or n_ep/n_pp: (fixed, per m)}})
+    rank_lines: dict = dataclasses.field(default_factory=dict)
+    work_head: tuple = ()  # cost.split.layer_work, once per structure
+    fb_facts: dict = dataclasses.field(default_factory=dict)  # rank -> step_time.fb_overlap_facts (pp_overlap)
+    rank_memo: dict = dataclasses.field(default_factory=dict)  # planner.comm.comm_points' per-rank seconds
+    inner_memo: dict = dataclasses.field(default_factory=dict)  # planner.rank_time.inner_of's per-m seconds
 
     @property
     def pp_layout(self) -> Optional[list]:
