@@ -5,7 +5,8 @@ a rank that dies (a segfault, an OOM kill, a NCCL error, a hang the watchdog end
 FAILED. With ``cluster.slurm.max_restarts`` the launcher then submits the run again with
 ``train.resume=auto`` (the newest verified checkpoint), up to that many times, apart from
 ``max_requeues``. Bad input (a task exit status 2) never restarts. The ranks that died are the
-tasks that left no result or raised an error of their own (not a peer's lost connection);
+tasks that left no result (unless srun's teardown killed them after another task's error) or
+raised an error of their own (not a peer's lost connection);
 placement.json names their hosts. A host on which ranks died in two attempts is excluded from
 the next attempt (``--exclude`` in its sbatch arguments), said in one line. Each attempt is a
 line of run.dir/attempts.jsonl, with SLURM's own start and end (sacct); goodput.json accounts
@@ -14,6 +15,7 @@ every attempt's wall time on the launcher's clock (metrics/goodput.py). Imports 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,13 +53,45 @@ def _sacct(job_id: str) -> dict:
             "slurm_start_unix": when(start), "slurm_end_unix": when(end), "nodes": nodes.strip()}
 
 
-def dead_ranks(outcomes: list) -> list[int]:
-    """Tasks that died on their own: no result (killed), or an error that is not a peer's loss.
-    When every failed task only saw its peers vanish, all of them."""
+_SRUN_TASK = re.compile(r"^srun: error: \S+: task (\d+): (.+)$")
+
+
+def torn_down(lines: list[str]) -> set[int]:
+    """Tasks that srun reported Killed after another task had exited with an error: the step's
+    teardown (``--kill-on-bad-exit``) killed them before they could leave a result, so they did not
+    die on their own (seen under load: rank 1 of a run whose rank 2 was SIGKILLed)."""
+    out: set[int] = set()
+    ended = False
+    for line in lines:
+        m = _SRUN_TASK.match(line.strip())
+        if m is None:
+            continue
+        if m.group(2).startswith("Exited with exit code"):
+            ended = True
+        elif ended and m.group(2).strip() == "Killed":
+            out.add(int(m.group(1)))
+    return out
+
+
+def srun_lines(job: Any) -> list[str]:
+    """srun's own lines about the step's tasks, from the batch's stderr (submitit's task-0 log)."""
+    try:
+        first = (getattr(job, "_sub_jobs", None) or [job])[0]
+        with open(first.paths.stderr, errors="replace") as f:
+            return [ln for ln in f if ln.startswith("srun: ")]
+    except (OSError, AttributeError, IndexError):
+        return []
+
+
+def dead_ranks(outcomes: list, torn: set[int] | frozenset = frozenset()) -> list[int]:
+    """Tasks that died on their own: no result (killed) unless ``torn`` down by srun after another
+    task's error, or an error that is not a peer's loss. When that leaves none, every task without
+    a result or with an error of its own; when every failed task only saw its peers vanish, all."""
     died = [t for t, o in enumerate(outcomes) if o is None]
     own = [t for t, o in enumerate(outcomes)
            if o is not None and o[0] == "error" and not any(k in str(o[1]).lower() for k in _PEER_LOSS)]
-    return sorted(died + own) or [t for t, o in enumerate(outcomes) if o is None or o[0] != "success"]
+    return (sorted([t for t in died if t not in torn] + own) or sorted(died + own)
+            or [t for t, o in enumerate(outcomes) if o is None or o[0] != "success"])
 
 
 def exclude_after(history: list[dict]) -> list[str]:
@@ -90,7 +124,7 @@ def follow_with_restarts(res: Any, run_dir: str, limit: int, resubmit: Callable[
             cause = "wait_deadline"
         else:
             cause = "rank_died"
-        ranks = dead_ranks(_task_outcomes(job, since=info.get("slurm_start_unix"))) if (
+        ranks = dead_ranks(_task_outcomes(job, since=info.get("slurm_start_unix")), torn_down(srun_lines(job))) if (
             job is not None and cause == "rank_died") else []
         hosts = hosts_of(run_dir, ranks)
         restart = att.should_restart(cause, attempt, limit)
