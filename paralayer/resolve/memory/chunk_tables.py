@@ -18,17 +18,8 @@ from paralayer.resolve import model_parts as parts
 from paralayer.resolve.rules import Layout
 
 
-def local_rope(cfg: Config) -> bool:
-    """The sliding layers rotate by their own table (model/transformer.py ``local_rope``)."""
-    return cfg.model.rope_local_theta is not None and "sliding" in layer_types(cfg.model)
-
-
-def shares_mask(cfg: Config, lay: Layout, i: int) -> bool:
-    """Layer i's core takes the chunk's window mask (model/attention.py ``shared_mask_window``)."""
-    return _shares_mask(cfg, lay, layer_types(cfg.model), i)
-
-
 def _shares_mask(cfg: Config, lay: Layout, types: list, i: int) -> bool:
+    """Layer i's core takes the chunk's window mask (model/attention.py ``shared_mask_window``)."""
     return (lay.cp == 1 and i < len(types) and types[i] == "sliding" and not cfg.model.attn_sinks
             and parts.attention_kind(cfg) != "mla")
 
