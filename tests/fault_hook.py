@@ -157,19 +157,21 @@ def _freeze(rank: int, step: int, where: str) -> None:
 
 def _abort_at_exit(spec: str) -> None:
     """``abortexit:RANK:0``: once ``main`` has returned on that rank (its run finished, its done
-    marker written, its teardown over), abort the process as the interpreter exits (SIGABRT from
-    an atexit handler: a native abort after the last step, issue 48)."""
+    marker written, its teardown over), abort the process as it exits (SIGABRT: a native abort after
+    the last step, issue 48). The abort is a multiprocessing exit finalizer: a rank forked by the
+    local launcher's server ends through multiprocessing's exit (which skips atexit), a rank
+    started as a fresh interpreter (SLURM) through atexit, and both run these finalizers."""
     for part in spec.split(","):
         kind, rank_s, _ = part.split(":")
         if kind == "abortexit" and int(os.environ.get("RANK", "-1")) == int(rank_s):
-            import atexit
+            from multiprocessing import util
 
             def abort(rank_s: str = rank_s) -> None:
                 print(f"paralayer: injecting abort at exit on rank {rank_s} at unix time {time.time():.3f}",
                       file=sys.stderr, flush=True)
                 os.abort()
 
-            atexit.register(abort)
+            util.Finalize(None, abort, exitpriority=0)
 
 
 class _InstallOnImport(importlib.abc.MetaPathFinder):

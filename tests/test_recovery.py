@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from paralayer.dispatch import fork_server
 from tests.fault_hook import fault_env, unfreeze
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,16 +144,20 @@ def test_restarts_stop_at_the_limit(tmp_path):
                                                                    ("rank_died", False, "SIGKILL")]
 
 
-def _rank_pids(marker: str) -> list[int]:
+def _rank_pids(tmp, ranks_only: bool = False) -> list[int]:
+    """The processes a launcher started with TMPDIR=tmp (its rank server and the ranks forked from
+    it, whose command line names paralayer.runtime.train): the ranks only with ``ranks_only``."""
+    want = f"TMPDIR={tmp}".encode()
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "paralayer.runtime.train" in cmd and marker in cmd:
+        if fork_server.MARKER.encode() in cmd and want in env and (not ranks_only or fork_server.is_rank(int(pid))):
             out.append(int(pid))
     return out
 
@@ -160,24 +165,25 @@ def _rank_pids(marker: str) -> list[int]:
 def test_launcher_killed_with_sigkill_takes_its_ranks(tmp_path):
     run_dir = tmp_path / "o"
     proc = subprocess.Popen([sys.executable, "launch.py", *TINY, f"run.dir={run_dir}", "train.steps=100000"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, TMPDIR=str(tmp_path)))
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.2)
-        assert len(_rank_pids(str(run_dir))) == 2, "the ranks did not start"
+        assert len(_rank_pids(tmp_path, ranks_only=True)) == 2, "the ranks did not start"
         proc.send_signal(signal.SIGKILL)
         killed = time.time()
         proc.wait(timeout=10)
-        left = _rank_pids(str(run_dir))
+        left = _rank_pids(tmp_path)
         while left and time.time() - killed < 10:
             time.sleep(0.1)
-            left = _rank_pids(str(run_dir))
+            left = _rank_pids(tmp_path)
         gone = time.time() - killed
         assert not left, f"ranks {left} still running {gone:.1f} s after the launcher's SIGKILL"
         print(f"every rank gone {gone:.1f} s after the launcher's SIGKILL")
     finally:
-        for pid in _rank_pids(str(run_dir)):
+        for pid in _rank_pids(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -192,6 +198,6 @@ def test_rank_frozen_in_step_1_or_a_save_is_named(tmp_path, spec, where):
     lines = [x for x in res.stderr.splitlines() if x.startswith("paralayer: hang:")]
     assert len(lines) == 1 and "rank 1 never entered" in lines[0], res.stderr[-3000:]
     assert detected < hang + 30, detected
-    assert not _rank_pids(str(run_dir))
+    assert not _rank_pids(tmp_path, ranks_only=True)
     assert _attempts(run_dir)[0]["cause"] == "hang"
     print(f"{spec}: named and every rank gone {detected:.1f} s after the SIGSTOP (watchdog {hang} s)")

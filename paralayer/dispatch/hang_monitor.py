@@ -13,32 +13,32 @@ import threading
 import time
 from typing import Optional
 
+from paralayer.dispatch import fork_server
 from paralayer.runtime.health import watchdog
 
 
-def rank_children(marker: str = "paralayer.runtime.train") -> list[int]:
-    """This process's children that run a rank (Linux /proc)."""
+def rank_children() -> list[int]:
+    """The ranks this launcher started (Linux /proc): processes forked from its rank server, which
+    is its child (dispatch/fork_server.py)."""
+    ranks = []
+    for child in _children(os.getpid()):
+        ranks += [pid for pid in _children(child) if fork_server.is_rank(pid)]
+    return ranks
+
+
+def _children(pid: int) -> list[int]:
     pids: list[int] = []
-    me = os.getpid()
     try:
-        tasks = os.listdir(f"/proc/{me}/task")
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return pids
     for tid in tasks:
         try:
-            with open(f"/proc/{me}/task/{tid}/children") as f:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
                 pids += [int(p) for p in f.read().split()]
         except OSError:
             continue
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
+    return pids
 
 
 class HangMonitor:

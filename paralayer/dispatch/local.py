@@ -1,6 +1,7 @@
 """Ranks on this machine through torch's elastic launcher (what torchrun uses).
 
-One process per rank runs ``python -m paralayer.runtime.train RUN_DIR``. When a rank fails the agent
+One process per rank runs ``paralayer.runtime.train``'s main on RUN_DIR, forked from a server that
+imported the runtime once (dispatch/fork_server.py). When a rank fails the agent
 stops the others at once, and we name the rank and its error. The agent's own restarts stay off:
 :func:`run_local` restarts the whole run itself (``cluster.max_restarts``), with a fresh rendezvous,
 ``train.resume=auto`` and a line in run.dir/attempts.jsonl per attempt.
@@ -104,28 +105,30 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"paralayer-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2, start_method="forkserver",
     )
     import logging
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we name the failed rank below
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # we name the failed rank below
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     again = f" (attempt {attempt})" if attempt > 1 else ""
     print(f"paralayer: {world} rank(s) on this machine; run dir {run_dir}{again}", flush=True)
     error_file = os.path.join(run_dir, "error.txt")  # the failure's line, for the sweep report
     if os.path.exists(error_file):
         os.remove(error_file)
+    from paralayer.dispatch import fork_server
     from paralayer.dispatch.hang_monitor import HangMonitor
     from paralayer.runtime import completion
     from paralayer.runtime.health.watchdog import clear as clear_hang_reports
 
     clear_hang_reports(run_dir)
     completion.clear(run_dir)  # only this attempt's ranks can say they finished
-    args = ["-u", "-m", "paralayer.runtime.train", run_dir]
-    if attempt > 1:
-        args.append("train.resume=auto")  # the newest verified checkpoint (none yet: from step 1)
+    overrides = ["train.resume=auto"] if attempt > 1 else []  # the newest verified checkpoint (none: step 1)
+    fork_server.context()
     monitor = HangMonitor(run_dir, world)  # a hang: names the stuck rank, ends the ranks
     try:
-        elastic_launch(lc, sys.executable)(*args)
+        with fork_server.bare_main():
+            elastic_launch(lc, fork_server.run_rank)(run_dir, dict(os.environ), *overrides)
     except ChildFailedError as exc:
         monitor.stop()
         failed = sorted(exc.failures)

@@ -22,12 +22,12 @@ import os
 import sys
 import tempfile
 import time
-import types
 import warnings
 from typing import Any, Optional
 
 from paralayer import config as config_mod
 from paralayer.config import Config
+from paralayer.dispatch import fork_server
 
 #: Fields of the contract's memory objects.
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "total")
@@ -171,16 +171,6 @@ def compare(rank: dict) -> dict:
 
 
 # ------------------------------------------------------------------ running the ranks
-#: What the rehearsal's fork server imports once (torch, the runtime, the rank's counters): each
-#: rank forks from it with them loaded, instead of a fresh interpreter importing them again (~3 s a
-#: rank on this machine; the server outlives one rehearsal, so a session that rehearses often --
-#: the test suite -- pays it once). The server is a clean process: nothing of the caller's state
-#: but its environment, passed with each rank, reaches a rank.
-PRELOAD = ("paralayer.rehearse.rank", "paralayer.runtime.train", "paralayer.rehearse.memory",
-           "paralayer.rehearse.comm", "paralayer.rehearse.flops", "paralayer.parallel.mesh",
-           "torch._subclasses.fake_tensor")
-
-
 def _rank_child(run_dir: str, rank: int, env: dict) -> None:
     """A forked rank: the caller's environment, its output to DIR/rank-RANK.log (read back for the
     error line), then ``paralayer.rehearse.rank``'s main; its exit status is main's."""
@@ -203,18 +193,11 @@ def _read(path: str) -> str:
 
 
 def _spawn(run_dir: str, rank: int) -> mp.Process:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: once a process
+    ctx = fork_server.context()
     proc = ctx.Process(target=_rank_child, args=(run_dir, rank, dict(os.environ, OMP_NUM_THREADS="1")),
                        daemon=True)
-    # multiprocessing re-runs the caller's __main__ script in the child (launch.py would run the CLI
-    # again): a rank needs nothing of it, so the child is told of a bare one
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
+    with fork_server.bare_main():
         proc.start()
-    finally:
-        sys.modules["__main__"] = main
     return proc
 
 
