@@ -24,6 +24,18 @@ def test_the_first_task_srun_reports_killed_is_not_torn_down():
     assert dead_ranks([PEER, None, None, PEER], torn_down(lines)) == [2]
 
 
+def test_tasks_srun_killed_after_terminating_the_step_are_torn_down():
+    """srun's lines from a CI run here in which rank 2 was SIGKILLed first: srun then ended the step
+    ("Terminating StepId") and killed the other tasks, ranks 0 and 1 in one line ("tasks 0-1")."""
+    lines = ["srun: error: n2: task 2: Killed\n", "srun: launch/slurm: _step_signal: Terminating StepId=149.0\n",
+             "srun: error: n1: tasks 0-1: Killed\n", "srun: error: n2: task 3: Killed\n",
+             "srun: Force Terminated StepId=149.0\n"]
+    assert torn_down(lines) == {0, 1, 3}
+    assert dead_ranks([PEER, None, None, PEER], torn_down(lines)) == [2]
+    assert torn_down(["srun: error: n1: tasks 0,2-3: Exited with exit code 1\n",
+                      "srun: error: n1: tasks 1,4: Killed\n"]) == {1, 4}
+
+
 def test_when_every_silent_rank_was_torn_down_they_are_all_named():
     """Nothing left to blame but the torn-down tasks: they are named (the old rule), never nobody."""
     assert dead_ranks([PEER, None, PEER, PEER], {1}) == [1]

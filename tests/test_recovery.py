@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from paralayer.dispatch import fork_server
+from paralayer.rehearse import fork_server
 from tests.fault_hook import fault_env, unfreeze
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY, HUNG = 6, 2, 6  # the hung step: step 5 runs after the checkpoint of step 4, then again
 TINY = ["recipe=tiny", "parallel.tp=1", "model.n_layers=2", "model.seq_len=16", "model.d_model=32",
-        "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.init_std=0.2", "train.threads=1", "logging.wandb.mode=disabled",
+        "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.init_std=0.2", "train.threads=1",
+        "logging.wandb.mode=disabled",
         "train.collective_timeout_s=30"]
 
 

@@ -13,13 +13,13 @@ import threading
 import time
 from typing import Optional
 
-from paralayer.dispatch import fork_server
+from paralayer.rehearse import fork_server
 from paralayer.runtime.health import watchdog
 
 
 def rank_children() -> list[int]:
     """The ranks this launcher started (Linux /proc): processes forked from its rank server, which
-    is its child (dispatch/fork_server.py)."""
+    is its child (rehearse/fork_server.py)."""
     ranks = []
     for child in _children(os.getpid()):
         ranks += [pid for pid in _children(child) if fork_server.is_rank(pid)]

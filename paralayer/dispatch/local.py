@@ -1,7 +1,7 @@
 """Ranks on this machine through torch's elastic launcher (what torchrun uses).
 
 One process per rank runs ``paralayer.runtime.train``'s main on RUN_DIR, forked from a server that
-imported the runtime once (dispatch/fork_server.py). When a rank fails the agent
+imported the runtime once (rehearse/fork_server.py). When a rank fails the agent
 stops the others at once, and we name the rank and its error. The agent's own restarts stay off:
 :func:`run_local` restarts the whole run itself (``cluster.max_restarts``), with a fresh rendezvous,
 ``train.resume=auto`` and a line in run.dir/attempts.jsonl per attempt.
@@ -116,8 +116,8 @@ def _attempt(run_dir: str, plan: dict, attempt: int) -> tuple[int, str, dict]:
     error_file = os.path.join(run_dir, "error.txt")  # the failure's line, for the sweep report
     if os.path.exists(error_file):
         os.remove(error_file)
-    from paralayer.dispatch import fork_server
     from paralayer.dispatch.hang_monitor import HangMonitor
+    from paralayer.rehearse import fork_server
     from paralayer.runtime import completion
     from paralayer.runtime.health.watchdog import clear as clear_hang_reports
 

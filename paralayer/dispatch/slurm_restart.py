@@ -53,23 +53,37 @@ def _sacct(job_id: str) -> dict:
             "slurm_start_unix": when(start), "slurm_end_unix": when(end), "nodes": nodes.strip()}
 
 
-_SRUN_TASK = re.compile(r"^srun: error: \S+: task (\d+): (.+)$")
+_SRUN_TASK = re.compile(r"^srun: error: \S+: tasks? ([\d,\-]+): (.+)$")
 
 
 def torn_down(lines: list[str]) -> set[int]:
-    """Tasks that srun reported Killed after another task had exited with an error: the step's
-    teardown (``--kill-on-bad-exit``) killed them before they could leave a result, so they did not
+    """Tasks that srun reported Killed once it had begun to end the step: after another task had
+    exited with an error, or after its own "Terminating StepId" (``--kill-on-bad-exit``, when a
+    task was killed). The teardown killed them before they could leave a result, so they did not
     die on their own (seen under load: rank 1 of a run whose rank 2 was SIGKILLed)."""
     out: set[int] = set()
     ended = False
     for line in lines:
+        if "Terminating StepId" in line:
+            ended = True
+            continue
         m = _SRUN_TASK.match(line.strip())
         if m is None:
             continue
         if m.group(2).startswith("Exited with exit code"):
             ended = True
         elif ended and m.group(2).strip() == "Killed":
-            out.add(int(m.group(1)))
+            out.update(_task_list(m.group(1)))
+    return out
+
+
+def _task_list(text: str) -> list[int]:
+    """srun's task list: "2", "0-1", "0,2-3"."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (hi.isdigit() or not hi):
+            out += range(int(lo), int(hi or lo) + 1)
     return out
 
 

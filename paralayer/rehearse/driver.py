@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from paralayer import config as config_mod
 from paralayer.config import Config
-from paralayer.dispatch import fork_server
+from paralayer.rehearse import fork_server
 
 #: Fields of the contract's memory objects.
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "total")

@@ -1,4 +1,5 @@
-"""Ranks forked from a preloaded server instead of started as fresh interpreters.
+"""Ranks forked from a preloaded server instead of started as fresh interpreters: the rehearsal's
+ranks, and the local launcher's (dispatch/local.py).
 
 A fresh ``python -m paralayer.runtime.train`` imports torch and the runtime again in every rank:
 ~5 s of CPU each on the 2-core machine, 20 of a 4-rank tiny run's 30. multiprocessing's fork
