@@ -2,9 +2,9 @@
 
 A launcher killed with SIGKILL cannot stop its ranks; they were seen still training 15 minutes
 later with parent pid 1. Each rank the local launcher starts (torch elastic's agent runs in the
-launcher's process and starts every rank as its direct child; it leaves TORCHELASTIC_ERROR_FILE
-in their environment) asks Linux for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``
-through ctypes). A parent that died before the call is caught by checking the parent pid after
+launcher's process and forks every rank from the launcher's fork server, rehearse/fork_server.py,
+which ends with the launcher; it leaves TORCHELASTIC_ERROR_FILE in their environment) asks Linux for
+SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)`` through ctypes). A parent that died before the call is caught by checking the parent pid after
 it, and a thread watches the parent pid too (where prctl is refused: a sandbox, not Linux).
 Under SLURM the job step's own teardown ends the tasks, and nothing here runs.
 """
