@@ -68,6 +68,7 @@ def _block_saved(overrides: list[str], precision: str, mode: str = "none",
         inside: list = [None]
         seen: dict = {i: set() for i in layers}
         total = {i: 0 for i in layers}
+        held: list = []  # what was counted stays alive: a freed storage's address, reused, is a new one
 
         def enter(i):
             def hook(module, args):
@@ -79,6 +80,7 @@ def _block_saved(overrides: list[str], precision: str, mode: str = "none",
             i = inside[0]
             if i is not None and key(t) not in excluded and key(t) not in seen[i] and weight_copy_of(t) is None:
                 seen[i].add(key(t))
+                held.append(t)
                 total[i] += t.untyped_storage().nbytes()
             return t
 
@@ -172,9 +174,11 @@ NEXT_ODD = NEXT + ["model.linear.k_heads=1", "model.linear.head_k_dim=32", "mode
 NEXT_SHAPES = {"tiny-qwen3-next": (NEXT, False), "gpu-fake": (NEXT_GPU, True), "odd-widths": (NEXT_ODD, False)}
 #: measured, the plan's per-token count against one layer's saved storages: the delta rule's
 #: C×C causal mask is per microbatch (C² bytes, not counted: 0.15-0.2% at these widths); under
-#: autocast the rule's bf16 casts were written term by term at tiny-qwen3-next's widths (1.000) and
-#: read 0.991 at the odd ones on fake tensors, 0.981 on real CPU ones (not found yet)
-NEXT_TOL = {"fp32": 3e-3, "bf16-fsdp": 3e-3, "bf16": 2.5e-2}
+#: autocast the rule's bf16 casts were written term by term at tiny-qwen3-next's widths (1.002) and
+#: read 0.9924-0.9926 at the odd ones. (Real CPU tensors once read 0.973-0.991 from run to run: the
+#: harness let a counted storage die and took a new one at its address for the same; it now holds
+#: what it counted.)
+NEXT_TOL = {"fp32": 3e-3, "bf16-fsdp": 3e-3, "bf16": 1e-2}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-fsdp"])
