@@ -24,10 +24,11 @@ from typing import Iterator
 
 #: What the server imports once: the runtime (runtime/train.py pulls the model, the parallel axes,
 #: the data and the metrics in with it) and the rehearsal's counters (rehearse/driver.py forks its
-#: ranks from the same server; they cost nothing more to import beside the runtime).
+#: ranks from the same server; they cost nothing more to import beside the runtime); server_exit
+#: lets the server end without tearing torch down.
 PRELOAD = ("paralayer.runtime.train", "paralayer.rehearse.rank", "paralayer.rehearse.memory",
            "paralayer.rehearse.comm", "paralayer.rehearse.flops", "paralayer.parallel.mesh",
-           "torch._subclasses.fake_tensor")
+           "torch._subclasses.fake_tensor", "paralayer.rehearse.server_exit")
 MARKER = "paralayer.runtime.train"
 
 
