@@ -12,8 +12,8 @@ from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
-from paralayer.resolve.memory.states import rank_layers
-from paralayer.resolve.rules import Layout, chunk_rank
+from paralayer.resolve.memory.states import input_pass_reruns, rank_layers
+from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
 
 
 class Memo(dict):
@@ -70,10 +70,8 @@ def rank_layer_facts(cfg: Config, lay: Layout, r: int) -> tuple:
 
 def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     """(layers fully recomputed, MoE layers among them) of ``layers`` under the layout's recompute
-    and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch:
-    the V schedules' second rerun in a split backward's weight pass (memory.states.layer_reruns,
-    counted in FLOPs) is not in the traffic, whose lines the planner takes as affine in m (that
-    term goes as 1/m)."""
+    and recompute_every, once per (layout, layers, recompute, k). One rerun each per microbatch;
+    the V schedules' second one is :func:`split_reruns`."""
     cache = config_cache(cfg)  # a function of the layers and the recompute alone: every layout's
     key = ("full", tuple(layers), lay.recompute, lay.recompute_every)
     facts = cache.get(key)
@@ -81,6 +79,29 @@ def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
         full = [i for i in layers if layer_recompute(lay, i) == "full"]
         facts = cache[key] = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
     return facts
+
+
+def split_reruns(cfg: Config, lay: Layout, layers: list) -> dict:
+    """{layer: forward reruns per step beyond one per microbatch}: a fully recomputed layer reruns
+    its forward, and so its collectives (tp, the cp ring or its states, the ep all-to-alls), once
+    more in the weight pass of each split backward of its chunk (memory.states.input_pass_reruns:
+    m under ZB-V, a count set by the chunk alone under DualPipeV, so the traffic stays affine in m
+    as the planner's lines take it). Empty outside the V schedules or without full recompute."""
+    if lay.recompute != "full" or lay.pp <= 1 or lay.schedule not in V_SCHEDULES or lay.microbatches <= 0:
+        return {}
+    cache, key = layout_cache(cfg, lay, ("reruns", tuple(layers), lay.recompute_every, lay.microbatches))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
+        return hit[2]
+    chunk_of = {i: c for c, ls in enumerate(lay.stage_layers) for i in ls}
+    out = {}
+    for i in layers:
+        if layer_recompute(lay, i) == "full":
+            extra = input_pass_reruns(lay.schedule, lay.pp, lay.microbatches, chunk_of.get(i, lay.chunks - 1))
+            if extra:
+                out[i] = extra
+    cache[key] = (lay.stage_layers, cfg, out)
+    return out
 
 
 def config_cache(cfg: Config) -> dict:

@@ -53,15 +53,18 @@ def message_bytes(cfg: Config, micro_batch: int, tp: int, act_bytes: float) -> t
 
 
 def linear_cp_traffic(cfg: Config, lay: Layout, layers: list, act_bytes: float,
-                      cp_rank: Optional[int] = None) -> tuple[int, int]:
+                      cp_rank: Optional[int] = None, again: Optional[dict] = None) -> tuple[int, int]:
     """(messages, bytes) per step a cp rank sends for the linear layers among ``layers`` (the
     busiest rank's when ``cp_rank`` is None): forward and backward, plus a forward's again for each
-    layer full recompute reruns."""
+    layer full recompute reruns, and for each second rerun of a split backward (``again``, per
+    step: cost.comm_facts.split_reruns)."""
     if lay.cp == 1 or cfg.model.linear.k_heads == 0:  # no linear layers (the planner asks per layout)
         return 0, 0
     n = busiest_sends(lay.cp) if cp_rank is None else rank_sends(lay.cp, cp_rank)
     state, tail = message_bytes(cfg, lay.micro_batch, lay.tp, act_bytes)
     kinds = 2 if cfg.model.linear.conv_kernel > 1 else 1
     tail = tail if kinds == 2 else 0.0
-    calls = sum(2 + (layer_recompute(lay, i) == "full") for i in layers if parts.is_linear_layer(cfg, i))
-    return int(calls * n * kinds * lay.microbatches), int(calls * n * (state + tail) * lay.microbatches)
+    lin = [i for i in layers if parts.is_linear_layer(cfg, i)]
+    calls = sum(2 + (layer_recompute(lay, i) == "full") for i in lin) * lay.microbatches
+    calls += sum((again or {}).get(i, 0) for i in lin)
+    return int(calls * n * kinds), int(calls * n * (state + tail))

@@ -267,6 +267,21 @@ def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float
     return count * mach.latency(span) + entry["bytes_per_step"] * wf / mach.bandwidth(span)
 
 
+def rerun_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float:
+    """:func:`comm_seconds` of the share of ``entry`` the split backwards' second reruns move
+    (``split_rerun_*_per_step``, cost.terms): the same collective at its count and bytes (each
+    byte field scaled alike), 0 without any."""
+    count = entry.get("split_rerun_count_per_step", 0)
+    if not count or not entry["bytes_per_step"]:
+        return 0.0
+    f = entry["split_rerun_bytes_per_step"] / entry["bytes_per_step"]
+    part = dict(entry, count_per_step=count)
+    for k in ("bytes_per_step", "wire_bytes_per_step", "inter_node_bytes_per_step", "intra_node_bytes_per_step"):
+        if k in entry:
+            part[k] = entry[k] * f
+    return comm_seconds(part, span, mach, axis)
+
+
 def tp_overlap_seconds(ring_flops: tuple[list[float], list[float]], n_dense: int, n_moe: int, tokens: float,
                        mm: int, tp: int, h: int, act_bytes: int, full_recompute: bool, mach: Machine,
                        span: str) -> float:

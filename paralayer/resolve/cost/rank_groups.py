@@ -5,7 +5,8 @@ sit on the end ranks, a middle rank of a plain schedule sends across two boundar
 rank sends across one, an uneven split or MoE layers starting after ``first_k_dense`` give some
 ranks more FLOPs or more expert traffic. The dry run (``step_time.time_plan``) and the planner's
 ranking take the max over the same ranks, so they agree; two ranks are alike when their chunks
-hold layers of the same FLOPs, kind (MoE or not), attention window and recompute, and they hold
+hold layers of the same FLOPs, kind (MoE or not), attention window and recompute (with as many
+reruns: a V schedule's split backwards rerun a fully recomputed chunk again), and they hold
 the same ends (embedding, head) and the same pipeline boundaries — then their compute and every
 axis's traffic are equal, so one of them (the lowest) stands for the group. Torch-free.
 """
@@ -15,6 +16,7 @@ from paralayer.config import Config
 from paralayer.resolve import model_parts
 from paralayer.resolve.cost.comm_facts import chunk_facts, layout_cache
 from paralayer.resolve.memory import is_moe_layer, rank_chunks
+from paralayer.resolve.memory.states import input_pass_reruns
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
@@ -25,7 +27,8 @@ def timing_ranks(cfg: Config, lay: Layout, work: list, head: float, prune: bool 
     every layer changes no group). ``prune``: without the groups another group dominates (the
     planner's: they cannot be the slowest, :func:`_dominated`)."""
     k = lay.recompute_every if lay.recompute == "full" and lay.recompute_every > 1 else 0
-    cache, key = layout_cache(cfg, lay, ("timing_ranks", k, prune))
+    again = lay.recompute == "full" and lay.schedule in V_SCHEDULES and lay.pp > 1
+    cache, key = layout_cache(cfg, lay, ("timing_ranks", k, again, prune))
     hit = cache.get(key)
     if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
         return hit[2]
@@ -37,6 +40,8 @@ def timing_ranks(cfg: Config, lay: Layout, work: list, head: float, prune: bool 
         for c in rank_chunks(lay, r):
             keys, layers, cw, c_moe = base[c]
             sig.append((keys, tuple(i % k == 0 for i in layers)) if k else keys)
+            if again:  # its split backwards rerun its layers again (at m = 2p: the grouping is m's)
+                sig.append(input_pass_reruns(lay.schedule, lay.pp, 2 * lay.pp, c))
             w += cw
             n += len(layers)
             n_moe += c_moe

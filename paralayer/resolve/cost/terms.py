@@ -19,6 +19,7 @@ from paralayer.resolve.cost.comm_facts import (
     rank_facts,
     rank_layer_facts,
     recompute_facts,
+    split_reruns,
 )
 from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
@@ -160,7 +161,9 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     ``with_dp=False``: without the dp entry (the planner's per-rank step times take dp from rank 0).
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
-        forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward);
+        forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward, and
+        +2 again for each split backward's second rerun under the V schedules: ``split_reruns``,
+        which every axis's rerun traffic below counts too);
         under SP the backward also re-gathers the column GEMMs' saved shards (+1 pair per layer).
     pp: send/recv of s·b·h activations: per microbatch, the activation and its grad across each
         boundary of rank r's chunks with a chunk on another rank (:func:`_pp_comm`).
@@ -186,11 +189,12 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     else:
         n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
+    again = split_reruns(cfg, lay, layers)  # the V schedules' second reruns, per step
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
-    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full), ends),
+    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values())), ends),
            "pp": _pp_comm(lay, act_msg, r),
-           "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank),
-           "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe)}
+           "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
+           "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
         out["dp"] = _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
     return out
@@ -204,17 +208,17 @@ def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, 
     key = ("ring", tuple(layers), lay.recompute, lay.recompute_every)
     hit = cache.get(key)
     if hit is None:
-        m = cfg.model
         # core_attn / selective recompute rerun the attention core (the ring) as full recompute
         # does on its layers
         rerun_all = lay.recompute in ("core_attn", "selective")
         calls = n_ring = 0        # full-ring layers: forward calls (with reruns) and backward, layers
         win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
-        w = m.sliding_window
-        linear = m.linear.k_heads != 0
-        for i in (layers if not linear else [i for i in layers if not parts.is_linear_layer(cfg, i)]):
+        for i in layers:
+            kind = _ring_kind(cfg, i)
+            if kind == "linear":
+                continue
             reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-            if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+            if kind == "ring":
                 calls += 2 + reruns  # forward (+ rerun), backward
                 n_ring += 1          # partial dK/dV in fp32: cp hops home
             else:
@@ -226,8 +230,9 @@ def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, 
     return 0.0 + calls * (lay.cp - 1), 0.0 + n_ring * lay.cp, win_calls, n_win
 
 
-def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int) -> dict:
-    """tp of :func:`comm`: activations per layer per microbatch (docstring there)."""
+def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0) -> dict:
+    """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
+    split backwards' second reruns per step (2 each)."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
@@ -240,15 +245,26 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if _autocast(lay) else 1
         pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        e = _entry("all-gather+reduce-scatter", act_msg, pairs * mm, lay.tp)
+        e = _entry("all-gather+reduce-scatter", act_msg, pairs * mm + 2 * again, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
-        e["bytes_per_step"] = int(act_msg * pairs * mm)
-        return e
+        e["bytes_per_step"] = int(act_msg * (pairs * mm + 2 * again))
+        return _with_reruns(e, 2 * again, act_msg * 2 * again)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
-        return _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm, lay.tp)
+        e = _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
+        return _with_reruns(e, 2 * again, act_msg * 2 * again)
     return _entry("none", 0, 0, 1)
+
+
+def _with_reruns(e: dict, count: float, nbytes: float) -> dict:
+    """``e`` with the share of its traffic the split backwards' second reruns move (``split_reruns``):
+    ``split_rerun_count_per_step`` and ``split_rerun_bytes_per_step``, where there are any. Under
+    DualPipeV their count is set by the chunks alone, so their bytes go as the micro-batch, 1/m at a
+    fixed batch: the planner's lines (planner/comm.py) take them apart from the affine rest."""
+    if count:
+        e["split_rerun_count_per_step"], e["split_rerun_bytes_per_step"] = int(count), int(nbytes)
+    return e
 
 
 def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) -> tuple[float, float, int]:
@@ -309,47 +325,77 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
 
 
 def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int,
-             cp_rank: int | None = None) -> dict:
+             cp_rank: int | None = None, again: dict | None = None) -> dict:
     """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV. K is
     n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim). A windowed layer
     runs parallel/window_ring.py, not the ring: each rank sends its own chunks once per forward
     (again when recompute reruns it) straight to the ranks whose queries see them, and in
     backward the partial dK/dV of every chunk it received goes home in fp32; no K/V moves in
     backward (:func:`window_sends`, config/cp_window.py's definition). The figure is ``cp_rank``'s,
-    or the busiest cp rank's (the ranks differ under a window)."""
+    or the busiest cp rank's (the ranks differ under a window). ``again``: :func:`split_reruns`."""
     if lay.cp == 1:
         return _entry("none", 0, 0, 1)
+    again = again or {}
+    mm = lay.microbatches
     kv_elems = tokens * parts.kv_heads(cfg) * (parts.qk_head_dim(cfg) + parts.v_head_dim(cfg)) / lay.tp
     # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
     kv = kv_elems * (4 if _autocast(lay) else ab)
     kv_full, dkv_full, win_calls, n_win = _ring_counts(cfg, lay, layers)
-    best = (0.0, kv_full, dkv_full)
+    ring_again = win_again = 0
+    for i, n in again.items():
+        kind = _ring_kind(cfg, i)
+        ring_again += n if kind == "ring" else 0
+        win_again += n if kind == "window" else 0
+    # per step: the microbatches' sends and the split backwards' second reruns
+    kv_again = ring_again * (lay.cp - 1)
+    best = (0.0, kv_full * mm + kv_again, dkv_full * mm, kv_again)
     if n_win:
         best = None
         for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
             sent, got = window_sends(cfg.model.seq_len, lay.cp, cfg.model.sliding_window, cr)
-            kv_s = kv_full + sent / 2 * win_calls  # chunks are half a block
-            dkv_s = dkv_full + got / 2 * n_win     # the received chunks' dK/dV, fp32
+            again_s = kv_again + sent / 2 * win_again  # chunks are half a block
+            kv_s = kv_full * mm + sent / 2 * win_calls * mm + again_s
+            dkv_s = (dkv_full + got / 2 * n_win) * mm  # the received chunks' dK/dV, fp32
             got_bytes = kv_s * kv + dkv_s * kv_elems * 4
             if best is None or got_bytes > best[0]:
-                best = (got_bytes, kv_s, dkv_s)
-    _, kv_sends, dkv_sends = best
-    lin_msgs, lin_bytes = linear_cp_traffic(cfg, lay, layers, ab, cp_rank)  # Gated DeltaNet: states, tails
+                best = (got_bytes, kv_s, dkv_s, again_s)
+    _, kv_sends, dkv_sends, kv_again = best
+    lin_msgs, lin_bytes = linear_cp_traffic(cfg, lay, layers, ab, cp_rank, again)  # Gated DeltaNet: states, tails
+    lin_again = (0, 0)
+    if again and lin_msgs:
+        once = linear_cp_traffic(cfg, lay, layers, ab, cp_rank)
+        lin_again = (lin_msgs - once[0], lin_bytes - once[1])
     e = _entry("ring send/recv (K,V)" + (" + state/tail send/recv" if lin_msgs else ""), kv,
-               (kv_sends + dkv_sends) * lay.microbatches + lin_msgs, lay.cp)
-    e["bytes_per_step"] = int((kv_sends * kv + dkv_sends * kv_elems * 4) * lay.microbatches) + lin_bytes
-    return e
+               kv_sends + dkv_sends + lin_msgs, lay.cp)
+    e["bytes_per_step"] = int(kv_sends * kv + dkv_sends * kv_elems * 4) + lin_bytes
+    return _with_reruns(e, kv_again + lin_again[0], kv_again * kv + lin_again[1])
 
 
-def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int) -> dict:
-    """ep of :func:`comm`: the routed rows' all-to-alls (dispatch, combine; forward, backward)."""
+def _ring_kind(cfg: Config, i: int) -> str:
+    """How layer i's attention crosses cp: "linear" (Gated DeltaNet states), "window" (the window
+    ring) or "ring" (the full ring), as :func:`_ring_counts` sorts them."""
+    m = cfg.model
+    if m.linear.k_heads != 0 and parts.is_linear_layer(cfg, i):
+        return "linear"
+    w = m.sliding_window
+    if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
+        return "ring"
+    return "window"
+
+
+def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int,
+             again: dict | None = None) -> dict:
+    """ep of :func:`comm`: the routed rows' all-to-alls (dispatch, combine; forward, backward, each
+    rerun forward: ``again`` holds the split backwards' second ones)."""
     m = cfg.model
     if lay.ep == 1 or m.moe.num_experts == 0:
         return _entry("none", 0, 0, 1)
     rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
     n_moe_full = recompute_facts(cfg, lay, layers)[1]
-    count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches
+    twice = 2 * sum(n for i, n in (again or {}).items() if is_moe_layer(cfg, i))
+    count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches + twice
     e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+    e = _with_reruns(e, twice, e["message_bytes"] * twice)
     e.update(ep_node_split(lay, e["bytes_per_step"]))
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))
     return e

@@ -13,7 +13,7 @@ from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
-from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, tp_overlap_seconds
+from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, rerun_seconds, tp_overlap_seconds
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.split import layer_work
 from paralayer.resolve.planner.types import Structure
@@ -108,15 +108,15 @@ def set_axes(st: Structure, key: tuple, pts: list) -> None:
     tp under tp_overlap is timed per micro-batch size)."""
     rk, fk = key
     if (False, rk, fk) not in st.per_ax:
-        st.per_ax[(False, rk, fk)] = {ax: affine_line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
+        st.per_ax[(False, rk, fk)] = {ax: comm_line(pts, ax) for ax in ("tp", "pp", "cp", "ep")}
         st.per_ax[(True, rk, fk)] = {ax: st.per_ax[(False, rk, fk)][ax] for ax in ("pp", "cp", "ep")}
     if key not in st.rank_lines and not pts[0][1]["partial"]:  # every timed rank's, once they are in pts
         st.rank_lines[key] = (pts[0][1]["ranks"], rank_line_table(pts, pts[0][1]["ranks"]))
 
 
 def rank_line_table(pts: list, reps: tuple) -> dict:
-    """{rank: {axis or n_ep/n_pp: (fixed, per m)}} of ``reps`` from ``pts``."""
-    return {q[0]: {ax: affine_line(pts, (q[0], ax)) for ax in RANK_AXES + ("n_ep", "n_pp")} for q in reps}
+    """{rank: {axis or n_ep/n_pp: (fixed, per m, per 1/m)}} of ``reps`` from ``pts``."""
+    return {q[0]: {ax: comm_line(pts, (q[0], ax)) for ax in RANK_AXES + ("n_ep", "n_pp")} for q in reps}
 
 
 def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int,
@@ -135,9 +135,11 @@ def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: s
         _set(lay, mb_, mm_, recompute, zero, every)
         c = cost_mod.comm(cfg, lay)
         t = {ax: comm_seconds(c[ax], st.spans[ax], mach, ax) for ax in AXES}
+        _reruns(t, c, st, mach)
         t["dp_reduce"] = dp_reduce_seconds(c["dp"], st.spans["dp"], mach)
         # rank 0's own lines are its axes' (the same call); its all-to-alls and sends for pp_overlap
         t.update({(0, ax): t[ax] for ax in RANK_AXES})
+        t.update({("1/m", (0, ax)): t[("1/m", ax)] for ax in RANK_AXES if ("1/m", ax) in t})
         t[(0, "n_ep")], t[(0, "n_pp")] = c["ep"]["count_per_step"], c["pp"]["count_per_step"]
         t["args"], t["partial"], t["ranks"] = (mb_, recompute, zero, every), True, ((0,),)
         pts.append((mm_, t))
@@ -197,15 +199,45 @@ def _add_ranks(cfg: Config, st: Structure, mach: Machine, pts: list, reps: tuple
             if got is None:
                 cr = cost_mod.comm(cfg, lay, q[0], with_dp=False)
                 got = {ax: comm_seconds(cr[ax], st.spans[ax], mach, ax) for ax in RANK_AXES}
+                _reruns(got, cr, st, mach)
                 got["n_ep"], got["n_pp"] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
                 st.rank_memo[(q[0],) + key] = got
             for ax, v in got.items():
-                t[(q[0], ax)] = v
+                t[("1/m", (q[0], ax[1])) if isinstance(ax, tuple) else (q[0], ax)] = v
     _set(lay, 1, m1, "none", 0, 1)
 
 
 def _set(lay: Layout, mb: int, mm: int, recompute: str, zero: int, every: int) -> None:
     lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = mb, mm, recompute, zero, every
+
+
+def _reruns(t: dict, c: dict, st: Structure, mach: Machine) -> None:
+    """Under DualPipeV, each axis's seconds of the split backwards' second reruns at this point, under
+    ("1/m", axis): their count is the chunks', so their bytes go as the micro-batch, 1/m at a fixed
+    batch (cost.terms._with_reruns); ZB-V's go as m, affine like the rest."""
+    if st.lay.schedule != "dualpipev":
+        return
+    for ax in RANK_AXES:
+        s = rerun_seconds(c[ax], st.spans[ax], mach, ax)
+        if s:
+            t[("1/m", ax)] = s
+
+
+def comm_line(pts: list, ax) -> tuple[float, float, float]:
+    """(fixed, per microbatch, per 1/m) seconds of an axis from its times at two microbatch counts:
+    affine, plus the DualPipeV reruns' share (:func:`_reruns`), a + b/m through its two values."""
+    (ma, ta), (mb, tb) = pts
+    ra, rb = ta.get(("1/m", ax), 0.0), tb.get(("1/m", ax), 0.0)
+    if (not ra and not rb) or ma == mb:
+        return affine_line(pts, ax) + (0.0,)
+    inv = (ra - rb) / (1 / ma - 1 / mb)
+    slope = ((ta[ax] - ra) - (tb[ax] - rb)) / (ma - mb)
+    return (ta[ax] - slope * ma - inv / ma, slope, inv)
+
+
+def at_m(line: tuple, m: float) -> float:
+    """A :func:`comm_line` (or an affine pair) at m microbatches."""
+    return line[0] + line[1] * m + (line[2] / m if len(line) > 2 and line[2] else 0.0)
 
 
 def affine_line(pts: list, ax: str) -> tuple[float, float]:

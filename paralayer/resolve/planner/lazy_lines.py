@@ -77,14 +77,14 @@ class LazyLines:
         return self.dp_cache[(zero, mm)]
 
     def line(self, overlap: bool, recompute: str, fk: bool) -> tuple:
-        """(fixed, per m) of tp+pp+cp+ep (pp+cp+ep under tp_overlap) for a plain recompute mode."""
+        """(fixed, per m, per 1/m) of tp+pp+cp+ep (pp+cp+ep under tp_overlap) for a plain recompute mode."""
         key = (overlap, recompute, fk)
         if key not in self.lin:
             if (overlap, recompute, fk) not in self.st.per_ax:
                 cls = COMM_CLASS[recompute]
                 set_axes(self.st, (recompute, fk), self.points(cls, self.zero_of[(fk, cls)], ranks=False))
             t = self.st.per_ax[key]
-            self.lin[key] = (sum(v[0] for v in t.values()), sum(v[1] for v in t.values()))
+            self.lin[key] = tuple(sum(v[i] for v in t.values()) for i in (0, 1, 2))
         return self.lin[key]
 
     def rank_lines(self, recompute: str, fk: bool) -> tuple:

@@ -15,7 +15,7 @@ from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.step_time import fb_overlap_facts, rank_inner
 from paralayer.resolve.planner.bounds import SLACK
-from paralayer.resolve.planner.comm import RANK_AXES
+from paralayer.resolve.planner.comm import RANK_AXES, at_m
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import overlap_refusal
 
@@ -51,10 +51,10 @@ def inner_of(cfg: Config, st: Structure, mach: Machine, rank_lines: tuple, mm: i
         prepared = []
         for r, share, _, kinds in reps:
             ln = lines[r]
-            t = {ax: ln[ax][0] + ln[ax][1] * mm for ax in RANK_AXES}
+            t = {ax: at_m(ln[ax], mm) for ax in RANK_AXES}
             if tp_of is not None:
                 t["tp"] = tp_of(kinds)
-            n_ep, n_pp = (ln[n][0] + ln[n][1] * mm for n in ("n_ep", "n_pp"))
+            n_ep, n_pp = (at_m(ln[n], mm) for n in ("n_ep", "n_pp"))
             prepared.append((r, share, t, st.fb_facts.get(r) if overlap else None, n_ep, n_pp))
         if tp_of is None:
             st.inner_memo[(id(lines), mm, overlap)] = (lines, prepared)

@@ -8,7 +8,7 @@ import dataclasses
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.step_time import time_to_train
-from paralayer.resolve.planner.comm import fsdp_key, recompute_key
+from paralayer.resolve.planner.comm import at_m, fsdp_key, recompute_key
 from paralayer.resolve.planner.types import Candidate, Totals
 
 
@@ -20,8 +20,8 @@ def materialise(cfg: Config, t: Candidate, structs: list, mach: Machine, tot: To
     tokens = tot.gb * tot.seq
     ct = {"tp": t.t_tp, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": t.t_dp}  # tp_overlap: the exposed share
     axes = st.per_ax[(t.overlap, recompute_key(t.recompute, t.every), fsdp_key(lay, t.zero))]
-    for name, (f_, p_) in axes.items():
-        ct[name] = f_ + p_ * t.mm
+    for name, line in axes.items():
+        ct[name] = at_m(line, t.mm)
     m = t.mem
     out = {
         "rank": rank,

@@ -349,7 +349,7 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         fk = fsdp_key(st.lay, zero)
         if (False, rk, fk) not in st.per_ax:
             set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
-        line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1))
+        line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1, 2))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
         inner = inner_of(ctx.cfg, st, ctx.mach, st.rank_lines[(rk, fk)], mm, "full", k, zero,
                          (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None)
@@ -454,7 +454,8 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
            tot: Totals, mach: Machine, every: int = 1, fp8: Any = None, inner_of: Any = None) -> Candidate:
     """The step time of one layout from its parts (the module docstring; ``inner_of``: rank_time's);
     ``fp8``: its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step beside it."""
-    (fixed, per_m), (t_dp, t_red) = line, dp
+    (fixed, per_m, per_inv), (t_dp, t_red) = line, dp
+    fixed += per_inv / mm  # DualPipeV's rerun traffic (planner.comm.comm_line), at this m
     recomp, ovh = work * tot.rc_frac[recompute_key(recompute, every)], ovh_per_m * mm
 
     def step_of(work: float, recomp: float) -> tuple[float, float, float]:
