@@ -141,7 +141,7 @@ def test_one_rank_matches_transformers(saved, kind, monkeypatch):
           f"({max(grads, key=grads.get)}) over {len(grads)}")
     assert logits < LOGITS_TOL and max(grads.values()) < GRAD_TOL, grads
     if kind == "moe":
-        return
+        return _fused_experts_read(path, ref, model)
     import paralayer.model.transformer as tr
 
     for plant in ("z_rows_swapped", "mrope_h_w_rows_zero"):
@@ -156,6 +156,24 @@ def test_one_rank_matches_transformers(saved, kind, monkeypatch):
             e, g = _oracle(ref, bad, mcfg)
         print(f"qwen3.5 planted {plant}: logits rel err {e:.1e}, grads max {max(g.values()):.1e}")
         assert e > 100 * LOGITS_TOL and max(g.values()) > 100 * GRAD_TOL, (plant, e, max(g.values()))
+
+
+def _fused_experts_read(path: str, ref, model) -> None:
+    """The same MoE checkpoint with its experts stored fused (``mlp.experts.gate_up_proj`` (E, 2F, d),
+    ``down_proj``: the module's own layout, as a checkpoint may keep it) reads the same weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    fused = path + "-fused"
+    os.makedirs(fused, exist_ok=True)
+    shutil.copy(os.path.join(path, "config.json"), fused)
+    state = {k: v.detach().contiguous() for k, v in ref.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, os.path.join(fused, "model.safetensors"))
+    again, _ = _ours(fused)
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in again.named_parameters())
 
 
 def test_vision_language_wrapper(tmp_path, capfd):
@@ -207,11 +225,17 @@ def test_what_the_class_would_not_build_is_refused_by_name(tmp_path, kind, edit,
     assert words in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
-def test_defaults_are_the_classes():
-    """A config.json that leaves a key out reads as transformers' class builds it."""
+def test_defaults_are_the_classes(tmp_path):
+    """A config.json that leaves a key out reads as transformers' class builds it; the MoE wrapper
+    (qwen3_5_moe) reads its text_config as qwen3_5_moe_text."""
     import transformers
 
     from paralayer.families.qwen3_5 import text_config as tc
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text_config("moe"),
+                                                      "architectures": ["Qwen3_5MoeForConditionalGeneration"]}))
+    c = load_hf_config(str(tmp_path))
+    assert c["moe"]["num_experts"] == 4 and c["moe"]["shared_ffn_hidden"] == 48 and c["linear"]["proj"] == "split"
 
     for defaults, cls in ((tc.DENSE_DEFAULTS, transformers.Qwen3_5TextConfig),
                           (tc.MOE_DEFAULTS, transformers.Qwen3_5MoeTextConfig)):
