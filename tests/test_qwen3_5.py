@@ -7,7 +7,8 @@ with tests/qwen3_next_ref.py's shape (linear, full, linear, full; 2 k-heads serv
   them past 100× those: in_proj_z's rows taken in the wrong k-head's order on import, and the
   multimodal RoPE mis-reduced (a text token's H and W rows taken as 0, not its position);
 - the vision-language wrapper (Qwen3_5ForConditionalGeneration, tied embeddings): its own text-only
-  forward (its 3-D positions) equals ours from its checkpoint, the vision tower said unread in a line;
+  forward (its 3-D positions) equals ours from its checkpoint, the vision tower said unread in a line,
+  and under tp2 (each rank reading its slices through the prefix) loss and gradients equal its own;
 - tp2, pp2, cp2, dp2·ZeRO-3 and (MoE) ep2 through the runtime's step: loss within 1e-5, every gradient
   within 1e-4 of transformers' on the same global batch (all in one forked 2-rank world, with:)
 - round trips: import, 2 steps (dense under tp2, MoE under ep2), export; transformers loads the
@@ -23,6 +24,7 @@ import torch
 
 from paralayer.checkpoint import hf_split
 from paralayer.families import HFFormatError, load_hf_config
+from paralayer.families.qwen3_5.text_config import TEXT_PREFIX
 from tests import qwen3_next_ref as q
 from tests.families import VOCAB, widen
 from tests.qwen3_next_ref import SEQ
@@ -176,10 +178,9 @@ def _fused_experts_read(path: str, ref, model) -> None:
     assert all(torch.equal(p, ours[n]) for n, p in again.named_parameters())
 
 
-def test_vision_language_wrapper(tmp_path, capfd):
-    """Qwen3_5ForConditionalGeneration's checkpoint (text tower under model.language_model., a vision
-    tower, tied embeddings): ours from it equals its own text-only forward, whose 3-D positions
-    (get_rope_index) go through the interleaved sections; the vision tower is said unread."""
+def save_vl(path: str):
+    """transformers' vision-language Qwen3_5ForConditionalGeneration (the dense text model, tied
+    embeddings, a one-block vision tower), saved by its own save_pretrained."""
     import transformers
 
     torch.manual_seed(0)
@@ -188,9 +189,23 @@ def test_vision_language_wrapper(tmp_path, capfd):
                                      vision_config=vision, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
     ref = _widened(transformers.Qwen3_5ForConditionalGeneration(cfg), 13)
-    ref.save_pretrained(str(tmp_path), safe_serialization=True)
-    assert json.load(open(tmp_path / "config.json"))["model_type"] == "qwen3_5"
-    model, mcfg = _ours(str(tmp_path))
+    ref.save_pretrained(path, safe_serialization=True)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def saved_vl(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3_5_vl") / "hf")
+    return path, save_vl(path)
+
+
+def test_vision_language_wrapper(saved_vl, capfd):
+    """The wrapper's checkpoint (text tower under model.language_model., a vision tower, tied
+    embeddings): ours from it equals its own text-only forward, whose 3-D positions (get_rope_index)
+    go through the interleaved sections; the vision tower is said unread. (Under tp2: below.)"""
+    path, ref = saved_vl
+    assert json.load(open(os.path.join(path, "config.json")))["model_type"] == "qwen3_5"
+    model, mcfg = _ours(path)
     assert mcfg.tie_embeddings and mcfg.linear.proj == "split"
     err = capfd.readouterr().err
     assert "text tower (model.language_model.*) is read; model.visual.* (" in err, err
@@ -266,6 +281,7 @@ LAYOUTS = {"tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"], "pp2": 
            "parallel.schedule=1f1b"], "cp2": ["parallel.cp=2"], "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "ep2": ["parallel.dp=2", "parallel.ep=2"]}
 RUNS = [(k, lay) for k in ("dense", "moe") for lay in LAYOUTS if not (k == "dense" and lay == "ep2")]
+RUNS.append(("vl", "tp2"))  # the wrapper's checkpoint, each tp rank reading its slices through the prefix
 TRIPS = {"dense": LAYOUTS["tp2"], "moe": LAYOUTS["ep2"]}
 
 
@@ -297,13 +313,14 @@ def _worker(rank, world, runs, trips):
 
 
 @pytest.fixture(scope="module")
-def world(saved, tokens, tmp_path_factory):
+def world(saved, saved_vl, tokens, tmp_path_factory):
     """({(kind, layout): [(loss, grads) per rank]}, {kind: (rank 0's losses of steps 1-3, export dir)}):
     every run in one forked 2-rank world."""
     from tests.dist import run_ranks
 
     out = tmp_path_factory.mktemp("export")
-    runs = [_overrides(saved[k][0], tokens, LAYOUTS[lay]) for k, lay in RUNS]
+    src = {**saved, "vl": saved_vl}
+    runs = [_overrides(src[k][0], tokens, LAYOUTS[lay]) for k, lay in RUNS]
     trips = [(_overrides(saved[k][0], tokens, TRIPS[k] + ["train.steps=3"]), str(out / k)) for k in TRIPS]
     res = run_ranks(_worker, 2, runs, trips, timeout_s=600)
     layouts = {r: [res[rank][0][i] for rank in range(2)] for i, r in enumerate(RUNS)}
@@ -311,13 +328,18 @@ def world(saved, tokens, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, layout", RUNS)
-def test_layouts_match_transformers(saved, tokens, world, kind, layout):
+def test_layouts_match_transformers(saved, saved_vl, tokens, world, kind, layout):
+    """(vl: the wrapper's checkpoint read under tp2, each rank its own slices through the prefix;
+    transformers' gradients by the text model's names.)"""
     from tests.test_hf_moe import layout_errors, reference_loss
 
-    path, ref = saved[kind]
+    path, ref = saved_vl if kind == "vl" else saved[kind]
     want = reference_loss(ref, tokens, BATCH)
-    hf, li = dict(ref.named_parameters()), _ours(path)[1].linear
-    loss_err, errs = layout_errors(world[0][(kind, layout)], layout, want, lambda n: their_grad(hf, n, li))
+    hf = {k.replace(TEXT_PREFIX, "model."): p for k, p in ref.named_parameters()}
+    li = _ours(path)[1].linear
+    tied = {"output.weight": "tok_embeddings.weight"} if kind == "vl" else {}  # two copies, the summed gradient
+    loss_err, errs = layout_errors(world[0][(kind, layout)], layout, want,
+                                   lambda n: their_grad(hf, tied.get(n, n), li))
     print(f"qwen3.5 {kind} {layout}: loss {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     assert set(errs) == {n for n, _ in _ours(path)[0].named_parameters()}  # every parameter came back

@@ -9,7 +9,9 @@ its vision-language wrapper.
 
 (r = v_heads / k_heads; k-head h serves v-heads h·r … h·r + r − 1, as Qwen3-Next's reshape reads
 them.) A permutation of rows: ours = cat(theirs)[rows], theirs = ours[argsort(rows)]. The conv's
-channels are [q | k | v] over all heads on both sides: ``conv1d`` is read as it is.
+channels are [q | k | v] over all heads on both sides: ``conv1d`` is read as it is. Under tensor
+parallel each rank reads the two projections whole and keeps its heads' rows (as DeepSeek-V3's
+reordered rope rows, checkpoint/hf_moe.py): a rank's rows are spread over both stored tensors.
 
 A wrapper's checkpoint keeps the text model's ``model.X`` at ``model.language_model.X`` (and
 ``lm_head`` at the top): read through that prefix; its vision tower (``model.visual.*``) and MTP
