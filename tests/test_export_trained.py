@@ -22,7 +22,7 @@ from paralayer.families.registry import FAMILIES
 from tests.dist import run_ranks, write_tokens
 
 SEQ, VOCAB, BATCH, TOL = 32, 61, 4, 1e-5
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
 LAYOUTS = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"],
            "ep2": ["parallel.dp=2", "parallel.ep=2"]}
 CASES = [(f, lay) for f in FAMILIES for lay in LAYOUTS if lay != "ep2" or f in MOE]
@@ -38,6 +38,13 @@ def _save(family: str, path: str) -> None:
         from tests.qwen3_next_ref import save as save_qwen3_next
 
         save_qwen3_next(path)
+    elif family in ("qwen3_5_text", "qwen3_5_moe_text"):
+        from tests.test_qwen3_5 import save as save_qwen3_5
+
+        # the dense one with tied embeddings (Qwen3.5's small sizes tie): its export ties them too; untied,
+        # its two steps moved the loss by 8.8e-4 only, under the 100x check below
+        dense = family == "qwen3_5_text"
+        save_qwen3_5(path, "dense" if dense else "moe", **({"tie_word_embeddings": True} if dense else {}))
     elif family == "qwen3_moe":
         from tests.test_hf_moe import _save as save_qwen3_moe
 

@@ -345,7 +345,8 @@ def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
 
 @pytest.mark.parametrize("edit, words", [
     ({"model_type": "olmo3"}, 'model_type="olmo3" is not supported (llama, mistral, mixtral, qwen3, qwen3_moe, '
-                              'deepseek_v3, gemma3_text, gpt_oss, qwen3_next)'),
+                              'deepseek_v3, gemma3_text, gpt_oss, qwen3_next, qwen3_5_text, '
+                              'qwen3_5_moe_text)'),
     ({"model_type": "gemma4_text"}, 'model_type="gemma4_text" is not supported (Gemma 4 (per-layer input'),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      'rope_parameters.rope_type="dynamic" is not supported (default, linear, llama3, yarn)'),

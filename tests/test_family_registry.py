@@ -21,8 +21,11 @@ NO_TINY: set[str] = set()  # every family has its tiny recipe
 
 def test_the_families_listed():
     assert MODEL_TYPES == ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text",
-                           "gpt_oss", "qwen3_next")
+                           "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
     assert [by_type(t).NAME for t in MODEL_TYPES] == list(MODEL_TYPES)
+    # the aliases read as a family: Kimi K2's, and Qwen3.5's vision-language wrappers
+    assert {t: by_type(t).NAME for t in registry.ALIASES} == {"kimi_k2": "deepseek_v3", "qwen3_5": "qwen3_5_text",
+                                                            "qwen3_5_moe": "qwen3_5_moe_text"}
     assert by_type("olmo3") is None and by_type(["llama"]) is None and by_type(None) is None
     with pytest.raises(KeyError, match="olmo3"):
         family("olmo3")
@@ -92,9 +95,10 @@ def test_export_claims_partition_every_config():
         assert len(claimed) == 1, (t, claimed)
         seen += 1
     assert seen == 128
-    for mla, moe, qk, k, oss in itertools.product([False, True], [False, True], [False, True], kinds, [False, True]):
-        t = Traits(mla, moe, qk, k | {"linear"}, True, oss, True)  # linear layers: gemma is set with them (traits)
-        want = ["gpt_oss"] if oss else ["qwen3_next"]
+    for mla, moe, qk, k, oss, split in itertools.product([False, True], [False, True], [False, True], kinds,
+                                                         [False, True], [False, True]):
+        t = Traits(mla, moe, qk, k | {"linear"}, True, oss, True, split)  # linear: gemma is set with them (traits)
+        want = ["gpt_oss"] if oss else [("qwen3_5_moe_text" if moe else "qwen3_5_text") if split else "qwen3_next"]
         assert [f.NAME for f in FAMILIES.values() if f.claims(t)] == want, t
 
 
@@ -120,9 +124,7 @@ def test_gemma_names_its_norms_its_own_way():
 
 @pytest.mark.parametrize("mtype, words", [("gemma4", "Gemma 4 (per-layer input embeddings"),
                                           ("gemma4_text", "Gemma 4"), ("gemma2", "softcapping"),
-                                          ("gemma3", "import a gemma3_text checkpoint"),
-                                          ("qwen3_5_text", "Qwen3.5 (separate in_proj_qkv"),
-                                          ("qwen3_5_moe", "Qwen3.5")])
+                                          ("gemma3", "import a gemma3_text checkpoint")])
 def test_related_model_types_refused_by_name(tmp_path, mtype, words):
     import json
 

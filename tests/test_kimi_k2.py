@@ -128,7 +128,8 @@ def test_config_json_reads_as_deepseek_v3_into_the_same_plan(tmp_path):
                                                              "architectures is ['DeepseekV3ForCausalLM']"),
     ({"model_type": "kimi_k25"}, 'model_type="kimi_k25" is not supported ('),
     ({"model_type": "kimi_linear"}, "is not supported (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, "
-                                    "gemma3_text, gpt_oss, qwen3_next); read as a family: kimi_k2 (as deepseek_v3)"),
+                                    "gemma3_text, gpt_oss, qwen3_next, qwen3_5_text, qwen3_5_moe_text); "
+                                    "read as a family: kimi_k2 (as deepseek_v3)"),
 ])
 def test_what_differs_is_refused_by_name(tmp_path, edit, words):
     with pytest.raises(HFFormatError) as exc:

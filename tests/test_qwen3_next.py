@@ -71,7 +71,9 @@ def hf_grad(hf: dict, name: str, ffn: int) -> torch.Tensor:
     return hf[ours_to_hf(name, family="qwen3_next")].grad
 
 
-def _oracle(ref, model) -> tuple[float, dict]:
+def _oracle(ref, model, want_grad=None) -> tuple[float, dict]:
+    """(logits rel err, {our name: grad rel err}) against ``ref``; ``want_grad(hf params, name)``:
+    transformers' gradient of our parameter (default :func:`hf_grad`; Qwen3.5's in tests/test_qwen3_5.py)."""
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     ref.zero_grad(set_to_none=True)
     out = ref(input_ids=x, labels=x)
@@ -79,9 +81,8 @@ def _oracle(ref, model) -> tuple[float, dict]:
     got = model(x)
     F.cross_entropy(got[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1)).backward()
     hf = dict(ref.named_parameters())
-    ffn = q.CONFIG["moe_intermediate_size"]
-    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, hf_grad(hf, n, ffn))
-                                                     for n, p in model.named_parameters()}
+    want = want_grad or (lambda params, n: hf_grad(params, n, q.CONFIG["moe_intermediate_size"]))
+    return _rel(got.detach(), out.logits.detach()), {n: _rel(p.grad, want(hf, n)) for n, p in model.named_parameters()}
 
 
 def test_config_read(saved):

@@ -16,6 +16,7 @@ Mixtral: transformers 5 keeps experts fused in memory (``mlp.experts.gate_up_pro
 ``mlp.experts.down_proj`` (E, d, F), ``mlp.gate.weight``) but ``save_pretrained`` writes the
 per-expert layout; both are read here, and the export writes the per-expert layout.
 RoPE is rotate-half on both sides (but DeepSeek-V3's interleaved rows, checkpoint/hf_moe.py).
+Qwen3.5's split linear projections and its vision-language wrapper's text tower: checkpoint/hf_split.py.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from paralayer.checkpoint import hf_fused, hf_mtp
+from paralayer.checkpoint import hf_fused, hf_mtp, hf_split
 from paralayer.checkpoint.expert_keys import expert_owners
 from paralayer.checkpoint.hf_moe import (
     _deinterleave_rope,
@@ -69,10 +70,17 @@ class _Reader:
         self.rope_rows: Optional[dict] = None  # rows to reorder on import (_rope_rows)
         self.n_layers: Optional[int] = None  # set: MTP names read as DeepSeek's layers n_layers+k (hf_moe)
         self.family = DEFAULT_EXPERTS  # the checkpoint's family: its own names (RENAMES) first
+        self.linear = None  # the LinearConfig, for split projections (hf_split.py)
+        self._stored: dict[str, str] = {}  # a key as read → as stored (a wrapper's text tower, hf_split.py)
         if weight_map is None:
             h = self._handle(SINGLE)
             weight_map = {k: SINGLE for k in h.keys()}
         self.weight_map = weight_map
+
+    def view(self, stored: dict[str, str]) -> None:
+        """Read each key of ``stored`` (as a text model names it) from the key it is stored under."""
+        self.weight_map = {k: self.weight_map[v] for k, v in stored.items()}
+        self._stored = stored
 
     def _handle(self, fname: str):
         if fname not in self._handles:
@@ -91,7 +99,7 @@ class _Reader:
             raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
         fname = self.weight_map[key]
         try:
-            t = self._handle(fname).get_tensor(key)
+            t = self._handle(fname).get_tensor(self._stored.get(key, key))
         except HFFormatError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -103,7 +111,7 @@ class _Reader:
         """The stored shape of ``key`` (from the header: nothing is read)."""
         if key not in self.weight_map:
             raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
-        return list(self._handle(self.weight_map[key]).get_slice(key).get_shape())
+        return list(self._handle(self.weight_map[key]).get_slice(self._stored.get(key, key)).get_shape())
 
     def region(self, key: str, index: Sequence[slice]) -> torch.Tensor:
         """``key[index]`` (one slice per dim) without reading the rest of the tensor."""
@@ -111,7 +119,7 @@ class _Reader:
             raise HFFormatError(f"{self.path}: tensor '{key}' is missing from the checkpoint")
         fname = self.weight_map[key]
         try:
-            t = self._handle(fname).get_slice(key)[tuple(index)]
+            t = self._handle(fname).get_slice(self._stored.get(key, key))[tuple(index)]
         except Exception as exc:  # noqa: BLE001
             raise HFFormatError(f"{os.path.join(self.path, fname)}: cannot read '{key}': {exc}") from None
         self.bytes_read += t.numel() * t.element_size()
@@ -150,6 +158,8 @@ def _full_for(reader: _Reader, name: str, shape: tuple[int, ...], experts: Optio
             return (gu[:, :f] if w == "w1" else gu[:, f:]).contiguous()
         raise HFFormatError(f"{reader.path}: expert weights for {name} not found "
                             f"(looked for {per.format(j=start)} and {fused_gu})")
+    if _split(reader, name):  # Qwen3.5: in_proj_qkv / _z / _b / _a into our fused rows
+        return hf_split.read_split(reader, name, reader.linear)
     full = reader.get(_hf_key(reader, name))
     return _deinterleave_rope(full, name, reader.rope_rows) if reader.rope_rows else full
 
@@ -219,6 +229,10 @@ def _family_name(path: str) -> str:
     return fam.NAME if fam is not None else DEFAULT_EXPERTS
 
 
+def _split(reader: _Reader, name: str) -> bool:
+    return getattr(family(reader.family), "SPLIT_PROJ", False) and hf_split.is_split_name(name)
+
+
 def _hf_key(reader: _Reader, name: str) -> str:
     own = mtp_hf_key(name, reader.n_layers)
     if own is not None:
@@ -261,7 +275,8 @@ def copy_sliced_tensors(model: nn.Module, reader: _Reader, vocab_size: int, skip
         if clean in skip:
             continue
         region = None if clean in owners else _local_region(param)
-        if clean in owners or (region is None and hasattr(param, "device_mesh")) or _reordered(reader, clean):
+        if (clean in owners or (region is None and hasattr(param, "device_mesh")) or _reordered(reader, clean)
+                or _split(reader, clean)):
             rest.append(name)
             continue
         shape, offset = region if region is not None else (tuple(param.shape), (0,) * param.dim())
@@ -297,7 +312,10 @@ def load_hf_weights(model: nn.Module, path: str, cfg, seed: int = 0) -> int:
     reader = _Reader(path)
     reader.rope_rows = _rope_rows(path)
     reader.family = _family_name(path)
-    reader.n_layers = cfg.n_layers
+    reader.n_layers, reader.linear = cfg.n_layers, cfg.linear
+    prefix = hf_split.wrapper_prefix(path)
+    if prefix and any(k.startswith(prefix) for k in reader.weight_map):
+        reader.view(hf_split.text_tower(reader.weight_map, prefix, path))
     vocab = getattr(model, "vocab_size", cfg.vocab_size)
     fresh = hf_mtp.fresh_depths(model, reader, cfg, seed, path)
     copy_sliced_tensors(model, reader, vocab, skip=fresh)
@@ -389,6 +407,9 @@ def full_state_to_hf(full: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tens
     if fused:  # GPT-OSS: all experts of a layer in one tensor
         out.update(hf_fused.write_fused(full, fused))
         full = {k: v for k, v in full.items() if not hf_fused.is_fused_name(k)}
+    if getattr(fam, "SPLIT_PROJ", False):  # Qwen3.5: our fused projections as in_proj_qkv / _z / _b / _a
+        out.update(hf_split.write_split(full, cfg.linear))
+        full = {k: v for k, v in full.items() if not hf_split.is_split_name(k)}
     for name, t in full.items():
         if name.startswith("mtp."):
             if fam.MTP_AS_LAYERS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from paralayer.config.schema import LAYER_TYPES, MLP_ACTS, ROPE_TYPES, Config, ConfigError
+from paralayer.config.schema import LAYER_TYPES, LINEAR_PROJ, MLP_ACTS, ROPE_TYPES, Config, ConfigError
 
 #: Upper bounds of the new integer keys (far beyond any published model: DeepSeek-V3's MLA ranks
 #: 1536/512, head_dim 128..256, windows up to 128K, MTP depth 1).
@@ -177,6 +177,9 @@ def _check_linear(cfg: Config) -> None:
     for name in ("k_heads", "v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "chunk"):
         _int(f"model.linear.{name}", getattr(li, name), 0 if name in ("k_heads", "v_heads") else 1, 65536,
              "Gated DeltaNet's width" if name != "k_heads" else "0 = no linear layers")
+    if li.proj not in LINEAR_PROJ:
+        raise ConfigError("model.linear.proj", f"'{li.proj}' is not one of: {', '.join(LINEAR_PROJ)} (how Hugging "
+                          "Face stores the projections: Qwen3-Next's fused, Qwen3.5's split)")
     linear = m.layer_types is not None and "linear" in m.layer_types
     if linear != (li.k_heads > 0):
         raise ConfigError("model.linear.k_heads", f"{li.k_heads} with {'' if linear else 'no '}\"linear\" entries in "

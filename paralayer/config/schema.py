@@ -27,6 +27,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 ROUTERS = ("softmax", "sigmoid")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLP_ACTS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU (Gemma: gelu_pytorch_tanh)
+LINEAR_PROJ = ("fused", "split")  # model.linear.proj
 LAYER_TYPES = ("full", "sliding", "linear")  # linear: Gated DeltaNet (model.linear)
 BACKENDS = ("local", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
@@ -112,6 +113,10 @@ class LinearConfig:
     head_v_dim: int = 128
     conv_kernel: int = 4  # the short causal conv before the delta rule
     chunk: int = 64  # tokens per chunk of the chunked delta rule (the result does not depend on it)
+    # how Hugging Face stores the projections: fused (Qwen3-Next's in_proj_qkvz / in_proj_ba, per k-head)
+    # | split (Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a). The layer computes the same;
+    # export writes the family that stores them so (paralayer/families/qwen3_5/)
+    proj: str = "fused"
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The model families, one module each (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3):
+"""The model families, one module each (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3,
+gpt_oss, qwen3_next; Qwen3.5's two in the sub-package qwen3_5/):
 what a family is — config.json → our keys (and what is refused), its Hugging Face weight names both
 ways, its layer pattern, its export — in one place. Torch-free.
 

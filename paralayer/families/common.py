@@ -156,6 +156,7 @@ class Traits(NamedTuple):
     oss: bool = False  # any of GPT-OSS's parts (families/gpt_oss.py)
     linear: bool = False  # Gated DeltaNet layers (families/qwen3_next.py): its (1 + w) norms are Gemma's, so
     # gemma is set too, and the families of plain parts (which claim "not gemma") claim none of them
+    split: bool = False  # linear layers with Qwen3.5's split projections (model.linear.proj, families/qwen3_5/)
 
 
 def traits(cfg) -> Traits:
@@ -167,7 +168,7 @@ def traits(cfg) -> Traits:
     kinds = frozenset(layer_types(cfg))
     linear = "linear" in kinds
     return Traits(cfg.mla.kv_lora_rank > 0, cfg.moe.num_experts > 0, bool(cfg.qk_norm), kinds, gemma or linear,
-                  oss, linear)
+                  oss, linear, linear and cfg.linear.proj == "split")
 
 
 def window_of(cfg) -> Optional[int]:

@@ -15,11 +15,9 @@ Qwen3-Next's MoE. What it reads, each a ModelConfig key:
 
 The linear layers' gated RMSNorm has a plain gain w (init 1), transformers' Qwen3NextRMSNormGated.
 
-Qwen3.5 (transformers 5.25 models/qwen3_5, ``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) is
-refused by name: the same layers with other weights (q/k/v, z, b and a as separate projections
-in_proj_qkv / in_proj_z / in_proj_b / in_proj_a instead of the per-k-head interleaved in_proj_qkvz /
-in_proj_ba), interleaved multimodal RoPE sections (mrope), and its configs ship as the
-vision-language ``qwen3_5`` whose text tower sits under ``model.language_model.``. Torch-free."""
+Qwen3.5 (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, and their vision-language wrappers) is
+the same model with its linear layers' projections stored split: paralayer/families/qwen3_5/, which
+reuses the reader and the export pieces here. Torch-free."""
 from __future__ import annotations
 
 import json
@@ -53,9 +51,6 @@ LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "li
                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 _HF_LAYER = {"linear_attention": "linear", "full_attention": "full"}
 _HF_TYPES = {v: k for k, v in _HF_LAYER.items()}
-_QWEN35 = ("Qwen3.5 (separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a weights, mrope sections, "
-           "multimodal wrapper: not built; see paralayer/families/qwen3_next.py)")
-REFUSED = {"qwen3_5": _QWEN35, "qwen3_5_text": _QWEN35, "qwen3_5_moe": _QWEN35, "qwen3_5_moe_text": _QWEN35}
 
 
 def prepare(hf: dict, fp: str) -> dict:
@@ -107,24 +102,35 @@ def read_parts(hf: dict, fp: str, out: dict) -> dict:
 
 
 def claims(t: Traits) -> bool:
-    """Export: any linear-attention layer (the other families claim none), without GPT-OSS's parts."""
-    return t.linear and not t.oss
+    """Export: any linear-attention layer (the other families claim none) with the projections
+    fused (model.linear.proj; split: Qwen3.5), without GPT-OSS's parts."""
+    return t.linear and not t.oss and not t.split
 
 
-#: the keys a config with linear layers must set for Qwen3-Next to express it, with the value it needs
-_NEEDS = (("norm_offset", True), ("qk_norm", True), ("attn_gate", True), ("embed_scale", False),
-          ("post_norms", False), ("mlp_act", "silu"), ("query_pre_attn_scalar", None), ("rope_local_theta", None),
-          ("tie_embeddings", False))
+#: the keys a config with linear layers must set for Qwen3-Next (and Qwen3.5) to express it, with the
+#: value it needs
+LINEAR_NEEDS = (("norm_offset", True), ("qk_norm", True), ("attn_gate", True), ("embed_scale", False),
+                ("post_norms", False), ("mlp_act", "silu"), ("query_pre_attn_scalar", None),
+                ("rope_local_theta", None))
+
+
+def linear_refusal(cfg, t: Traits, name: str, needs: tuple = LINEAR_NEEDS) -> Optional[str]:
+    """Why a config with linear layers does not export as family ``name``, or None: MLA or sliding
+    layers, or a key of ``needs`` set otherwise."""
+    if t.mla or "sliding" in t.kinds:
+        return (f"model.{'mla.kv_lora_rank' if t.mla else 'sliding_window'}: linear layers with "
+                f"{'MLA' if t.mla else 'sliding layers'} export as no family ({name}: linear and full layers)")
+    for key, want in needs:
+        if getattr(cfg, key) != want:
+            return (f"model.{key}={getattr(cfg, key)!r}: a config with linear layers exports as {name}, which "
+                    f"needs {key}={want!r}")
+    return None
 
 
 def export_refusal(cfg, t: Traits) -> Optional[str]:
-    if t.mla or "sliding" in t.kinds:
-        return (f"model.{'mla.kv_lora_rank' if t.mla else 'sliding_window'}: linear layers with "
-                f"{'MLA' if t.mla else 'sliding layers'} export as no family (qwen3_next: linear and full layers)")
-    for key, want in _NEEDS:
-        if getattr(cfg, key) != want:
-            return (f"model.{key}={getattr(cfg, key)!r}: a config with linear layers exports as qwen3_next, which "
-                    f"needs {key}={want!r}")
+    why = linear_refusal(cfg, t, NAME, LINEAR_NEEDS + (("tie_embeddings", False),))
+    if why:
+        return why
     m = cfg.moe
     if t.moe and not (m.shared_ffn_hidden and m.shared_gate and m.router == "softmax" and m.n_group == 1
                       and m.routed_scaling_factor == 1.0):
@@ -133,16 +139,22 @@ def export_refusal(cfg, t: Traits) -> Optional[str]:
     return None
 
 
+def linear_export(cfg, hf_class: str, name: str) -> dict:
+    """The keys Qwen3-Next and Qwen3.5 write alike: the pattern as layer_types, the partial RoPE in
+    rope_parameters, the linear layers' widths."""
+    li = cfg.linear
+    return {**base_export(cfg, hf_class, name), "layer_types": [_HF_TYPES[t] for t in layer_types(cfg)],
+            "rope_parameters": {**rope_parameters(cfg), "partial_rotary_factor": cfg.rotary_fraction},
+            "linear_num_key_heads": li.k_heads, "linear_num_value_heads": li.v_heads,
+            "linear_key_head_dim": li.head_k_dim, "linear_value_head_dim": li.head_v_dim,
+            "linear_conv_kernel_dim": li.conv_kernel}
+
+
 def export_config(cfg) -> dict:
     """Qwen3NextConfig's keys: the pattern as layer_types, the linear widths, the partial RoPE in
     rope_parameters, the experts (num_experts 0: dense MLPs)."""
-    li, m = cfg.linear, cfg.moe
-    out = {**base_export(cfg, HF_CLASS, NAME),
-           "layer_types": [_HF_TYPES[t] for t in layer_types(cfg)],
-           "rope_parameters": {**rope_parameters(cfg), "partial_rotary_factor": cfg.rotary_fraction},
-           "linear_num_key_heads": li.k_heads, "linear_num_value_heads": li.v_heads,
-           "linear_key_head_dim": li.head_k_dim, "linear_value_head_dim": li.head_v_dim,
-           "linear_conv_kernel_dim": li.conv_kernel, "num_experts": m.num_experts, "sliding_window": None}
+    m = cfg.moe
+    out = {**linear_export(cfg, HF_CLASS, NAME), "num_experts": m.num_experts, "sliding_window": None}
     if m.num_experts:
         renorm = True if m.norm_topk_prob is None else bool(m.norm_topk_prob)
         out.update(moe_intermediate_size=m.ffn_hidden or cfg.ffn_hidden, num_experts_per_tok=m.top_k,

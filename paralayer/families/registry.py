@@ -4,8 +4,10 @@ ModelConfig on export. Torch-free.
 A family is one module of this package; what it must define is :data:`REQUIRED` (checked when the
 package is imported, so a module missing a piece fails at once, naming it). A module may also
 define ``ALIASES``: {model_type: what it is} for the other model_type values whose config.json
-names the family's own class in ``architectures`` (Kimi K2's ``kimi_k2`` is DeepSeek-V3's class);
-they are read as the family, refused when ``architectures`` names another class, never exported."""
+names the family's own class in ``architectures`` (Kimi K2's ``kimi_k2`` is DeepSeek-V3's class), or
+the class ``ALIAS_CLASSES`` gives for it (Qwen3.5's vision-language wrapper ``qwen3_5`` names
+Qwen3_5ForConditionalGeneration, and is read for its text model); they are read as the family,
+refused when ``architectures`` names another class, never exported."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,8 @@ from typing import Any, Optional
 from paralayer.families import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe, qwen3_next
 from paralayer.families.common import traits
 from paralayer.families.errors import HFFormatError
+from paralayer.families.qwen3_5 import moe as qwen3_5_moe
+from paralayer.families.qwen3_5 import text as qwen3_5_text
 
 #: What each family module defines (name → what it is).
 REQUIRED = {
@@ -40,9 +44,13 @@ OPTIONAL = {
     "RENAMES": "ours → theirs where it names a weight unlike the shared table (for this family only)",
     "REFUSED": "model_type → why (a related model_type it names and refuses)",
     "FUSED_EXPERTS": "its experts' keys when stored fused for all experts of a layer (checkpoint/hf_fused.py)",
+    "ALIAS_CLASSES": "alias model_type → the class its config.json names, when not the family's own",
+    "SPLIT_PROJ": "True when its linear layers store in_proj_qkv / _z / _b / _a split (checkpoint/hf_split.py)",
+    "TEXT_PREFIX": "model_type → where that wrapper's checkpoints keep the text model's model. (hf_split.py)",
 }
 
-_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, gpt_oss, qwen3_next)
+_MODULES = (llama, mistral, mixtral, qwen3, qwen3_moe, deepseek_v3, gemma3, gpt_oss, qwen3_next, qwen3_5_text,
+            qwen3_5_moe)
 
 
 def check_family(mod: ModuleType) -> None:
@@ -90,9 +98,10 @@ def check_alias(hf: dict, fp: str) -> None:
     family's class: HFFormatError naming both otherwise."""
     mtype, archs = hf.get("model_type"), hf.get("architectures")
     fam = ALIASES.get(mtype) if isinstance(mtype, str) else None
-    if fam is not None and archs is not None and archs != [fam.HF_CLASS]:
+    cls = getattr(fam, "ALIAS_CLASSES", {}).get(mtype, getattr(fam, "HF_CLASS", None))
+    if fam is not None and archs is not None and archs != [cls]:
         raise HFFormatError(f"{fp}: model_type {mtype} is read as {fam.NAME} only when architectures is "
-                            f"[{fam.HF_CLASS!r}], got {json.dumps(archs)[:80]}")
+                            f"[{cls!r}], got {json.dumps(archs)[:80]}")
 
 
 def family(name: str) -> ModuleType:
