@@ -48,7 +48,8 @@ def resolve_device(plan: Plan) -> torch.device:
 def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
     """none; swiglu: the SwiGLU activation and product (in an MoE block, each expert's and the
     shared expert's); core_attn: RoPE and the attention core; selective: both, but an MoE block's
-    experts are left alone (as the plan counts them); full: each block from its input, on layers
+    experts are left alone (as the plan counts them); norm_up (DeepSeek-V3's): every block's norms,
+    MLA's latent norms and up-projections, and the MoE blocks' SwiGLU as swiglu does; full: each block from its input, on layers
     i with i % every == 0 (global index: the same layers under any pipeline split;
     resolve.memory.layer_recompute). The MTP depths' blocks (layer ids n_layers + k, on the last
     chunk) are recomputed by the same rule."""
@@ -61,8 +62,12 @@ def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
             layer.attention.recompute_core = True
         if mode in ("swiglu", "selective") and hasattr(layer.feed_forward, "recompute_act"):
             layer.feed_forward.recompute_act = True
-        if mode == "swiglu" and hasattr(layer.feed_forward, "recompute_expert_act"):  # an MoE block
+        if mode in ("swiglu", "norm_up") and hasattr(layer.feed_forward, "recompute_expert_act"):  # an MoE block
             layer.feed_forward.recompute_expert_act = True
+        if mode == "norm_up":
+            layer.recompute_norms = True
+            if hasattr(layer.attention, "recompute_up"):  # MLA
+                layer.attention.recompute_up = True
 
 
 @dataclass
