@@ -49,8 +49,8 @@ def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
     """none; swiglu: the SwiGLU activation and product (in an MoE block, each expert's and the
     shared expert's); core_attn: RoPE and the attention core; selective: both, but an MoE block's
     experts are left alone (as the plan counts them); norm_up (DeepSeek-V3's): every block's norms,
-    MLA's latent norms and up-projections, and the MoE blocks' SwiGLU as swiglu does; full: each block from its input, on layers
-    i with i % every == 0 (global index: the same layers under any pipeline split;
+    MLA's latent norms and up-projections, and the MoE blocks' SwiGLU as swiglu does; full: each
+    block from its input, on layers i with i % every == 0 (global index: the same layers under any pipeline split;
     resolve.memory.layer_recompute). The MTP depths' blocks (layer ids n_layers + k, on the last
     chunk) are recomputed by the same rule."""
     mtp = getattr(model, "mtp", None)
