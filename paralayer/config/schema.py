@@ -202,6 +202,9 @@ class Fp8Config:
     recipe: str = "tensorwise"  # tensorwise | rowwise | blockwise
     bf16_first_blocks: int = 0  # the first N blocks (global layer index) keep their GEMMs in bf16
     bf16_last_blocks: int = 0  # the last N blocks likewise
+    # DeepSeek-V3 §3.3.3: the MoE SwiGLU's inputs, kept for its recomputed output (parallel.recompute
+    # swiglu or norm_up), stored in e4m3 with a scale per 1x128 tile (model/float8.py Fp8Tiles)
+    cache_activations: bool = False
 
 
 OPTIMIZERS = ("adamw", "muon")

@@ -89,6 +89,7 @@ def validate_values(cfg: Config) -> None:
     _check_muon(t)
     _check_qk_clip(cfg)
     _check_norm_up(cfg)
+    _check_fp8_cache(cfg)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
     _choice("data.format", cfg.data.format, DATA_FORMATS)
@@ -163,3 +164,26 @@ def _check_norm_up(cfg: Any) -> None:
         if bad:
             raise ConfigError(field_name, f"parallel.recompute=norm_up is built with {field_name}={why}; "
                                           "use recompute none, swiglu, core_attn, selective or full")
+
+
+def _check_fp8_cache(cfg: Any) -> None:
+    """train.fp8.cache_activations: a boolean, with FP8 training and a recompute that keeps the MoE
+    SwiGLU's inputs (what it stores in FP8) on a model with MoE blocks."""
+    on = cfg.train.fp8.cache_activations
+    field_name = "train.fp8.cache_activations"
+    if not isinstance(on, bool):
+        raise ConfigError(field_name, f"'{on}' is not true or false")
+    if not on:
+        return
+    if cfg.train.precision != "fp8":
+        raise ConfigError(field_name, f"caches activations in FP8 under train.precision=fp8 (got "
+                                      f"'{cfg.train.precision}'); set it false or train.precision=fp8")
+    if cfg.parallel.recompute not in ("swiglu", "norm_up"):
+        raise ConfigError(field_name, "stores the MoE SwiGLU's inputs that its recomputation keeps: needs "
+                                      f"parallel.recompute swiglu or norm_up (got '{cfg.parallel.recompute}')")
+    if cfg.model.moe.num_experts == 0:
+        raise ConfigError(field_name, "caches the MoE SwiGLU's inputs: the model has no MoE block "
+                                      "(model.moe.num_experts=0)")
+    if cfg.train.compile:
+        raise ConfigError(field_name, "is not built with train.compile=true (its checkpoint keeps the inputs as "
+                                      "they are)")

@@ -114,8 +114,12 @@ class _Holder:
 class _Frame:
     """One forward of one region: how to rerun it, and what its rerun made while anyone needs it."""
 
-    def __init__(self, fn: Callable, args: tuple):
+    def __init__(self, fn: Callable, args: tuple, cache: Any = None):
         self.fn = fn
+        #: how the inputs are stored (None: as they are; model/float8.py Fp8Tiles: in FP8), and
+        #: each tensor input's (dtype, requires_grad) to read them back as
+        self.cache = cache
+        self.meta = [(a.dtype, a.requires_grad) for a in args if isinstance(a, torch.Tensor)]
         self.slots = [None if isinstance(a, torch.Tensor) else a for a in args]
         self.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.autocast = _autocast_state()
@@ -189,7 +193,11 @@ class _Frame:
 
     def _inputs(self) -> list:
         args = list(self.slots)
-        for i, t in zip(self.tensor_at, self.saver.grad_fn.saved_tensors):
+        saved = self.saver.grad_fn.saved_tensors
+        if self.cache is not None:  # (values, scales) per input
+            saved = [self.cache.unpack(q, s, dt).requires_grad_(rg)
+                     for q, s, (dt, rg) in zip(saved[0::2], saved[1::2], self.meta)]
+        for i, t in zip(self.tensor_at, saved):
             args[i] = t.detach().requires_grad_(t.requires_grad)
         return args
 
@@ -225,20 +233,24 @@ class _Frame:
             _dropping[0].append(self)
 
 
-def recompute(fn: Callable[..., Any], *args: Any) -> Any:
+def recompute(fn: Callable[..., Any], *args: Any, cache: Any = None) -> Any:
     """``fn(*args)``, keeping only its inputs for backward: the first backward pass that needs one
-    of the region's saved tensors reruns ``fn`` and every later pass reuses that rerun."""
+    of the region's saved tensors reruns ``fn`` and every later pass reuses that rerun. ``cache``
+    (model/float8.py Fp8Tiles): the inputs are kept packed by it (FP8) and the rerun reads them
+    unpacked (refused with train.compile, whose checkpoint keeps them as they are)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     if torch.compiler.is_compiling():
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(fn, *args, use_reentrant=False)
-    return _run(_Frame(fn, args), fn, args)
+    return _run(_Frame(fn, args, cache), fn, args)
 
 
 def _run(frame: _Frame, fn: Callable, args: tuple) -> Any:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if frame.cache is not None:
+        tensors = [x for t in tensors for x in frame.cache.pack(t)]
     dummy = torch.empty((0,), requires_grad=True)
     frame.saver = _SaveInputs.apply(dummy, *tensors)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
+from paralayer.resolve.fp8 import cached_bytes
 from paralayer.resolve.memory import interleaved_flight, v_flight
 from paralayer.resolve.memory.bf16_acts import bf16_extra_elems, routed_rows_per_token
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
@@ -112,6 +113,12 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fa
         # GPT-OSS's clamped SwiGLU keeps only gate and up whatever the mode (model/moe.py ClampedSwiGLU)
         moe_mult = 3 if mode == "swiglu" or mo.swiglu_limit is not None else 4
         moe_whole = 3 * rows * h + mo.num_experts + moe_mult * (rows * fe + mo.shared_ffn_hidden)
+        if cfg.train.fp8.cache_activations and mode in ("swiglu", "norm_up"):
+            # gate and up, the recomputed SwiGLU's inputs, kept in FP8 with a scale per tile
+            # (train.fp8.cache_activations, model/float8.py Fp8Tiles) where 2 elements each were counted
+            ab = ACT_BYTES[lay.precision]
+            widths = ((rows * fe, fe), (mo.shared_ffn_hidden, mo.shared_ffn_hidden))
+            moe_whole -= sum(2 * n * (1 - cached_bytes(w) / ab) for n, w in widths)
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
         moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows
