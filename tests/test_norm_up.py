@@ -23,10 +23,12 @@ TINY = ["recipe=deepseek-v3-tiny", "model.init_std=0.2", "model.mtp.depth=0", "p
 
 
 def _loss_and_grads(mode: str, extra: tuple = ()) -> tuple[float, dict]:
+    """(loss, every weight's gradient) of one step of deepseek-v3-tiny under ``mode``, built as the
+    runtime builds it (apply_recompute, train.fp8.cache_activations included)."""
     cfg = config_mod.load_config(TINY + [f"parallel.recompute={mode}", *extra])
     model = Transformer(cfg.model)
     init_weights(model, cfg.model, seed=0)
-    apply_recompute(model, mode)
+    apply_recompute(model, mode, 1, cfg.train.fp8.cache_activations)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
     labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
@@ -114,18 +116,8 @@ def test_an_unknown_mode_names_norm_up():
 
 # ------------------------------------------------------------------ FP8 caching of the SwiGLU's inputs
 def _cache_model_grads() -> tuple[float, dict]:
-    """norm_up with the MoE SwiGLU's inputs cached in FP8, built as the runtime builds it."""
-    cfg = config_mod.load_config(TINY + ["parallel.recompute=norm_up", "train.precision=fp8",
-                                         "train.fp8.cache_activations=true"])
-    model = Transformer(cfg.model)
-    init_weights(model, cfg.model, seed=0)
-    apply_recompute(model, "norm_up", 1, cfg.train.fp8.cache_activations)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
-    labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
-    loss = lm_loss(model(tokens), labels, cfg.model.vocab_size)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    """norm_up with the MoE SwiGLU's inputs cached in FP8."""
+    return _loss_and_grads("norm_up", ("train.precision=fp8", "train.fp8.cache_activations=true"))
 
 
 def _rel_errors(ref: dict, got: dict) -> dict:
