@@ -294,7 +294,10 @@ def rebuilt(fn: Callable[..., Any], *args: Any) -> tuple[Any, contextlib.Abstrac
     are made again in backward), and inside ``consumers`` any op that saves one of its outputs (or a
     view of one) keeps a handle instead: the output is made again by the same rerun when read.
     So neither the region's saved tensors nor its outputs stay alive between forward and backward;
-    only its inputs do. Outside autograd (no grad) the context does nothing."""
+    only its inputs do. Outside autograd (no grad) the context does nothing. Outputs are known by
+    their storage, so the caller keeps them referenced while ``consumers`` is open (a freed
+    storage's address could come back for another tensor); model/block.py and
+    model/latent_attention.py hold them in locals across it."""
     if not torch.is_grad_enabled():
         return fn(*args), contextlib.nullcontext()
     if torch.compiler.is_compiling():  # refused with train.compile (config/validate.py)
