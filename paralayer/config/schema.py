@@ -13,8 +13,13 @@ PROFILES_DIR = REPO_ROOT / "cluster" / "profiles"
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 # swiglu: the SwiGLU activation and product; core_attn: RoPE + attention core; selective: both;
-# full: whole blocks (every parallel.recompute_every-th layer)
-RECOMPUTE = ("none", "swiglu", "core_attn", "selective", "full")
+# full: whole blocks (every parallel.recompute_every-th layer); norm_up: DeepSeek-V3's (arXiv
+# 2412.19437 §3.2.3, §3.3.3): every block's RMSNorm and MLA's latent norms and up-projections are
+# rebuilt in backward (their outputs, and the core's q, k, v made from them, are not kept), and an
+# MoE block's SwiGLU output as swiglu does ("cache the inputs of the SwiGLU operator and recompute
+# its output"); on a GQA block it is the norms and the MoE SwiGLU (there is no up-projection).
+# Refused with tp/cp > 1, compile, qk_norm, post_norms and Gated DeltaNet (config/validate.py)
+RECOMPUTE = ("none", "swiglu", "core_attn", "selective", "full", "norm_up")
 PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 # train.fp8.recipe: the scaling of the blocks' GEMM inputs (torchao's names; blockwise is DeepSeek-V3's
 # 1x128 activation tiles and 128x128 weight blocks)
@@ -202,6 +207,9 @@ class Fp8Config:
     recipe: str = "tensorwise"  # tensorwise | rowwise | blockwise
     bf16_first_blocks: int = 0  # the first N blocks (global layer index) keep their GEMMs in bf16
     bf16_last_blocks: int = 0  # the last N blocks likewise
+    # DeepSeek-V3 §3.3.3: the MoE SwiGLU's inputs, kept for its recomputed output (parallel.recompute
+    # swiglu or norm_up), stored in e4m3 with a scale per 1x128 tile (model/float8.py Fp8Tiles)
+    cache_activations: bool = False
 
 
 OPTIMIZERS = ("adamw", "muon")

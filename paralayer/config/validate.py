@@ -88,6 +88,8 @@ def validate_values(cfg: Config) -> None:
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     _check_muon(t)
     _check_qk_clip(cfg)
+    _check_norm_up(cfg)
+    _check_fp8_cache(cfg)
     if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
         raise ConfigError("train.stop_at_step", f"must be between 1 and train.steps={t.steps}, got {t.stop_at_step}")
     _choice("data.format", cfg.data.format, DATA_FORMATS)
@@ -141,3 +143,47 @@ def _check_qk_clip(cfg: Any) -> None:
     if cfg.model.qk_norm:
         raise ConfigError(field_name, "model.qk_norm normalises q and k after W_q/W_k, undoing the rescale; "
                                       "set qk_clip_tau=null (the norm already bounds the logits)")
+
+
+def _check_norm_up(cfg: Any) -> None:
+    """parallel.recompute=norm_up where it is built: one tp and cp rank (DeepSeek-V3 trains
+    without TP; under tp/cp the norms' outputs are gathered or sharded copies, not what the
+    rebuild replaces, and neither is measured), eager blocks, and models whose every norm is a
+    block's pre-norm or MLA's latent norm (qk_norm, post_norms and Gated DeltaNet's gated norm
+    are norms too, and are not rebuilt: refused rather than half done)."""
+    if cfg.parallel.recompute != "norm_up":
+        return
+    m, p = cfg.model, cfg.parallel
+    for field_name, bad, why in (
+            ("parallel.tp", p.tp != 1, "1 (tensor parallel's norms are not rebuilt)"),
+            ("parallel.cp", p.cp != 1, "1 (the ring keeps copies of q, k, v)"),
+            ("train.compile", bool(cfg.train.compile), "false (rebuilt regions are eager)"),
+            ("model.qk_norm", bool(m.qk_norm), "false (its per-head norms are not rebuilt)"),
+            ("model.post_norms", bool(m.post_norms), "false (its post-norms are not rebuilt)"),
+            ("model.linear.k_heads", m.linear.k_heads != 0, "0 (Gated DeltaNet's norm is not rebuilt)")):
+        if bad:
+            raise ConfigError(field_name, f"parallel.recompute=norm_up is built with {field_name}={why}; "
+                                          "use recompute none, swiglu, core_attn, selective or full")
+
+
+def _check_fp8_cache(cfg: Any) -> None:
+    """train.fp8.cache_activations: a boolean, with FP8 training and a recompute that keeps the MoE
+    SwiGLU's inputs (what it stores in FP8) on a model with MoE blocks."""
+    on = cfg.train.fp8.cache_activations
+    field_name = "train.fp8.cache_activations"
+    if not isinstance(on, bool):
+        raise ConfigError(field_name, f"'{on}' is not true or false")
+    if not on:
+        return
+    if cfg.train.precision != "fp8":
+        raise ConfigError(field_name, f"caches activations in FP8 under train.precision=fp8 (got "
+                                      f"'{cfg.train.precision}'); set it false or train.precision=fp8")
+    if cfg.parallel.recompute not in ("swiglu", "norm_up"):
+        raise ConfigError(field_name, "stores the MoE SwiGLU's inputs that its recomputation keeps: needs "
+                                      f"parallel.recompute swiglu or norm_up (got '{cfg.parallel.recompute}')")
+    if cfg.model.moe.num_experts == 0:
+        raise ConfigError(field_name, "caches the MoE SwiGLU's inputs: the model has no MoE block "
+                                      "(model.moe.num_experts=0)")
+    if cfg.train.compile:
+        raise ConfigError(field_name, "is not built with train.compile=true (its checkpoint keeps the inputs as "
+                                      "they are)")

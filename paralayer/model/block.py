@@ -6,6 +6,7 @@ before they join the residual: x + post_attention_norm(attn(attention_norm(x))),
 with ffn_norm / post_ffn_norm; the norms are Gemma's (1 + w) under ``model.norm_offset``."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -16,7 +17,7 @@ from paralayer.config.layer_pattern import layer_types, layer_window
 from paralayer.model.attention import Attention
 from paralayer.model.mlp import FeedForward
 from paralayer.model.norms import make_norm
-from paralayer.model.recompute import recompute
+from paralayer.model.recompute import rebuilt, recompute
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -80,6 +81,9 @@ class TransformerBlock(nn.Module):
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.feed_forward = _feed_forward(cfg, layer_id)
         self.recompute_full = False
+        #: recompute=norm_up: the block's norms rebuilt in backward (model/recompute.py rebuilt):
+        #: only their inputs stay, not their outputs, which the next GEMMs would otherwise keep
+        self.recompute_norms = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -89,9 +93,18 @@ class TransformerBlock(nn.Module):
         return self._forward(x, cos, sin, mask)
 
     def _forward(self, x, cos, sin, mask=None):
-        xn = self.attention_norm(x)
-        # by keyword: tensor parallel's input plan for the attention names its three positional inputs
-        a = self.attention(xn, cos, sin) if mask is None else self.attention(xn, cos, sin, mask=mask)
+        xn, consumers = self._norm(self.attention_norm, x)
+        with consumers:
+            # by keyword: tensor parallel's input plan for the attention names its three positional inputs
+            a = self.attention(xn, cos, sin) if mask is None else self.attention(xn, cos, sin, mask=mask)
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
-        f = self.feed_forward(self.ffn_norm(h))
+        hn, consumers = self._norm(self.ffn_norm, h)
+        with consumers:
+            f = self.feed_forward(hn)
         return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor):
+        """``(norm(x), the context its consumers run in)``: rebuilt in backward under norm_up."""
+        if self.recompute_norms:
+            return rebuilt(norm, x)
+        return norm(x), contextlib.nullcontext()

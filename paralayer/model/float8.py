@@ -37,6 +37,8 @@ import logging
 import torch
 from torch import nn
 
+from paralayer.resolve.fp8 import cache_tile
+
 
 def _import_quietly() -> None:
     """Import torchao without its CPU-build noise on every rank's console: a warning per CUDA-only
@@ -244,3 +246,32 @@ def refresh_scales(chunks: list[nn.Module]) -> None:
     for chunk in chunks:
         if getattr(chunk, "fp8_fsdp_all_gather", False):
             precompute_float8_dynamic_scale_for_fsdp(chunk)
+
+
+# ------------------------------------------------------------------ activations cached in FP8
+# train.fp8.cache_activations (DeepSeek-V3, arXiv 2412.19437 §3.3.3 "Low-Precision Activation" (2):
+# "we cache the inputs of the SwiGLU operator and recompute its output in the backward pass. These
+# activations are also stored in FP8 with our fine-grained quantization method"). What is cached:
+# the MoE SwiGLU's inputs (each routed expert's and the shared expert's gate and up), which
+# recompute swiglu / norm_up keep as the inputs of the recomputed product (model/recompute.py
+# ``recompute(..., cache=)``), as e4m3 with one fp32 scale per 1x128 tile of a row (amax / 448; a
+# row that 128 does not divide is one tile: resolve/fp8.py cache_tile); the rerun reads their
+# dequantised values, so backward sees the FP8 values while the forward is unchanged. 1 byte per
+# element plus 4 per tile (resolve/fp8.py cached_bytes, which the plan counts). Not cached: the
+# inputs of the Linear after attention (wo's), which the report keeps in E5M6, a format torch has
+# no dtype for.
+class Fp8Tiles:
+    """Pack a tensor as (e4m3 values, fp32 scale per 1xTILE tile of its last dim); unpack to its dtype."""
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = t.shape[-1]
+        w = cache_tile(k) if k else 1
+        tiles = t.detach().reshape(*t.shape[:-1], k // w if k else 0, w)
+        amax = tiles.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) if k else tiles.float()
+        scale = E4M3_MAX / amax
+        q = (tiles.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return q, scale
+
+    @staticmethod
+    def unpack(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (q.float() / scale).to(dtype).flatten(-2)

@@ -33,7 +33,7 @@ from paralayer.config import ModelConfig
 from paralayer.model.attention import AttnFn, core_for, sdpa_causal
 from paralayer.model.norms import RMSNorm
 from paralayer.model.positions import apply_rope
-from paralayer.model.recompute import recompute
+from paralayer.model.recompute import rebuilt, recompute
 
 #: the latent norms' eps: DeepSeek's code and transformers' DeepseekV3Attention build them with the
 #: RMSNorm default 1e-6, whatever rms_norm_eps says
@@ -83,6 +83,7 @@ class LatentAttention(nn.Module):
         self.window = None
         self.attn_fn: AttnFn = core_for(None)
         self.recompute_core = False
+        self.recompute_up = False  # recompute=norm_up: the latent norms and up-projections (_forward_up)
         self.max_logit = None  # QK-clip on: a paralayer.model.max_logit.MaxLogit of this rank's heads
         #: run the memory-efficient fused kernel's op whatever the device: the rehearsal of a GPU
         #: layout sets it (rehearse/rank.py), where SDPA would pick it, because on CPU the
@@ -94,6 +95,8 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
+        if self.recompute_up:
+            return self._forward_up(x, cos, sin)
         q = self.wq(x) if self.wq is not None else self.q_b(self.q_a_norm(self.q_a(x)))
         q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)
         latent, k_rot = self.kv_a(x).split([self.rank, self.rope], dim=-1)
@@ -110,7 +113,33 @@ class LatentAttention(nn.Module):
             out = self._core(q, k_nope, k_rot, v, cos, sin)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
+    def _forward_up(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """recompute=norm_up (DeepSeek-V3 §3.2.3): the latent norms, the up-projections q_b and
+        kv_b, and RoPE and the concatenation that turn their outputs into the core's q, k, v run
+        as one :func:`rebuilt` region; the core saves handles for q, k, v, and backward makes them
+        again from what stays: the latents c_q and c_kv and the rope key (q_lora_rank null: wq's
+        output, which is no up-projection, stays in place of c_q)."""
+        b, s = x.shape[:2]
+        q_src = self.wq(x) if self.wq is not None else self.q_a(x)
+        latent, k_rot = self.kv_a(x).split([self.rank, self.rope], dim=-1)
+        (q, k, v), consumers = rebuilt(self._up, q_src, latent, k_rot, cos, sin)
+        with consumers:
+            out = self._attend(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _up(self, q_src, latent, k_rot, cos, sin):
+        b, s = latent.shape[:2]
+        q = self.q_b(self.q_a_norm(q_src)) if self.wq is None else q_src
+        q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)
+        kv = self.kv_b(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return self._qkv(q, k_nope, k_rot.view(b, 1, s, self.rope), v, cos, sin)
+
     def _core(self, q, k_nope, k_rot, v, cos, sin):
+        return self._attend(*self._qkv(q, k_nope, k_rot, v, cos, sin))
+
+    def _qkv(self, q, k_nope, k_rot, v, cos, sin):
+        """The core's q, k, v: RoPE on the rope parts, the nope and rope parts joined."""
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
@@ -124,6 +153,10 @@ class LatentAttention(nn.Module):
             if torch.is_autocast_enabled(dev):
                 dt = torch.get_autocast_dtype(dev)
                 q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        return q, k, v
+
+    def _attend(self, q, k, v):
+        if self.attn_fn is sdpa_causal and self.fused_kernel:
             return aten_op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, True,
                                                                      scale=self.scale)[0]
         if self.attn_fn is sdpa_causal:  # the scale given to the kernel, as transformers does

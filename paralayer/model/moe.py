@@ -57,11 +57,11 @@ def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(gate: Tensor, up: Tensor, recomputed: bool, act=_swiglu) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, recomputed: bool, act=_swiglu, cache=None) -> Tensor:
     """silu(gate) * up (or ``act``); ``recomputed``: only gate and up are kept for backward (the
     activation is made again there), one expert width per row fewer (resolve/memory_activations.py,
     the MoE term)."""
-    return recompute(act, gate, up) if recomputed else act(gate, up)
+    return recompute(act, gate, up, cache=cache) if recomputed else act(gate, up)
 
 
 class ClampedSwiGLU:
@@ -108,9 +108,10 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(ffn_hidden, d_model, bias=False)
         self.gate = nn.Linear(d_model, 1, bias=False) if gated else None
         self.recompute_act = False  # set with the routed experts' (MoEFeedForward.recompute_expert_act)
+        self.fp8_cache = None  # set with the routed experts' (MoEFeedForward.fp8_cache)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.w2(swiglu(self.w1(x), self.w3(x), self.recompute_act))
+        y = self.w2(swiglu(self.w1(x), self.w3(x), self.recompute_act, cache=self.fp8_cache))
         return y if self.gate is None else y * torch.sigmoid(self.gate(x))
 
 
@@ -150,6 +151,9 @@ class MoEFeedForward(nn.Module):
         # recompute=swiglu (runtime/build.py apply_recompute): each expert's silu(gate)·up, and the
         # shared expert's, recomputed in backward (selective leaves the experts alone, as planned)
         self._recompute_expert_act = False
+        #: train.fp8.cache_activations (model/float8.py Fp8Tiles): the recomputed SwiGLU's inputs kept in
+        #: FP8, here and in the shared expert (runtime/build.py apply_recompute sets both)
+        self.fp8_cache = None
         if router == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(num_experts))
             # routed token-slots per expert since the last update_bias (this rank's tokens only)
@@ -247,7 +251,7 @@ class MoEFeedForward(nn.Module):
             gate, up = mm(rows, w1[e]), mm(rows, w3[e])
             if b1 is not None:
                 gate, up = gate + b1[e], up + b3[e]
-            h = swiglu(gate, up, self._recompute_expert_act, self.act_fn)
+            h = swiglu(gate, up, self._recompute_expert_act, self.act_fn, self.fp8_cache)
             outs.append(mm(h, w2[e]) if b2 is None else mm(h, w2[e]) + b2[e])
         if not outs:
             # No rows. Keep the (empty) output connected to xs and to the weights: under expert

@@ -24,6 +24,21 @@ FP8_GPUS = ("h100", "h200", "h800", "h20", "gh200", "l40", "l4", "4090", "b100",
 ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
 
 
+#: elements per fp32 scale along a row of an activation cached in FP8 (train.fp8.cache_activations;
+#: DeepSeek-V3's 1x128 tiles; model/float8.py Fp8Tiles)
+CACHE_TILE = 128
+
+
+def cache_tile(row: int) -> int:
+    """The tile along a cached row of ``row`` elements: 128 where it divides the row, else the row."""
+    return CACHE_TILE if row % CACHE_TILE == 0 else row
+
+
+def cached_bytes(row: int) -> float:
+    """Bytes per element of an activation cached in FP8: the e4m3 value and its tile's fp32 scale."""
+    return 1.0 + 4.0 / max(cache_tile(row), 1)
+
+
 def fp8_layers(cfg: Config) -> list[int]:
     """Global indices of the blocks whose GEMMs run in FP8."""
     f, n = cfg.train.fp8, cfg.model.n_layers

@@ -45,13 +45,15 @@ def resolve_device(plan: Plan) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
+def apply_recompute(model: Transformer, mode: str, every: int = 1, fp8_cache: bool = False) -> None:
     """none; swiglu: the SwiGLU activation and product (in an MoE block, each expert's and the
     shared expert's); core_attn: RoPE and the attention core; selective: both, but an MoE block's
-    experts are left alone (as the plan counts them); full: each block from its input, on layers
-    i with i % every == 0 (global index: the same layers under any pipeline split;
+    experts are left alone (as the plan counts them); norm_up (DeepSeek-V3's): every block's norms,
+    MLA's latent norms and up-projections, and the MoE blocks' SwiGLU as swiglu does; full: each
+    block from its input, on layers i with i % every == 0 (global index: the same layers under any pipeline split;
     resolve.memory.layer_recompute). The MTP depths' blocks (layer ids n_layers + k, on the last
-    chunk) are recomputed by the same rule."""
+    chunk) are recomputed by the same rule. ``fp8_cache`` (train.fp8.cache_activations, with
+    swiglu or norm_up): the MoE blocks' recomputed SwiGLU keeps its inputs in FP8 (model/float8.py Fp8Tiles)."""
     mtp = getattr(model, "mtp", None)
     blocks = list(model.layers.values()) + ([d.block for d in mtp.layers.values()] if mtp is not None else [])
     for layer in blocks:
@@ -61,8 +63,18 @@ def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
             layer.attention.recompute_core = True
         if mode in ("swiglu", "selective") and hasattr(layer.feed_forward, "recompute_act"):
             layer.feed_forward.recompute_act = True
-        if mode == "swiglu" and hasattr(layer.feed_forward, "recompute_expert_act"):  # an MoE block
+        if mode in ("swiglu", "norm_up") and hasattr(layer.feed_forward, "recompute_expert_act"):  # an MoE block
             layer.feed_forward.recompute_expert_act = True
+            if fp8_cache:
+                from paralayer.model.float8 import Fp8Tiles
+
+                layer.feed_forward.fp8_cache = Fp8Tiles()
+                if layer.feed_forward.shared is not None:
+                    layer.feed_forward.shared.fp8_cache = layer.feed_forward.fp8_cache
+        if mode == "norm_up":
+            layer.recompute_norms = True
+            if hasattr(layer.attention, "recompute_up"):  # MLA
+                layer.attention.recompute_up = True
 
 
 @dataclass
@@ -121,7 +133,8 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
             for ff in expert_blocks(chunk):
                 apply_expert_parallel(ff, meshes["ep"].get_group())
-        apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every)
+        apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every,
+                        cfg.train.fp8.cache_activations)
         if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
             compile_blocks(chunk, cfg.train.compile_backend, tp=tp, cp=cp)
     expert_names: set[str] = set()

@@ -23,6 +23,7 @@ from paralayer.resolve.cost.comm_facts import (
 )
 from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
+from paralayer.resolve.cost.norm_up_flops import norm_up_rerun_flops
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
     ACT_BYTES,
@@ -66,13 +67,16 @@ def recompute_fraction(cfg: Config, mode: str, every: int = 1, flops_per_tok: fl
     planner can weigh the recompute options against the memory they free:
     swiglu: silu(gate)·up again, ~5 element ops per f element per layer (memory-bound on GPUs,
     cheap); core_attn: the attention core's forward, 4·h·s per layer; selective: both;
-    full: one more forward (1/3) of the recomputed layers (1 in ``every``)."""
+    full: one more forward (1/3) of the recomputed layers (1 in ``every``); norm_up: the
+    up-projections' GEMMs (:func:`norm_up_rerun_flops`), the norms and the MoE SwiGLU."""
     m = cfg.model
     fpt = float(flops_per_tok or flops_per_token(cfg))
     swiglu = 5.0 * m.n_layers * m.ffn_hidden / fpt
     core = attn_core_flops_per_token(cfg) / 3.0 / fpt
     if mode == "full":
         return (1.0 / 3.0) * len(range(0, m.n_layers, max(every, 1))) / m.n_layers
+    if mode == "norm_up":
+        return sum(norm_up_rerun_flops(cfg, i) for i in range(m.n_layers)) / fpt
     return {"none": 0.0, "swiglu": swiglu, "core_attn": core, "selective": core + swiglu}[mode]
 
 
@@ -522,6 +526,8 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
             mat += 2.0 * 3 * h * m.ffn_hidden / t
         mode = layer_recompute(lay, i)
         again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
+        if mode == "norm_up":
+            again = norm_up_rerun_flops(cfg, i)
         total += 3.0 * mat + core_passes * core + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)

@@ -12,6 +12,8 @@ and fitted exactly (max error < 0.1% over 6 shapes, GQA included). Per token per
     recompute=core_attn   6h + 2h·g/a + 4f + 2 (RoPE'd q/k/v, output, lse not kept: sharded
                                                3h + 2h·g/a + 4f)
     recompute=selective   6h + 2h·g/a + 3f + 2 (both: replicated 3h + 2; sharded 3h + 2h·g/a + 3f)
+    recompute=norm_up     none's (swiglu's in an MoE block) less the norms' and MLA's up-projections'
+                                               outputs (resolve/memory/norm_up_acts.py)
     recompute=full        h                    (the layer input; one layer's "none" set is live
                                                again while it is recomputed); with
                                                recompute_every=k only layers i % k == 0, the
@@ -36,10 +38,12 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
+from paralayer.resolve.fp8 import cached_bytes
 from paralayer.resolve.memory import interleaved_flight, v_flight
 from paralayer.resolve.memory.bf16_acts import bf16_extra_elems, routed_rows_per_token
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.linear_acts import linear_saved_elems
+from paralayer.resolve.memory.norm_up_acts import norm_up_freed
 from paralayer.resolve.memory.states import (
     ACT_BYTES,
     chunk_blocks,
@@ -58,6 +62,8 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     of ``ACT_BYTES[precision]``: under bf16 what is kept in fp32 counts twice (:func:`bf16_extra_elems`).
     ``linear``: a Gated DeltaNet layer (resolve/memory/linear_acts.py) in place of the attention."""
     mode = recompute or lay.recompute
+    if mode == "norm_up":  # none's set (swiglu's in an MoE block) less what the rebuild frees
+        return act_elems_per_token(cfg, lay, moe, "swiglu" if moe else "none", linear) - norm_up_freed(cfg, lay)
     elems = _act_elems(cfg, lay, moe, mode, linear)
     if lay.precision == "bf16":
         elems += bf16_extra_elems(cfg, lay, mode, moe, linear)
@@ -107,6 +113,12 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fa
         # GPT-OSS's clamped SwiGLU keeps only gate and up whatever the mode (model/moe.py ClampedSwiGLU)
         moe_mult = 3 if mode == "swiglu" or mo.swiglu_limit is not None else 4
         moe_whole = 3 * rows * h + mo.num_experts + moe_mult * (rows * fe + mo.shared_ffn_hidden)
+        if cfg.train.fp8.cache_activations and mode in ("swiglu", "norm_up"):
+            # gate and up, the recomputed SwiGLU's inputs, kept in FP8 with a scale per tile
+            # (train.fp8.cache_activations, model/float8.py Fp8Tiles) where 2 elements each were counted
+            ab = ACT_BYTES[lay.precision]
+            widths = ((rows * fe, fe), (mo.shared_ffn_hidden, mo.shared_ffn_hidden))
+            moe_whole -= sum(2 * n * (1 - cached_bytes(w) / ab) for n, w in widths)
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
         moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows

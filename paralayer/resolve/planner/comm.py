@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from paralayer.config import Config
-from paralayer.config.schema import RECOMPUTE as RECOMPUTES
+from paralayer.config.schema import RECOMPUTE
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, rerun_seconds, tp_overlap_seconds
@@ -19,6 +19,9 @@ from paralayer.resolve.cost.split import layer_work
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import V_SCHEDULES, Layout, divisors
 
+#: the modes the planner weighs: all but norm_up, which is refused under tp and cp (axes the search
+#: spans; config/validate.py) and planned where given (--dry-run, --rehearse)
+RECOMPUTES = tuple(m for m in RECOMPUTE if m != "norm_up")
 # recompute modes with the same traffic in cost.comm: swiglu reruns no collective, selective's reruns
 # are core_attn's (the cp ring), full reruns the whole layer's
 COMM_CLASS = {"none": "none", "swiglu": "none", "core_attn": "core_attn", "selective": "core_attn", "full": "full"}

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from paralayer.config import Config
-from paralayer.config.schema import RECOMPUTE as RECOMPUTES
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import Memo
@@ -19,6 +18,7 @@ from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, 
 from paralayer.resolve.memory.activations import KINDS, layer_kind
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
+from paralayer.resolve.planner.comm import RECOMPUTES
 from paralayer.resolve.planner.types import MemPick, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 

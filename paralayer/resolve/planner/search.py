@@ -98,7 +98,7 @@ from paralayer.resolve.rules import (
 from paralayer.resolve.rules import stage_layers as make_stage_layers
 
 SCHEDULES_PP = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # config.schema.RECOMPUTE
+RECOMPUTES = ("none", "swiglu", "core_attn", "selective", "full")  # planner.comm.RECOMPUTES (no norm_up)
 MAX_VPP = 8
 
 
