@@ -148,6 +148,9 @@ MODEL_FIELDS = {
     # under tp2 (+SP), pp2, dp2·ZeRO-3, ep2, cp2 and cp2 with tp2, dp2 or pp2
     **{k: None for k in ("attn_gate", "rotary_fraction", "moe.shared_gate", "linear.chunk", "linear.conv_kernel",
                          "linear.head_k_dim", "linear.head_v_dim", "linear.k_heads", "linear.v_heads")},
+    # the HF weight layout of those layers (fused Qwen3-Next / split Qwen3.5): the same model, other names;
+    # tests/test_qwen3_5.py proves it against Qwen3_5ForCausalLM under the same axes
+    "linear.proj": None,
 }
 
 

@@ -15,13 +15,13 @@ from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import (
     chunk_facts,
-    config_cache,
     rank_facts,
     rank_layer_facts,
     recompute_facts,
     split_reruns,
 )
-from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
+from paralayer.resolve.cost.cp_ring import cp_comm
+from paralayer.resolve.cost.entry import autocast, entry, with_reruns
 from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
 from paralayer.resolve.cost.norm_up_flops import norm_up_rerun_flops
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
@@ -32,7 +32,6 @@ from paralayer.resolve.memory import (
     is_moe_layer,
     layer_recompute,
     matmul_params,
-    precision_mode,
     rank_chunks,
     routed_rows_per_token,
 )
@@ -101,12 +100,6 @@ def attn_core_flops_per_token(cfg: Config) -> float:
     return sum(layer_core_flops(cfg, i) for i in list(range(m.n_layers)) + parts.mtp_layers(cfg))
 
 
-def _entry(collective: str, message: float, count: float, group: int) -> dict:
-    message, count = int(message), int(count)
-    return {"collective": collective, "message_bytes": message, "count_per_step": count,
-            "bytes_per_step": message * count, "group_size": group}
-
-
 #: Rings per layer and microbatch under tp_overlap (parallel/tp_overlap.py): forward, backward.
 #: Forward: gather→(wq,wk,wv), wo→scatter, gather→(w1,w3), w2→scatter. Backward: each column
 #: GEMM re-gathers its input (weight grads) and reduce-scatters its input grad; each row GEMM
@@ -131,7 +124,7 @@ def tp_overlap_comm(lay: Layout, act_msg: float, n_dense: int, n_moe: int, fwd_e
     rings = sum(n * (f * (1 + fwd_extra) + b) for n, (f, b) in ((n_dense, TP_RINGS_DENSE), (n_moe, TP_RINGS_MOE)))
     plain = tp_plain_collectives(n_moe, bool(fwd_extra))
     chunk = act_msg / t
-    e = _entry("ring send/recv (fused in GEMMs)", chunk, rings * (t - 1) * mm + plain * mm, t)
+    e = entry("ring send/recv (fused in GEMMs)", chunk, rings * (t - 1) * mm + plain * mm, t)
     e["plain_bytes_per_step"] = int(plain * mm * act_msg * (t - 1) / t)
     e["bytes_per_step"] = int(rings * (t - 1) * mm * chunk) + e["plain_bytes_per_step"]
     e["wire_bytes_per_step"] = e["bytes_per_step"]
@@ -197,41 +190,11 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values())), ends),
            "pp": _pp_comm(lay, act_msg, r),
-           "cp": _cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
+           "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
         out["dp"] = _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
     return out
-
-
-def _ring_counts(cfg: Config, lay: Layout, layers: list) -> tuple[float, float, int, int]:
-    """:func:`_cp_comm`'s ring over ``layers`` per microbatch: (full-ring K/V block sends, their
-    dK/dV sends, windowed layers' forward calls with reruns, windowed layers), counted once per
-    (layers, recompute, k) on the config and times the layout's cp."""
-    cache = config_cache(cfg)  # the counts depend on the layers and the recompute alone
-    key = ("ring", tuple(layers), lay.recompute, lay.recompute_every)
-    hit = cache.get(key)
-    if hit is None:
-        # core_attn / selective recompute rerun the attention core (the ring) as full recompute
-        # does on its layers
-        rerun_all = lay.recompute in ("core_attn", "selective")
-        calls = n_ring = 0        # full-ring layers: forward calls (with reruns) and backward, layers
-        win_calls = n_win = 0     # windowed layers: forward calls (with reruns), layers
-        for i in layers:
-            kind = _ring_kind(cfg, i)
-            if kind == "linear":
-                continue
-            reruns = 1 if (rerun_all or layer_recompute(lay, i) == "full") else 0
-            if kind == "ring":
-                calls += 2 + reruns  # forward (+ rerun), backward
-                n_ring += 1          # partial dK/dV in fp32: cp hops home
-            else:
-                win_calls += 1 + reruns
-                n_win += 1
-        hit = cache[key] = (calls, n_ring, win_calls, n_win)
-    calls, n_ring, win_calls, n_win = hit
-    # in K/V blocks of the rank's 2 chunks: integers, so the products are the per-layer sums exactly
-    return 0.0 + calls * (lay.cp - 1), 0.0 + n_ring * lay.cp, win_calls, n_win
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0) -> dict:
@@ -247,28 +210,18 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
         # grad (its input grad is a local slice): one pair's volume, not two
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
-        moe_pair = 2 if _autocast(lay) else 1
+        moe_pair = 2 if autocast(lay) else 1
         pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        e = _entry("all-gather+reduce-scatter", act_msg, pairs * mm + 2 * again, lay.tp)
+        e = entry("all-gather+reduce-scatter", act_msg, pairs * mm + 2 * again, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
         e["bytes_per_step"] = int(act_msg * (pairs * mm + 2 * again))
-        return _with_reruns(e, 2 * again, act_msg * 2 * again)
+        return with_reruns(e, 2 * again, act_msg * 2 * again)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
-        e = _entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
-        return _with_reruns(e, 2 * again, act_msg * 2 * again)
-    return _entry("none", 0, 0, 1)
-
-
-def _with_reruns(e: dict, count: float, nbytes: float) -> dict:
-    """``e`` with the share of its traffic the split backwards' second reruns move (``split_reruns``):
-    ``split_rerun_count_per_step`` and ``split_rerun_bytes_per_step``, where there are any. Under
-    DualPipeV their count is set by the chunks alone, so their bytes go as the micro-batch, 1/m at a
-    fixed batch: the planner's lines (planner/comm.py) take them apart from the affine rest."""
-    if count:
-        e["split_rerun_count_per_step"], e["split_rerun_bytes_per_step"] = int(count), int(nbytes)
-    return e
+        e = entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
+        return with_reruns(e, 2 * again, act_msg * 2 * again)
+    return entry("none", 0, 0, 1)
 
 
 def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) -> tuple[float, float, int]:
@@ -284,7 +237,7 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
     stream, so these four move fp32."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
-    if _autocast(lay):
+    if autocast(lay):
         act_msg *= 4 / ACT_BYTES[lay.precision]
     m = cfg.model
     mm = lay.microbatches
@@ -296,11 +249,6 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
         norms = parts.layer_norm_count(cfg) * n_layers + int(last)
         small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
     return ends * act_msg, small, ends + n_small
-
-
-def _autocast(lay: Layout) -> bool:
-    """bf16 as autocast runs it: fp32 weights and residual stream, bf16 GEMMs (memory.precision_mode)."""
-    return precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
 
 
 def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
@@ -322,69 +270,10 @@ def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
     first or last stage has one such boundary per chunk, an interleaved middle chunk two; the V
     schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
     if lay.pp == 1:
-        return _entry("none", 0, 0, 1)
+        return entry("none", 0, 0, 1)
     transfers = chunk_facts(lay, r)[2]
-    return _entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
+    return entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
                   transfers * lay.microbatches, lay.pp)
-
-
-def _cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_full: int,
-             cp_rank: int | None = None, again: dict | None = None) -> dict:
-    """cp of :func:`comm`: the ring's K/V blocks and, in backward, the fp32 partial dK/dV. K is
-    n_kv·d_qk wide, V n_kv·d_v (MLA: every head's, nope+rope and v_head_dim). A windowed layer
-    runs parallel/window_ring.py, not the ring: each rank sends its own chunks once per forward
-    (again when recompute reruns it) straight to the ranks whose queries see them, and in
-    backward the partial dK/dV of every chunk it received goes home in fp32; no K/V moves in
-    backward (:func:`window_sends`, config/cp_window.py's definition). The figure is ``cp_rank``'s,
-    or the busiest cp rank's (the ranks differ under a window). ``again``: :func:`split_reruns`."""
-    if lay.cp == 1:
-        return _entry("none", 0, 0, 1)
-    again = again or {}
-    mm = lay.microbatches
-    kv_elems = tokens * parts.kv_heads(cfg) * (parts.qk_head_dim(cfg) + parts.v_head_dim(cfg)) / lay.tp
-    # under autocast RoPE meets the fp32 stream's cos/sin: K (and V, sent with it) travel in fp32
-    kv = kv_elems * (4 if _autocast(lay) else ab)
-    kv_full, dkv_full, win_calls, n_win = _ring_counts(cfg, lay, layers)
-    ring_again = win_again = 0
-    for i, n in again.items():
-        kind = _ring_kind(cfg, i)
-        ring_again += n if kind == "ring" else 0
-        win_again += n if kind == "window" else 0
-    # per step: the microbatches' sends and the split backwards' second reruns
-    kv_again = ring_again * (lay.cp - 1)
-    best = (0.0, kv_full * mm + kv_again, dkv_full * mm, kv_again)
-    if n_win:
-        best = None
-        for cr in (range(lay.cp) if cp_rank is None else (cp_rank,)):
-            sent, got = window_sends(cfg.model.seq_len, lay.cp, cfg.model.sliding_window, cr)
-            again_s = kv_again + sent / 2 * win_again  # chunks are half a block
-            kv_s = kv_full * mm + sent / 2 * win_calls * mm + again_s
-            dkv_s = (dkv_full + got / 2 * n_win) * mm  # the received chunks' dK/dV, fp32
-            got_bytes = kv_s * kv + dkv_s * kv_elems * 4
-            if best is None or got_bytes > best[0]:
-                best = (got_bytes, kv_s, dkv_s, again_s)
-    _, kv_sends, dkv_sends, kv_again = best
-    lin_msgs, lin_bytes = linear_cp_traffic(cfg, lay, layers, ab, cp_rank, again)  # Gated DeltaNet: states, tails
-    lin_again = (0, 0)
-    if again and lin_msgs:
-        once = linear_cp_traffic(cfg, lay, layers, ab, cp_rank)
-        lin_again = (lin_msgs - once[0], lin_bytes - once[1])
-    e = _entry("ring send/recv (K,V)" + (" + state/tail send/recv" if lin_msgs else ""), kv,
-               kv_sends + dkv_sends + lin_msgs, lay.cp)
-    e["bytes_per_step"] = int(kv_sends * kv + dkv_sends * kv_elems * 4) + lin_bytes
-    return _with_reruns(e, kv_again + lin_again[0], kv_again * kv + lin_again[1])
-
-
-def _ring_kind(cfg: Config, i: int) -> str:
-    """How layer i's attention crosses cp: "linear" (Gated DeltaNet states), "window" (the window
-    ring) or "ring" (the full ring), as :func:`_ring_counts` sorts them."""
-    m = cfg.model
-    if m.linear.k_heads != 0 and parts.is_linear_layer(cfg, i):
-        return "linear"
-    w = m.sliding_window
-    if w is None or w >= m.seq_len or parts.layer_window(cfg, i) is None:
-        return "ring"
-    return "window"
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int,
@@ -393,13 +282,13 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     rerun forward: ``again`` holds the split backwards' second ones)."""
     m = cfg.model
     if lay.ep == 1 or m.moe.num_experts == 0:
-        return _entry("none", 0, 0, 1)
+        return entry("none", 0, 0, 1)
     rows = tokens * routed_rows_per_token(cfg)  # top_k, fewer with a capacity factor < 1
     n_moe_full = recompute_facts(cfg, lay, layers)[1]
     twice = 2 * sum(n for i, n in (again or {}).items() if is_moe_layer(cfg, i))
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches + twice
-    e = _entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
-    e = _with_reruns(e, twice, e["message_bytes"] * twice)
+    e = entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+    e = with_reruns(e, twice, e["message_bytes"] * twice)
     e.update(ep_node_split(lay, e["bytes_per_step"]))
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))
     return e
@@ -411,7 +300,7 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params
     mm = lay.microbatches
     d = lay.dp * lay.cp
     if d == 1:
-        return _entry("none", 0, 0, 1)
+        return entry("none", 0, 0, 1)
     # expert grads are reduced over the dp·cp/ep expert-data ranks only: nothing when that is
     # one rank; ZeRO-1 never broadcasts them (each rank steps its own experts)
     d_exp = d // max(lay.ep, 1)
@@ -419,16 +308,16 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params
     n_bcast = dense
     ring = (d - 1) / d
     if lay.zero == 0:
-        e = _entry("all-reduce", n * gb, 1, d)
+        e = entry("all-reduce", n * gb, 1, d)
         e["wire_bytes_per_step"] = int(2 * ring * n * gb)
         e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = e["wire_bytes_per_step"], 1
     elif lay.zero == 1:
         # our ZeRO-1: one all-reduce of the grads, then each owner broadcasts its updated share (Megatron's
         # distributed optimizer reduce-scatters instead: half the grad bytes). Under bf16 autocast the weights
         # are the only copy and fp32: the broadcast moves fp32 (bf16 would leave the others' weights rounded)
-        if _autocast(lay):
+        if autocast(lay):
             wb = 4
-        e = _entry("all-reduce+broadcast", n * gb, 1 + d, d)
+        e = entry("all-reduce+broadcast", n * gb, 1 + d, d)
         e["bytes_per_step"] = int(n * gb + n_bcast * wb)
         e["wire_bytes_per_step"] = int(2 * ring * n * gb + ring * n_bcast * wb)
         e["reduce_wire_bytes_per_step"], e["reduce_count_per_step"] = int(2 * ring * n * gb), 1
@@ -442,7 +331,7 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params
         units = n_layers + lay.chunks // lay.pp
         gathers = (1 if lay.zero == 2 else 2) * (mm if (lay.pp == 1 or lay.zero == 3) else 1)
         reduces = mm
-        e = _entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
+        e = entry("all-gather+reduce-scatter", n * wb / units, (gathers + reduces) * units, d)
         e["bytes_per_step"] = int(n * (gathers * wb + reduces * gb))
         if fp8_params:
             e.update(fp8_gather_bytes(n * wb - fp8_params * (wb - 1), units, gathers, n * reduces * gb))
