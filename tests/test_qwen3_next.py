@@ -344,7 +344,7 @@ def test_rehearse_counts_the_cp_state_passes(monkeypatch):
     from paralayer import config as config_mod
     from paralayer import rehearse as R
     from paralayer.resolve import resolve
-    from paralayer.resolve.cost import terms
+    from paralayer.resolve.cost import cp_ring
 
     cfg = config_mod.load_config(["recipe=tiny-qwen3-next", "parallel.dp=1", "parallel.ep=1", "parallel.cp=2"])
     plan = resolve(cfg).to_dict()
@@ -358,7 +358,7 @@ def test_rehearse_counts_the_cp_state_passes(monkeypatch):
     assert sum(c["count"] for c in states) == 3 * 2 * out["microbatches"]
     assert rank["ratios"]["comm"]["cp"] == pytest.approx(1.0, abs=1e-9), rank["ratios"]
     assert all(rank["ratios"][k] == 1.0 for k in ("params", "grads", "optimizer")), rank["ratios"]
-    monkeypatch.setattr(terms, "linear_cp_traffic", lambda *a, **k: (0, 0))
+    monkeypatch.setattr(cp_ring, "linear_cp_traffic", lambda *a, **k: (0, 0))
     planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, rank)
     print(f"planted (no state/tail sends in the plan): cp ratio {planted['ratios']['comm']['cp']:.3f}")
     assert planted["ratios"]["comm"]["cp"] > 1.2, planted["ratios"]

@@ -51,11 +51,11 @@ def _module_of(exc: BaseException) -> str:
     tb = exc.__traceback__
     where = "?"
     while tb is not None:
-        fn = tb.tb_frame.f_code.co_filename
-        # the path inside the package (a checkout may itself sit under a folder named rehearse)
-        mod = fn.rsplit("/paralayer/", 1)[1].replace("/", ".").removesuffix(".py") if "/paralayer/" in fn else ""
-        if mod and not mod.startswith("rehearse."):
-            where = f"paralayer.{mod}:{tb.tb_lineno}"
+        # the frame's module name, not its path: a checkout may sit under a folder named rehearse or
+        # paralayer (git clone's default), which a path would take for the package
+        mod = str(tb.tb_frame.f_globals.get("__name__", ""))
+        if mod.startswith("paralayer.") and not mod.startswith("paralayer.rehearse."):
+            where = f"{mod}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where
 
