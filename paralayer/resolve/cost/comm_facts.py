@@ -85,8 +85,9 @@ def split_reruns(cfg: Config, lay: Layout, layers: list) -> dict:
     """{layer: forward reruns per step beyond one per microbatch}: a fully recomputed layer reruns
     its forward, and so its collectives (tp, the cp ring or its states, the ep all-to-alls), once
     more in the weight pass of each split backward of its chunk (memory.states.input_pass_reruns:
-    m under ZB-V, a count set by the chunk alone under DualPipeV, so the traffic stays affine in m
-    as the planner's lines take it). Empty outside the V schedules or without full recompute."""
+    m under ZB-V, affine like the rest; a count set by the chunk alone under DualPipeV, whose bytes
+    go as 1/m at a fixed batch: planner/comm.py comm_line). Empty outside the V schedules or
+    without full recompute."""
     if lay.recompute != "full" or lay.pp <= 1 or lay.schedule not in V_SCHEDULES or lay.microbatches <= 0:
         return {}
     cache, key = layout_cache(cfg, lay, ("reruns", tuple(layers), lay.recompute_every, lay.microbatches))
