@@ -10,7 +10,7 @@ saved by its own ``save_pretrained``
   the sliding layers on the global RoPE, the post norms dropped) moves them past 100× the tolerance;
 - tp2 (+SP), pp2 (1f1b and zbv), cp2, dp2·ZeRO-3, through the runtime (setup, the step's forward
   and backward, the gradient reduction): the global batch's loss and every full gradient against
-  transformers' on the same batch, 1e-5 relative;
+  transformers' on the same batch: loss 1e-5, every gradient 1e-4 relative (the issue's bounds);
 - both spellings of the RoPE in config.json read the same; what we cannot build is refused;
 - round trip: import → 2 training steps → export; transformers loads the export and its logits
   equal ours within 1e-6."""
@@ -33,11 +33,14 @@ from tests import families as fam
 from tests.dist import run_ranks, write_tokens
 
 TOL = 1e-5
-# GPT-OSS's router bias: softmax over the k chosen logits is shift-invariant, so its gradient sums
-# to 0 over the experts and each entry is a difference of per-token terms: 2.3e-5 relative between
-# transformers' order of sums and ours on one rank already (pp2, which changes nothing of the
-# order, gives the same); the issue's acceptance bound for gradients, 1e-4
-GRAD_TOL = {"gpt_oss": 1e-4}
+#: every gradient under a layout: the issue's acceptance bound, 1e-4 relative. The runtime's sums run in
+#: another order than transformers' one process (cp's chunks, tp's partial sums, dp's halves), and fp32
+#: kernels differ by machine: on an AVX-512 EPYC (7 Dec) gemma3 cp2 read 1.1e-5 (wq), gpt_oss cp2 1.1e-5
+#: (sinks), the others 2e-6 to 7e-6. GPT-OSS's router bias: softmax over the k chosen logits is
+#: shift-invariant, so its gradient sums to 0 over the experts and each entry is a difference of
+#: per-token terms (2.3e-5 between transformers' order of sums and ours). The plants still move a
+#: gradient past 100 x TOL (0.73 and 1.5).
+LAYOUT_GRAD_TOL = 1e-4
 # Qwen3's q/k norm names are written here, not taken from our map
 _LITERAL = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
             "attention.wq.weight": "self_attn.q_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight"}
@@ -244,7 +247,7 @@ def test_layouts_match_transformers(saved, tokens, layout_results, family, layou
     loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf, family)
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
-    assert loss_err < TOL and max(errs.values()) < GRAD_TOL.get(family, TOL), errs
+    assert loss_err < TOL and max(errs.values()) < LAYOUT_GRAD_TOL, errs
     if (family, layout) == ("window", "cp2"):
         for plant in CP_PLANTS:
             p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf, family)

