@@ -12,6 +12,7 @@ on the GPUs. Tests whose workers build CPU tensors by hand stay gloo-only.
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import tempfile
@@ -57,6 +58,29 @@ def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s, kind="gl
             pass
 
 
+#: imported once in the test process before a world forks, so that no rank imports them again: the
+#: launcher's fork-server preload (the runtime, the rehearsal's counters) and what train() imports
+#: lazily (DTensor's and FSDP's paths pull torch._dynamo and inductor's config, the pipeline
+#: torch.distributed.pipelining): ~1 CPU-s in each rank of each world otherwise (7 Dec: a 4-rank
+#: tp2·dp2 world spent 1.68 CPU-s per rank in its first train(), 1.1 s of it importing 329 modules)
+WARM = ("paralayer.runtime.train", "paralayer.rehearse.rank", "paralayer.rehearse.memory", "paralayer.rehearse.comm",
+        "paralayer.rehearse.flops", "paralayer.parallel.mesh", "torch._subclasses.fake_tensor", "torch._dynamo",
+        "torch.distributed.pipelining", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+        "paralayer.parallel.pipeline", "paralayer.parallel.expert", "paralayer.data.dataset", "paralayer.metrics.jsonl",
+        "paralayer.metrics.goodput", "paralayer.metrics.profile", "paralayer.metrics.rank_timing",
+        "paralayer.metrics.throughput", "paralayer.metrics.waited_for", "paralayer.metrics.peaks", "numpy.random",
+        "cProfile", "pstats")
+
+
+@functools.lru_cache(maxsize=None)
+def warm() -> None:
+    """Import :data:`WARM` in this process (once): forked ranks inherit them."""
+    import importlib
+
+    for name in WARM:
+        importlib.import_module(name)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_s: float = DEFAULT_TIMEOUT_S, pg_timeout_s: float = 60,
               backend_name: Optional[str] = None) -> list[Any]:
@@ -66,6 +90,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     ``.tolist()`` or ``.item()`` for tensors). Raises AssertionError naming the failing rank.
     """
     kind = backend_name or backend()
+    if kind != "nccl":
+        warm()
     ctx = mp.get_context("spawn" if kind == "nccl" else "fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
