@@ -25,10 +25,16 @@ from typing import Iterator
 #: What the server imports once: the runtime (runtime/train.py pulls the model, the parallel axes,
 #: the data and the metrics in with it) and the rehearsal's counters (rehearse/driver.py forks its
 #: ranks from the same server; they cost nothing more to import beside the runtime); server_exit
-#: lets the server end without tearing torch down.
+#: lets the server end without tearing torch down. The rest is what a rank's train() imports lazily:
+#: DTensor's and FSDP's first calls pull torch._dynamo (~1 CPU-s in every rank of a tiny 4-rank run,
+#: 7 Dec), the pipeline torch.distributed.pipelining; the run's health, data and metrics modules.
 PRELOAD = ("paralayer.runtime.train", "paralayer.rehearse.rank", "paralayer.rehearse.memory",
            "paralayer.rehearse.comm", "paralayer.rehearse.flops", "paralayer.parallel.mesh",
-           "torch._subclasses.fake_tensor", "paralayer.rehearse.server_exit")
+           "torch._subclasses.fake_tensor", "torch._dynamo", "torch.distributed.pipelining",
+           "torch.distributed.fsdp", "torch.distributed.elastic.multiprocessing.api",
+           "paralayer.runtime.health.run_health", "paralayer.runtime.teardown", "paralayer.data.dataset",
+           "paralayer.data.prepare", "paralayer.metrics.jsonl", "numpy.ma", "yaml", "rich.console",
+           "paralayer.rehearse.server_exit")
 MARKER = "paralayer.runtime.train"
 
 
