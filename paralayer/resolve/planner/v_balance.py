@@ -1,0 +1,147 @@
+"""The balanced V (issue 45): under zbv and dualpipev pp rank 0 holds the first chunk (the
+embedding) and the last (the final norm, the head and the MTP blocks), so with layers on both it is
+the busiest rank (deepseek-v3's published split: 1.39× the mean rank's FLOPs). Beside the split
+``cost.split.best_split`` picks, a V structure weighs up to two splits that take layers off those
+two chunks, down to 0 (``cost.split.v_end_splits``: only those whose busiest rank has fewer FLOPs);
+each layout (zero, micro-batch, recompute, tp_overlap) is listed once, with the split of the least
+predicted step (ties keep the first split), so the listing changes only where a lighter end wins.
+Torch-free."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from paralayer.resolve.cost.split import v_end_splits
+from paralayer.resolve.planner.types import Structure
+from paralayer.resolve.rules import stage_layers as make_stage_layers
+
+
+def add_variants(st: Structure, cache: dict, bound_of: Callable[[Any, float], float],
+                 optimizer_of: Callable[[Any], dict]) -> None:
+    """Give a V structure its lighter-end splits (``st.variants``) and lower ``st.bound`` to the
+    least of theirs (the group's lower bound). ``cache``: per pp, the splits (the same for every
+    structure of that depth); ``bound_of(lay, imbalance)``: search's structure bound;
+    ``optimizer_of(lay)``: Muon's step per ZeRO stage ({} under AdamW)."""
+    lay = st.lay
+    key = ("v_ends", lay.pp, lay.schedule, tuple(st.split))
+    if key not in cache:
+        work, head = st.work_head
+        cache[key] = v_end_splits(work, head, lay.pp, lay.schedule, st.split)
+    for split, imbalance in cache[key]:
+        v_lay = copy.copy(lay)
+        v_lay.stage_layers = make_stage_layers(len(st.work_head[0]), split)
+        prefix = [f"parallel.pp_layout=[{','.join(map(str, split))}]" if o.startswith("parallel.pp_layout=") else o
+                  for o in st.prefix]
+        v = Structure(v_lay, list(split), imbalance, st.spans, st.degrees, prefix, bound_of(v_lay, imbalance),
+                      least_bubble=st.least_bubble, work_head=st.work_head, optimizer_s=optimizer_of(v_lay))
+        st.variants.append(v)
+    if st.variants:
+        st.bound = min([st.bound] + [v.bound for v in st.variants])
+
+
+def group_bound(refined: Callable[[Structure], float], st: Structure) -> float:
+    """The least refined bound of a structure and its variants (a lower bound on any of them)."""
+    return min(refined(s) for s in [st] + st.variants)
+
+
+def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, mb: int, zero: int) -> bool:
+    """Whether pipeline rank 0 moves at least every other pipeline rank's dp seconds under this
+    variant at ``zero`` and micro-batch ``mb``. The step charges rank 0's dp (plan.comm's), so a
+    split that moved layers (their grads, their gathers) off rank 0 onto ranks that then move more
+    would be timed short: such a variant is not weighed (kimi-k2 under ZeRO-3 without ep read 86 s
+    where ranks 1–15 move 24× rank 0's dp bytes). Memoised per (zero, micro-batch)."""
+    from paralayer.resolve.cost import terms as cost_mod
+    from paralayer.resolve.cost.machine import comm_seconds
+
+    key = ("rank0_dp", zero, mb)
+    if key not in st.inner_memo:
+        lay = copy.copy(st.lay)
+        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = \
+            mb, gb // (lay.dp * mb), "none", zero, 1
+        secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], st.spans["dp"], mach, "dp") for r in range(lay.pp)]
+        st.inner_memo[key] = secs[0] >= max(secs) * (1 - 1e-9)
+    return st.inner_memo[key]
+
+
+def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs: list, bar: float,
+               extra: list, n_structs: int) -> None:
+    """``plan_structure`` of a structure and of each of its variants (appended to ``extra``, their
+    keys n_structs + their index there, for the rows); per layout the fastest split is kept. The
+    counts of layouts that fit (``ctx.fits``) stay per layout, not per split."""
+    if not st.variants:
+        plan_structure(ctx, key, st, recs, bar)
+        return
+    best: dict = {}
+    fits, base_keys = None, set()
+    for i, s in enumerate([st] + st.variants):
+        k = key
+        if i:
+            k = n_structs + len(extra)
+            extra.append(s)
+        sub: list = []
+        # a variant's drops are the base's layouts again: counted once, by the base
+        plan_structure(ctx if i == 0 else ctx._replace(drop=lambda *a, **kw: None), k, s, sub, bar)
+        if i == 0:
+            fits = list(ctx.fits)
+            base_keys = {(c.zero, c.mb, c.recompute, c.every, c.overlap) for c in sub}
+        for c in sub:
+            if i and not rank0_carries_dp(ctx.cfg, s, ctx.mach, ctx.tot.gb, c.mb, c.zero):
+                continue
+            lk = (c.zero, c.mb, c.recompute, c.every, c.overlap)
+            if lk not in best or c.step < best[lk].step:
+                best[lk] = c
+    ctx.fits[:] = fits  # a variant's layouts are the base's (one more where only a variant fits)
+    ctx.fits[0] += sum(1 for lk in best if lk not in base_keys)
+    recs.extend(best.values())
+
+
+__all__ = ["add_variants", "group_bound", "plan_group"]
+
+
+_WEIGHING = []  # set while the dry run times a lighter-end split (its own resolve must not weigh again)
+
+
+def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
+    """The dry run's pipeline balance (a timed plan with pp > 1): ``busiest_rank_ratio``, the FLOPs
+    of the busiest pipeline rank over the mean rank's (the head, MTP and embedding counted where
+    they sit), and under zbv / dualpipev, where a split with lighter end chunks is predicted faster
+    (and rank 0 still moves the most dp traffic: :func:`rank0_carries_dp`), ``balanced_v``
+    {pp_layout, busiest_rank_ratio, step_time_s, override}: the before and after of issue 45."""
+    import dataclasses
+
+    from paralayer.resolve import rules
+    from paralayer.resolve.cost import terms as cost_mod
+    from paralayer.resolve.cost.machine import comm_seconds, machine_for
+    from paralayer.resolve.cost.split import layer_work, rank_work
+
+    pp = plan.degrees["pp"]
+    work, head = layer_work(cfg)
+    split = [len(s) for s in plan.stage_layers]
+    total = sum(work) + head
+    out = {"busiest_rank_ratio": pp * max(rank_work(work, head, split, pp, plan.schedule)) / total}
+    if _WEIGHING or plan.extra.get("step_time_s") is None:
+        return out
+    best = None
+    _WEIGHING.append(True)
+    try:
+        for s, ratio in v_end_splits(work, head, pp, plan.schedule, split):
+            cfg_v = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_layout=list(s)))
+            from paralayer.resolve.plan import resolve
+
+            p_v = resolve(cfg_v)
+            if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
+                continue
+            lay = rules.check(cfg_v)
+            mach = machine_for(cfg_v)
+            secs = [comm_seconds(cost_mod.comm(cfg_v, lay, r)["dp"], p_v.spans["dp"], mach, "dp") for r in range(pp)]
+            if secs[0] < max(secs) * (1 - 1e-9):
+                continue  # rank 0's dp would time the step short (rank0_carries_dp)
+            t = p_v.extra["step_time_s"]
+            if t < plan.extra["step_time_s"] and (best is None or t < best["step_time_s"]):
+                best = {"pp_layout": list(s), "busiest_rank_ratio": ratio, "step_time_s": t,
+                        "override": f"parallel.pp_layout=[{','.join(map(str, s))}]"}
+    finally:
+        _WEIGHING.pop()
+    if best is not None:
+        out["balanced_v"] = best
+    return out
