@@ -361,3 +361,62 @@ def test_tp_overlap_is_refused_for_mla_and_never_planned():
     cfg = load_config(["recipe=deepseek-v3-tiny"])
     plans = planner.plan_layouts(cfg, top=200)
     assert plans and not any(d["tp_overlap"] for d in plans)
+
+
+# ------------------------------------------------------------------ a balanced V (issue 45 item 4)
+V16 = {"pp": 16, "schedule": "dualpipev"}
+
+
+def test_planner_lists_deepseek_v3s_balanced_v_once_per_layout(monkeypatch):
+    """Under dualpipev pp 16, rank 0 holds the embedding and the head + MTP: the planner weighs
+    splits with lighter end chunks (down to 0 layers) and lists each layout once, with the split of
+    the least predicted step; the top N is the exhaustive ranking's first N, and the listed numbers
+    are the resolver's. Planted: without the lighter-end splits the best layout is slower."""
+    from paralayer.resolve.planner import v_balance
+
+    cfg = load_config(["recipe=deepseek-v3"])
+    full = planner.plan_layouts(cfg, fixed=V16)
+    assert planner.plan_layouts(cfg, top=5, fixed=V16) == full[:5]
+    keys = [(tuple(d["degrees"].values()), d["zero"], d["recompute"], d["recompute_every"], d["micro_batch"],
+             d["tp_overlap"]) for d in full]
+    assert len(keys) == len(set(keys))
+    best = full[0]
+    assert 0 in (best["pp_layout"][0], best["pp_layout"][-1]), best["pp_layout"]
+    c = planner.config_for(cfg, best)
+    p = resolve(c)
+    assert not p.errors and p.fits and p.memory_per_device_bytes["total"] == best["memory"]["total"]
+    assert planner.predict(c)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+    monkeypatch.setattr(v_balance, "v_end_splits", lambda *a, **k: [])
+    plain = planner.plan_layouts(cfg, top=1, fixed=V16)[0]
+    assert 0 not in plain["pp_layout"] and plain["step_time_s"] > best["step_time_s"] * 1.01, plain["step_time_s"]
+
+
+def test_a_split_that_would_time_dp_short_is_not_weighed(monkeypatch):
+    """The step charges rank 0's dp traffic: a lighter-end split under ZeRO-3 without ep moves the
+    experts' gathers off rank 0 (kimi-k2's first layer is dense) onto ranks that then move more, and
+    would be timed several times too fast. Such a split is not weighed; planted: weighed, it wins."""
+    from paralayer.resolve.planner import v_balance
+
+    cfg = load_config(["recipe=kimi-k2"])
+    fixed = {"pp": 16, "ep": 1, "zero": 3, "schedule": "zbv", "recompute": "full"}
+    kept = planner.plan_layouts(cfg, top=1, fixed=fixed)[0]
+    assert kept["pp_layout"][-1] > 0 and kept["pp_layout"][0] > 0
+    monkeypatch.setattr(v_balance, "rank0_carries_dp", lambda *a: True)
+    short = planner.plan_layouts(cfg, top=1, fixed=fixed)[0]
+    assert 0 in short["pp_layout"] and short["step_time_s"] < 0.5 * kept["step_time_s"]
+
+
+def test_dry_run_reports_the_busiest_rank_and_a_balanced_v():
+    """deepseek-v3's published split: the busiest pipeline rank carries 1.39× the mean's FLOPs (the
+    issue's figure); the dry run names a lighter-end split with a smaller ratio and a shorter
+    predicted step, and that split resolved on its own gives the same figures."""
+    d = resolve(load_config(["recipe=deepseek-v3"])).to_dict()
+    b = d["balanced_v"]
+    assert round(d["busiest_rank_ratio"], 2) == 1.39
+    assert b["busiest_rank_ratio"] < d["busiest_rank_ratio"] - 0.1 and b["step_time_s"] < d["step_time_s"]
+    again = resolve(load_config(["recipe=deepseek-v3", b["override"]])).to_dict()
+    assert again["fits"] and not again["errors"]
+    assert again["step_time_s"] == b["step_time_s"] and again["busiest_rank_ratio"] == b["busiest_rank_ratio"]
+    assert 0 in (b["pp_layout"][0], b["pp_layout"][-1])
+    rc, out, _ = _main(["recipe=deepseek-v3", "--dry-run"])
+    assert rc == 0 and "a balanced V split" in out and "busiest pipeline rank" in out

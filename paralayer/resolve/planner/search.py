@@ -186,14 +186,14 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
             unexplored += len(structs) - key
             capped = True
             break
-        if top and len(best) >= top and v_balance.group_bound(
-                lambda s: refined_bound(ctx.cfg, ctx.mach, ctx.tot, s), st) > -best[0]:
+        refined = functools.partial(refined_bound, ctx.cfg, ctx.mach, ctx.tot)
+        if top and len(best) >= top and v_balance.group_exceeds(refined, st, -best[0]):
             unexplored += 1
             continue
         considered += 1
         n0 = len(recs)
         v_balance.plan_group(_plan_structure, ctx, key, st, recs, -best[0] if top and len(best) >= top else math.inf,
-                             extra, n_structs)
+                             extra, n_structs, refined)
         if top:
             for t in recs[n0:]:
                 if len(best) < top:

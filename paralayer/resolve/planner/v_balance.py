@@ -39,32 +39,33 @@ def add_variants(st: Structure, cache: dict, bound_of: Callable[[Any, float], fl
         st.bound = min([st.bound] + [v.bound for v in st.variants])
 
 
-def group_bound(refined: Callable[[Structure], float], st: Structure) -> float:
-    """The least refined bound of a structure and its variants (a lower bound on any of them)."""
-    return min(refined(s) for s in [st] + st.variants)
+def group_exceeds(refined: Callable[[Structure], float], st: Structure, bar: float) -> bool:
+    """Whether the refined bound of the structure and of each of its variants exceeds ``bar`` (then
+    none of their layouts can be listed; the base is asked first, the variants only if it exceeds)."""
+    return all(refined(s) > bar for s in [st] + st.variants)
 
 
-def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, mb: int, zero: int) -> bool:
+def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, zero: int) -> bool:
     """Whether pipeline rank 0 moves at least every other pipeline rank's dp seconds under this
-    variant at ``zero`` and micro-batch ``mb``. The step charges rank 0's dp (plan.comm's), so a
+    variant at ``zero`` (under a pipeline the dp traffic is once per step, whatever the micro-batch:
+    asked at micro-batch 1). The step charges rank 0's dp (plan.comm's), so a
     split that moved layers (their grads, their gathers) off rank 0 onto ranks that then move more
     would be timed short: such a variant is not weighed (kimi-k2 under ZeRO-3 without ep read 86 s
-    where ranks 1–15 move 24× rank 0's dp bytes). Memoised per (zero, micro-batch)."""
+    where ranks 1–15 move 24× rank 0's dp bytes). Memoised per zero."""
     from paralayer.resolve.cost import terms as cost_mod
     from paralayer.resolve.cost.machine import comm_seconds
 
-    key = ("rank0_dp", zero, mb)
+    key = ("rank0_dp", zero)
     if key not in st.inner_memo:
         lay = copy.copy(st.lay)
-        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = \
-            mb, gb // (lay.dp * mb), "none", zero, 1
+        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = 1, gb // lay.dp, "none", zero, 1
         secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], st.spans["dp"], mach, "dp") for r in range(lay.pp)]
         st.inner_memo[key] = secs[0] >= max(secs) * (1 - 1e-9)
     return st.inner_memo[key]
 
 
 def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs: list, bar: float,
-               extra: list, n_structs: int) -> None:
+               extra: list, n_structs: int, refined: Callable[[Structure], float]) -> None:
     """``plan_structure`` of a structure and of each of its variants (appended to ``extra``, their
     keys n_structs + their index there, for the rows); per layout the fastest split is kept. The
     counts of layouts that fit (``ctx.fits``) stay per layout, not per split."""
@@ -75,6 +76,8 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
     fits, base_keys = None, set()
     for i, s in enumerate([st] + st.variants):
         k = key
+        if i and bar < float("inf") and refined(s) > bar:
+            continue  # none of this split's layouts can be listed
         if i:
             k = n_structs + len(extra)
             extra.append(s)
@@ -85,7 +88,7 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
             fits = list(ctx.fits)
             base_keys = {(c.zero, c.mb, c.recompute, c.every, c.overlap) for c in sub}
         for c in sub:
-            if i and not rank0_carries_dp(ctx.cfg, s, ctx.mach, ctx.tot.gb, c.mb, c.zero):
+            if i and not rank0_carries_dp(ctx.cfg, s, ctx.mach, ctx.tot.gb, c.zero):
                 continue
             lk = (c.zero, c.mb, c.recompute, c.every, c.overlap)
             if lk not in best or c.step < best[lk].step:
@@ -95,7 +98,6 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
     recs.extend(best.values())
 
 
-__all__ = ["add_variants", "group_bound", "plan_group"]
 
 
 _WEIGHING = []  # set while the dry run times a lighter-end split (its own resolve must not weigh again)
@@ -145,3 +147,6 @@ def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
     if best is not None:
         out["balanced_v"] = best
     return out
+
+
+__all__ = ["add_variants", "busiest_and_balanced", "group_exceeds", "plan_group", "rank0_carries_dp"]
