@@ -58,7 +58,8 @@ def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, zero: int) -> 
     key = ("rank0_dp", zero)
     if key not in st.inner_memo:
         lay = copy.copy(st.lay)
-        lay.micro_batch, lay.microbatches, lay.recompute, lay.zero, lay.recompute_every = 1, gb // lay.dp, "none", zero, 1
+        lay.micro_batch, lay.microbatches, lay.recompute = 1, gb // lay.dp, "none"
+        lay.zero, lay.recompute_every = zero, 1
         secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], st.spans["dp"], mach, "dp") for r in range(lay.pp)]
         st.inner_memo[key] = secs[0] >= max(secs) * (1 - 1e-9)
     return st.inner_memo[key]
