@@ -392,18 +392,24 @@ def test_planner_lists_deepseek_v3s_balanced_v_once_per_layout(monkeypatch):
 
 
 def test_a_split_that_would_time_dp_short_is_not_weighed(monkeypatch):
-    """The step charges rank 0's dp traffic: a lighter-end split under ZeRO-3 without ep moves the
-    experts' gathers off rank 0 (kimi-k2's first layer is dense) onto ranks that then move more, and
-    would be timed several times too fast. Such a split is not weighed; planted: weighed, it wins."""
+    """The step charges rank 0's dp traffic: a lighter-end split under ZeRO-3 without ep can move
+    every expert gather off rank 0 (kimi-k2's first layer is dense: [1, 2, …, 2, 0] leaves rank 0
+    none) onto ranks that then move far more, and would be timed several times too fast. Neither
+    the dry run nor the planner weighs such a split; planted (the check off), the dry run offers it."""
     from paralayer.resolve.planner import v_balance
 
-    cfg = load_config(["recipe=kimi-k2"])
-    fixed = {"pp": 16, "ep": 1, "zero": 3, "schedule": "zbv", "recompute": "full"}
-    kept = planner.plan_layouts(cfg, top=1, fixed=fixed)[0]
-    assert kept["pp_layout"][-1] > 0 and kept["pp_layout"][0] > 0
-    monkeypatch.setattr(v_balance, "rank0_carries_dp", lambda *a: True)
-    short = planner.plan_layouts(cfg, top=1, fixed=fixed)[0]
-    assert 0 in short["pp_layout"] and short["step_time_s"] < 0.5 * kept["step_time_s"]
+    lo = "[" + ",".join(["1"] + ["2"] * 29 + ["1", "1"]) + "]"
+    ov = ["recipe=kimi-k2", "parallel.tp=1", "parallel.pp=16", "parallel.ep=1", "parallel.dp=32",
+          "parallel.schedule=zbv", "parallel.zero=3", "parallel.recompute=full", "train.micro_batch=4",
+          f"parallel.pp_layout={lo}"]
+    d = resolve(load_config(ov)).to_dict()
+    assert d["fits"] and "balanced_v" not in d
+    fixed = {"pp": 16, "ep": 1, "zero": 3, "schedule": "zbv", "recompute": "full", "micro_batch": 4}
+    kept = planner.plan_layouts(load_config(["recipe=kimi-k2"]), top=1, fixed=fixed)[0]
+    assert kept["step_time_s"] > 0.5 * d["step_time_s"]
+    monkeypatch.setattr(v_balance, "dp_led_by_rank0", lambda *a: True)
+    b = resolve(load_config(ov)).to_dict()["balanced_v"]
+    assert b["pp_layout"][-1] == 0 and b["step_time_s"] < 0.5 * d["step_time_s"], b
 
 
 def test_dry_run_reports_the_busiest_rank_and_a_balanced_v():

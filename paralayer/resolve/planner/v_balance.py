@@ -26,7 +26,7 @@ def add_variants(st: Structure, cache: dict, bound_of: Callable[[Any, float], fl
     key = ("v_ends", lay.pp, lay.schedule, tuple(st.split))
     if key not in cache:
         work, head = st.work_head
-        cache[key] = v_end_splits(work, head, lay.pp, lay.schedule, st.split)
+        cache[key] = v_end_splits(work, head, lay.pp, lay.schedule, st.split, keep=1)
     for split, imbalance in cache[key]:
         v_lay = copy.copy(lay)
         v_lay.stage_layers = make_stage_layers(len(st.work_head[0]), split)
@@ -36,13 +36,23 @@ def add_variants(st: Structure, cache: dict, bound_of: Callable[[Any, float], fl
                       least_bubble=st.least_bubble, work_head=st.work_head, optimizer_s=optimizer_of(v_lay))
         st.variants.append(v)
     if st.variants:
+        st.inner_memo["own_bound"] = st.bound
         st.bound = min([st.bound] + [v.bound for v in st.variants])
+
+
+def _refined(refined: Callable[[Structure], float], st: Structure) -> float:
+    """search's refined bound of one split, once per structure."""
+    if "refined" not in st.inner_memo:
+        st.inner_memo["refined"] = refined(st)
+    return st.inner_memo["refined"]
 
 
 def group_exceeds(refined: Callable[[Structure], float], st: Structure, bar: float) -> bool:
     """Whether the refined bound of the structure and of each of its variants exceeds ``bar`` (then
     none of their layouts can be listed; the base is asked first, the variants only if it exceeds)."""
-    return all(refined(s) > bar for s in [st] + st.variants)
+    if not st.variants:
+        return refined(st) > bar
+    return all(_refined(refined, s) > bar for s in [st] + st.variants)
 
 
 def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, zero: int) -> bool:
@@ -52,53 +62,70 @@ def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, zero: int) -> 
     split that moved layers (their grads, their gathers) off rank 0 onto ranks that then move more
     would be timed short: such a variant is not weighed (kimi-k2 under ZeRO-3 without ep read 86 s
     where ranks 1–15 move 24× rank 0's dp bytes). Memoised per zero."""
-    from paralayer.resolve.cost import terms as cost_mod
-    from paralayer.resolve.cost.machine import comm_seconds
-
     key = ("rank0_dp", zero)
     if key not in st.inner_memo:
         lay = copy.copy(st.lay)
         lay.micro_batch, lay.microbatches, lay.recompute = 1, gb // lay.dp, "none"
         lay.zero, lay.recompute_every = zero, 1
-        secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], st.spans["dp"], mach, "dp") for r in range(lay.pp)]
-        st.inner_memo[key] = secs[0] >= max(secs) * (1 - 1e-9)
+        st.inner_memo[key] = dp_led_by_rank0(cfg, lay, st.spans["dp"], mach)
     return st.inner_memo[key]
+
+
+def dp_led_by_rank0(cfg: Any, lay: Any, span: str, mach: Any) -> bool:
+    """Whether pipeline rank 0's dp seconds (cost.comm's, on ``span``) are at least every other
+    pipeline rank's: the planner's and the dry run's check of a lighter-end split."""
+    from paralayer.resolve.cost import terms as cost_mod
+    from paralayer.resolve.cost.machine import comm_seconds
+
+    secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], span, mach, "dp") for r in range(lay.pp)]
+    return secs[0] >= max(secs) * (1 - 1e-9)
+
+
+def _guarded(ctx: Any, st: Structure) -> Any:
+    """``ctx`` for a variant: the ZeRO stages where rank 0 still moves the most dp traffic
+    (:func:`rank0_carries_dp`; None: none), and its drops not counted (the base's layouts again)."""
+    want = ctx.fixed.get("zero", (0, 1, 2, 3))
+    want = set(want) if isinstance(want, (list, tuple, set, frozenset)) else {want}
+    zeros = [z for z in (0, 1, 2, 3) if z in want and rank0_carries_dp(ctx.cfg, st, ctx.mach, ctx.tot.gb, z)]
+    if not zeros:
+        return None
+    return ctx._replace(fixed=dict(ctx.fixed, zero=zeros), drop=lambda *a, **kw: None)
 
 
 def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs: list, bar: float,
                extra: list, n_structs: int, refined: Callable[[Structure], float]) -> None:
     """``plan_structure`` of a structure and of each of its variants (appended to ``extra``, their
-    keys n_structs + their index there, for the rows); per layout the fastest split is kept. The
-    counts of layouts that fit (``ctx.fits``) stay per layout, not per split."""
+    keys n_structs + their index there, for the rows); per layout the fastest split is kept. A split
+    whose bound exceeds ``bar`` is skipped (the group was kept for another). The counts of layouts
+    that fit (``ctx.fits``) stay per layout, not per split."""
     if not st.variants:
         plan_structure(ctx, key, st, recs, bar)
         return
     best: dict = {}
-    fits, base_keys = None, set()
+    fits, base_keys = list(ctx.fits), set()
     for i, s in enumerate([st] + st.variants):
-        k = key
-        if i and bar < float("inf") and refined(s) > bar:
+        own = s.inner_memo["own_bound"] if i == 0 else s.bound
+        if bar < float("inf") and (own > bar or _refined(refined, s) > bar):
             continue  # none of this split's layouts can be listed
+        c_ctx = ctx if i == 0 else _guarded(ctx, s)
+        if c_ctx is None:
+            continue
+        k = key
         if i:
             k = n_structs + len(extra)
             extra.append(s)
         sub: list = []
-        # a variant's drops are the base's layouts again: counted once, by the base
-        plan_structure(ctx if i == 0 else ctx._replace(drop=lambda *a, **kw: None), k, s, sub, bar)
+        plan_structure(c_ctx, k, s, sub, bar)
         if i == 0:
             fits = list(ctx.fits)
             base_keys = {(c.zero, c.mb, c.recompute, c.every, c.overlap) for c in sub}
         for c in sub:
-            if i and not rank0_carries_dp(ctx.cfg, s, ctx.mach, ctx.tot.gb, c.zero):
-                continue
             lk = (c.zero, c.mb, c.recompute, c.every, c.overlap)
             if lk not in best or c.step < best[lk].step:
                 best[lk] = c
     ctx.fits[:] = fits  # a variant's layouts are the base's (one more where only a variant fits)
     ctx.fits[0] += sum(1 for lk in best if lk not in base_keys)
     recs.extend(best.values())
-
-
 
 
 _WEIGHING = []  # set while the dry run times a lighter-end split (its own resolve must not weigh again)
@@ -113,8 +140,7 @@ def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
     import dataclasses
 
     from paralayer.resolve import rules
-    from paralayer.resolve.cost import terms as cost_mod
-    from paralayer.resolve.cost.machine import comm_seconds, machine_for
+    from paralayer.resolve.cost.machine import machine_for
     from paralayer.resolve.cost.split import layer_work, rank_work
 
     pp = plan.degrees["pp"]
@@ -134,10 +160,7 @@ def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
             p_v = resolve(cfg_v)
             if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
                 continue
-            lay = rules.check(cfg_v)
-            mach = machine_for(cfg_v)
-            secs = [comm_seconds(cost_mod.comm(cfg_v, lay, r)["dp"], p_v.spans["dp"], mach, "dp") for r in range(pp)]
-            if secs[0] < max(secs) * (1 - 1e-9):
+            if not dp_led_by_rank0(cfg_v, rules.check(cfg_v), p_v.spans["dp"], machine_for(cfg_v)):
                 continue  # rank 0's dp would time the step short (rank0_carries_dp)
             t = p_v.extra["step_time_s"]
             if t < plan.extra["step_time_s"] and (best is None or t < best["step_time_s"]):
@@ -150,4 +173,4 @@ def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
     return out
 
 
-__all__ = ["add_variants", "busiest_and_balanced", "group_exceeds", "plan_group", "rank0_carries_dp"]
+__all__ = ["add_variants", "busiest_and_balanced", "group_exceeds", "plan_group", "rank0_carries_dp", "dp_led_by_rank0"]
