@@ -371,6 +371,15 @@ def test_train_parity(tmp_path_factory, schedule, pp):
         assert all(r["bubble_measured"] is not None and r["bubble_measured"] >= 0 for r in recs)
 
 
+def test_train_parity_empty_end_chunks(tmp_path_factory):
+    """Through train(): dualpipev with pp rank 0 holding the embedding alone and the head alone (issue
+    45's balanced V), full recompute. (By hand also dp2·ZeRO-2: loss exact, grad norm 7.9e-8.)"""
+    tmp = tmp_path_factory.getbasetemp()
+    out = _e2e(tmp, ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=dualpipev", "parallel.pp_layout=[0,4,4,0]",
+                     "parallel.recompute=full"])
+    _assert_e2e_parity(out, _e2e_ref(tmp), "dualpipev-[0,4,4,0]")
+
+
 def test_train_parity_pp2_tp2_dp2(tmp_path_factory):
     tmp = tmp_path_factory.getbasetemp()
     ref = _e2e_ref(tmp)
