@@ -1,11 +1,11 @@
 """The balanced V (issue 45): under zbv and dualpipev pp rank 0 holds the first chunk (the
 embedding) and the last (the final norm, the head and the MTP blocks), so with layers on both it is
 the busiest rank (deepseek-v3's published split: 1.39× the mean rank's FLOPs). Beside the split
-``cost.split.best_split`` picks, a V structure weighs up to two splits that take layers off those
-two chunks, down to 0 (``cost.split.v_end_splits``: only those whose busiest rank has fewer FLOPs);
-each layout (zero, micro-batch, recompute, tp_overlap) is listed once, with the split of the least
-predicted step (ties keep the first split), so the listing changes only where a lighter end wins.
-Torch-free."""
+``cost.split.best_split`` picks, a V structure weighs the split that takes layers off those two
+chunks, down to 0, with the fewest busiest-rank FLOPs (``cost.split.v_end_splits``, only if below
+best_split's; the dry run times two); each layout (zero, micro-batch, recompute, tp_overlap) is
+listed once, with the split of the least predicted step (ties keep the first split), so the listing
+changes only where a lighter end wins. Torch-free."""
 from __future__ import annotations
 
 import copy
