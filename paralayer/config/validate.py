@@ -70,10 +70,10 @@ def validate_values(cfg: Config) -> None:
         raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "
                           "(recompute=full: every k-th layer recomputed)")
     if p.pp_layout is not None:
-        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
+        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 0 <= x <= 1024
                                           for x in p.pp_layout):
-            raise ConfigError("parallel.pp_layout", "must list positive layer counts (at most 1024 each), one per "
-                              "pipeline chunk (at most 1024 chunks)")
+            raise ConfigError("parallel.pp_layout", "must list layer counts from 0 to 1024 (0 only on the first or "
+                              "last chunk), one per pipeline chunk (at most 1024 chunks)")
     for name in ("global_batch", "micro_batch", "steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.warmup_steps", t.warmup_steps, 0)
