@@ -1,0 +1,156 @@
+"""Node-limited expert dispatch: a token's row crosses the network once per node it reaches.
+
+Why: DeepSeek-V3 routes a token to at most ``topk_group`` nodes and sends it once per node, then
+forwards it over NVLink to the experts there (arXiv 2412.19437 §3.2.2). The flat all-to-all of
+parallel/expert.py sends one row per routed expert, so a token with three experts on one remote
+node crosses the network three times. This file is the two-stage exchange, an option beside the
+flat one (``apply_node_dispatch``); the numbers are the flat path's up to the order of the sums.
+
+Forward, on ep rank r (node ``a``, position ``p`` among its node's ranks):
+  stage 1 (network)  each (token, destination node) pair once: the token's row goes to the rank
+                     of that node at position p (r's "rail" peer; to r itself for r's own node),
+                     with the (expert, weight) of each of the token's slots on that node
+  stage 2 (NVLink)   the peer fans each slot's row out to the rank owning its expert
+  experts            each owner runs its local experts on the rows it received
+  combine            reversed: owners send the outputs back to the peer (stage 2 reversed); the
+                     peer sums weight·output per pair, one row per (token, node); that row goes
+                     back to the token's rank (stage 1 reversed), which adds its nodes' rows.
+Every exchange is ``expert.all_to_all`` (autograd; backward = the exchange reversed) or a plain
+all_to_all_single of sizes/ids, on the ep group, whose process group carries the run's timeout.
+The router weights travel with the slots (autograd), so their gradient comes back the same way.
+
+``ep_bytes_sent`` on the module counts the token rows this rank sends (dispatch and combine,
+forward and backward) by destination: ``local`` (itself), ``intra_node``, ``inter_node`` — what
+the plan's ``comm.ep`` splits (resolve/cost/ep_bytes.py); the flat path counts the same way.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from paralayer.parallel.expert import _wire_dtype, all_to_all
+
+if TYPE_CHECKING:
+    from paralayer.model.moe import MoEFeedForward
+
+
+def nodes_of_group(group, devices_per_node: int) -> list[int]:
+    """The node of each ep rank: its global rank // devices_per_node (ranks fill nodes in order)."""
+    return [dist.get_global_rank(group, i) // max(devices_per_node, 1) for i in range(dist.get_world_size(group))]
+
+
+def byte_counter(m: MoEFeedForward) -> Optional[Callable[[list[int], int], None]]:
+    """A callback ``(send splits per ep rank, bytes per row)`` adding to ``m.ep_bytes_sent`` by
+    destination; None when the module has no node map (``m.ep_node_of``)."""
+    node_of = getattr(m, "ep_node_of", None)
+    if node_of is None:
+        return None
+    me = m.ep_rank
+    tally = m.ep_bytes_sent
+
+    def count(splits: list[int], row_bytes: int) -> None:
+        for j, rows in enumerate(splits):
+            where = "local" if j == me else "intra_node" if node_of[j] == node_of[me] else "inter_node"
+            tally[where] += rows * row_bytes
+    return count
+
+
+def set_node_map(m: MoEFeedForward, node_of: list[int]) -> None:
+    """Record which node each ep rank is on (for the byte counter and the node dispatch)."""
+    if len(node_of) != m.ep_size:
+        raise ValueError(f"node_of has {len(node_of)} entries for ep={m.ep_size}")
+    if any(b < a for a, b in zip(node_of, node_of[1:])):
+        raise ValueError(f"ep ranks must fill nodes in order, got nodes {node_of}")
+    sizes = {n: node_of.count(n) for n in node_of}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"every node must hold as many ep ranks, got {sizes}")
+    m.ep_node_of = list(node_of)
+    m.ep_bytes_sent = {"local": 0, "intra_node": 0, "inter_node": 0}
+
+
+def apply_node_dispatch(module, node_of: list[int]):
+    """Switch every expert-parallel MoE block in ``module`` to the two-stage dispatch; ``node_of``:
+    the node of each ep rank (:func:`nodes_of_group`). Returns ``module``."""
+    from paralayer.model.moe import MoEFeedForward
+    mods = [module] if isinstance(module, MoEFeedForward) else \
+        [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    for m in mods:
+        if m.ep_group is None:
+            raise RuntimeError("apply_expert_parallel first: the node dispatch splits the ep group")
+        set_node_map(m, node_of)
+        m.ep_node_dispatch = node_dispatch_forward
+    return module
+
+
+def _exchange(t: Tensor, splits: Optional[list[int]], out_splits: Optional[list[int]], group) -> Tensor:
+    """A plain (no autograd) all_to_all_single of sizes or ids."""
+    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:])) if out_splits is not None else torch.empty_like(t)
+    dist.all_to_all_single(out, t.contiguous(), out_splits, splits, group=group)
+    return out
+
+
+def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+    """``x`` (T, d) this rank's tokens; ``tokens`` (S,) the token of each routed slot, slots sorted
+    by global expert; ``weights`` (S,) their combine weights; ``counts`` (E,) slots per expert.
+    Returns Σ over each token's slots of weight · expert output, (T, d) in ``x``'s dtype."""
+    group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts
+    node_of, me, dev = m.ep_node_of, m.ep_rank, x.device
+    nodes = sorted(set(node_of))
+    per_node = ep // len(nodes)
+    node_idx = torch.tensor([nodes.index(n) for n in node_of], device=dev)  # ep rank -> node index
+    pos = me % per_node                       # this rank's position inside its node
+    peers = [i * per_node + pos for i in range(len(nodes))]  # node index -> this rank's rail peer
+    count = byte_counter(m)
+    T, N = x.shape[0], len(nodes)
+
+    # which node each slot goes to; the (token, node) pairs, sorted by node then token
+    slot_expert = torch.repeat_interleave(torch.arange(m.num_experts, device=dev), counts.to(torch.long))
+    slot_node = node_idx[slot_expert // n_local]
+    pairs, slot_pair = torch.unique(slot_node * T + tokens, return_inverse=True)
+    pair_node, pair_token = pairs // T, pairs % T
+    pairs_per_node = torch.bincount(pair_node, minlength=N)
+    slots_per_node = torch.bincount(slot_node, minlength=N)
+    by_node = torch.argsort(slot_node, stable=True)  # slots in node order (expert order inside)
+    pair_start = torch.cumsum(pairs_per_node, 0) - pairs_per_node
+
+    # sizes: to my rail peer in node n, [pairs, slots]; zero to every other rank
+    sizes = torch.zeros(ep, 2, dtype=torch.long, device=dev)
+    sizes[peers, 0], sizes[peers, 1] = pairs_per_node, slots_per_node
+    got = _exchange(sizes, None, None, group)
+    in1, out1 = sizes[:, 0].tolist(), got[:, 0].tolist()
+    in_s, out_s = sizes[:, 1].tolist(), got[:, 1].tolist()
+
+    # stage 1: one row per (token, node); each slot's (row in its pair message, expert) and weight
+    rows = all_to_all(_wire_dtype(x.index_select(0, pair_token)), out1, in1, group, on_send=count)
+    meta = torch.stack([slot_pair[by_node] - pair_start[slot_node[by_node]], slot_expert[by_node]], 1)
+    meta = _exchange(meta, in_s, out_s, group)
+    w_in = all_to_all(weights[by_node].contiguous(), out_s, in_s, group)
+    src = torch.repeat_interleave(torch.arange(ep, device=dev), torch.tensor(out_s, device=dev))
+    row_start = torch.tensor(out1, device=dev).cumsum(0) - torch.tensor(out1, device=dev)
+    slot_row = meta[:, 0] + row_start[src]    # each received slot's row in ``rows``
+    slot_exp = meta[:, 1]
+
+    # stage 2: fan out inside the node, one row per slot, to the expert's owner (expert order)
+    order2 = torch.argsort(slot_exp, stable=True)
+    in2 = torch.bincount(slot_exp[order2] // n_local, minlength=ep).tolist()
+    out2 = _exchange(torch.tensor(in2, device=dev), None, None, group).tolist()
+    xs = all_to_all(rows.index_select(0, slot_row[order2]), out2, in2, group, on_send=count)
+    exp2 = _exchange(slot_exp[order2].contiguous(), in2, out2, group) - m.expert_offset
+
+    # the local experts on rows grouped by local expert (stable: arrival order inside an expert)
+    perm = torch.argsort(exp2, stable=True)
+    per_expert = torch.bincount(exp2, minlength=n_local).tolist()
+    ys = m.experts_forward(xs.index_select(0, perm), per_expert)
+    ys = ys.index_select(0, torch.argsort(perm))
+
+    # combine: back to the peer, weighted sum per (token, node), back to the token's rank
+    back = all_to_all(ys, in2, out2, group, on_send=count)
+    weighted = back * w_in.index_select(0, order2).to(back.dtype).unsqueeze(1)
+    node_rows = torch.zeros(rows.shape[0], x.shape[1], dtype=back.dtype, device=dev)
+    node_rows = node_rows.index_add(0, slot_row[order2], weighted)
+    mine = all_to_all(node_rows, in1, out1, group, on_send=count)
+    out = torch.zeros(T, x.shape[1], dtype=mine.dtype, device=dev).index_add(0, pair_token, mine)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
