@@ -151,3 +151,73 @@ def test_a_token_sent_to_the_wrong_node_breaks_the_match():
     results = run_ranks(_rank, WORLD, True)
     worst = max(max(r[0].values()) for r in results)
     assert worst > 1e-3, worst
+
+
+# ------------------------------------------------------------------ the plan, and the rehearsal against it
+def _plan(overrides):
+    from paralayer.config import load_config
+    from paralayer.resolve import resolve
+
+    cfg = load_config(overrides)
+    return cfg, resolve(cfg)
+
+
+def test_the_plan_counts_a_token_once_per_node_at_the_published_layout():
+    """deepseek-v3 (ep 64 over 8 nodes, a group of 32 experts per node, top-8 of 4 groups): the
+    router reaches 4 nodes per token (its own code on iid scores: within 2%), so 3.5 of the flat
+    path's 7 network rows per token remain; the fan-out inside the node is the 7/8 of the 8 slots
+    that leave the forwarding rank; each priced on its link, in sequence."""
+    from paralayer.model.block import router_spec
+    from paralayer.model.routing import route
+    from paralayer.resolve.cost.machine import comm_seconds, machine_for
+
+    cfg, plan = _plan(["recipe=deepseek-v3"])
+    node = plan.comm["ep"]
+    flat = _plan(["recipe=deepseek-v3", "parallel.ep_dispatch=flat"])[1].comm["ep"]
+    assert node["dispatch"] == "node" and flat["dispatch"] == "flat"
+    assert node["nodes_per_token"] == 4.0 and node["ep_ranks_per_node"] == 8
+
+    torch.manual_seed(0)
+    experts = route(torch.randn(4096, 256), router_spec(cfg.model))[0]
+    reached = torch.tensor([len(set(row)) for row in (experts // 32).tolist()], dtype=torch.float64).mean().item()
+    assert abs(reached / node["nodes_per_token"] - 1) < 0.02, reached
+
+    row = flat["bytes_per_step"] / 8  # one row per token per exchange, a step's worth
+    assert node["inter_node_bytes_per_step"] == pytest.approx(row * 0.5 * 7, rel=1e-9)   # 4/8 of 7 other nodes
+    assert node["intra_node_bytes_per_step"] == pytest.approx(row * 8 * 7 / 8, rel=1e-9)
+    assert node["local_bytes_per_step"] == pytest.approx(row * (0.5 + 1), rel=1e-9)
+    assert node["bytes_per_step"] == node["local_bytes_per_step"] + node["intra_node_bytes_per_step"] + \
+        node["inter_node_bytes_per_step"]
+    assert node["count_per_step"] == 2 * flat["count_per_step"]  # a network and an NVLink stage
+    mach = machine_for(cfg)
+    t_node, t_flat = comm_seconds(node, "inter-node", mach, "ep"), comm_seconds(flat, "inter-node", mach, "ep")
+    lat = node["count_per_step"] * mach.latency("inter-node")
+    assert t_node == pytest.approx(lat + node["inter_node_bytes_per_step"] / mach.bandwidth("inter-node")
+                                   + node["intra_node_bytes_per_step"] / mach.bandwidth("intra-node"))
+    assert t_node < t_flat
+    print(f"deepseek-v3 ep seconds: flat {t_flat:.2f}, by node {t_node:.2f}; nodes per token: router {reached:.3f}")
+
+
+TINY_2_NODES = ["recipe=deepseek-v3-tiny", "parallel.dp=4", "parallel.ep=4", "cluster.devices_per_node=2",
+                "cluster.nodes=2", "train.precision=fp32", "model.n_layers=2", "model.mtp.depth=0"]
+
+
+@pytest.mark.parametrize("dispatch", ["node"])
+def test_the_rehearsal_sends_what_the_plan_counts_by_destination(dispatch):
+    """deepseek-v3-tiny, ep 4 over 2 nodes of 2: the rehearsal (the runtime's exchanges on fake
+    tensors, the even router) sends the rows the plan's comm.ep counts, local / NVLink / network,
+    and its ep bytes (sizes and ids included) within 5%."""
+    from paralayer import rehearse as R
+
+    cfg, plan = _plan(TINY_2_NODES + [f"parallel.ep_dispatch={dispatch}"])
+    ep = plan.comm["ep"]
+    assert ep["dispatch"] == dispatch and ep["ep_ranks_per_node"] == 2
+    out = R.rehearse(cfg, plan.to_dict(), [0, 3])
+    assert out["ok"], out.get("errors")
+    for r in out["ranks"]:
+        sent = r["ep_bytes_by_destination"]
+        for k in ("local", "intra_node", "inter_node"):
+            want = ep[f"{k}_bytes_per_step"]
+            # by node: each node gets round(T · reach) of a rank's T tokens, the plan T · reach
+            assert sent[k] == pytest.approx(want, rel=0.01 if dispatch == "node" else 1e-9), (r["rank"], k, sent, want)
+        assert abs(r["ratios"]["comm"]["ep"] - 1) < 0.05, r["ratios"]["comm"]

@@ -133,8 +133,9 @@ def test_a_middle_rank_sets_the_step_of_an_uneven_layout():
 def test_ep_bytes_by_destination():
     """The flat all-to-all's payload by destination: ep 64 over 8-GPU nodes (consecutive ranks), so 1/64
     stays on the rank, 7/64 goes over NVLink, 56/64 crosses the network; the wire time counts the
-    network's share at its bandwidth (not 63/64 of it)."""
-    cfg = load_config(DSV3)
+    network's share at its bandwidth (not 63/64 of it). (The recipe's default is the dispatch by node,
+    tests/test_expert_node.py; flat asked here.)"""
+    cfg = load_config(DSV3 + ["parallel.ep_dispatch=flat"])
     plan = resolve(cfg)
     e = plan.comm["ep"]
     b = e["bytes_per_step"]
@@ -147,6 +148,7 @@ def test_ep_bytes_by_destination():
     assert t == pytest.approx(lat + b * 56 / 64 / mach.bandwidth("inter-node"))
     one_node = resolve(load_config(DSV3 + ["parallel.ep=8"])).comm["ep"]
     assert one_node["inter_node_bytes_per_step"] == 0 and one_node["ep_ranks_per_node"] == 8
+    assert one_node["dispatch"] == "flat"  # one node: nothing to send once per node
 
 
 def test_planner_rows_agree_with_the_dry_run_under_the_overlap():

@@ -344,10 +344,13 @@ class MoEFeedForward(nn.Module):
         order = torch.cat([torch.arange(e, e + E * c, E, device=x.device) for e, c in enumerate(counts) if c]) \
             if any(counts) else torch.zeros(0, dtype=torch.long, device=x.device)
         tokens = slot_token[order]
-        xs = x.index_select(0, tokens)
-        ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
         slot_weight = weights.reshape(-1)
-        out = _combine(x, tokens, ys, slot_weight[order])
+        if getattr(self, "ep_node_dispatch", None) is not None:
+            out = self.ep_node_dispatch(self, x, tokens, slot_weight[order], counts)
+        else:
+            xs = x.index_select(0, tokens)
+            ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
+            out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)

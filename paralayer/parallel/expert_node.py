@@ -59,14 +59,9 @@ def byte_counter(m: MoEFeedForward) -> Optional[Callable[[list[int], int], None]
 
 
 def set_node_map(m: MoEFeedForward, node_of: list[int]) -> None:
-    """Record which node each ep rank is on (for the byte counter and the node dispatch)."""
+    """Record which node each ep rank is on: the rows sent are then counted by destination."""
     if len(node_of) != m.ep_size:
         raise ValueError(f"node_of has {len(node_of)} entries for ep={m.ep_size}")
-    if any(b < a for a, b in zip(node_of, node_of[1:])):
-        raise ValueError(f"ep ranks must fill nodes in order, got nodes {node_of}")
-    sizes = {n: node_of.count(n) for n in node_of}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"every node must hold as many ep ranks, got {sizes}")
     m.ep_node_of = list(node_of)
     m.ep_bytes_sent = {"local": 0, "intra_node": 0, "inter_node": 0}
 
@@ -80,7 +75,13 @@ def apply_node_dispatch(module, node_of: list[int]):
     for m in mods:
         if m.ep_group is None:
             raise RuntimeError("apply_expert_parallel first: the node dispatch splits the ep group")
-        set_node_map(m, node_of)
+        if any(b < a for a, b in zip(node_of, node_of[1:])):
+            raise ValueError(f"ep ranks must fill nodes in order, got nodes {node_of}")
+        sizes = {n: list(node_of).count(n) for n in node_of}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"every node must hold as many ep ranks, got {sizes}")
+        if getattr(m, "ep_node_of", None) != list(node_of):
+            set_node_map(m, node_of)
         m.ep_node_dispatch = node_dispatch_forward
     return module
 
@@ -96,6 +97,8 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     """``x`` (T, d) this rank's tokens; ``tokens`` (S,) the token of each routed slot, slots sorted
     by global expert; ``weights`` (S,) their combine weights; ``counts`` (E,) slots per expert.
     Returns Σ over each token's slots of weight · expert output, (T, d) in ``x``'s dtype."""
+    if isinstance(counts, list):  # the rehearsal's even routing: sizes without data
+        return _even_node_forward(m, x, weights, counts)
     group, ep, n_local = m.ep_group, m.ep_size, m.num_local_experts
     node_of, me, dev = m.ep_node_of, m.ep_rank, x.device
     nodes = sorted(set(node_of))
@@ -153,4 +156,55 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     node_rows = node_rows.index_add(0, slot_row[order2], weighted)
     mine = all_to_all(node_rows, in1, out1, group, on_send=count)
     out = torch.zeros(T, x.shape[1], dtype=mine.dtype, device=dev).index_add(0, pair_token, mine)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _even_node_forward(m: MoEFeedForward, x: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    """:func:`node_dispatch_forward` under the rehearsal's even router (fake tensors; every rank
+    routes the same ``counts``): the same exchanges with sizes known in Python. Which tokens reach a
+    node is data the rehearsal does not have: each node gets round(T · reach) of a rank's tokens,
+    ``reach`` the balanced share the plan counts (resolve/cost/ep_bytes.py); the rows it moves are
+    therefore sizes, not the router's tokens, and it refuses real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from paralayer.resolve.cost.ep_bytes import reach
+    if not isinstance(x, FakeTensor):
+        raise RuntimeError("the even node dispatch moves sizes, not tokens: it runs in the rehearsal only")
+    group, ep, n_local, node_of, me = m.ep_group, m.ep_size, m.num_local_experts, m.ep_node_of, m.ep_rank
+    nodes = sorted(set(node_of))
+    N, R, T, dev = len(nodes), ep // len(nodes), x.shape[0], x.device
+    a, pos = nodes.index(node_of[me]), me % (ep // len(nodes))
+    peers = [i * R + pos for i in range(N)]
+    spec = m.spec
+    pairs = round(T * reach(m.num_experts, m.top_k, spec.n_group, spec.topk_group, N))
+    node_slots = [sum(counts[i * R * n_local:(i + 1) * R * n_local]) for i in range(N)]
+    rank_slots = [sum(counts[j * n_local:(j + 1) * n_local]) for j in range(ep)]
+    count = byte_counter(m)
+
+    def on_peers(values: list[int]) -> list[int]:
+        out = [0] * ep
+        for i, v in enumerate(values):
+            out[peers[i]] = v
+        return out
+    in1 = out1 = on_peers([pairs] * N)
+    in_s, out_s = on_peers(node_slots), on_peers([node_slots[a]] * N)
+    in2 = [N * rank_slots[j] if j // R == a else 0 for j in range(ep)]
+    out2 = [N * rank_slots[me] if j // R == a else 0 for j in range(ep)]
+    _exchange(torch.zeros(ep, 2, dtype=torch.long, device=dev), None, None, group)   # the sizes, as training
+    rows = all_to_all(_wire_dtype(x.index_select(0, torch.arange(sum(in1), device=dev) % T)), out1, in1, group,
+                      on_send=count)
+    _exchange(torch.zeros(sum(in_s), 2, dtype=torch.long, device=dev), in_s, out_s, group)
+    w_in = all_to_all(weights.contiguous(), out_s, in_s, group)  # one weight per slot
+    _exchange(torch.zeros(ep, dtype=torch.long, device=dev), None, None, group)
+    held = torch.arange(sum(in2), device=dev) % max(sum(out1), 1)  # each held slot's row in ``rows``
+    xs = all_to_all(rows.index_select(0, held), out2, in2, group, on_send=count)
+    _exchange(torch.zeros(sum(in2), dtype=torch.long, device=dev), in2, out2, group)
+    mine = counts[m.expert_offset: m.expert_offset + n_local]
+    ys = m.experts_forward(xs, [c * ep for c in mine], sources=[[c] * ep for c in mine])
+    back = all_to_all(ys, in2, out2, group, on_send=count)
+    weighted = back * w_in.to(back.dtype).unsqueeze(1)
+    node_rows = torch.zeros(rows.shape[0], x.shape[1], dtype=back.dtype, device=dev).index_add(0, held, weighted)
+    got = all_to_all(node_rows, in1, out1, group, on_send=count)
+    out = torch.zeros(T, x.shape[1], dtype=got.dtype, device=dev)
+    out = out.index_add(0, torch.arange(sum(out1), device=dev) % T, got)
     return out if out.dtype == x.dtype else out.to(x.dtype)
