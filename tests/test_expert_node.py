@@ -95,7 +95,7 @@ def _rank(rank, world, plant):
         def shifted(x, out_splits, in_splits, group, *a, **k):
             out = real(x, out_splits, in_splits, group, *a, **k)
             calls.append(1)
-            if len(calls) % 4 == 1:  # each layer's first exchange: stage 1's rows
+            if len(calls) % 5 == 1:  # each layer's 5 (rows, weights, fan-out, back, back): stage 1's rows
                 other = [r for r in range(world) if node_of[r] != node_of[rank]]
                 for r in other:
                     lo = sum(out_splits[:r])
@@ -221,3 +221,44 @@ def test_the_rehearsal_sends_what_the_plan_counts_by_destination(dispatch):
             # by node: each node gets round(T · reach) of a rank's T tokens, the plan T · reach
             assert sent[k] == pytest.approx(want, rel=0.01 if dispatch == "node" else 1e-9), (r["rank"], k, sent, want)
         assert abs(r["ratios"]["comm"]["ep"] - 1) < 0.05, r["ratios"]["comm"]
+
+
+TRAIN = ["recipe=deepseek-v3-tiny", "train.precision=fp32", "model.init_std=0.2", "train.steps=2",
+         "train.grad_clip=1e9", "train.threads=1", "logging.wandb.mode=disabled"]
+LAYOUTS = {
+    # ep 4 over 2 nodes of 2: both stages cross something
+    "ep4-2x2": ["parallel.dp=4", "parallel.ep=4", "cluster.devices_per_node=2", "cluster.nodes=2",
+                "train.global_batch=8", "train.micro_batch=2"],
+    # DeepSeek's schedule: dualpipev with the overlapped pairs (the other half runs while each exchange
+    # is in flight), ep 2 over 2 one-rank nodes
+    "dualpipev-overlap": ["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.dp=2", "parallel.ep=2",
+                          "cluster.devices_per_node=1", "cluster.nodes=4", "train.global_batch=16",
+                          "train.micro_batch=2"],
+}
+
+
+def _train(rank, world, layout, dispatch):
+    from paralayer.runtime.train import as_plan, setup, train_step
+    from tests.dist import cfg_and_plan
+
+    cfg, plan = cfg_and_plan(TRAIN + LAYOUTS[layout] + [f"parallel.ep_dispatch={dispatch}"])
+    run = setup(cfg, as_plan(plan), None)
+    blocks = [m for c in run.built.chunks for m in c.modules() if getattr(m, "ep_group", None) is not None]
+    on = {getattr(m, "ep_node_dispatch", None) is not None for m in blocks}
+    recs = [train_step(run, s) for s in range(1, cfg.train.steps + 1)]
+    return recs, on, plan["comm"]["ep"]["dispatch"], bool(plan["pp_overlap"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_trainer_runs_the_plans_dispatch_with_the_flat_paths_losses(layout):
+    """launch's path (plan → build → train_step, MTP on): the plan's dispatch is applied to every
+    MoE block, and the steps' loss, mtp_loss and grad_norm equal the flat all-to-all's within 1e-5
+    (relative), also inside dualpipev's overlapped pairs."""
+    node = run_ranks(_train, 4, layout, "node")
+    flat = run_ranks(_train, 4, layout, "flat")
+    assert node[0][1:3] == ({True}, "node") and flat[0][1:3] == ({False}, "flat")
+    assert node[0][3] == (layout == "dualpipev-overlap")
+    last = -1  # the loss is the last pipeline rank's, reported on every rank
+    for got, want in zip(node[last][0], flat[last][0]):
+        for k in ("loss", "mtp_loss", "grad_norm"):
+            assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (k, got, want)

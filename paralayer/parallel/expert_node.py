@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from paralayer.parallel.expert import _wire_dtype, all_to_all
+from paralayer.parallel.expert import _wire_dtype, all_to_all, finish, start_all_to_all
 
 if TYPE_CHECKING:
     from paralayer.model.moe import MoEFeedForward
@@ -86,10 +86,11 @@ def apply_node_dispatch(module, node_of: list[int]):
     return module
 
 
-def _exchange(t: Tensor, splits: Optional[list[int]], out_splits: Optional[list[int]], group) -> Tensor:
-    """A plain (no autograd) all_to_all_single of sizes or ids."""
+def _exchange(t: Tensor, splits: Optional[list[int]], out_splits: Optional[list[int]], group, overlap=None,
+              label: str = "") -> Tensor:
+    """A plain (no autograd) all_to_all_single of sizes or ids (``overlap``: see expert.finish)."""
     out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:])) if out_splits is not None else torch.empty_like(t)
-    dist.all_to_all_single(out, t.contiguous(), out_splits, splits, group=group)
+    finish(start_all_to_all(out, t.contiguous(), out_splits, splits, group), overlap, label)
     return out
 
 
@@ -107,6 +108,7 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     pos = me % per_node                       # this rank's position inside its node
     peers = [i * per_node + pos for i in range(len(nodes))]  # node index -> this rank's rail peer
     count = byte_counter(m)
+    ov = getattr(m, "ep_overlap", None)  # dualpipev's overlapped pairs: the other half runs meanwhile
     T, N = x.shape[0], len(nodes)
 
     # which node each slot goes to; the (token, node) pairs, sorted by node then token
@@ -122,15 +124,15 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     # sizes: to my rail peer in node n, [pairs, slots]; zero to every other rank
     sizes = torch.zeros(ep, 2, dtype=torch.long, device=dev)
     sizes[peers, 0], sizes[peers, 1] = pairs_per_node, slots_per_node
-    got = _exchange(sizes, None, None, group)
+    got = _exchange(sizes, None, None, group, ov, "sizes")
     in1, out1 = sizes[:, 0].tolist(), got[:, 0].tolist()
     in_s, out_s = sizes[:, 1].tolist(), got[:, 1].tolist()
 
     # stage 1: one row per (token, node); each slot's (row in its pair message, expert) and weight
-    rows = all_to_all(_wire_dtype(x.index_select(0, pair_token)), out1, in1, group, on_send=count)
+    rows = all_to_all(_wire_dtype(x.index_select(0, pair_token)), out1, in1, group, ov, "node dispatch", count)
     meta = torch.stack([slot_pair[by_node] - pair_start[slot_node[by_node]], slot_expert[by_node]], 1)
-    meta = _exchange(meta, in_s, out_s, group)
-    w_in = all_to_all(weights[by_node].contiguous(), out_s, in_s, group)
+    meta = _exchange(meta, in_s, out_s, group, ov, "slots")
+    w_in = all_to_all(weights[by_node].contiguous(), out_s, in_s, group, ov, "weights")
     src = torch.repeat_interleave(torch.arange(ep, device=dev), torch.tensor(out_s, device=dev))
     row_start = torch.tensor(out1, device=dev).cumsum(0) - torch.tensor(out1, device=dev)
     slot_row = meta[:, 0] + row_start[src]    # each received slot's row in ``rows``
@@ -139,9 +141,9 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     # stage 2: fan out inside the node, one row per slot, to the expert's owner (expert order)
     order2 = torch.argsort(slot_exp, stable=True)
     in2 = torch.bincount(slot_exp[order2] // n_local, minlength=ep).tolist()
-    out2 = _exchange(torch.tensor(in2, device=dev), None, None, group).tolist()
-    xs = all_to_all(rows.index_select(0, slot_row[order2]), out2, in2, group, on_send=count)
-    exp2 = _exchange(slot_exp[order2].contiguous(), in2, out2, group) - m.expert_offset
+    out2 = _exchange(torch.tensor(in2, device=dev), None, None, group, ov, "fan-out sizes").tolist()
+    xs = all_to_all(rows.index_select(0, slot_row[order2]), out2, in2, group, ov, "fan-out", count)
+    exp2 = _exchange(slot_exp[order2].contiguous(), in2, out2, group, ov, "experts") - m.expert_offset
 
     # the local experts on rows grouped by local expert (stable: arrival order inside an expert)
     perm = torch.argsort(exp2, stable=True)
@@ -150,11 +152,11 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     ys = ys.index_select(0, torch.argsort(perm))
 
     # combine: back to the peer, weighted sum per (token, node), back to the token's rank
-    back = all_to_all(ys, in2, out2, group, on_send=count)
+    back = all_to_all(ys, in2, out2, group, ov, "fan-in", count)
     weighted = back * w_in.index_select(0, order2).to(back.dtype).unsqueeze(1)
     node_rows = torch.zeros(rows.shape[0], x.shape[1], dtype=back.dtype, device=dev)
     node_rows = node_rows.index_add(0, slot_row[order2], weighted)
-    mine = all_to_all(node_rows, in1, out1, group, on_send=count)
+    mine = all_to_all(node_rows, in1, out1, group, ov, "node combine", count)
     out = torch.zeros(T, x.shape[1], dtype=mine.dtype, device=dev).index_add(0, pair_token, mine)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
