@@ -226,9 +226,10 @@ def test_the_rehearsal_sends_what_the_plan_counts_by_destination(dispatch):
 TRAIN = ["recipe=deepseek-v3-tiny", "train.precision=fp32", "model.init_std=0.2", "train.steps=2",
          "train.grad_clip=1e9", "train.threads=1", "logging.wandb.mode=disabled"]
 LAYOUTS = {
-    # ep 4 over 2 nodes of 2: both stages cross something
+    # ep 4 over 2 nodes of 2: both stages cross something. top_k 4 = 2·topk_group, where the plan's
+    # nodes per token (cost/ep_bytes.reach: the chosen groups' nodes) is the router's own, 5/3
     "ep4-2x2": ["parallel.dp=4", "parallel.ep=4", "cluster.devices_per_node=2", "cluster.nodes=2",
-                "train.global_batch=8", "train.micro_batch=2"],
+                "train.global_batch=8", "train.micro_batch=2", "model.moe.top_k=4"],
     # DeepSeek's schedule: dualpipev with the overlapped pairs (the other half runs while each exchange
     # is in flight), ep 2 over 2 one-rank nodes
     "dualpipev-overlap": ["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.dp=2", "parallel.ep=2",
@@ -246,7 +247,8 @@ def _train(rank, world, layout, dispatch):
     blocks = [m for c in run.built.chunks for m in c.modules() if getattr(m, "ep_group", None) is not None]
     on = {getattr(m, "ep_node_dispatch", None) is not None for m in blocks}
     recs = [train_step(run, s) for s in range(1, cfg.train.steps + 1)]
-    return recs, on, plan["comm"]["ep"]["dispatch"], bool(plan["pp_overlap"])
+    return recs, on, plan["comm"]["ep"]["dispatch"], bool(plan["pp_overlap"]), dict(run.comm.bytes_sent), \
+        {k: plan["comm"]["ep"][f"{k}_bytes_per_step"] * cfg.train.steps for k in ("local", "intra_node", "inter_node")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -258,6 +260,12 @@ def test_the_trainer_runs_the_plans_dispatch_with_the_flat_paths_losses(layout):
     flat = run_ranks(_train, 4, layout, "flat")
     assert node[0][1:3] == ({True}, "node") and flat[0][1:3] == ({False}, "flat")
     assert node[0][3] == (layout == "dualpipev-overlap")
+    for name, out in (("node", node), ("flat", flat)):  # the comm trace's ep rows against the plan's
+        sent = {k: sum(r[4].get(f"ep.{k}", 0) for r in out) for k in ("local", "intra_node", "inter_node")}
+        plan = {k: sum(r[5][k] for r in out) for k in sent}
+        print(layout, name, "trace / plan:", {k: round(sent[k] / plan[k], 4) for k in sent if plan[k]})
+        if layout == "ep4-2x2":  # the real router at init, 4 ranks × 2 steps × 256 tokens: within 5%
+            assert all(abs(sent[k] / plan[k] - 1) < 0.05 for k in sent), (name, sent, plan)
     last = -1  # the loss is the last pipeline rank's, reported on every rank
     for got, want in zip(node[last][0], flat[last][0]):
         for k in ("loss", "mtp_loss", "grad_norm"):

@@ -21,7 +21,8 @@ The router weights travel with the slots (autograd), so their gradient comes bac
 
 ``ep_bytes_sent`` on the module counts the token rows this rank sends (dispatch and combine,
 forward and backward) by destination: ``local`` (itself), ``intra_node``, ``inter_node`` — what
-the plan's ``comm.ep`` splits (resolve/cost/ep_bytes.py); the flat path counts the same way.
+the plan's ``comm.ep`` splits (resolve/cost/ep_bytes.py); the flat path counts the same way, and a
+run's comm trace (parallel/comm_trace.py) holds the sums as ``bytes_sent["ep.<where>"]``.
 """
 from __future__ import annotations
 
@@ -50,11 +51,14 @@ def byte_counter(m: MoEFeedForward) -> Optional[Callable[[list[int], int], None]
         return None
     me = m.ep_rank
     tally = m.ep_bytes_sent
+    trace = getattr(m, "ep_trace", None)  # the run's CommTrace (runtime/train.py): ep.<where> in bytes_sent
 
     def count(splits: list[int], row_bytes: int) -> None:
         for j, rows in enumerate(splits):
             where = "local" if j == me else "intra_node" if node_of[j] == node_of[me] else "inter_node"
             tally[where] += rows * row_bytes
+            if trace is not None and rows:
+                trace.sent("ep", where, rows * row_bytes)
     return count
 
 
