@@ -150,7 +150,8 @@ def test_node_dispatch_matches_flat_and_sends_once_per_node():
 def test_a_token_sent_to_the_wrong_node_breaks_the_match():
     results = run_ranks(_rank, WORLD, True)
     worst = max(max(r[0].values()) for r in results)
-    assert worst > 1e-3, worst
+    print("planted: worst relative error", worst)
+    assert worst > 1e-3, worst  # 100 times the tolerance the match is held to
 
 
 # ------------------------------------------------------------------ the plan, and the rehearsal against it
@@ -212,7 +213,7 @@ def test_the_rehearsal_sends_what_the_plan_counts_by_destination(dispatch):
     cfg, plan = _plan(TINY_2_NODES + [f"parallel.ep_dispatch={dispatch}"])
     ep = plan.comm["ep"]
     assert ep["dispatch"] == dispatch and ep["ep_ranks_per_node"] == 2
-    out = R.rehearse(cfg, plan.to_dict(), [0, 3])
+    out = R.rehearse(cfg, plan.to_dict(), [3])  # the last rank, on the second node
     assert out["ok"], out.get("errors")
     for r in out["ranks"]:
         sent = r["ep_bytes_by_destination"]

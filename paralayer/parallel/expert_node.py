@@ -98,6 +98,22 @@ def _exchange(t: Tensor, splits: Optional[list[int]], out_splits: Optional[list[
     return out
 
 
+class _AddRows(torch.autograd.Function):
+    """``n`` zero rows, ``src[i]`` added into row ``index[i]``; backward reads ``grad[index]``. Plain
+    index_add would keep ``src`` for its backward too: a row per (token, node) that the flat path
+    does not keep (the plan's activations count the flat path's, resolve/memory/activations.py)."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, n: int) -> Tensor:
+        ctx.save_for_backward(index)
+        return src.new_zeros((n,) + tuple(src.shape[1:])).index_add_(0, index, src)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
     """``x`` (T, d) this rank's tokens; ``tokens`` (S,) the token of each routed slot, slots sorted
     by global expert; ``weights`` (S,) their combine weights; ``counts`` (E,) slots per expert.
@@ -161,7 +177,7 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     node_rows = torch.zeros(rows.shape[0], x.shape[1], dtype=back.dtype, device=dev)
     node_rows = node_rows.index_add(0, slot_row[order2], weighted)
     mine = all_to_all(node_rows, in1, out1, group, ov, "node combine", count)
-    out = torch.zeros(T, x.shape[1], dtype=mine.dtype, device=dev).index_add(0, pair_token, mine)
+    out = _AddRows.apply(mine, pair_token, T)  # each token's nodes' rows summed
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -211,6 +227,5 @@ def _even_node_forward(m: MoEFeedForward, x: Tensor, weights: Tensor, counts: li
     weighted = back * w_in.to(back.dtype).unsqueeze(1)
     node_rows = torch.zeros(rows.shape[0], x.shape[1], dtype=back.dtype, device=dev).index_add(0, held, weighted)
     got = all_to_all(node_rows, in1, out1, group, on_send=count)
-    out = torch.zeros(T, x.shape[1], dtype=got.dtype, device=dev)
-    out = out.index_add(0, torch.arange(sum(out1), device=dev) % T, got)
+    out = _AddRows.apply(got, torch.arange(sum(out1), device=dev) % T, T)
     return out if out.dtype == x.dtype else out.to(x.dtype)
