@@ -149,13 +149,17 @@ def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
     run.sched.step()
 
 
-def _ep_bytes(run: Any) -> dict:
-    """The MoE blocks' ``ep_bytes_sent`` (parallel/expert_node.py) summed: {local, intra_node, inter_node}."""
+def _ep_bytes(run: Any, reset: bool = False) -> dict:
+    """The MoE blocks' ``ep_bytes_sent`` (parallel/expert_node.py) summed: {local, intra_node,
+    inter_node}; ``reset``: and zero them."""
     total: dict = {}
     for chunk in run.built.chunks:
         for mod in chunk.modules():
-            for k, v in (getattr(mod, "ep_bytes_sent", None) or {}).items():
+            sent = getattr(mod, "ep_bytes_sent", None) or {}
+            for k, v in sent.items():
                 total[k] = total.get(k, 0) + int(v)
+                if reset:
+                    sent[k] = 0
     return total
 
 
@@ -189,6 +193,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             counter = CollectiveCounter(group_axes(meshes, {g.group_name: a for a, g in extra.items()}),
                                         group_sizes(meshes, extra))
             counter.dp_names = {meshes[a].get_group().group_name for a in ("dp_cp", "dp")}
+            _ep_bytes(run, reset=True)  # the pipeline stages' shape inference ran the MoE blocks at build
             saved = rmem.SavedPeak([*run.built.params, tokens, labels])
             flops = LocalFlopCounter(fake_mode)
             with flops, saved, counter:
