@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from paralayer.parallel.expert import _wire_dtype, all_to_all, finish, start_all_to_all
+from paralayer.parallel import expert
+from paralayer.parallel.expert import _wire_dtype, all_to_all
 
 if TYPE_CHECKING:
     from paralayer.model.moe import MoEFeedForward
@@ -94,7 +95,8 @@ def _exchange(t: Tensor, splits: Optional[list[int]], out_splits: Optional[list[
               label: str = "") -> Tensor:
     """A plain (no autograd) all_to_all_single of sizes or ids (``overlap``: see expert.finish)."""
     out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:])) if out_splits is not None else torch.empty_like(t)
-    finish(start_all_to_all(out, t.contiguous(), out_splits, splits, group), overlap, label)
+    # through expert.start_all_to_all, as every expert all-to-all (benchmarks/ep_overlap.py delays them there)
+    expert.finish(expert.start_all_to_all(out, t.contiguous(), out_splits, splits, group), overlap, label)
     return out
 
 
