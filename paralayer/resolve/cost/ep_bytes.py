@@ -38,9 +38,10 @@ def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, coun
     sends a token once per node and forwards it over NVLink); without groups that bound is
     min(top_k, N) nodes. ``inter_node_bytes_per_step_bound`` is that bound on this rank's
     inter-node all-to-all payload (dispatch, combine, forward, backward: ``count`` as the entry's);
-    our all-to-all sends each of the top_k rows (``bytes_per_step``), so the bound is what a
-    deduplicating dispatch would move, and ``nodes_per_token_max`` the figure routing by group
-    guarantees. Empty when the ep group stays inside one node."""
+    the flat all-to-all sends each of the top_k rows, so the bound is what a deduplicating dispatch
+    would move at most (parallel.ep_dispatch=node moves :func:`node_dispatch_split`'s expected
+    share), and ``nodes_per_token_max`` the figure routing by group guarantees. Empty when the ep
+    group stays inside one node."""
     m = cfg.model
     mo = m.moe
     nodes = -(-lay.ep // max(lay.devices_per_node, 1))
