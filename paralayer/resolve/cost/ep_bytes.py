@@ -77,8 +77,9 @@ def reach(E: int, k: int, n_group: int, topk_group: int, nodes: int) -> float:
     """P(a token's k experts include one on a given node), the ep group over ``nodes`` nodes of
     E/nodes experts each, with the routing balanced: the router picks topk_group of the n_group
     groups alike (when the nodes hold whole groups), then k experts among theirs: one at least in
-    each chosen group when k ≥ 2·topk_group (below), else alike (hypergeometric). ``nodes`` × this is the expected number of distinct nodes per token; the
-    rehearsal's router (parallel/expert_node.py) sends a rank's tokens to each node in this share."""
+    each chosen group when k ≥ 2·topk_group (below), else alike (hypergeometric). ``nodes`` × this
+    is the expected number of distinct nodes per token; the rehearsal's router
+    (parallel/expert_node.py) sends a rank's tokens to each node in this share."""
     if nodes <= 1:
         return 1.0
     if not (n_group > 1 and n_group % nodes == 0):  # k experts alike among all E
