@@ -293,10 +293,12 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     twice = 2 * sum(n for i, n in (again or {}).items() if is_moe_layer(cfg, i))
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches + twice
     if node_dispatch_on(cfg, lay):
-        # two exchanges of rows where the flat path has one (parallel/expert_node.py, cost/ep_bytes.py)
+        # two exchanges of rows where the flat path has one (parallel/expert_node.py, cost/ep_bytes.py);
+        # a pipeline rank without MoE layers exchanges nothing
         split = node_dispatch_split(cfg, lay, tokens, ab, count)
-        e = entry("all-to-all", split["bytes_per_step"] / (2 * count), 2 * count, lay.ep)
-        e = with_reruns(e, 2 * twice, split["bytes_per_step"] * twice / count)
+        per = split["bytes_per_step"] / count if count else 0.0
+        e = entry("all-to-all", per / 2, 2 * count, lay.ep)
+        e = with_reruns(e, 2 * twice, per * twice)
         e.update(split)
     else:
         e = entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
