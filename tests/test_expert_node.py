@@ -262,11 +262,13 @@ def test_the_trainer_runs_the_plans_dispatch_with_the_flat_paths_losses(layout):
     assert node[0][1:3] == ({True}, "node") and flat[0][1:3] == ({False}, "flat")
     assert node[0][3] == (layout == "dualpipev-overlap")
     for name, out in (("node", node), ("flat", flat)):  # the comm trace's ep rows against the plan's
+        if layout != "ep4-2x2":  # (under pp the plan's comm is pipeline rank 0's, not every rank's)
+            continue
         sent = {k: sum(r[4].get(f"ep.{k}", 0) for r in out) for k in ("local", "intra_node", "inter_node")}
         plan = {k: sum(r[5][k] for r in out) for k in sent}
         print(layout, name, "trace / plan:", {k: round(sent[k] / plan[k], 4) for k in sent if plan[k]})
-        if layout == "ep4-2x2":  # the real router at init, 4 ranks × 2 steps × 256 tokens: within 5%
-            assert all(abs(sent[k] / plan[k] - 1) < 0.05 for k in sent), (name, sent, plan)
+        # the real router at init, 4 ranks × 2 steps × 256 tokens: within 5%
+        assert all(abs(sent[k] / plan[k] - 1) < 0.05 for k in sent), (name, sent, plan)
     last = -1  # the loss is the last pipeline rank's, reported on every rank
     for got, want in zip(node[last][0], flat[last][0]):
         for k in ("loss", "mtp_loss", "grad_norm"):
