@@ -88,6 +88,15 @@ def _rank(rank, world, plant):
         apply_expert_parallel(layer, dist.group.WORLD)
     expert_node.apply_node_dispatch(node, node_of)
 
+    seen_sources = {"flat": [], "node": []}  # the rows per token rank each expert GEMM runs apart (FP8)
+    for name, mdl in (("flat", flat), ("node", node)):
+        for m in mdl.modules():
+            if getattr(m, "ep_group", None) is not None:
+                def record(xs, counts, sources=None, _run=m.experts_forward, _into=seen_sources[name]):
+                    _into.append([sorted(c for c in per if c) for per in sources])
+                    return _run(xs, counts, sources=sources)
+                m.experts_forward = record
+
     if plant:  # rows that crossed to the other node arrive shifted by one token
         real = expert_node.all_to_all
         calls = []
@@ -110,6 +119,8 @@ def _rank(rank, world, plant):
     for name, g in grads_f.items():
         errs[name] = ((grads_n[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
     assert set(grads_n) == set(grads_f)
+    if not plant:  # (planted, the next layers route other tokens)
+        assert seen_sources["node"] == seen_sources["flat"] and seen_sources["flat"]
 
     def sent(mdl):
         tot = {"local": 0, "intra_node": 0, "inter_node": 0}

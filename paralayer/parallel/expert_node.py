@@ -116,6 +116,17 @@ class _AddRows(torch.autograd.Function):
         return grad.index_select(0, index), None, None
 
 
+def _sources(experts: Tensor, src: Tensor, n_local: int, ep: int) -> list[list[int]]:
+    """Rows per token rank of each local expert, in row order (``experts``, ``src``: each row's local
+    expert and token rank, grouped by expert): what ``experts_forward`` runs an FP8 GEMM over apart,
+    as the flat path does (model/moe.py ``sources``)."""
+    out: list[list[int]] = [[] for _ in range(n_local)]
+    runs, sizes = torch.unique_consecutive(experts * ep + src, return_counts=True)
+    for key, n in zip(runs.tolist(), sizes.tolist()):
+        out[key // ep].append(n)
+    return out
+
+
 def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
     """``x`` (T, d) this rank's tokens; ``tokens`` (S,) the token of each routed slot, slots sorted
     by global expert; ``weights`` (S,) their combine weights; ``counts`` (E,) slots per expert.
@@ -165,12 +176,14 @@ def node_dispatch_forward(m: MoEFeedForward, x: Tensor, tokens: Tensor, weights:
     in2 = torch.bincount(slot_exp[order2] // n_local, minlength=ep).tolist()
     out2 = _exchange(torch.tensor(in2, device=dev), None, None, group, ov, "fan-out sizes").tolist()
     xs = all_to_all(rows.index_select(0, slot_row[order2]), out2, in2, group, ov, "fan-out", count)
-    exp2 = _exchange(slot_exp[order2].contiguous(), in2, out2, group, ov, "experts") - m.expert_offset
+    meta2 = _exchange(torch.stack([slot_exp, src], 1)[order2].contiguous(), in2, out2, group, ov, "experts")
+    exp2, src2 = meta2[:, 0] - m.expert_offset, meta2[:, 1]
 
-    # the local experts on rows grouped by local expert (stable: arrival order inside an expert)
+    # the local experts on rows grouped by local expert (stable: arrival order inside an expert, so
+    # each token rank's rows stay together: they all came through its one peer in this node)
     perm = torch.argsort(exp2, stable=True)
     per_expert = torch.bincount(exp2, minlength=n_local).tolist()
-    ys = m.experts_forward(xs.index_select(0, perm), per_expert)
+    ys = m.experts_forward(xs.index_select(0, perm), per_expert, sources=_sources(exp2[perm], src2[perm], n_local, ep))
     ys = ys.index_select(0, torch.argsort(perm))
 
     # combine: back to the peer, weighted sum per (token, node), back to the token's rank
