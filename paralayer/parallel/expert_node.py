@@ -235,7 +235,7 @@ def _even_node_forward(m: MoEFeedForward, x: Tensor, weights: Tensor, counts: li
     _exchange(torch.zeros(ep, dtype=torch.long, device=dev), None, None, group)
     held = torch.arange(sum(in2), device=dev) % max(sum(out1), 1)  # each held slot's row in ``rows``
     xs = all_to_all(rows.index_select(0, held), out2, in2, group, on_send=count)
-    _exchange(torch.zeros(sum(in2), dtype=torch.long, device=dev), in2, out2, group)
+    _exchange(torch.zeros(sum(in2), 2, dtype=torch.long, device=dev), in2, out2, group)  # (expert, token rank)
     mine = counts[m.expert_offset: m.expert_offset + n_local]
     ys = m.experts_forward(xs, [c * ep for c in mine], sources=[[c] * ep for c in mine])
     back = all_to_all(ys, in2, out2, group, on_send=count)
