@@ -205,8 +205,8 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
         if c["collective"] == "none":
             t.add_row(ax, "-", "-", "-", "-")
         else:
-            t.add_row(ax, c["collective"], _bytes(c["message_bytes"]), f"{c['count_per_step']:,}",
-                      _bytes(c["bytes_per_step"]))
+            kind = c["collective"] + (" (by node)" if c.get("dispatch") == "node" else "")  # parallel/expert_node.py
+            t.add_row(ax, kind, _bytes(c["message_bytes"]), f"{c['count_per_step']:,}", _bytes(c["bytes_per_step"]))
     con.print(t)
 
     for src in (d.get("data") or {}).get("sources", []):  # resolve/data_plan.py

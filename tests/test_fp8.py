@@ -158,6 +158,9 @@ LAYOUTS = {
     "dp2-zero3": (["parallel.dp=2", "parallel.zero=3"], []),
     # the experts' GEMMs in FP8, once per sending rank (model/moe.py); dropless top-2 of 4
     "ep2": (["parallel.dp=2", "parallel.ep=2"], ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0"]),
+    # the same over 2 one-rank nodes, sent by node (parallel/expert_node.py): each token rank's rows apart
+    "ep2-by-node": (["parallel.dp=2", "parallel.ep=2", "cluster.devices_per_node=1", "cluster.nodes=2",
+                     "parallel.ep_dispatch=node"], ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0"]),
 }
 #: blockwise tiles 128 wide: K, N and the tokens of a sequence multiples of 128 (tp and cp refused)
 BLOCKWISE = ["train.fp8.recipe=blockwise", "model.d_model=128", "model.ffn_hidden=128", "model.seq_len=128"]

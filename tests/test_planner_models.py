@@ -295,10 +295,13 @@ def test_mtp_lives_on_the_last_stage():
 def test_group_routing_bounds_the_inter_node_dispatch():
     """deepseek-v3 at its layout: ep 64 spans 8 nodes, one group of 32 experts per node; a token
     reaches at most topk_group = 4 nodes, so the deduplicated inter-node dispatch is 4/8 of the
-    top-8 rows our all-to-all sends. Without groups the bound is min(top_k, nodes) = 8."""
-    ep = _plan(["recipe=deepseek-v3"]).comm["ep"]
+    top-8 rows the flat all-to-all sends. Without groups the bound is min(top_k, nodes) = 8. The
+    dispatch by node (the recipe's default, parallel/expert_node.py) sends within the bound."""
+    ep = _plan(["recipe=deepseek-v3", "parallel.ep_dispatch=flat"]).comm["ep"]
     assert ep["ep_nodes"] == 8 and ep["nodes_per_token_max"] == 4
     assert ep["inter_node_bytes_per_step_bound"] / ep["bytes_per_step"] == pytest.approx(4 / 8)
+    node = _plan(["recipe=deepseek-v3"]).comm["ep"]
+    assert node["dispatch"] == "node" and node["inter_node_bytes_per_step"] <= node["inter_node_bytes_per_step_bound"]
     flat = _plan(["recipe=deepseek-v3", "model.moe.n_group=1", "model.moe.topk_group=1"]).comm["ep"]
     assert flat["nodes_per_token_max"] == 8
     assert flat["inter_node_bytes_per_step_bound"] == flat["bytes_per_step"]

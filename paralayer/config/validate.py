@@ -11,6 +11,7 @@ from paralayer.config.schema import (
     COMPILE_BACKENDS,
     DATA_FORMATS,
     DEVICES,
+    EP_DISPATCH,
     FP8_RECIPES,
     MUON_ADJUST_LR,
     OPTIMIZERS,
@@ -65,6 +66,8 @@ def validate_values(cfg: Config) -> None:
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.zero", p.zero, (0, 1, 2, 3))
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if p.ep_dispatch is not None:
+        _choice("parallel.ep_dispatch", p.ep_dispatch, EP_DISPATCH)
     if isinstance(p.recompute_every, bool) or not isinstance(p.recompute_every, int) \
             or not 1 <= p.recompute_every <= 1024:
         raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "

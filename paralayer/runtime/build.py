@@ -133,6 +133,15 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
             for ff in expert_blocks(chunk):
                 apply_expert_parallel(ff, meshes["ep"].get_group())
+            # each ep rank's node: the rows sent are counted by destination (``ep_bytes_sent``), and
+            # under the plan's dispatch by node they travel once per node (parallel/expert_node.py)
+            from paralayer.parallel.expert_node import apply_node_dispatch, nodes_of_group, set_node_map
+
+            node_of = nodes_of_group(meshes["ep"].get_group(), plan.devices_per_node)
+            for ff in expert_blocks(chunk):
+                set_node_map(ff, node_of)
+                if (plan.comm.get("ep") or {}).get("dispatch") == "node":
+                    apply_node_dispatch(ff, node_of)
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every,
                         cfg.train.fp8.cache_activations)
         if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
