@@ -165,7 +165,8 @@ def plan_section(cfg: Config, lay) -> dict | None:
             "base_precision_parts": ["attention core", "norms", "router", "embedding", "head", "mtp"]}
 
 
-def layer_gemm_shapes(cfg: Config, tp: int, tokens: float, moe_layer: bool) -> list[tuple[str, float, float, float, int]]:
+def layer_gemm_shapes(cfg: Config, tp: int, tokens: float,
+                      moe_layer: bool) -> list[tuple[str, float, float, float, int]]:
     """(name, M, K, N, count) of one block's FP8 GEMMs on a rank: attention and the dense MLP at M =
     ``tokens``; a MoE block's experts at M = tokens · top_k / experts each (the mean routing)."""
     m = cfg.model
