@@ -83,3 +83,20 @@ def test_a_planted_fp8_gather_of_the_experts_fails(rehearsed, monkeypatch):
                         lambda *a: [("x" + s[0], *s[1:]) for s in real(*a)])  # no name starts "experts"
     got = _misses(_replanned(case))
     assert "params" in got and "dp" in got, got
+
+
+def test_the_rehearsal_runs_an_fp8_plan_in_fp8_inside_its_base_precision():
+    """A GPU plan: FP8 in bf16 (train.fp8.base_precision); a CPU plan: FP8 in fp32; bf16 stays bf16."""
+    import torch
+
+    from paralayer.rehearse.driver import rehearsal_config
+    from paralayer.runtime import precision
+
+    for extra, base in ((["cluster=h800-80gb-8x", "parallel.dp=auto", "train.global_batch=32"], "bf16"),
+                        ([], "fp32")):
+        cfg = config_mod.load_config(["recipe=deepseek-v3-tiny", "train.precision=fp8"] + extra)
+        run_cfg = rehearsal_config(cfg, resolve(cfg).to_dict())[0]
+        assert run_cfg.train.precision == "fp8" and run_cfg.train.fp8.base_precision == base, extra
+        assert precision.run_precision(run_cfg, torch.device("cpu")) == base
+    cfg = config_mod.load_config(["recipe=deepseek-v3-tiny", "train.precision=bf16"])
+    assert rehearsal_config(cfg, resolve(cfg).to_dict())[0].train.precision == "bf16"
