@@ -18,10 +18,12 @@ from paralayer.resolve.memory import autocast
 
 BASE = ["recipe=deepseek-v3-tiny", "cluster=h800-80gb-8x", "model.mla.qk_rope_head_dim=16", "parallel.dp=auto",
         "train.global_batch=32", "model.n_layers=2", "model.mtp.depth=0", "train.precision=fp8",
-        "parallel.recompute=swiglu", "train.fp8.cache_activations=true"]
-#: ZeRO-1: fp32 weights under autocast, the FP8 blocks' Linear weights without a bf16 copy;
+        "train.fp8.cache_activations=true"]
+#: ZeRO-1: fp32 weights under autocast; the MoE block in FP8 (its Linear weights without a bf16
+#: copy), the dense block kept bf16 under norm_up (its q_b and kv_b copies made in backward only);
 #: ZeRO-2: FSDP gathers the Float8Linear weights in FP8 (1 byte) and the routed experts in bf16
-CASES = {"zero1": ["parallel.zero=1"], "zero2": ["parallel.zero=2"]}
+CASES = {"zero1": ["parallel.zero=1", "parallel.recompute=norm_up", "train.fp8.bf16_first_blocks=1"],
+         "zero2": ["parallel.zero=2", "parallel.recompute=swiglu"]}
 STATES = ("params", "grads", "optimizer")
 
 
@@ -62,7 +64,7 @@ def test_fp8_plan_agrees_with_its_fp8_rehearsal(rehearsed, name):
     assert r["ratios"]["comm"]["ep"] == pytest.approx(1, abs=0.01)  # the dispatch sends bf16 rows
     # the rehearsal ran FP8 in bf16: the plan's autocast copies are the router's and experts' only
     # (ZeRO-1), and the rank's gathered weights are fewer bytes than a bf16 plan's (ZeRO-2)
-    bf16 = config_mod.load_config(BASE[:-3] + ["train.precision=bf16"] + CASES[name])
+    bf16 = config_mod.load_config(BASE[:-2] + ["train.precision=bf16"] + [x for x in CASES[name] if "fp8" not in x])
     assert r["memory_bytes"]["params"] < resolve(bf16).to_dict()["memory_per_device_bytes"]["params"], name
 
 
@@ -71,6 +73,13 @@ def test_a_planted_copy_of_the_fp8_weights_fails(rehearsed, monkeypatch):
     case = rehearsed["zero1"]
     assert not _misses(_replanned(case))
     monkeypatch.setattr(autocast, "fp8_copy_terms", autocast.autocast_copy_terms)
+    assert "params" in _misses(_replanned(case))
+
+
+def test_a_planted_norm_up_copy_held_fails(rehearsed, monkeypatch):
+    """norm_up's rebuilt up-projections (the bf16 block's q_b, kv_b) counted as held all step: a miss."""
+    case = rehearsed["zero1"]
+    monkeypatch.setattr(autocast, "norm_up_copies", lambda cfg, lay: 0.0)
     assert "params" in _misses(_replanned(case))
 
 

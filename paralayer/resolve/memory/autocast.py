@@ -83,6 +83,18 @@ def fp8_copy_terms(cfg: Config, lay: Layout) -> tuple[float, ...]:
             lin_dense - lin - ffn, lin_moe - lin - shared if m.moe.num_experts else 0.0)
 
 
+def norm_up_copies(cfg: Config, lay: Layout) -> float:
+    """Weight elements of an MLA block's up-projections (q_b, kv_b after tp) whose autocast copies
+    recompute=norm_up makes in backward only (model/latent_attention.py ``_up``, a rebuilt region);
+    0 without MLA. Measured without pp: deepseek-v3-tiny norm_up bf16 params 0.960 of the plan before (7 Dec)."""
+    a, m = cfg.model.mla, cfg.model
+    if a.kv_lora_rank <= 0:
+        return 0.0
+    heads = m.n_heads / lay.tp
+    q_b = a.q_lora_rank * heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) if a.q_lora_rank else 0.0
+    return q_b + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+
+
 def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     """Weight elements of pipeline rank r whose bf16 copy autocast keeps (:func:`autocast_copy_terms`;
     0 unless bf16 runs under autocast, :func:`precision_mode`)."""
@@ -104,8 +116,16 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
         transient = max(sum(c * k for c, k in zip(counts, kinds)) for counts in chunk_kind_counts(cfg, lay, r))
         return n + ((head if (lay.chunks - 1) in chunks else 0.0) + transient)
     n, transient = 0.0, 0.0
+    up = norm_up_copies(cfg, lay)
     for i in rank_layers(cfg, lay, r):  # the MTP blocks too, on the last chunk's rank
-        if layer_recompute(lay, i) != "full":
+        if layer_recompute(lay, i) == "norm_up" and i not in fp8 and lay.pp == 1:
+            # norm_up rebuilds q_b's and kv_b's outputs in backward: their copies live while that
+            # layer's backward runs, as a fully recomputed layer's do (an FP8 block makes none).
+            # Under pp the step is one autocast region, whose cache keeps the forward's copy for the
+            # rerun and the rest of the step: held (pp2 dualpipev rehearsed 1.000 so counted)
+            n += kinds_of(i)[layer_kind(cfg, i)] - up
+            transient = max(transient, up)
+        elif layer_recompute(lay, i) != "full":
             n += kinds_of(i)[layer_kind(cfg, i)]
         else:
             # a fully recomputed layer casts again in backward: its copies live while its
