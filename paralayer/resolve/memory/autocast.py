@@ -107,7 +107,7 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     def kinds_of(i: int) -> list:
         return fp8_kinds if i in fp8 else base_kinds
 
-    kinds = base_kinds  # the pipeline chunks' transient sums below take the base terms
+    kinds = base_kinds  # a V chunk's transient sum below takes the base terms (an FP8 chunk's are fewer)
     chunks = rank_chunks(lay, r)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES and lay.recompute == "full":
         # a split backward keeps a chunk's recomputed copies together, beside the head's copy
@@ -121,8 +121,8 @@ def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
         if layer_recompute(lay, i) == "norm_up" and i not in fp8 and lay.pp == 1:
             # norm_up rebuilds q_b's and kv_b's outputs in backward: their copies live while that
             # layer's backward runs, as a fully recomputed layer's do (an FP8 block makes none).
-            # Under pp the step is one autocast region, whose cache keeps the forward's copy for the
-            # rerun and the rest of the step: held (pp2 dualpipev rehearsed 1.000 so counted)
+            # Under pp the step is one autocast region, whose cache keeps some of them: counted held
+            # there, as before (bf16 pp2 dualpipev rank 0 reads 0.988 so, 1.024 with none held)
             n += kinds_of(i)[layer_kind(cfg, i)] - up
             transient = max(transient, up)
         elif layer_recompute(lay, i) != "full":
