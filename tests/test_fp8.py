@@ -281,6 +281,7 @@ def test_experts_scaled_over_every_sender_fail(monkeypatch, references):
      "parallel.ep=1"),
     (["train.fp8.recipe=blockwise"], "train.precision", "multiples of 128"),
     (["train.fp8.recipe=rowwise", "parallel.cp=2"], "train.fp8.recipe", "valid with cp > 1"),
+    (["train.fp8.base_precision=fp16"], "train.fp8.base_precision", "auto, bf16, fp32"),
 ])
 def test_bad_fp8_input_exits_2_with_one_line(extra, field, words):
     r = subprocess.run([sys.executable, "launch.py", "recipe=tiny", "train.precision=fp8", "parallel.tp=1",

@@ -215,6 +215,9 @@ class Fp8Config:
     # DeepSeek-V3 §3.3.3: the MoE SwiGLU's inputs, kept for its recomputed output (parallel.recompute
     # swiglu or norm_up), stored in e4m3 with a scale per 1x128 tile (model/float8.py Fp8Tiles)
     cache_activations: bool = False
+    # the precision around the FP8 GEMMs (auto: bf16 on GPUs, fp32 on CPU); --rehearse sets the
+    # plan's (bf16 for a GPU plan) so that its CPU run keeps a GPU's dtypes (resolve/rules.py)
+    base_precision: str = "auto"  # auto | bf16 | fp32
 
 
 OPTIMIZERS = ("adamw", "muon")

@@ -84,6 +84,7 @@ def validate_values(cfg: Config) -> None:
     _positive("train.threads", t.threads, 0)
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
+    _choice("train.fp8.base_precision", t.fp8.base_precision, ("auto", "bf16", "fp32"))
     for name in ("bf16_first_blocks", "bf16_last_blocks"):
         n = getattr(t.fp8, name)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m.n_layers:

@@ -104,6 +104,8 @@ def resolve_precision(cfg: Config, device: str) -> str:
     p = cfg.train.precision
     if p not in ("auto", "fp8"):
         return p
+    if p == "fp8" and cfg.train.fp8.base_precision != "auto":
+        return cfg.train.fp8.base_precision  # --rehearse: a GPU plan's bf16 on this CPU
     return "bf16" if device == "cuda" else "fp32"
 
 

@@ -400,11 +400,12 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
     tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
-    copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
+    copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None  # fp8 too: bf16 base
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
     flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
-        states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
+        states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero),
+                             fp8_plan.fp8_copies_fn(cfg, lay) if copy_terms else None)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
         rope = table_bytes(cfg, tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)
