@@ -205,8 +205,8 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
         if c["collective"] == "none":
             t.add_row(ax, "-", "-", "-", "-")
         else:
-            t.add_row(ax, c["collective"], _bytes(c["message_bytes"]), f"{c['count_per_step']:,}",
-                      _bytes(c["bytes_per_step"]))
+            kind = c["collective"] + (" (by node)" if c.get("dispatch") == "node" else "")  # parallel/expert_node.py
+            t.add_row(ax, kind, _bytes(c["message_bytes"]), f"{c['count_per_step']:,}", _bytes(c["bytes_per_step"]))
     con.print(t)
 
     for src in (d.get("data") or {}).get("sources", []):  # resolve/data_plan.py
@@ -235,6 +235,12 @@ def _time_rows(t: Any, d: dict, cfg: Any) -> None:
                   f"the rest {s['other_s']:.3g} s; {d['fp8_gain']:.3f}× the bf16 step ({d['bf16_step_time_s']:.3g} s)")
     if d.get("step_rank") is not None and len(d.get("rank_step_time_s") or ()) > 1:
         t.add_row("slowest pipeline rank (sets the step)", f"rank {d['step_rank']}")
+    if d.get("busiest_rank_ratio") is not None:
+        t.add_row("busiest pipeline rank's FLOPs / the mean", f"{d['busiest_rank_ratio']:.3f}")
+    if d.get("balanced_v"):  # a V with lighter end chunks, predicted faster (planner/v_balance.py)
+        b = d["balanced_v"]
+        t.add_row("a balanced V split", f"step {b['step_time_s']:.3g} s, busiest rank {b['busiest_rank_ratio']:.3f}× "
+                  f"the mean: {b['override']}")
     ov = d.get("comm_overlap") or {}
     for ax in ("tp", "pp", "cp", "ep"):
         o = ov.get(ax)

@@ -38,6 +38,9 @@ BROKEN = [
     (["parallel.pp=3", "parallel.dp=1"], "parallel.pp"),
     (["parallel.pp=2", "parallel.pp_layout=[1,2]", "parallel.dp=1"], "parallel.pp_layout"),
     (["parallel.pp=2", "parallel.pp_layout=[1,1,2]", "parallel.dp=1"], "parallel.pp_layout"),
+    # an empty middle chunk (only the embedding's and the head's chunks may hold 0 layers)
+    (["parallel.pp=2", "parallel.schedule=zbv", "parallel.pp_layout=[2,0,2,0]", "parallel.dp=1"], "parallel.pp_layout"),
+    (["parallel.pp=2", "parallel.pp_layout=[-1,5]", "parallel.dp=1"], "parallel.pp_layout"),
     # vpp with the schedule
     (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.dp=1"], "parallel.vpp"),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=1f1b", "parallel.dp=1"], "parallel.vpp"),

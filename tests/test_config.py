@@ -100,6 +100,7 @@ def test_unknown_recipe_and_profile_list_choices():
     ("data.path=x-${oc.decode:'1'}", "data.path", "not a plain reference"),
     ("model.d_model=${model.nope}", "model.d_model", "not found"),
     ("parallel.pp_layout=${model}", "parallel.pp_layout", ""),
+    ("parallel.ep_dispatch=nodes", "parallel.ep_dispatch", "flat, node"),
 ])
 def test_bad_values_rejected_naming_the_field(ov, field, says):
     with pytest.raises(ConfigError) as exc:

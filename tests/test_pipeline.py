@@ -42,10 +42,10 @@ def _batch(step: int, m: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def _plan(pp: int, schedule: str, m: int, vpp: int = 1, n_layers: int = LAYERS) -> dict:
+def _plan(pp: int, schedule: str, m: int, vpp: int = 1, n_layers: int = LAYERS, layout=None) -> dict:
     return {"degrees": {"pp": pp, "vpp": pl.chunks_per_rank(schedule, vpp), "tp": 1, "dp": 1, "cp": 1, "ep": 1},
             "microbatches": m, "schedule": schedule,
-            "stage_layers": pl.default_stage_layers(n_layers, pp, vpp, schedule)}
+            "stage_layers": pl.default_stage_layers(n_layers, pp, vpp, schedule, layout)}
 
 
 def _reference(m: int, steps: int = STEPS):
@@ -69,9 +69,12 @@ def _reference(m: int, steps: int = STEPS):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pp_worker(rank: int, world: int, schedule: str, m: int, vpp: int, steps: int):
+def _pp_worker(rank: int, world: int, schedule: str, m: int, vpp: int, steps: int, layout=None, plant=False):
     cfg = _cfg()
-    plan = _plan(world, schedule, m, vpp)
+    plan = _plan(world, schedule, m, vpp, layout=layout)
+    if plant:  # a planted error: the two middle chunks' layers run in the wrong order
+        sl = plan["stage_layers"]
+        sl[1], sl[2] = sl[2], sl[1]
     with torch.device("meta"):
         model = Transformer(cfg)
     chunks = pl.split_model(model, plan, rank)
@@ -117,10 +120,15 @@ CASES = [("gpipe", 2, 1, 4), ("1f1b", 2, 1, 4), ("interleaved", 2, 2, 4), ("zbv"
          ("dualpipev", 4, 2, 8)]
 
 
+#: zero-layer chunks where the embedding or the head sit (issue 45: a balanced V): rank 0 holds the
+#: embedding alone and the head alone (zbv), or the embedding alone beside a 3-layer last chunk
+EMPTY_END = [("zbv", 2, 2, 4, (0, 4, 4, 0)), ("dualpipev", 2, 2, 4, (0, 3, 2, 3))]
+
+
 @pytest.mark.parametrize("schedule,pp,vpp,m", CASES, ids=[f"{c[0]}-pp{c[1]}" for c in CASES])
-def test_parity_with_one_process(schedule, pp, vpp, m):
+def test_parity_with_one_process(schedule, pp, vpp, m, layout=None):
     ref_losses, ref_grads, ref_params = _ref(m)
-    out = run_ranks(_pp_worker, pp, schedule, m, vpp, STEPS)
+    out = run_ranks(_pp_worker, pp, schedule, m, vpp, STEPS, layout)
     # every pp rank returns the same (broadcast) loss
     for r in out[1:]:
         assert r["losses"] == out[0]["losses"]
@@ -143,6 +151,17 @@ def test_parity_with_one_process(schedule, pp, vpp, m):
         assert len([a for a in acts if a[0] == "F"]) == m * n_local_chunks
 
 
+@pytest.mark.parametrize("schedule,pp,vpp,m,layout", EMPTY_END, ids=[f"{c[0]}-{c[4]}" for c in EMPTY_END])
+def test_parity_empty_end_chunks(schedule, pp, vpp, m, layout):
+    test_parity_with_one_process(schedule, pp, vpp, m, layout)
+
+
+def test_parity_empty_end_chunks_planted_error_fails():
+    schedule, pp, vpp, m, layout = EMPTY_END[1]
+    out = run_ranks(_pp_worker, pp, schedule, m, vpp, 1, layout, True)
+    assert abs(out[0]["losses"][0] - _ref(m)[0][0]) > 1e-3 * abs(_ref(m)[0][0]), out[0]["losses"]
+
+
 # ------------------------------------------------------------------ layout helpers
 def test_layout_helpers():
     assert pl.auto_balance(6, 4) == [1, 2, 2, 1]
@@ -152,6 +171,9 @@ def test_layout_helpers():
     assert pl.default_stage_layers(6, 2, 1, "1f1b", pp_layout=[4, 2]) == [[0, 1, 2, 3], [4, 5]]
     with pytest.raises(ValueError):
         pl.default_stage_layers(6, 2, 1, "1f1b", pp_layout=[4, 3])
+    assert pl.default_stage_layers(4, 2, 1, "zbv", pp_layout=[0, 2, 2, 0]) == [[], [0, 1], [2, 3], []]
+    with pytest.raises(ValueError):  # only the end chunks may be empty
+        pl.default_stage_layers(4, 2, 1, "zbv", pp_layout=[2, 0, 2, 0])
     assert pl.rank_chunks(0, 2, 4, "zbv") == [0, 3] and pl.rank_chunks(1, 2, 4, "zbv") == [1, 2]
     assert pl.rank_chunks(1, 2, 4, "interleaved") == [1, 3]
     with torch.device("meta"):
@@ -347,6 +369,15 @@ def test_train_parity(tmp_path_factory, schedule, pp):
     _assert_e2e_parity(out, ref, (schedule, pp))
     for recs in out:
         assert all(r["bubble_measured"] is not None and r["bubble_measured"] >= 0 for r in recs)
+
+
+def test_train_parity_empty_end_chunks(tmp_path_factory):
+    """Through train(): dualpipev with pp rank 0 holding the embedding alone and the head alone (issue
+    45's balanced V), full recompute. (By hand also dp2·ZeRO-2: loss exact, grad norm 7.9e-8.)"""
+    tmp = tmp_path_factory.getbasetemp()
+    out = _e2e(tmp, ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=dualpipev", "parallel.pp_layout=[0,4,4,0]",
+                     "parallel.recompute=full"])
+    _assert_e2e_parity(out, _e2e_ref(tmp), "dualpipev-[0,4,4,0]")
 
 
 def test_train_parity_pp2_tp2_dp2(tmp_path_factory):

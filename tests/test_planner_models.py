@@ -295,10 +295,13 @@ def test_mtp_lives_on_the_last_stage():
 def test_group_routing_bounds_the_inter_node_dispatch():
     """deepseek-v3 at its layout: ep 64 spans 8 nodes, one group of 32 experts per node; a token
     reaches at most topk_group = 4 nodes, so the deduplicated inter-node dispatch is 4/8 of the
-    top-8 rows our all-to-all sends. Without groups the bound is min(top_k, nodes) = 8."""
-    ep = _plan(["recipe=deepseek-v3"]).comm["ep"]
+    top-8 rows the flat all-to-all sends. Without groups the bound is min(top_k, nodes) = 8. The
+    dispatch by node (the recipe's default, parallel/expert_node.py) sends within the bound."""
+    ep = _plan(["recipe=deepseek-v3", "parallel.ep_dispatch=flat"]).comm["ep"]
     assert ep["ep_nodes"] == 8 and ep["nodes_per_token_max"] == 4
     assert ep["inter_node_bytes_per_step_bound"] / ep["bytes_per_step"] == pytest.approx(4 / 8)
+    node = _plan(["recipe=deepseek-v3"]).comm["ep"]
+    assert node["dispatch"] == "node" and node["inter_node_bytes_per_step"] <= node["inter_node_bytes_per_step_bound"]
     flat = _plan(["recipe=deepseek-v3", "model.moe.n_group=1", "model.moe.topk_group=1"]).comm["ep"]
     assert flat["nodes_per_token_max"] == 8
     assert flat["inter_node_bytes_per_step_bound"] == flat["bytes_per_step"]
@@ -361,3 +364,68 @@ def test_tp_overlap_is_refused_for_mla_and_never_planned():
     cfg = load_config(["recipe=deepseek-v3-tiny"])
     plans = planner.plan_layouts(cfg, top=200)
     assert plans and not any(d["tp_overlap"] for d in plans)
+
+
+# ------------------------------------------------------------------ a balanced V (issue 45 item 4)
+V16 = {"pp": 16, "schedule": "dualpipev"}
+
+
+def test_planner_lists_deepseek_v3s_balanced_v_once_per_layout(monkeypatch):
+    """Under dualpipev pp 16, rank 0 holds the embedding and the head + MTP: the planner weighs
+    splits with lighter end chunks (down to 0 layers) and lists each layout once, with the split of
+    the least predicted step; the top N is the exhaustive ranking's first N, and the listed numbers
+    are the resolver's. Planted: without the lighter-end splits the best layout is slower."""
+    from paralayer.resolve.planner import v_balance
+
+    cfg = load_config(["recipe=deepseek-v3"])
+    full = planner.plan_layouts(cfg, fixed=V16)
+    assert planner.plan_layouts(cfg, top=5, fixed=V16) == full[:5]
+    keys = [(tuple(d["degrees"].values()), d["zero"], d["recompute"], d["recompute_every"], d["micro_batch"],
+             d["tp_overlap"]) for d in full]
+    assert len(keys) == len(set(keys))
+    best = full[0]
+    assert 0 in (best["pp_layout"][0], best["pp_layout"][-1]), best["pp_layout"]
+    c = planner.config_for(cfg, best)
+    p = resolve(c)
+    assert not p.errors and p.fits and p.memory_per_device_bytes["total"] == best["memory"]["total"]
+    assert planner.predict(c)["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+    monkeypatch.setattr(v_balance, "v_end_splits", lambda *a, **k: [])
+    plain = planner.plan_layouts(cfg, top=1, fixed=V16)[0]
+    assert 0 not in plain["pp_layout"] and plain["step_time_s"] > best["step_time_s"] * 1.01, plain["step_time_s"]
+
+
+def test_a_split_that_would_time_dp_short_is_not_weighed(monkeypatch):
+    """The step charges rank 0's dp traffic: a lighter-end split under ZeRO-3 without ep can move
+    every expert gather off rank 0 (kimi-k2's first layer is dense: [1, 2, …, 2, 0] leaves rank 0
+    none) onto ranks that then move far more, and would be timed several times too fast. Neither
+    the dry run nor the planner weighs such a split; planted (the check off), the dry run offers it."""
+    from paralayer.resolve.planner import v_balance
+
+    lo = "[" + ",".join(["1"] + ["2"] * 29 + ["1", "1"]) + "]"
+    ov = ["recipe=kimi-k2", "parallel.tp=1", "parallel.pp=16", "parallel.ep=1", "parallel.dp=32",
+          "parallel.schedule=zbv", "parallel.zero=3", "parallel.recompute=full", "train.micro_batch=4",
+          f"parallel.pp_layout={lo}"]
+    d = resolve(load_config(ov)).to_dict()
+    assert d["fits"] and "balanced_v" not in d
+    fixed = {"pp": 16, "ep": 1, "zero": 3, "schedule": "zbv", "recompute": "full", "micro_batch": 4}
+    kept = planner.plan_layouts(load_config(["recipe=kimi-k2"]), top=1, fixed=fixed)[0]
+    assert kept["step_time_s"] > 0.5 * d["step_time_s"]
+    monkeypatch.setattr(v_balance, "dp_led_by_rank0", lambda *a: True)
+    b = resolve(load_config(ov)).to_dict()["balanced_v"]
+    assert b["pp_layout"][-1] == 0 and b["step_time_s"] < 0.5 * d["step_time_s"], b
+
+
+def test_dry_run_reports_the_busiest_rank_and_a_balanced_v():
+    """deepseek-v3's published split: the busiest pipeline rank carries 1.39× the mean's FLOPs (the
+    issue's figure); the dry run names a lighter-end split with a smaller ratio and a shorter
+    predicted step, and that split resolved on its own gives the same figures."""
+    d = resolve(load_config(["recipe=deepseek-v3"])).to_dict()
+    b = d["balanced_v"]
+    assert round(d["busiest_rank_ratio"], 2) == 1.39
+    assert b["busiest_rank_ratio"] < d["busiest_rank_ratio"] - 0.1 and b["step_time_s"] < d["step_time_s"]
+    again = resolve(load_config(["recipe=deepseek-v3", b["override"]])).to_dict()
+    assert again["fits"] and not again["errors"]
+    assert again["step_time_s"] == b["step_time_s"] and again["busiest_rank_ratio"] == b["busiest_rank_ratio"]
+    assert 0 in (b["pp_layout"][0], b["pp_layout"][-1])
+    rc, out, _ = _main(["recipe=deepseek-v3", "--dry-run"])
+    assert rc == 0 and "a balanced V split" in out and "busiest pipeline rank" in out

@@ -25,6 +25,9 @@ CASES = {
     "tiny-swa": ["recipe=tiny-swa"],
     "qwen3-30b-a3b": ["recipe=qwen3-30b-a3b", "model.n_layers=2"],
     "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
+    # issue 45's balanced V: pp rank 0 holds the embedding alone and the head alone (0-layer chunks)
+    "tiny-dualpipev-empty-ends": ["recipe=tiny", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=dualpipev",
+                                  "train.global_batch=32", "model.n_layers=2", "parallel.pp_layout=[0,1,1,0]"],
     # MLA under cp2: the ring carries K at nope+rope and V at v_head_dim (cp bytes 1.000; V padded
     # to q's width read 1.200), on CPU's flash blocks and, for a GPU layout, the GPU kernel's
     "deepseek-v3-tiny-cp2": ["recipe=deepseek-v3-tiny", "parallel.cp=2", "parallel.dp=1", "parallel.ep=1",

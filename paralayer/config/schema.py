@@ -12,6 +12,7 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 PROFILES_DIR = REPO_ROOT / "cluster" / "profiles"
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+EP_DISPATCH = ("flat", "node")  # parallel.ep_dispatch (null: node where routing is node-limited across nodes)
 # swiglu: the SwiGLU activation and product; core_attn: RoPE + attention core; selective: both;
 # full: whole blocks (every parallel.recompute_every-th layer); norm_up: DeepSeek-V3's (arXiv
 # 2412.19437 §3.2.3, §3.3.3): every block's RMSNorm and MLA's latent norms and up-projections are
@@ -185,6 +186,10 @@ class ParallelConfig:
     # half computes (parallel/pipeline/overlap.py); None = on under dualpipev with ep > 1
     pp_overlap: Optional[bool] = None
     pp_layout: Optional[List[int]] = None  # layers per pipeline chunk, uneven split
+    # how the expert rows travel (parallel/expert_node.py): flat (one all-to-all, a row per routed
+    # expert) | node (once per destination node, then fanned out inside it); None = node under
+    # node-limited routing (model.moe.n_group > 1) with the ep group over several nodes, else flat
+    ep_dispatch: Optional[str] = None
 
 
 NONFINITE_ACTIONS = ("skip", "rollback", "stop")
@@ -210,6 +215,9 @@ class Fp8Config:
     # DeepSeek-V3 §3.3.3: the MoE SwiGLU's inputs, kept for its recomputed output (parallel.recompute
     # swiglu or norm_up), stored in e4m3 with a scale per 1x128 tile (model/float8.py Fp8Tiles)
     cache_activations: bool = False
+    # the precision around the FP8 GEMMs (auto: bf16 on GPUs, fp32 on CPU); --rehearse sets the
+    # plan's (bf16 for a GPU plan) so that its CPU run keeps a GPU's dtypes (resolve/rules.py)
+    base_precision: str = "auto"  # auto | bf16 | fp32
 
 
 OPTIMIZERS = ("adamw", "muon")

@@ -11,6 +11,7 @@ from paralayer.config.schema import (
     COMPILE_BACKENDS,
     DATA_FORMATS,
     DEVICES,
+    EP_DISPATCH,
     FP8_RECIPES,
     MUON_ADJUST_LR,
     OPTIMIZERS,
@@ -65,15 +66,17 @@ def validate_values(cfg: Config) -> None:
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.zero", p.zero, (0, 1, 2, 3))
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if p.ep_dispatch is not None:
+        _choice("parallel.ep_dispatch", p.ep_dispatch, EP_DISPATCH)
     if isinstance(p.recompute_every, bool) or not isinstance(p.recompute_every, int) \
             or not 1 <= p.recompute_every <= 1024:
         raise ConfigError("parallel.recompute_every", f"'{p.recompute_every}' is not an integer from 1 to 1024 "
                           "(recompute=full: every k-th layer recomputed)")
     if p.pp_layout is not None:
-        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 1 <= x <= 1024
+        if len(p.pp_layout) > 1024 or any(isinstance(x, bool) or (not isinstance(x, int)) or not 0 <= x <= 1024
                                           for x in p.pp_layout):
-            raise ConfigError("parallel.pp_layout", "must list positive layer counts (at most 1024 each), one per "
-                              "pipeline chunk (at most 1024 chunks)")
+            raise ConfigError("parallel.pp_layout", "must list layer counts from 0 to 1024 (0 only on the first or "
+                              "last chunk), one per pipeline chunk (at most 1024 chunks)")
     for name in ("global_batch", "micro_batch", "steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.warmup_steps", t.warmup_steps, 0)
@@ -81,6 +84,7 @@ def validate_values(cfg: Config) -> None:
     _positive("train.threads", t.threads, 0)
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
+    _choice("train.fp8.base_precision", t.fp8.base_precision, ("auto", "bf16", "fp32"))
     for name in ("bf16_first_blocks", "bf16_last_blocks"):
         n = getattr(t.fp8, name)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m.n_layers:

@@ -101,6 +101,11 @@ class Fp8Linear(Float8Linear):
     token_mesh = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        if dev != "cuda" and torch.is_autocast_enabled(dev):
+            # torchao casts the input under CUDA's autocast only; a CPU bf16 run (--rehearse of a GPU
+            # plan) casts it the same way, so the GEMM saves and returns bf16 as on a GPU
+            x = x.to(torch.get_autocast_dtype(dev))
         mesh = self.token_mesh
         if mesh is None:
             return super().forward(x)

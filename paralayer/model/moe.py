@@ -163,6 +163,9 @@ class MoEFeedForward(nn.Module):
         # ep_dispatch(module, xs, counts) -> ys, the all-to-all path: the model never imports parallel/)
         self.ep_dispatch = None
         self.ep_group = None
+        # parallel/expert_node.py's two-stage dispatch: (module, x, tokens, weights, counts) -> the
+        # combined output; it applies the weights itself (summed inside each node, then sent back)
+        self.ep_node_dispatch = None
         # The rehearsal (paralayer/rehearse/rank.py) runs on fake tensors: routing decisions
         # are data it cannot see, so it routes every expert an equal share of the token-slots.
         self.even_routing = False
@@ -314,13 +317,13 @@ class MoEFeedForward(nn.Module):
         dropped = T * k - order.numel()
 
         tokens = slot_token[order]
-        xs = x.index_select(0, tokens)
-        if self.ep_dispatch is None:
-            ys = self.experts_forward(xs, counts.tolist())
+        if getattr(self, "ep_node_dispatch", None) is not None:
+            out = self.ep_node_dispatch(self, x, tokens, slot_weight[order], counts)
         else:
-            ys = self.ep_dispatch(self, xs, counts)
-
-        out = _combine(x, tokens, ys, slot_weight[order])
+            xs = x.index_select(0, tokens)
+            ys = self.experts_forward(xs, counts.tolist()) if self.ep_dispatch is None else \
+                self.ep_dispatch(self, xs, counts)
+            out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
 
@@ -341,10 +344,13 @@ class MoEFeedForward(nn.Module):
         order = torch.cat([torch.arange(e, e + E * c, E, device=x.device) for e, c in enumerate(counts) if c]) \
             if any(counts) else torch.zeros(0, dtype=torch.long, device=x.device)
         tokens = slot_token[order]
-        xs = x.index_select(0, tokens)
-        ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
         slot_weight = weights.reshape(-1)
-        out = _combine(x, tokens, ys, slot_weight[order])
+        if getattr(self, "ep_node_dispatch", None) is not None:
+            out = self.ep_node_dispatch(self, x, tokens, slot_weight[order], counts)
+        else:
+            xs = x.index_select(0, tokens)
+            ys = self.experts_forward(xs, counts) if self.ep_dispatch is None else self.ep_dispatch(self, xs, counts)
+            out = _combine(x, tokens, ys, slot_weight[order])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)

@@ -43,7 +43,9 @@ class CommTrace:
         self.blocked_s = 0.0
         self.data_s = 0.0  # the step loop's time reading its batch
         self.profiling = False
-        self.bytes_sent: dict[str, int] = {}  # "axis.kind" -> bytes of our point-to-point sends (cp K/V)
+        # "axis.kind" -> bytes sent: the cp ring's K/V (point-to-point), the ep rows by destination
+        # (ep.local / ep.intra_node / ep.inter_node, parallel/expert_node.py)
+        self.bytes_sent: dict[str, int] = {}
         self.axis_groups: dict[str, tuple] = {}  # our call sites' axis -> the matched group's ranks
         self.matched: list[tuple[tuple, Any]] = []  # (ranks, process group) exchanged at a logged step
         self.arrivals: dict[tuple, list[float]] = {}  # group ranks -> this step's arrival times, in order
@@ -53,7 +55,7 @@ class CommTrace:
         self._keys: dict[int, tuple] = {}
 
     def sent(self, axis: str, kind: str, nbytes: int) -> None:
-        """Count bytes this rank sent point-to-point (the cp ring's K/V and dK/dV), since the start."""
+        """Count bytes this rank sent (the cp ring's K/V and dK/dV; the ep rows), since the start."""
         key = f"{axis}.{kind}"
         self.bytes_sent[key] = self.bytes_sent.get(key, 0) + int(nbytes)
 

@@ -127,14 +127,18 @@ def finish(work: dist.Work, overlap, label: str) -> None:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with unequal splits; backward is the same exchange reversed."""
+    """all_to_all_single with unequal splits; backward is the same exchange reversed. ``on_send``
+    (optional): called with (send splits, bytes per row) for every exchange, forward and backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group, overlap=None,
-                label: str = "") -> Tensor:
+                label: str = "", on_send=None) -> Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group, ctx.overlap, ctx.label = out_splits, in_splits, group, overlap, label
+        ctx.on_send = on_send
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         x = x.contiguous()
+        if on_send is not None:
+            on_send(in_splits, _row_bytes(x))
         finish(start_all_to_all(out, x, out_splits, in_splits, group), overlap, label)
         return out
 
@@ -142,16 +146,27 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         grad_in = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
         grad = grad.contiguous()
+        if ctx.on_send is not None:
+            ctx.on_send(ctx.out_splits, _row_bytes(grad))
         finish(start_all_to_all(grad_in, grad, ctx.in_splits, ctx.out_splits, ctx.group), ctx.overlap,
                ctx.label + "'")
-        return grad_in, None, None, None, None, None
+        return grad_in, None, None, None, None, None, None
+
+
+def _row_bytes(t: Tensor) -> int:
+    """Bytes of one row (dim 0) of ``t``."""
+    n = 1
+    for s in t.shape[1:]:
+        n *= int(s)
+    return n * t.element_size()
 
 
 def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group, overlap=None,
-               label: str = "") -> Tensor:
+               label: str = "", on_send=None) -> Tensor:
     """Differentiable all_to_all_single along dim 0: send x[sum(in_splits[:j]) : ...] to rank j,
-    receive out_splits[j] rows from rank j. ``overlap``/``label``: see :func:`finish`."""
-    return _AllToAll.apply(x, out_splits, in_splits, group, overlap, label)
+    receive out_splits[j] rows from rank j. ``overlap``/``label``: see :func:`finish`; ``on_send``:
+    see :class:`_AllToAll`."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, overlap, label, on_send)
 
 
 def _wire_dtype(xs: Tensor) -> Tensor:
@@ -182,7 +197,8 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     out_splits = recv_counts.sum(1).tolist()
 
     # 2. dispatch: received rows are ordered (source rank, local expert)
-    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, overlap, "dispatch")
+    count = _byte_counter(m)
+    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, overlap, "dispatch", count)
 
     # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
     row_expert = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
@@ -191,7 +207,15 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     ys = ys[torch.argsort(perm)]
 
     # 4. combine: send results back to the ranks that own the tokens
-    return all_to_all(ys, in_splits, out_splits, group, overlap, "combine")
+    return all_to_all(ys, in_splits, out_splits, group, overlap, "combine", count)
+
+
+def _byte_counter(m: MoEFeedForward):
+    """parallel/expert_node.py's byte counter by destination, when the block has a node map."""
+    if getattr(m, "ep_node_of", None) is None:
+        return None
+    from paralayer.parallel.expert_node import byte_counter
+    return byte_counter(m)
 
 
 def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: int, n_local: int) -> Tensor:
@@ -204,11 +228,12 @@ def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: i
     mine = counts[m.expert_offset: m.expert_offset + n_local]        # what each source sends me
     in_splits = [sum(counts[j * n_local:(j + 1) * n_local]) for j in range(ep)]
     out_splits = [sum(mine)] * ep
-    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group)
+    count = _byte_counter(m)
+    received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, on_send=count)
     # rows arrive (source rank, local expert); regroup by local expert, compute, ungroup
     idx = torch.arange(sum(out_splits), device=xs.device).view(ep, -1)
     starts = [sum(mine[:e]) for e in range(n_local)]
     perm = torch.cat([idx[:, s:s + c].reshape(-1) for s, c in zip(starts, mine)])
     ys = m.experts_forward(received[perm], [c * ep for c in mine], sources=[[c] * ep for c in mine])
     ys = ys[torch.argsort(perm)]
-    return all_to_all(ys, in_splits, out_splits, group)
+    return all_to_all(ys, in_splits, out_splits, group, on_send=count)

@@ -109,10 +109,13 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
     d["parallel"]["dp"] = dp
     if str(d["model"].get("init", "")).startswith("hf:"):
         d["model"]["init"] = "random"
-    # the precision the plan resolved for its device (auto: bf16 on GPUs), not this CPU's; FP8 kept
-    # where the plan stores activations in FP8 (train.fp8.cache_activations: the rehearsal runs the
-    # FP8 path, emulated, so that the cache is what it measures)
-    d["train"]["precision"] = "fp8" if cfg.train.fp8.cache_activations else plan["precision"]
+    # the precision the plan resolved for its device (auto: bf16 on GPUs), not this CPU's. An FP8
+    # plan is rehearsed in FP8 (emulated) inside the plan's base precision (bf16 for a GPU plan:
+    # train.fp8.base_precision), so that its weight casts, wire rows and saved inputs are a GPU's
+    if cfg.train.precision == "fp8":
+        d["train"]["fp8"]["base_precision"] = plan["precision"]
+    else:
+        d["train"]["precision"] = plan["precision"]
     return config_mod.from_dict(d), m_run
 
 

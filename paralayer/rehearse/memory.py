@@ -71,8 +71,16 @@ def param_bytes(params: list, gathered_through_step: bool = False, gather_dtype:
                 fsdp = True
         if fsdp:
             size = torch.empty((), dtype=gather_dtype).element_size() if gather_dtype is not None else t.element_size()
+            if _fp8_gathered(t):
+                size = 1  # FSDP's FP8 all-gather (model/float8.py): the gathered copy is FP8
             n += int(t.numel()) * k * size
     return n
+
+
+def _fp8_gathered(t: torch.Tensor) -> bool:
+    """Whether FSDP all-gathers this shard in FP8: torchao's weight wrapper under
+    ``enable_fsdp_float8_all_gather`` (its fsdp_pre_all_gather casts the shard to FP8)."""
+    return type(t).__name__ == "WeightWithDynamicFloat8CastTensor"
 
 
 def grad_bytes(params: list) -> int:

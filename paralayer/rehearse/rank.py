@@ -149,6 +149,20 @@ def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
     run.sched.step()
 
 
+def _ep_bytes(run: Any, reset: bool = False) -> dict:
+    """The MoE blocks' ``ep_bytes_sent`` (parallel/expert_node.py) summed: {local, intra_node,
+    inter_node}; ``reset``: and zero them."""
+    total: dict = {}
+    for chunk in run.built.chunks:
+        for mod in chunk.modules():
+            sent = getattr(mod, "ep_bytes_sent", None) or {}
+            for k, v in sent.items():
+                total[k] = total.get(k, 0) + int(v)
+                if reset:
+                    sent[k] = 0
+    return total
+
+
 def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
     """Build and step ``rank`` of the plan's world on fake tensors; measure what it holds, sends
     and computes. Raises :class:`RehearsalError` naming the rank and the module on failure."""
@@ -179,6 +193,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
             counter = CollectiveCounter(group_axes(meshes, {g.group_name: a for a, g in extra.items()}),
                                         group_sizes(meshes, extra))
             counter.dp_names = {meshes[a].get_group().group_name for a in ("dp_cp", "dp")}
+            _ep_bytes(run, reset=True)  # the pipeline stages' shape inference ran the MoE blocks at build
             saved = rmem.SavedPeak([*run.built.params, tokens, labels])
             flops = LocalFlopCounter(fake_mode)
             with flops, saved, counter:
@@ -197,6 +212,9 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
                 "weight_copy_bytes": saved.weight_copy_bytes,
                 "weight_copies_per_weight": max(saved.copies_per_weight.values(), default=0),
             }
+            sent = _ep_bytes(run)
+            if sent:  # the expert rows this rank sent, by destination (plan: comm.ep's *_node_bytes)
+                out["ep_bytes_by_destination"] = sent
     except Exception as exc:  # noqa: BLE001 - reported as the rank's failure, exit 2
         raise RehearsalError(f"rank {rank}: the runtime could not {phase} at this layout in {_module_of(exc)}: "
                              f"{type(exc).__name__}: {exc}") from exc

@@ -73,9 +73,12 @@ def local_gemms(cfg: Config, tp: int) -> list[tuple[str, int, int]]:
                 ("feed_forward.w2", f, m.d_model)]
     if moe.num_experts > 0:
         f = moe.ffn_hidden or m.ffn_hidden
-        out += [("experts.w1", m.d_model, f), ("experts.w2", f, m.d_model)]
+        # the SwiGLU's three GEMMs, w3 (up) beside w1 (gate) (it was left out before 7 Dec: an MoE
+        # block's FP8 time and FP8 all-gather counted two of the three)
+        out += [("experts.w1", m.d_model, f), ("experts.w3", m.d_model, f), ("experts.w2", f, m.d_model)]
         if moe.shared_ffn_hidden:
-            out += [("shared.w1", m.d_model, moe.shared_ffn_hidden), ("shared.w2", moe.shared_ffn_hidden, m.d_model)]
+            g = moe.shared_ffn_hidden
+            out += [("shared.w1", m.d_model, g), ("shared.w3", m.d_model, g), ("shared.w2", g, m.d_model)]
     return out
 
 
@@ -162,8 +165,9 @@ def plan_section(cfg: Config, lay) -> dict | None:
             "base_precision_parts": ["attention core", "norms", "router", "embedding", "head", "mtp"]}
 
 
-def layer_gemm_shapes(cfg: Config, tp: int, tokens: float, moe_layer: bool) -> list[tuple[float, float, float, int]]:
-    """(M, K, N, count) of one block's FP8 GEMMs on a rank: attention and the dense MLP at M =
+def layer_gemm_shapes(cfg: Config, tp: int, tokens: float,
+                      moe_layer: bool) -> list[tuple[str, float, float, float, int]]:
+    """(name, M, K, N, count) of one block's FP8 GEMMs on a rank: attention and the dense MLP at M =
     ``tokens``; a MoE block's experts at M = tokens · top_k / experts each (the mean routing)."""
     m = cfg.model
     out = []
@@ -174,9 +178,9 @@ def layer_gemm_shapes(cfg: Config, tp: int, tokens: float, moe_layer: bool) -> l
             continue
         if name.startswith("experts"):
             e = m.moe.num_experts
-            out.append((tokens * m.moe.top_k / e, k, n, e))
+            out.append((name, tokens * m.moe.top_k / e, k, n, e))
         else:
-            out.append((tokens, k, n, 1))
+            out.append((name, tokens, k, n, 1))
     return out
 
 
@@ -190,7 +194,10 @@ def fp8_gathered_params(cfg: Config, lay, layers, zero: int | None = None) -> fl
             or lay.device != "cuda"):
         return 0.0
     fp8 = set(fp8_layers(cfg))
-    per = {moe: sum(k * n * count for _, k, n, count in layer_gemm_shapes(cfg, lay.tp, 1.0, moe))
+    # the routed experts are 3-D parameters behind model/moe.py's expert_mm, not Float8Linear
+    # weights: FSDP gathers them in the base precision (the rehearsal's all-gathers, 7 Dec)
+    per = {moe: sum(k * n * count for name, _, k, n, count in layer_gemm_shapes(cfg, lay.tp, 1.0, moe)
+                    if not name.startswith("experts"))
            for moe in (False, True)}
     return float(sum(per[is_moe_layer(cfg, i)] for i in layers if i in fp8))
 

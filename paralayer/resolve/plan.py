@@ -210,6 +210,10 @@ def resolve(cfg: Config) -> Plan:
         from paralayer.resolve.cost.step_time import plan_timing
 
         plan.extra.update(plan_timing(cfg, plan))
+        if plan.degrees["pp"] > 1:  # the busiest pipeline rank, and a V's lighter-end split (issue 45)
+            from paralayer.resolve.planner.v_balance import busiest_and_balanced
+
+            plan.extra.update(busiest_and_balanced(cfg, plan))
     from paralayer.resolve import data_plan
 
     data_plan.apply(cfg, plan)  # the data section: tokens and epochs per source, bad shards

@@ -104,6 +104,8 @@ def resolve_precision(cfg: Config, device: str) -> str:
     p = cfg.train.precision
     if p not in ("auto", "fp8"):
         return p
+    if p == "fp8" and cfg.train.fp8.base_precision != "auto":
+        return cfg.train.fp8.base_precision  # --rehearse: a GPU plan's bf16 on this CPU
     return "bf16" if device == "cuda" else "fp32"
 
 
@@ -312,7 +314,11 @@ def check_pipeline_split(cfg: Config, lay: Layout) -> None:
         if sum(lo) != m.n_layers:
             _error(lay, "parallel.pp_layout", f"parallel.pp_layout sums to {sum(lo)} layers but "
                    f"model.n_layers={m.n_layers}")
-        if len(lo) == chunks and sum(lo) == m.n_layers:
+        empty = [c for c, k in enumerate(lo) if k == 0 and 0 < c < len(lo) - 1]
+        if empty:  # an empty chunk must hold the embedding or the head; a middle one would only relay
+            _error(lay, "parallel.pp_layout", f"parallel.pp_layout gives chunk {empty[0]} no layers: only the "
+                   f"first chunk (the embedding) or the last (the head, MTP) may hold 0 layers")
+        if len(lo) == chunks and sum(lo) == m.n_layers and not empty:
             lay.stage_layers = stage_layers(m.n_layers, lo)
     elif m.n_layers % chunks:
         okp = [q for q in range(1, m.n_layers + 1) if m.n_layers % (q * lay.vpp) == 0]

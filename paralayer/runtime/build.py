@@ -118,7 +118,10 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         chunks = [model]
     zero, dp_cp = int(cfg.parallel.zero), meshes.size("dp_cp")
     if cfg.train.precision == "fp8":  # on the meta model, before tp (its FP8 styles need the swap)
-        convert_fp8(cfg, chunks, meshes, device, fsdp=zero >= 2 and dp_cp > 1)
+        # the tp collectives carry FP8 where the PLAN's device moves it (NCCL): a rehearsal of a GPU
+        # plan (fake process group on this CPU) takes the same styles a GPU run takes
+        convert_fp8(cfg, chunks, meshes, device, fsdp=zero >= 2 and dp_cp > 1,
+                    fp8_comm=device.type == "cuda" or str(getattr(plan, "device", "")) == "cuda")
     for chunk in chunks:
         if tp > 1:
             from paralayer.parallel.tensor import apply_tensor_parallel
@@ -133,6 +136,15 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
 
             for ff in expert_blocks(chunk):
                 apply_expert_parallel(ff, meshes["ep"].get_group())
+            # each ep rank's node: the rows sent are counted by destination (``ep_bytes_sent``), and
+            # under the plan's dispatch by node they travel once per node (parallel/expert_node.py)
+            from paralayer.parallel.expert_node import apply_node_dispatch, nodes_of_group, set_node_map
+
+            node_of = nodes_of_group(meshes["ep"].get_group(), plan.devices_per_node)
+            for ff in expert_blocks(chunk):
+                set_node_map(ff, node_of)
+                if (plan.comm.get("ep") or {}).get("dispatch") == "node":
+                    apply_node_dispatch(ff, node_of)
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every,
                         cfg.train.fp8.cache_activations)
         if cfg.train.compile:  # after tp/cp/ep/recompute, before FSDP (torchtitan's order)
@@ -155,7 +167,8 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
     return Built(chunks=chunks, meshes=meshes, device=device, params=params, expert_params=expert_params)
 
 
-def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device, fsdp: bool) -> None:
+def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device, fsdp: bool,
+                fp8_comm: bool = False) -> None:
     """train.precision=fp8: the blocks' GEMMs to FP8 (paralayer/model/float8.py); the blocks and the
     recipe are the resolver's (resolve/fp8.py). Emulated on CPU, which rank 0 says in one line."""
     from paralayer.model.float8 import convert_blocks
@@ -165,7 +178,7 @@ def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device,
     cp_mesh = meshes["cp"] if meshes.size("cp") > 1 and recipe == "tensorwise" else None
     for chunk in chunks:
         convert_blocks(chunk, recipe, fp8_layers(cfg), emulate=emulate, fsdp_float8_all_gather=fsdp,
-                       token_mesh=cp_mesh, fp8_comm=device.type == "cuda")
+                       token_mesh=cp_mesh, fp8_comm=fp8_comm)
         chunk.fp8_fsdp_all_gather = fsdp and recipe == "tensorwise"
     if emulate and dist.is_initialized() and dist.get_rank() == 0:
         print(f"paralayer: train.precision=fp8 ({recipe}) runs emulated on {device.type}: the blocks' GEMMs take "

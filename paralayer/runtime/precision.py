@@ -21,6 +21,8 @@ def run_precision(cfg: Config, device: torch.device) -> str:
     """'fp32' or 'bf16' (train.precision=auto: bf16 on CUDA, fp32 on CPU); fp8 runs its FP8 GEMMs
     (model/float8.py) inside the same base precision (resolve.rules.resolve_precision)."""
     p = cfg.train.precision
+    if p == "fp8" and cfg.train.fp8.base_precision != "auto":
+        return cfg.train.fp8.base_precision  # --rehearse of a GPU plan on CPU: bf16 around the FP8 GEMMs
     if p in ("auto", "fp8"):
         return "bf16" if device.type == "cuda" else "fp32"
     return p

@@ -160,6 +160,9 @@ def setup(cfg: Config, plan: Plan, run_dir: Optional[str], hooks: Optional[StepH
         for layer in chunk.layers.values():
             if getattr(layer.attention, "ring_stats", None) is not None:
                 layer.attention.ring_stats.trace = run.comm
+        for mod in chunk.modules():  # the expert rows by destination (parallel/expert_node.py): ep.<where>
+            if getattr(mod, "ep_bytes_sent", None) is not None:
+                mod.ep_trace = run.comm
     time_fsdp(built.chunks, run.comm)  # ZeRO-2/3: waiting in FSDP's collectives is not compute
     run.stability = stab_mod.Stability(cfg.train)
     run.dataset = build_data(cfg)

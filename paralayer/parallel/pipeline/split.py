@@ -89,14 +89,17 @@ def default_stage_layers(n_layers: int, pp: int, vpp: int = 1, schedule: str = "
     """Global layer indices per pipeline chunk (pp·v chunks; v = 2 for zbv/dualpipev).
 
     ``pp_layout`` (layers per chunk, in chunk order) gives an explicit uneven split; without it
-    the split is even when the layers divide, else :func:`auto_balance`.
+    the split is even when the layers divide, else :func:`auto_balance`. The first and the last
+    chunk may hold 0 layers (the embedding alone, the norm + head (+ MTP) alone: the V schedules
+    put both on rank 0, issue 45); a middle chunk needs at least one.
     """
     n_chunks = pp * chunks_per_rank(schedule, vpp)
     if pp_layout is not None:
         counts = [int(x) for x in pp_layout]
-        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts) < 1:
-            raise ValueError(f"parallel.pp_layout must list {n_chunks} positive layer counts summing to "
-                             f"model.n_layers={n_layers}, got {list(pp_layout)}")
+        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts, default=0) < 0 \
+                or any(k < 1 for k in counts[1:-1]):
+            raise ValueError(f"parallel.pp_layout must list {n_chunks} layer counts summing to "
+                             f"model.n_layers={n_layers}, at least 1 on every middle chunk, got {list(pp_layout)}")
     elif n_layers % n_chunks == 0:
         counts = [n_layers // n_chunks] * n_chunks
     else:

@@ -25,6 +25,13 @@ def with_reruns(e: dict, count: float, nbytes: float) -> dict:
     return e
 
 
+def exchanges(e: dict) -> int:
+    """The ep entry's dispatch and combine exchanges per step (what the overlapped pairs carry, two
+    per MoE layer and half): its all-to-alls, or half of them under the two-stage dispatch by node
+    (``dispatch`` node: each exchange is a network stage and an NVLink stage)."""
+    return e["count_per_step"] // 2 if e.get("dispatch") == "node" else e["count_per_step"]
+
+
 def autocast(lay: Layout) -> bool:
     """bf16 as autocast runs it: fp32 weights and residual stream, bf16 GEMMs (memory.precision_mode)."""
     return precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"

@@ -119,7 +119,7 @@ def step_change(cfg: Config, layers: list[int], tp: int, tokens: float, mm: int,
         moe = is_moe_layer(cfg, i)
         if moe not in memo:
             sw = tf = tb = cs = cs_fwd = sf = 0.0
-            for m_, k, n, count in layer_gemm_shapes(cfg, tp, tokens, moe):
+            for _, m_, k, n, count in layer_gemm_shapes(cfg, tp, tokens, moe):
                 b = PASSES * 2.0 * m_ * k * n / (peak_bf16 * efficiency) * count
                 r = fp8_ratio(m_, k, n, recipe, peak_bf16, peak_fp8, hbm, cal)
                 a_, w_, _ = CAST_BYTES[recipe]

@@ -252,11 +252,16 @@ def comm_seconds(entry: dict, span: str, mach: Machine, axis: str = "") -> float
     tp under sequence parallel counts one all-gather + reduce-scatter PAIR per all-reduce it
     replaces (same volume), so its wire factor is the all-reduce's whatever the collective's name.
     An ep all-to-all across nodes moves its intra-node and inter-node shares (``cost.ep_bytes``) at
-    once, each on its own link: the slower of the two."""
+    once, each on its own link: the slower of the two; the two-stage dispatch by node (``dispatch``
+    node) sends its network rows, then fans them out inside the node: the sum of the two."""
     if entry["collective"] == "none" or entry["group_size"] <= 1:
         return 0.0
     n = entry["group_size"]
     count = entry["count_per_step"]
+    if entry.get("dispatch") == "node" and span == "inter-node":
+        # the two-stage dispatch (parallel/expert_node.py): the network stage, then the NVLink fan-out
+        return count * mach.latency(span) + entry["inter_node_bytes_per_step"] / mach.bandwidth(span) + \
+            entry["intra_node_bytes_per_step"] / mach.bandwidth("intra-node")
     if "inter_node_bytes_per_step" in entry and span == "inter-node":
         # the ep all-to-all by destination (cost/ep_bytes.py): its NVLink and network shares move at once
         return count * mach.latency(span) + max(entry["inter_node_bytes_per_step"] / mach.bandwidth(span),

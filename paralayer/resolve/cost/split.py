@@ -102,3 +102,38 @@ def best_split(cfg: Config, work: list[float], head: float, pp: int, vpp: int,
             best = (s, mx)
     assert best is not None
     return best[0], pp * best[1] / total
+
+
+def v_end_splits(work: list[float], head: float, pp: int, schedule: str, split: list[int],
+                 keep: int = 2) -> list[tuple[list[int], float]]:
+    """Splits for a V schedule (zbv, dualpipev: pp rank 0 holds the first chunk, with the embedding,
+    and the last, with the head and the MTP blocks) that take layers off those two chunks, down to 0
+    (parallel.pp_layout allows the end chunks empty), the other layers spread over ranks 1 … pp−1.
+    Returns at most ``keep`` of them whose busiest rank has fewer FLOPs than ``split``'s, least
+    first, each with its imbalance (busiest / mean); [] when none does (or not a V pipeline)."""
+    chunks = len(split)
+    if schedule not in ("zbv", "dualpipev") or pp < 2 or chunks != 2 * pp:
+        return []
+    L, total = len(work), sum(work) + head
+    base = L // chunks
+    # extras go one per middle rank first: its first-half chunk (ranks 1 … pp−1 or the reverse), then its second
+    orders = (list(range(1, pp)) + list(range(2 * pp - 2, pp - 1, -1)),
+              list(range(pp - 1, 0, -1)) + list(range(pp, 2 * pp - 1)))
+    seen, cands = set(), []
+    for a in range(base + 1):
+        for b in range(base + 1):
+            rest = L - a - b
+            if rest < chunks - 2:
+                continue
+            mid, extra = divmod(rest, chunks - 2)
+            for order in orders:
+                s = [a] + [mid] * (chunks - 2) + [b]
+                for c in (order * (extra // len(order) + 1))[:extra]:
+                    s[c] += 1
+                if tuple(s) not in seen:
+                    seen.add(tuple(s))
+                    dev = sum((k - L / chunks) ** 2 for k in s)
+                    cands.append((max(rank_work(work, head, s, pp, schedule)), dev, s))
+    limit = max(rank_work(work, head, split, pp, schedule)) * (1 - 1e-9)
+    better = sorted(c for c in cands if c[0] < limit)
+    return [(s, pp * mx / total) for mx, _, s in better[:keep]]

@@ -15,6 +15,7 @@ from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts, rules
 from paralayer.resolve.cost import fb_overlap, optimizer_step
 from paralayer.resolve.cost import terms as cost_mod
+from paralayer.resolve.cost.entry import exchanges
 from paralayer.resolve.cost.machine import (
     Machine,
     comm_seconds,
@@ -269,7 +270,7 @@ def rank_seconds(cfg: Config, plan, shape: StepShape, mach: Machine, framework: 
                                              + mach.latency("intra-node")
                                              + hop * wire_factor("all-gather", g["tp"]) / mach.bandwidth("intra-node"))
         inner, hidden, slow = rank_inner(work, recomp, t, shape.chunk_facts.get(r), r, g["pp"], mm, base * keep_w,
-                                         comm["ep"]["count_per_step"], comm["pp"]["count_per_step"],
+                                         exchanges(comm["ep"]), comm["pp"]["count_per_step"],
                                          full_layer, mach.comm_sm_fraction)
         out.append({"rank": r, "members": members, "inner_s": inner, "comm_s": t,
                     "hidden_s": hidden, "slowdown_s": slow})

@@ -22,7 +22,12 @@ from paralayer.resolve.cost.comm_facts import (
 )
 from paralayer.resolve.cost.cp_ring import cp_comm
 from paralayer.resolve.cost.entry import autocast, entry, with_reruns
-from paralayer.resolve.cost.ep_bytes import ep_node_split, group_routing_bound  # noqa: F401 - re-exported
+from paralayer.resolve.cost.ep_bytes import (  # noqa: F401 - ep_node_split re-exported
+    ep_node_split,
+    group_routing_bound,
+    node_dispatch_on,
+    node_dispatch_split,
+)
 from paralayer.resolve.cost.norm_up_flops import norm_up_rerun_flops
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
@@ -287,9 +292,18 @@ def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n
     n_moe_full = recompute_facts(cfg, lay, layers)[1]
     twice = 2 * sum(n for i, n in (again or {}).items() if is_moe_layer(cfg, i))
     count = (4 * n_moe + 2 * n_moe_full) * lay.microbatches + twice
-    e = entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
-    e = with_reruns(e, twice, e["message_bytes"] * twice)
-    e.update(ep_node_split(lay, e["bytes_per_step"]))
+    if node_dispatch_on(cfg, lay):
+        # two exchanges of rows where the flat path has one (parallel/expert_node.py, cost/ep_bytes.py);
+        # a pipeline rank without MoE layers exchanges nothing
+        split = node_dispatch_split(cfg, lay, tokens, ab, count)
+        per = split["bytes_per_step"] / count if count else 0.0
+        e = entry("all-to-all", per / 2, 2 * count, lay.ep)
+        e = with_reruns(e, 2 * twice, per * twice)
+        e.update(split)
+    else:
+        e = entry("all-to-all", rows * m.d_model * ab, count, lay.ep)
+        e = with_reruns(e, twice, e["message_bytes"] * twice)
+        e.update(ep_node_split(lay, e["bytes_per_step"]), dispatch="flat")
     e.update(group_routing_bound(cfg, lay, tokens, ab, count))
     return e
 

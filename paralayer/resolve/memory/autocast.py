@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts
+from paralayer.resolve.fp8 import fp8_layers
 from paralayer.resolve.memory.activations import chunk_kind_counts, layer_kind
 from paralayer.resolve.memory.states import (
     expert_params,
@@ -62,26 +63,73 @@ def autocast_copy_terms(cfg: Config, lay: Layout) -> tuple[float, ...]:
             lin + ffn, lin + moe_ffn if m.moe.num_experts else 0.0)
 
 
+def fp8_copy_terms(cfg: Config, lay: Layout) -> tuple[float, ...]:
+    """:func:`autocast_copy_terms` of a block whose GEMMs run in FP8 (train.precision=fp8,
+    resolve/fp8.py fp8_layers): its nn.Linear GEMMs (the attention projections, Gated DeltaNet's,
+    the dense SwiGLU and the shared expert) become Float8Linear, which casts the fp32 weight to FP8
+    itself and saves that fp32 weight for backward, so autocast makes no bf16 copy of them (measured:
+    deepseek-v3-tiny on an H800 layout, params 0.862 of the plan before). Still copied: the router,
+    the routed experts (their shared bf16 copy feeds the FP8 casts, model/moe.py), Gated DeltaNet's
+    conv and Qwen3-Next's shared-expert gate."""
+    m = cfg.model
+    head, dense, moe, lin_dense, lin_moe = autocast_copy_terms(cfg, lay)
+    h, t = m.d_model, lay.tp
+    split_w, rep_w = model_parts.attn_weights(cfg)
+    split = 0.0 if lay.sequence_parallel else split_w / t + rep_w
+    lin = 0.0 if lay.sequence_parallel else model_parts.linear_weights(cfg) / t
+    ffn = 0.0 if lay.sequence_parallel else 3 * h * m.ffn_hidden / t
+    shared = 3 * h * m.moe.shared_ffn_hidden if m.moe.num_experts else 0.0
+    return (head, dense - split - ffn, moe - split - shared if m.moe.num_experts else 0.0,
+            lin_dense - lin - ffn, lin_moe - lin - shared if m.moe.num_experts else 0.0)
+
+
+def norm_up_copies(cfg: Config, lay: Layout) -> float:
+    """Weight elements of an MLA block's up-projections (q_b, kv_b after tp) whose autocast copies
+    recompute=norm_up makes in backward only (model/latent_attention.py ``_up``, a rebuilt region);
+    0 without MLA. Measured without pp: deepseek-v3-tiny norm_up bf16 params 0.960 of the plan before (7 Dec)."""
+    a, m = cfg.model.mla, cfg.model
+    if a.kv_lora_rank <= 0:
+        return 0.0
+    heads = m.n_heads / lay.tp
+    q_b = a.q_lora_rank * heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) if a.q_lora_rank else 0.0
+    return q_b + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+
+
 def autocast_copy_params(cfg: Config, lay: Layout, r: int) -> float:
     """Weight elements of pipeline rank r whose bf16 copy autocast keeps (:func:`autocast_copy_terms`;
     0 unless bf16 runs under autocast, :func:`precision_mode`)."""
     if precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) != "bf16-autocast":
         return 0.0
-    head, *kinds = autocast_copy_terms(cfg, lay)
+    head, *base_kinds = autocast_copy_terms(cfg, lay)
+    fp8 = set(fp8_layers(cfg)) if cfg.train.precision == "fp8" else set()
+    fp8_kinds = fp8_copy_terms(cfg, lay)[1:] if fp8 else base_kinds
+
+    def kinds_of(i: int) -> list:
+        return fp8_kinds if i in fp8 else base_kinds
+
+    kinds = base_kinds  # a V chunk's transient sum below takes the base terms (an FP8 chunk's are fewer)
     chunks = rank_chunks(lay, r)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES and lay.recompute == "full":
         # a split backward keeps a chunk's recomputed copies together, beside the head's copy
         # (activations.recompute_transient; deepseek-v3 rehearsed 2 layers' on pp rank 15)
-        n = sum(kinds[layer_kind(cfg, i)] for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) != "full")
+        n = sum(kinds_of(i)[layer_kind(cfg, i)] for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) != "full")
         transient = max(sum(c * k for c, k in zip(counts, kinds)) for counts in chunk_kind_counts(cfg, lay, r))
         return n + ((head if (lay.chunks - 1) in chunks else 0.0) + transient)
     n, transient = 0.0, 0.0
+    up = norm_up_copies(cfg, lay)
     for i in rank_layers(cfg, lay, r):  # the MTP blocks too, on the last chunk's rank
-        if layer_recompute(lay, i) != "full":
-            n += kinds[layer_kind(cfg, i)]
+        if layer_recompute(lay, i) == "norm_up" and i not in fp8 and lay.pp == 1:
+            # norm_up rebuilds q_b's and kv_b's outputs in backward: their copies live while that
+            # layer's backward runs, as a fully recomputed layer's do (an FP8 block makes none).
+            # Under pp the step is one autocast region, whose cache keeps some of them: counted held
+            # there, as before (bf16 pp2 dualpipev rank 0 reads 0.988 so, 1.024 with none held)
+            n += kinds_of(i)[layer_kind(cfg, i)] - up
+            transient = max(transient, up)
+        elif layer_recompute(lay, i) != "full":
+            n += kinds_of(i)[layer_kind(cfg, i)]
         else:
             # a fully recomputed layer casts again in backward: its copies live while its
             # backward runs, after the same microbatch's head backward freed the head's copy
-            transient = max(transient, kinds[layer_kind(cfg, i)])
+            transient = max(transient, kinds_of(i)[layer_kind(cfg, i)])
     return n + max(head if (lay.chunks - 1) in chunks else 0.0, transient)
 

@@ -13,6 +13,7 @@ from paralayer.config import Config
 from paralayer.config.schema import RECOMPUTE
 from paralayer.resolve import cost as cost_mod
 from paralayer.resolve import memory as mem_mod
+from paralayer.resolve.cost.entry import exchanges
 from paralayer.resolve.cost.machine import Machine, comm_seconds, dp_reduce_seconds, rerun_seconds, tp_overlap_seconds
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.split import layer_work
@@ -143,7 +144,7 @@ def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: s
         # rank 0's own lines are its axes' (the same call); its all-to-alls and sends for pp_overlap
         t.update({(0, ax): t[ax] for ax in RANK_AXES})
         t.update({("1/m", (0, ax)): t[("1/m", ax)] for ax in RANK_AXES if ("1/m", ax) in t})
-        t[(0, "n_ep")], t[(0, "n_pp")] = c["ep"]["count_per_step"], c["pp"]["count_per_step"]
+        t[(0, "n_ep")], t[(0, "n_pp")] = exchanges(c["ep"]), c["pp"]["count_per_step"]
         t["args"], t["partial"], t["ranks"] = (mb_, recompute, zero, every), True, ((0,),)
         pts.append((mm_, t))
     _set(lay, 1, m1, "none", 0, 1)
@@ -203,7 +204,7 @@ def _add_ranks(cfg: Config, st: Structure, mach: Machine, pts: list, reps: tuple
                 cr = cost_mod.comm(cfg, lay, q[0], with_dp=False)
                 got = {ax: comm_seconds(cr[ax], st.spans[ax], mach, ax) for ax in RANK_AXES}
                 _reruns(got, cr, st, mach)
-                got["n_ep"], got["n_pp"] = cr["ep"]["count_per_step"], cr["pp"]["count_per_step"]
+                got["n_ep"], got["n_pp"] = exchanges(cr["ep"]), cr["pp"]["count_per_step"]
                 st.rank_memo[(q[0],) + key] = got
             for ax, v in got.items():
                 t[("1/m", (q[0], ax[1])) if isinstance(ax, tuple) else (q[0], ax)] = v

@@ -428,13 +428,15 @@ def _chunk_counts(chunk: tuple, every: int = 1) -> tuple[int, ...]:
 
 
 def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
-                 copy_terms: Optional[tuple] = None, fp8_saving=None) -> list[tuple]:
+                 copy_terms: Optional[tuple] = None, fp8_saving=None, fp8_copies=None) -> list[tuple]:
     """(params, grads, optimizer, total, head copy, then each layer kind's copy: dense, MoE, linear
     dense, linear MoE) bytes of each candidate rank under a ZeRO stage: the last five are autocast's
     bf16 weight copies (memory.autocast_copy_params; 0 unless bf16 runs under autocast at this
     stage), then the rank's copies by recompute mode that ``peak_memory`` adds (:func:`_rank_copies`).
     ``copy_terms``: memory.autocast_copy_terms(cfg, lay).
-    ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16)."""
+    ``fp8_saving``: rank → bytes FSDP's FP8 all-gather saves on its held weights (None at bf16).
+    ``fp8_copies``: (rank, head bytes) → its copies unless fully recomputed and fully recomputed
+    when its FP8 blocks keep fewer (planner/precision.py fp8_copies_fn; None at bf16)."""
     d_dense = lay.dp * lay.cp
     d_exp = max(d_dense // max(lay.ep, 1), 1)
     autocast = copy_terms is not None and \
@@ -451,6 +453,9 @@ def state_table(ranks: list[RankInfo], lay: Layout, zero: int, tot: Totals,
         if fp8_saving is not None:
             pa -= int(fp8_saving(rk))
         row = (pa, gr, op, pa + gr + op, head if rk.last else 0.0, *kinds)
-        out.append(row + _rank_copies(rk, row))  # [9:12]: peak_memory's copies by recompute
+        copies = _rank_copies(rk, row)
+        if fp8_copies is not None and autocast:
+            copies = (*fp8_copies(rk, row[4]), copies[2])  # a V chunk's transient keeps its base terms
+        out.append(row + copies)  # [9:12]: peak_memory's copies by recompute
     return out
 

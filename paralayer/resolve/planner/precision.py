@@ -15,7 +15,8 @@ from paralayer.resolve.cost import fp8_time
 from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.split import layer_work, rank_work
 from paralayer.resolve.cost.step_time import fp8_fields, matmul_share
-from paralayer.resolve.fp8 import check_fp8
+from paralayer.resolve.fp8 import check_fp8, fp8_layers
+from paralayer.resolve.memory.autocast import autocast_copy_terms, fp8_copy_terms
 from paralayer.resolve.planner.comm import tp_overlap_options
 from paralayer.resolve.rules import Issue, chunk_rank
 
@@ -105,6 +106,22 @@ def copy_saving_fn(cfg: Config, lay, zero: int) -> Optional[Callable]:
     return lambda rk: fp8_time.fp8_copy_saving(cfg, lay, [i for i, _ in rk.layers], zero)
 
 
+def fp8_copies_fn(cfg: Config, lay) -> Optional[Callable]:
+    """(rank, head bytes) → autocast's weight copies on that rank (bytes) unless fully recomputed,
+    and fully recomputed, where its FP8 blocks' Float8Linear GEMMs keep none
+    (memory.autocast_copy_params with autocast.fp8_copy_terms, per held block); None at bf16."""
+    if cfg.train.precision != "fp8" or not fp8_layers(cfg):
+        return None
+    fp8 = set(fp8_layers(cfg))
+    base, f8 = autocast_copy_terms(cfg, lay)[1:], fp8_copy_terms(cfg, lay)[1:]
+
+    def copies(rk, head: float) -> tuple[int, int]:
+        per = [2 * (f8 if i in fp8 else base)[kind] for i, kind in rk.layers]
+        return int(head + sum(per)), int(max([head, *per]))
+
+    return copies
+
+
 def row_fields(cfg: Config, fp8: tuple, step: float, mach: Machine, tot) -> dict:
     """A listed layout's FP8 columns: its bf16 step, the gain, the split by precision."""
     bf16_step, bf16_work, change = fp8
@@ -119,4 +136,4 @@ def matmul_share_tot(cfg: Config, mach: Machine, tot) -> float:
 
 
 __all__ = ["fp8_planned", "refusal", "overlaps", "bound_scale", "busiest_layers", "change_fn", "setup", "less",
-           "copy_saving_fn", "row_fields"]
+           "copy_saving_fn", "fp8_copies_fn", "row_fields"]

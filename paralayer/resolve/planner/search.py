@@ -69,6 +69,7 @@ from paralayer.resolve.cost.split import balanced_split, best_split, layer_work,
 from paralayer.resolve.cost.step_time import compute_seconds, time_plan
 from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner import precision as fp8_plan
+from paralayer.resolve.planner import v_balance
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
 from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes, tp_timer
 from paralayer.resolve.planner.gc_pause import gc_paused
@@ -170,6 +171,8 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
     structs.sort(key=lambda st: st.bound)
     unexplored = max(0, len(structs) - MAX_STRUCTURES)
     structs = structs[:MAX_STRUCTURES]
+    extra: list[Structure] = []  # the variants weighed (v_balance), after structs in the rows' keys
+    n_structs = len(structs)
     recs: list[Candidate] = []
     ctx = _Context(cfg, mach, tot, fixed, drop, {}, [0], {}, [0, 0])
     considered = 0
@@ -183,12 +186,14 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
             unexplored += len(structs) - key
             capped = True
             break
-        if top and len(best) >= top and refined_bound(ctx.cfg, ctx.mach, ctx.tot, st) > -best[0]:
+        refined = functools.partial(refined_bound, ctx.cfg, ctx.mach, ctx.tot)
+        if top and len(best) >= top and v_balance.group_exceeds(refined, st, -best[0]):
             unexplored += 1
             continue
         considered += 1
         n0 = len(recs)
-        _plan_structure(ctx, key, st, recs, -best[0] if top and len(best) >= top else math.inf)
+        v_balance.plan_group(_plan_structure, ctx, key, st, recs, -best[0] if top and len(best) >= top else math.inf,
+                             extra, n_structs, refined)
         if top:
             for t in recs[n0:]:
                 if len(best) < top:
@@ -197,7 +202,7 @@ def _plan_layouts(cfg: Config, calibration: Optional[dict], stats: Optional[dict
                     heapq.heapreplace(best, -t.step)
     recs.sort(key=lambda t: (t.step, t.mem.total))  # (the unlisted slower ones: after all of these)
     shown = recs[:top] if top else recs
-    out = [materialise(cfg, t, structs, mach, tot, i + 1) for i, t in enumerate(shown)]
+    out = [materialise(cfg, t, structs + extra, mach, tot, i + 1) for i, t in enumerate(shown)]
     if stats is not None:
         stats.update(considered=considered, dropped=dropped, machine=dataclasses.asdict(mach),
                      seconds=time.process_time() - t0, listed=ctx.fits[0], untimed=ctx.fits[1], unexplored=unexplored,
@@ -287,9 +292,15 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                             tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp), override_prefix(
                             tp, pp, vpp, cp, ep, dp, schedule, split), bound, least_bubble=least_bubble,
                             work_head=(work, head)))
-                        if cfg.train.optimizer == "muon":  # Muon's step per ZeRO stage (cost/optimizer_step.py)
-                            out[-1].optimizer_s = {z: optimizer_step.plan_seconds(
-                                cfg, out[-1].degrees, z, lay.stage_layers, mach, out[-1].spans) for z in range(4)}
+                        st = out[-1]
+
+                        def muon_s(lay_v, st=st):  # Muon's step per ZeRO stage (cost/optimizer_step.py)
+                            return {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay_v.stage_layers, mach,
+                                                                   st.spans) for z in range(4)} \
+                                if cfg.train.optimizer == "muon" else {}
+                        st.optimizer_s = muon_s(lay)
+                        v_balance.add_variants(st, split_cache, lambda lay_v, imb, lb=least_bubble: structure_bound(
+                            cfg, mach, tot, lay_v, imb, lb, n_moe) * scale, muon_s)  # a V's lighter ends
     return out
 
 
@@ -389,11 +400,12 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     mbs = _allowed(ctx.fixed, "micro_batch", divisors(tot.gb // lay.dp))
     n_var = len(overlaps) * len(recomputes)  # every drop below drops each of these variants
     tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
-    copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None
+    copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None  # fp8 too: bf16 base
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
     flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
-        states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero))
+        states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero),
+                             fp8_plan.fp8_copies_fn(cfg, lay) if copy_terms else None)
         mode = mem_mod.precision_mode(lay.precision, zero, lay.dp * lay.cp)
         rope = table_bytes(cfg, tot.seq / lay.cp, mode)
         fk = fsdp_key(lay, zero)

@@ -61,6 +61,9 @@ class Structure:
     fb_facts: dict = dataclasses.field(default_factory=dict)  # rank -> step_time.fb_overlap_facts (pp_overlap)
     rank_memo: dict = dataclasses.field(default_factory=dict)  # planner.comm.comm_points' per-rank seconds
     inner_memo: dict = dataclasses.field(default_factory=dict)  # planner.rank_time.inner_of's per-m seconds
+    #: the same degrees with other splits (planner.v_balance: a V's end chunks lighter); each layout
+    #: is listed once, with the split of the least predicted step
+    variants: list = dataclasses.field(default_factory=list)
 
     @property
     def pp_layout(self) -> Optional[list]:
