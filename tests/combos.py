@@ -373,7 +373,10 @@ PARALLEL_FIELDS = {"tp": "tp", "pp": "pipe", "vpp": "pipe", "schedule": "pipe", 
                    "sequence_parallel": "tp", "tp_overlap": "tp", "pp_layout": "pp_layout",
                    # null: dualpipev with ep > 1 runs overlapped, so the pipe feature's dualpipev rows with ep
                    # run it (tests/test_overlap.py proves it bit for bit against the serial order)
-                   "pp_overlap": "pipe"}
+                   "pp_overlap": "pipe",
+                   # null: flat on the suite's one node (node only where the ep group spans nodes); the
+                   # dispatch by node against the flat one: tests/test_expert_node.py
+                   "ep_dispatch": None}
 
 
 def planner_row(layout: dict, model) -> dict:

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from paralayer.parallel.expert_bytes import byte_counter
+
 if TYPE_CHECKING:
     from paralayer.model.moe import MoEFeedForward
 
@@ -211,10 +213,7 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
 
 
 def _byte_counter(m: MoEFeedForward):
-    """parallel/expert_node.py's byte counter by destination, when the block has a node map."""
-    if getattr(m, "ep_node_of", None) is None:
-        return None
-    from paralayer.parallel.expert_node import byte_counter
+    """parallel/expert_bytes.py's byte counter by destination, when the block has a node map."""
     return byte_counter(m)
 
 

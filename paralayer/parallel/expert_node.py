@@ -26,7 +26,7 @@ run's comm trace (parallel/comm_trace.py) holds the sums as ``bytes_sent["ep.<wh
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from paralayer.parallel import expert
 from paralayer.parallel.expert import _wire_dtype, all_to_all
+from paralayer.parallel.expert_bytes import byte_counter, set_node_map  # noqa: F401 - build.py's
 
 if TYPE_CHECKING:
     from paralayer.model.moe import MoEFeedForward
@@ -42,33 +43,6 @@ if TYPE_CHECKING:
 def nodes_of_group(group, devices_per_node: int) -> list[int]:
     """The node of each ep rank: its global rank // devices_per_node (ranks fill nodes in order)."""
     return [dist.get_global_rank(group, i) // max(devices_per_node, 1) for i in range(dist.get_world_size(group))]
-
-
-def byte_counter(m: MoEFeedForward) -> Optional[Callable[[list[int], int], None]]:
-    """A callback ``(send splits per ep rank, bytes per row)`` adding to ``m.ep_bytes_sent`` by
-    destination; None when the module has no node map (``m.ep_node_of``)."""
-    node_of = getattr(m, "ep_node_of", None)
-    if node_of is None:
-        return None
-    me = m.ep_rank
-    tally = m.ep_bytes_sent
-    trace = getattr(m, "ep_trace", None)  # the run's CommTrace (runtime/train.py): ep.<where> in bytes_sent
-
-    def count(splits: list[int], row_bytes: int) -> None:
-        for j, rows in enumerate(splits):
-            where = "local" if j == me else "intra_node" if node_of[j] == node_of[me] else "inter_node"
-            tally[where] += rows * row_bytes
-            if trace is not None and rows:
-                trace.sent("ep", where, rows * row_bytes)
-    return count
-
-
-def set_node_map(m: MoEFeedForward, node_of: list[int]) -> None:
-    """Record which node each ep rank is on: the rows sent are then counted by destination."""
-    if len(node_of) != m.ep_size:
-        raise ValueError(f"node_of has {len(node_of)} entries for ep={m.ep_size}")
-    m.ep_node_of = list(node_of)
-    m.ep_bytes_sent = {"local": 0, "intra_node": 0, "inter_node": 0}
 
 
 def apply_node_dispatch(module, node_of: list[int]):

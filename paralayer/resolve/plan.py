@@ -213,7 +213,7 @@ def resolve(cfg: Config) -> Plan:
         if plan.degrees["pp"] > 1:  # the busiest pipeline rank, and a V's lighter-end split (issue 45)
             from paralayer.resolve.planner.v_balance import busiest_and_balanced
 
-            plan.extra.update(busiest_and_balanced(cfg, plan))
+            plan.extra.update(busiest_and_balanced(cfg, plan, resolve))
     from paralayer.resolve import data_plan
 
     data_plan.apply(cfg, plan)  # the data section: tokens and epochs per source, bad shards

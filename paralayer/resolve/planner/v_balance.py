@@ -131,12 +131,13 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
 _WEIGHING = []  # set while the dry run times a lighter-end split (its own resolve must not weigh again)
 
 
-def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
+def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> dict:
     """The dry run's pipeline balance (a timed plan with pp > 1): ``busiest_rank_ratio``, the FLOPs
     of the busiest pipeline rank over the mean rank's (the head, MTP and embedding counted where
     they sit), and under zbv / dualpipev, where a split with lighter end chunks is predicted faster
     (and rank 0 still moves the most dp traffic: :func:`rank0_carries_dp`), ``balanced_v``
-    {pp_layout, busiest_rank_ratio, step_time_s, override}: the before and after of issue 45."""
+    {pp_layout, busiest_rank_ratio, step_time_s, override}: the before and after of issue 45.
+    ``resolve``: resolve/plan.py's, passed in (that module imports this one)."""
     import dataclasses
 
     from paralayer.resolve import rules
@@ -155,8 +156,6 @@ def busiest_and_balanced(cfg: Any, plan: Any) -> dict:
     try:
         for s, ratio in v_end_splits(work, head, pp, plan.schedule, split):
             cfg_v = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_layout=list(s)))
-            from paralayer.resolve.plan import resolve
-
             p_v = resolve(cfg_v)
             if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
                 continue
