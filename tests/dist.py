@@ -19,6 +19,8 @@ import tempfile
 import traceback
 from typing import Any, Callable, Optional
 
+from paralayer.rehearse.fork_server import PRELOAD
+
 DEFAULT_TIMEOUT_S = 120
 BACKENDS = ("gloo", "nccl")
 
@@ -59,17 +61,16 @@ def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s, kind="gl
 
 
 #: imported once in the test process before a world forks, so that no rank imports them again: the
-#: launcher's fork-server preload (the runtime, the rehearsal's counters) and what train() imports
-#: lazily (DTensor's and FSDP's paths pull torch._dynamo and inductor's config, the pipeline
-#: torch.distributed.pipelining): ~1 CPU-s in each rank of each world otherwise (7 Dec: a 4-rank
-#: tp2·dp2 world spent 1.68 CPU-s per rank in its first train(), 1.1 s of it importing 329 modules)
-WARM = ("paralayer.runtime.train", "paralayer.rehearse.rank", "paralayer.rehearse.memory", "paralayer.rehearse.comm",
-        "paralayer.rehearse.flops", "paralayer.parallel.mesh", "torch._subclasses.fake_tensor", "torch._dynamo",
-        "torch.distributed.pipelining", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-        "paralayer.parallel.pipeline", "paralayer.parallel.expert", "paralayer.data.dataset", "paralayer.metrics.jsonl",
-        "paralayer.metrics.goodput", "paralayer.metrics.profile", "paralayer.metrics.rank_timing",
-        "paralayer.metrics.throughput", "paralayer.metrics.waited_for", "paralayer.metrics.peaks", "numpy.random",
-        "cProfile", "pstats")
+#: launcher's fork-server preload (the runtime, the rehearsal's counters and what train() imports
+#: lazily: DTensor's and FSDP's paths pull torch._dynamo, the pipeline torch.distributed.pipelining),
+#: less the server's own exit hook, and what the tests' worlds reach beside it: ~1 CPU-s in each rank
+#: of each world otherwise (7 Dec: a 4-rank tp2·dp2 world spent 1.68 CPU-s per rank in its first
+#: train(), 1.1 s of it importing 329 modules)
+WARM = tuple(m for m in PRELOAD if m != "paralayer.rehearse.server_exit") + (
+    "torch.distributed.tensor.parallel", "paralayer.parallel.pipeline", "paralayer.parallel.expert",
+    "paralayer.metrics.goodput", "paralayer.metrics.profile", "paralayer.metrics.rank_timing",
+    "paralayer.metrics.throughput", "paralayer.metrics.waited_for", "paralayer.metrics.peaks", "numpy.random",
+    "cProfile", "pstats")
 
 
 @functools.lru_cache(maxsize=None)

@@ -199,7 +199,7 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     out_splits = recv_counts.sum(1).tolist()
 
     # 2. dispatch: received rows are ordered (source rank, local expert)
-    count = _byte_counter(m)
+    count = byte_counter(m)
     received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, overlap, "dispatch", count)
 
     # 3. regroup by local expert (stable: source-rank order within an expert), compute, ungroup
@@ -212,11 +212,6 @@ def expert_parallel_forward(m: MoEFeedForward, xs: Tensor, counts: Tensor) -> Te
     return all_to_all(ys, in_splits, out_splits, group, overlap, "combine", count)
 
 
-def _byte_counter(m: MoEFeedForward):
-    """parallel/expert_bytes.py's byte counter by destination, when the block has a node map."""
-    return byte_counter(m)
-
-
 def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: int, n_local: int) -> Tensor:
     """:func:`expert_parallel_forward` when every rank routes the same ``counts`` (a Python list,
     the rehearsal's even router): split sizes are known without the counts exchange's values, so
@@ -227,7 +222,7 @@ def _even_forward(m: MoEFeedForward, xs: Tensor, counts: list[int], group, ep: i
     mine = counts[m.expert_offset: m.expert_offset + n_local]        # what each source sends me
     in_splits = [sum(counts[j * n_local:(j + 1) * n_local]) for j in range(ep)]
     out_splits = [sum(mine)] * ep
-    count = _byte_counter(m)
+    count = byte_counter(m)
     received = all_to_all(_wire_dtype(xs), out_splits, in_splits, group, on_send=count)
     # rows arrive (source rank, local expert); regroup by local expert, compute, ungroup
     idx = torch.arange(sum(out_splits), device=xs.device).view(ep, -1)
