@@ -11,8 +11,7 @@ from paralayer import rehearse as R
 from paralayer.config import load_config
 from paralayer.rehearse.comm import bytes_per_axis
 from paralayer.resolve import resolve
-from paralayer.resolve.cost import step_time
-from paralayer.resolve.cost import terms
+from paralayer.resolve.cost import step_time, terms
 from paralayer.resolve.cost.machine import machine_for
 
 # Llama 3 8B on 4 H100 nodes, pp 4 with 14 of the 32 layers on pp rank 1 (a middle rank)

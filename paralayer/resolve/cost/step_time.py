@@ -214,7 +214,8 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
             "dp_exposed_s": dp_exposed, "optimizer_s": opt_s, "memory": dict(plan.memory_per_device_bytes),
             "step_rank": slowest["rank"], "dp_rank": dp_rank,
-            "rank_dp_exposed_s": [s for _, s in sorted((m, rank_dp[q["rank"]][0]) for q in ranks for m in q["members"])],
+            "rank_dp_exposed_s": [x for _, x in sorted((m, rank_dp[q["rank"]][0])
+                                                       for q in ranks for m in q["members"])],
             "rank_step_time_s": [s for _, s in sorted((m, (q["inner_s"] + ovh) * (1 + plan.bubble_fraction)
                                                          + dp_exposed + opt_s) for q in ranks for m in q["members"])],
             "comm_overlap": {ax: {"comm_s": slowest["comm_s"][ax], "hidden_s": slowest["hidden_s"][ax],

@@ -16,7 +16,6 @@ from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.planner.comm import (
     COMM_CLASS,
-    affine_line,
     comm_points,
     dp_rank_lines,
     first_zero,
