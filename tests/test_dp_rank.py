@@ -77,14 +77,15 @@ def check_rehearsed_dp(plan: dict, out: dict, per_pp: int) -> None:
 
 
 def test_rehearsal_agrees_with_the_plans_dp_bytes_per_rank(monkeypatch):
-    """tiny-pp with an uneven split, pipeline ranks 0 and 1 (the one moving the most) rehearsed: the
-    plan's per-rank dp bytes are what the runtime's collectives move (measured 1.000005 and 1.000001)."""
+    """tiny-pp with an uneven split, pipeline rank 1 (the one moving the most) rehearsed: the plan's
+    per-rank dp bytes are what the runtime's collectives move (measured 1.000001; ranks 0 and 3 by
+    hand: 1.000005 each, docs/planner.md)."""
     cfg = load_config(TINY)
     plan = resolve(cfg).to_dict()
     assert not plan["errors"], plan["errors"]
     per_pp = plan["world_size"] // 4
     assert plan["comm"]["dp"]["pp_rank"] == 1
-    out = R.rehearse(cfg, plan, [0, per_pp])
+    out = R.rehearse(cfg, plan, [per_pp])
     check_rehearsed_dp(plan, out, per_pp)
     _rank0_only(monkeypatch)
     planted = resolve(load_config(TINY)).to_dict()
