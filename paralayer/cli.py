@@ -206,6 +206,8 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
             t.add_row(ax, "-", "-", "-", "-")
         else:
             kind = c["collective"] + (" (by node)" if c.get("dispatch") == "node" else "")  # parallel/expert_node.py
+            if ax == "dp" and d["degrees"]["pp"] > 1 and "pp_rank" in c:  # the pipeline rank moving the most
+                kind += f" (pp rank {c['pp_rank']})"
             t.add_row(ax, kind, _bytes(c["message_bytes"]), f"{c['count_per_step']:,}", _bytes(c["bytes_per_step"]))
     con.print(t)
 

@@ -394,12 +394,13 @@ def test_planner_lists_deepseek_v3s_balanced_v_once_per_layout(monkeypatch):
     assert 0 not in plain["pp_layout"] and plain["step_time_s"] > best["step_time_s"] * 1.01, plain["step_time_s"]
 
 
-def test_a_split_that_would_time_dp_short_is_not_weighed(monkeypatch):
-    """The step charges rank 0's dp traffic: a lighter-end split under ZeRO-3 without ep can move
-    every expert gather off rank 0 (kimi-k2's first layer is dense: [1, 2, …, 2, 0] leaves rank 0
-    none) onto ranks that then move far more, and would be timed several times too fast. Neither
-    the dry run nor the planner weighs such a split; planted (the check off), the dry run offers it."""
-    from paralayer.resolve.planner import v_balance
+def test_a_split_that_moves_dp_off_rank_0_is_timed_with_the_others_dp(monkeypatch):
+    """A lighter-end split under ZeRO-3 without ep can move every expert gather off rank 0 (kimi-k2's
+    first layer is dense: [1, 2, …, 2, 0] leaves rank 0 none) onto ranks that then move far more. The
+    step charges each rank's own dp (the max, issue 45 item 5), so the dry run does not offer it as a
+    balanced V, and its own plan names a rank other than 0 for dp; planted (every rank given rank 0's
+    dp, the step before item 5), the dry run offers it at under half the step."""
+    from paralayer.resolve.cost import terms
 
     lo = "[" + ",".join(["1"] + ["2"] * 29 + ["1", "1"]) + "]"
     ov = ["recipe=kimi-k2", "parallel.tp=1", "parallel.pp=16", "parallel.ep=1", "parallel.dp=32",
@@ -407,10 +408,15 @@ def test_a_split_that_would_time_dp_short_is_not_weighed(monkeypatch):
           f"parallel.pp_layout={lo}"]
     d = resolve(load_config(ov)).to_dict()
     assert d["fits"] and "balanced_v" not in d
+    hi = "[" + ",".join(["1"] + ["2"] * 30 + ["0"]) + "]"
+    e = resolve(load_config(ov[:-1] + [f"parallel.pp_layout={hi}"])).to_dict()
+    assert e["dp_rank"] != 0 and e["comm"]["dp"]["pp_rank"] != 0 and e["step_time_s"] > d["step_time_s"], \
+        (e["dp_rank"], e["step_time_s"], d["step_time_s"])
     fixed = {"pp": 16, "ep": 1, "zero": 3, "schedule": "zbv", "recompute": "full", "micro_batch": 4}
     kept = planner.plan_layouts(load_config(["recipe=kimi-k2"]), top=1, fixed=fixed)[0]
     assert kept["step_time_s"] > 0.5 * d["step_time_s"]
-    monkeypatch.setattr(v_balance, "dp_led_by_rank0", lambda *a: True)
+    real = terms.dp_comm
+    monkeypatch.setattr(terms, "dp_comm", lambda cfg, lay, r=0: real(cfg, lay, 0))
     b = resolve(load_config(ov)).to_dict()["balanced_v"]
     assert b["pp_layout"][-1] == 0 and b["step_time_s"] < 0.5 * d["step_time_s"], b
 

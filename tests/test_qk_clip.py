@@ -239,3 +239,49 @@ def test_plan_adds_it_to_the_step_and_ranks_with_it():
         c = planner.config_for(big, d)
         assert c.train.muon.qk_clip_tau == 100
         assert planner.predict(c)["step_time_s"] == pytest.approx(d["step_time_s"], rel=1e-6), d["degrees"]
+
+
+# ------------------------------------------------------------------ the plan's memory
+#: GQA: tiny (4 heads over tp 2, dp 2); MLA: deepseek-v3-tiny (dp 2 · ep 2, its MTP block's attention too)
+HELD = {"gqa": ["recipe=tiny"], "mla": ["recipe=deepseek-v3-tiny"]}
+MUONCLIP = ["train.optimizer=muon", "train.muon.qk_clip_tau=100"]
+
+
+def _plan(ov):
+    from paralayer.config import load_config
+    from paralayer.resolve import resolve
+
+    cfg = load_config(ov)
+    return cfg, resolve(cfg).to_dict()
+
+
+def check_clip_states(out: dict, plan: dict) -> None:
+    """Each rehearsed rank's optimizer states (Muon's momentum, AdamW's moments, QK-clip's max logits,
+    measured from the runtime's own tensors) are the plan's to the byte (pp 1: one figure)."""
+    assert out["ok"] and out["ranks"], out.get("errors")
+    for r in out["ranks"]:
+        assert r["memory_bytes"]["optimizer"] == plan["memory_per_device_bytes"]["optimizer"], (r["rank"], r["ratios"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", list(HELD))
+def test_rehearsal_holds_the_plans_qk_clip_buffers_and_a_plan_without_them_fails(kind, monkeypatch):
+    """The plan counts QK-clip's buffer where the runtime keeps it: one fp32 per local head per
+    softmax attention of the rank (n_heads/tp; whole on every data and expert rank), with the
+    optimizer's states. The rehearsal (rank 0, the runtime's QKClip built on fake tensors) holds
+    exactly that; a plan that leaves the buffer out (the planted omission) does not match it."""
+    from paralayer import rehearse as R
+    from paralayer.resolve.memory import muon_states
+
+    cfg, plan = _plan(HELD[kind] + MUONCLIP)
+    assert not plan["errors"] and plan["degrees"]["pp"] == 1, plan["errors"]
+    _, muon_only = _plan(HELD[kind] + MUONCLIP[:1])
+    m = cfg.model
+    buffers = 4 * (m.n_heads // plan["degrees"]["tp"]) * (m.n_layers + m.mtp.depth)
+    assert plan["memory_per_device_bytes"]["optimizer"] - muon_only["memory_per_device_bytes"]["optimizer"] == buffers
+    out = R.rehearse(cfg, plan, [0])
+    check_clip_states(out, plan)
+    monkeypatch.setattr(muon_states, "qk_clip_bytes", lambda *a: 0)
+    _, planted = _plan(HELD[kind] + MUONCLIP)
+    with pytest.raises(AssertionError):
+        check_clip_states(out, planted)

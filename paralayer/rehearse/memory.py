@@ -98,6 +98,12 @@ def optimizer_bytes(opt: Any) -> int:
     return _bytes(out)
 
 
+def qk_clip_bytes(clip: Any) -> int:
+    """QK-clip's running max logits (one fp32 per local head per attention module it watches;
+    optim/qk_clip.py), 0 without it: held through the step, beside the optimizer's states."""
+    return 0 if clip is None else _bytes(m.max_logit.value for m in clip.modules)
+
+
 #: Single-input autograd nodes a weight passes through on its way to a GEMM: autocast's cast,
 #: views, transposes, DTensor's local-tensor unwrap.
 _WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",

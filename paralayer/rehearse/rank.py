@@ -115,6 +115,9 @@ def _finish_run(cfg: Config, plan: Any, meshes: Any, built: Any, device: torch.d
                 mod.fused_kernel = True
         if getattr(c, "mtp", None) is not None:  # L_MTP joins the gradient; its value is not read
             c.mtp.read_loss = False  # (count_stats, model/mtp.py, gates the MTP pass itself)
+    # MuonClip: each attention records its heads' max logit in forward, as the runtime's; the rescale
+    # after the step reads those values (data-dependent), so it is not run on fake tensors
+    run.qk_clip = T.qk_clip.build(cfg, built, meshes)
     run.runner = T.build_runner(run)
     return run
 
@@ -142,6 +145,8 @@ def step(run: Any, tokens: torch.Tensor, labels: torch.Tensor) -> None:
 
     run.opt.zero_grad(set_to_none=True)
     moe_step.reset(run.built.chunks)
+    if run.qk_clip is not None:
+        run.qk_clip.reset()
     local_loss = T.forward_backward(run, tokens, labels)
     T.reduce_and_clip_tensors(run, local_loss)
     run.opt.step()
@@ -205,7 +210,9 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
                 # autocast's bf16 copies of the weights count with the weights, as the plan counts them
                 "memory_bytes": {"params": weights + saved.weight_copy_bytes,
                                  "grads": rmem.grad_bytes(params),
-                                 "optimizer": rmem.optimizer_bytes(run.opt), "activations": int(saved.peak_bytes)},
+                                 # + QK-clip's max-logit buffers (MuonClip's state beside Muon's momentum)
+                                 "optimizer": rmem.optimizer_bytes(run.opt) + rmem.qk_clip_bytes(run.qk_clip),
+                                 "activations": int(saved.peak_bytes)},
                 "collectives": counter.table(),
                 "flops": float(flops.get_total_flops()),
                 "flops_by_op": {str(k): float(v) for k, v in flops.get_flop_counts().get("Global", {}).items()},

@@ -168,7 +168,7 @@ def resolve(cfg: Config) -> Plan:
         memory_per_device_bytes=mem.to_dict(),
         fits=mem.fits,
         parameters=params,
-        comm=cost.comm(cfg, lay),
+        comm=dict(cost.comm(cfg, lay, with_dp=False), dp=cost.plan_dp_entry(cfg, lay)),  # dp: the rank moving most
         flops_per_token=fpt,
         errors=[i.to_dict() for i in lay.errors],
         warnings=[i.to_dict() for i in warnings],

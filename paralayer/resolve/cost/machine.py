@@ -330,6 +330,18 @@ def dp_exposed_seconds(t_dp: float, t_reduce: float, zero: int, pp: int, window:
     return max(0.0, t_dp - mach.dp_overlap * window)
 
 
+def dp_exposed_max(pairs: tuple, zero: int, pp: int, window: float, mm: int, mach: Machine) -> tuple[float, float]:
+    """(exposed, seconds on the wire) of the pipeline rank whose dp shows the most: ``pairs`` holds each
+    timed rank's (dp seconds, grad reduce seconds), :func:`dp_exposed_seconds` of each (the planner's
+    twin of cost/step_time.py's max over ranks: where the exposed seconds tie, the one moving the most)."""
+    best = (-1.0, 0.0)
+    for t_dp, t_red in pairs:
+        x = (dp_exposed_seconds(t_dp, t_red, zero, pp, window, mm, mach), t_dp)
+        if x > best:
+            best = x
+    return best
+
+
 def distopt_dp_seconds(params: float, d: int, span: str, mach: Machine, window_s: float, mm: int,
                        bubble_s: float, chunks: int) -> float:
     """dp seconds on the critical path under Megatron's distributed optimizer with

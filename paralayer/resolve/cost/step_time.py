@@ -70,7 +70,9 @@ def step_shape(cfg: Config, plan) -> StepShape:
     ring = cost_mod.tp_ring_flops(cfg, g["tp"], plan.recompute, split) if plan.tp_overlap else ()
     lay = rules.check(cfg)  # the plan's layout (resolve's), for every rank's traffic
     ranks = timing_ranks(cfg, lay, work, head)
-    rank_comm = {q[0]: plan.comm if q[0] == 0 else cost_mod.comm(cfg, lay, q[0]) for q in ranks}
+    # rank 0's from plan.comm (its tp/pp/cp/ep; plan.comm's dp is the rank moving the most: its own here)
+    rank_comm = {q[0]: dict(plan.comm, dp=cost_mod.dp_comm(cfg, lay, 0)) if q[0] == 0 else cost_mod.comm(cfg, lay, q[0])
+                 for q in ranks}
     facts = {q[0]: fb_overlap_facts(cfg, lay, q[0], work, head, total) for q in ranks} \
         if getattr(plan, "pp_overlap", False) else {}
     return StepShape(imbalance, rc, kinds, ring, tuple(rank_layers), max(range(len(rw)), key=rw.__getitem__),
@@ -194,22 +196,15 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
     dp_sync = framework.dp_sync
     if dp_sync not in DP_SYNCS:
         raise ValueError(f"dp_sync {dp_sync!r}: one of {DP_SYNCS}")
-    d = g["dp"] * g["cp"]
     if dp_sync != "runtime" and plan.zero > 1:
         raise ValueError(f"dp_sync={dp_sync!r} is a Megatron data-parallel scheme: zero 0 or 1")
-    params = (plan.comm["dp"]["message_bytes"] / BYTES_PER_PARAM[plan.precision][1]
-              if d > 1 and dp_sync != "runtime" else 0.0)  # the rank's parameters (ZeRO 0/1: one message)
-    if dp_sync == "allreduce-after-fp16":
-        span = plan.spans["dp"]
-        t_ax["dp"] = dp_exposed = (mach.latency(span) + wire_factor("all-reduce", d) * 2.0 * params
-                                   / mach.bandwidth(span)) if d > 1 else 0.0
-    elif dp_sync == "distopt":
-        chunks = (len(plan.stage_layers) // g["pp"]) if g["pp"] > 1 else max(sum(shape.layer_kinds[0]), 1)
-        t_ax["dp"] = dp_exposed = distopt_dp_seconds(params, d, plan.spans["dp"], mach, work_s + recomp, mm,
-                                                     inner * plan.bubble_fraction, chunks)
-    else:
-        dp_exposed = dp_exposed_seconds(t_ax["dp"], dp_reduce_seconds(plan.comm["dp"], plan.spans["dp"], mach),
-                                        plan.zero, g["pp"], work_s + recomp, mm, mach)
+    # dp per pipeline rank (its own parameters' grads and gathers), exposed after the pipeline's common
+    # end (the slowest rank paces every rank, so no rank's dp starts before it): the max over ranks
+    rank_dp = {q[0]: dp_seconds(cfg, plan, shape, mach, dp_sync, shape.rank_comm[q[0]]["dp"], work_s + recomp, inner)
+               for q in shape.ranks}
+    # the rank that shows the most, then moves the most (plan.comm's dp where the exposed seconds tie), then the lowest
+    dp_rank = max(rank_dp, key=lambda r: (rank_dp[r][0], rank_dp[r][1], -r))
+    dp_exposed, t_ax["dp"] = rank_dp[dp_rank]
     opt_s = optimizer_step.plan_seconds(cfg, g, plan.zero, plan.stage_layers, mach, plan.spans)  # muon; 0: adamw
     step = inner * (1 + plan.bubble_fraction) + dp_exposed + opt_s
     out = {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
@@ -218,7 +213,9 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
             "compute_s": compute, "imbalance": shape.imbalance, "recompute_s": recomp, "overhead_s": ovh,
             "bubble": plan.bubble_fraction, "bubble_s": inner * plan.bubble_fraction, "comm_time_s": t_ax,
             "dp_exposed_s": dp_exposed, "optimizer_s": opt_s, "memory": dict(plan.memory_per_device_bytes),
-            "step_rank": slowest["rank"],
+            "step_rank": slowest["rank"], "dp_rank": dp_rank,
+            "rank_dp_exposed_s": [x for _, x in sorted((m, rank_dp[q["rank"]][0])
+                                                       for q in ranks for m in q["members"])],
             "rank_step_time_s": [s for _, s in sorted((m, (q["inner_s"] + ovh) * (1 + plan.bubble_fraction)
                                                          + dp_exposed + opt_s) for q in ranks for m in q["members"])],
             "comm_overlap": {ax: {"comm_s": slowest["comm_s"][ax], "hidden_s": slowest["hidden_s"][ax],
@@ -232,6 +229,26 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
         out.update(fp8_fields(step, bf16["step_time_s"], change, bf16["compute_s"] * shape.imbalance
                               + bf16["recompute_s"], matmul_share(cfg, plan, mach)))
     return out
+
+
+def dp_seconds(cfg: Config, plan, shape: StepShape, mach: Machine, dp_sync: str, e: dict, window: float,
+               inner: float) -> tuple[float, float]:
+    """(exposed seconds, seconds on the wire) of one pipeline rank's dp entry ``e`` (cost.dp_comm) as
+    ``dp_sync`` moves it; ``window``: the busiest rank's compute (what hides it, machine.dp_exposed_seconds),
+    ``inner``: the step before the bubble (distopt hides some under the bubble)."""
+    g = plan.degrees
+    d, span = g["dp"] * g["cp"], plan.spans["dp"]
+    t_dp = comm_seconds(e, span, mach, "dp")
+    params = e["message_bytes"] / BYTES_PER_PARAM[plan.precision][1] if d > 1 and dp_sync != "runtime" else 0.0
+    if dp_sync == "allreduce-after-fp16":  # the rank's parameters (ZeRO 0/1: one message)
+        t = (mach.latency(span) + wire_factor("all-reduce", d) * 2.0 * params / mach.bandwidth(span)) if d > 1 else 0.0
+        return t, t
+    if dp_sync == "distopt":
+        chunks = (len(plan.stage_layers) // g["pp"]) if g["pp"] > 1 else max(sum(shape.layer_kinds[0]), 1)
+        t = distopt_dp_seconds(params, d, span, mach, window, plan.microbatches, inner * plan.bubble_fraction, chunks)
+        return t, t
+    return dp_exposed_seconds(t_dp, dp_reduce_seconds(e, span, mach), plan.zero, g["pp"], window,
+                              plan.microbatches, mach), t_dp
 
 
 def rank_seconds(cfg: Config, plan, shape: StepShape, mach: Machine, framework: Framework, base: float,
@@ -367,6 +384,7 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     # the step is the slowest pipeline rank's (each rank's compute and its own traffic); its traffic
     # by axis, what parallel.pp_overlap hides of it and what stays exposed (cost/fb_overlap.py)
     out.update({"step_rank": t["step_rank"], "rank_step_time_s": t["rank_step_time_s"],
+                "dp_rank": t["dp_rank"], "rank_dp_exposed_s": t["rank_dp_exposed_s"],
                 "comm_overlap": t["comm_overlap"], "comm_sm_slowdown_s": t["comm_sm_slowdown_s"],
                 "comm_sm_fraction": mach.comm_sm_fraction})
     out.update(time_to_train(cfg, t["step_time_s"], plan.tokens_per_step, plan.world_size))

@@ -160,7 +160,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     """Per-axis communication of pipeline rank ``r`` (default the first: the one the memory figure
     is for; the rehearsal asks for each rank it steps). ``cp_rank``: the cp ring's figure for that
     cp rank (windowed layers move different chunks per rank); None, the busiest cp rank's.
-    ``with_dp=False``: without the dp entry (the planner's per-rank step times take dp from rank 0).
+    ``with_dp=False``: without the dp entry (the planner takes every rank's dp from :func:`dp_comm`).
 
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward, and
@@ -186,10 +186,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     ab = ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
-    if with_dp:
-        dense, expert, n_layers, layers, n_moe = rank_facts(cfg, lay, r)
-    else:
-        n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
+    n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     again = split_reruns(cfg, lay, layers)  # the V schedules' second reruns, per step
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
@@ -198,8 +195,25 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
-        out["dp"] = _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
+        out["dp"] = dp_comm(cfg, lay, r)
     return out
+
+
+def dp_comm(cfg: Config, lay: Layout, r: int = 0) -> dict:
+    """The dp entry of :func:`comm` for pipeline rank ``r`` alone: the ranks differ in it under pp (the
+    embedding, the head and MTP on their chunks' ranks, uneven splits, MoE layers after first_k_dense,
+    expert grads reduced over their own expert-dp group)."""
+    dense, expert, n_layers, layers, _ = rank_facts(cfg, lay, r)
+    return _dp_comm(lay, dense, expert, n_layers, fp8_gathered_params(cfg, lay, layers))
+
+
+def plan_dp_entry(cfg: Config, lay: Layout) -> dict:
+    """The plan's ``comm.dp``: the entry of the pipeline rank with the most dp bytes per step (the
+    lowest such rank), plus ``pp_rank`` (which one) and ``rank_bytes_per_step`` (every pipeline
+    rank's, indexed by pp rank). Before 7 Dec (issue 45 item 5) it was rank 0's whatever the others moved."""
+    per = [dp_comm(cfg, lay, r) for r in range(lay.pp)]
+    top = max(range(lay.pp), key=lambda r: (per[r]["bytes_per_step"], -r))
+    return dict(per[top], pp_rank=top, rank_bytes_per_step=[int(e["bytes_per_step"]) for e in per])
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0) -> dict:
@@ -386,6 +400,16 @@ def window_core_fraction(seq: int, cp: int, window: int | None, cp_rank: int | N
     return best / (4 * cp)
 
 
+def _max_logit_per_token(cfg: Config, lay: Layout) -> float:
+    """QK-clip's max-logit GEMM per query token of one softmax attention's forward
+    (paralayer/model/max_logit.py): 2·(n_heads/tp)·d_qk per key, over the whole sequence's keys (the
+    mask is applied after it, so no causal half or window is skipped; under cp the rank's s/cp
+    queries meet every rank's keys); 0 when QK-clip is off."""
+    if getattr(cfg.train.muon, "qk_clip_tau", None) is None:
+        return 0.0
+    return 2.0 * cfg.model.n_heads / lay.tp * parts.qk_head_dim(cfg) * cfg.model.seq_len
+
+
 def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> float:
     """Hardware FLOPs of one device of pipeline rank ``r`` in one step, recompute included: what
     the rehearsal counts with ``FlopCounterMode`` (matmuls and attention; 2 FLOPs a multiply-add).
@@ -418,6 +442,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         dqk, dv = parts.qk_head_dim(cfg), parts.v_head_dim(cfg)
         core_full *= 2 * dqk / (dqk + dv)
     last = (lay.chunks - 1) in rank_chunks(lay, r)
+    clip = _max_logit_per_token(cfg, lay)
     for i in rank_layers(cfg, lay, r):
         core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)
         mat = attn_mat
@@ -431,6 +456,10 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
         if mode == "norm_up":
             again = norm_up_rerun_flops(cfg, i)
+        if clip and not parts.is_linear_layer(cfg, i):  # QK-clip's q·kᵀ, again in each rerun of the core
+            total += clip * (1 + (layer_reruns(lay, i) if mode == "full" else
+                                  (mode in ("selective", "core_attn")
+                                   or (mode == "norm_up" and parts.attention_kind(cfg) == "mla"))))
         total += 3.0 * mat + core_passes * core + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)

@@ -155,6 +155,25 @@ def comm_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: s
     return pts
 
 
+def dp_rank_lines(cfg: Config, st: Structure, mach: Machine, pts: list) -> tuple:
+    """((dp line, grad reduce-scatter line), ...): rank 0's from ``pts`` (:func:`comm_points`), then each
+    other timed rank's (``cost.dp_comm`` at the same two points): the ranks differ in dp bytes under pp
+    and the step's dp term is the max over them (cost/step_time.py, the same ranks' max)."""
+    lay, span = st.lay, st.spans["dp"]
+    out = [(affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))]
+    others = [q[0] for q in timing_ranks(cfg, lay, *st.work_head, prune=True) if q[0]] if lay.pp > 1 else []
+    for r in others:
+        vals = []
+        for mm_, t in pts:
+            mb_, recompute, zero, every = t["args"]
+            _set(lay, mb_, mm_, recompute, zero, every)
+            e = cost_mod.dp_comm(cfg, lay, r)
+            vals.append((mm_, {"dp": comm_seconds(e, span, mach, "dp"), "dp_reduce": dp_reduce_seconds(e, span, mach)}))
+        _set(lay, 1, pts[0][0], "none", 0, 1)
+        out.append((affine_line(vals, "dp"), affine_line(vals, "dp_reduce")))
+    return tuple(out)
+
+
 def rank_points(cfg: Config, st: Structure, mach: Machine, gb: int, recompute: str, zero: int, rank: int) -> list:
     """One pipeline rank's (rank, axis) seconds at :func:`comm_points`' two micro-batch sizes, without
     rank 0's ``cost.comm`` (the refined bound's busiest rank; memoised, so the same floats later)."""

@@ -16,8 +16,8 @@ from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.planner.comm import (
     COMM_CLASS,
-    affine_line,
     comm_points,
+    dp_rank_lines,
     first_zero,
     fsdp_able,
     rank_line_table,
@@ -64,16 +64,17 @@ class LazyLines:
         return with_ranks(self.cfg, self.st, self.mach, self.pts[key]) if ranks else self.pts[key]
 
     def dp_line(self, zero: int) -> tuple:
+        """((dp line, grad reduce-scatter line), ...): rank 0's and every other timed rank's (dp_rank_lines)."""
         if zero not in self.dp:
             pts = self.points(*self.dp_from[zero], ranks=False)
-            self.dp[zero] = (affine_line(pts, "dp"), affine_line(pts, "dp_reduce"))
+            self.dp[zero] = dp_rank_lines(self.cfg, self.st, self.mach, pts)
         return self.dp[zero]
 
     def dp_at(self, zero: int, mm: int) -> tuple:
-        """(dp seconds, grad reduce-scatter seconds) at m microbatches, once per (zero, m)."""
+        """((dp seconds, grad reduce-scatter seconds), ...) per timed rank at m microbatches, once per (zero, m)."""
         if (zero, mm) not in self.dp_cache:
-            (dpf, dpm), (rdf, rdm) = self.dp_line(zero)
-            self.dp_cache[(zero, mm)] = (dpf + dpm * mm, rdf + rdm * mm)
+            self.dp_cache[(zero, mm)] = tuple((dpf + dpm * mm, rdf + rdm * mm)
+                                              for (dpf, dpm), (rdf, rdm) in self.dp_line(zero))
         return self.dp_cache[(zero, mm)]
 
     def line(self, overlap: bool, recompute: str, fk: bool) -> tuple:

@@ -60,7 +60,7 @@ from paralayer.resolve.cost.machine import (  # noqa: F401 - LOCAL_CALIBRATION, 
     LOCAL_CALIBRATION,
     Machine,
     comm_seconds,
-    dp_exposed_seconds,
+    dp_exposed_max,
     dp_reduce_seconds,
     machine_for,
     wire_factor,
@@ -466,19 +466,19 @@ def _timed(st: Structure, key: int, zero: int, mb: int, mm: int, recompute: str,
            tot: Totals, mach: Machine, every: int = 1, fp8: Any = None, inner_of: Any = None) -> Candidate:
     """The step time of one layout from its parts (the module docstring; ``inner_of``: rank_time's);
     ``fp8``: its FP8 change (fp8_time.Fp8Step), less work and recompute, the bf16 step beside it."""
-    (fixed, per_m, per_inv), (t_dp, t_red) = line, dp
+    (fixed, per_m, per_inv), t_dp = line, 0.0  # dp: each timed rank's (dp, reduce) seconds; the max shows
     fixed += per_inv / mm  # DualPipeV's rerun traffic (planner.comm.comm_line), at this m
     recomp, ovh = work * tot.rc_frac[recompute_key(recompute, every)], ovh_per_m * mm
 
     def step_of(work: float, recomp: float) -> tuple[float, float, float]:
         inner = inner_of(work, recomp) + ovh
-        dp_exposed = dp_exposed_seconds(t_dp, t_red, zero, st.lay.pp, work + recomp, mm, mach)
-        return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed  # + Muon's step
+        dp_exposed, t_dp_ = dp_exposed_max(dp, zero, st.lay.pp, work + recomp, mm, mach)
+        return inner * (1 + bubble) + dp_exposed + st.optimizer_s.get(zero, 0.0), inner, dp_exposed, t_dp_
 
-    (step, inner, dp_exposed), extra = step_of(work, recomp), None
+    (step, inner, dp_exposed, t_dp), extra = step_of(work, recomp), None  # + Muon's step
     if fp8 is not None:
         extra = (step, work + recomp, fp8)
-        step, inner, dp_exposed = step_of(work - fp8.save_work, recomp - fp8.save_recompute)
+        step, inner, dp_exposed, _ = step_of(work - fp8.save_work, recomp - fp8.save_recompute)
     return Candidate(step, key, zero, mb, mm, recompute, mem, fixed + t_tp, per_m, t_dp,
                      dp_exposed, bubble, recomp, inner * bubble, tot.compute * (st.imbalance - 1), ovh, overlap, t_tp,
                      every, extra)

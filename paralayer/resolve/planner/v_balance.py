@@ -55,41 +55,12 @@ def group_exceeds(refined: Callable[[Structure], float], st: Structure, bar: flo
     return all(_refined(refined, s) > bar for s in [st] + st.variants)
 
 
-def rank0_carries_dp(cfg: Any, st: Structure, mach: Any, gb: int, zero: int) -> bool:
-    """Whether pipeline rank 0 moves at least every other pipeline rank's dp seconds under this
-    variant at ``zero`` (under a pipeline the dp traffic is once per step, whatever the micro-batch:
-    asked at micro-batch 1). The step charges rank 0's dp (plan.comm's), so a
-    split that moved layers (their grads, their gathers) off rank 0 onto ranks that then move more
-    would be timed short: such a variant is not weighed (kimi-k2 under ZeRO-3 without ep read 86 s
-    where ranks 1–15 move 24× rank 0's dp bytes). Memoised per zero."""
-    key = ("rank0_dp", zero)
-    if key not in st.inner_memo:
-        lay = copy.copy(st.lay)
-        lay.micro_batch, lay.microbatches, lay.recompute = 1, gb // lay.dp, "none"
-        lay.zero, lay.recompute_every = zero, 1
-        st.inner_memo[key] = dp_led_by_rank0(cfg, lay, st.spans["dp"], mach)
-    return st.inner_memo[key]
-
-
-def dp_led_by_rank0(cfg: Any, lay: Any, span: str, mach: Any) -> bool:
-    """Whether pipeline rank 0's dp seconds (cost.comm's, on ``span``) are at least every other
-    pipeline rank's: the planner's and the dry run's check of a lighter-end split."""
-    from paralayer.resolve.cost import terms as cost_mod
-    from paralayer.resolve.cost.machine import comm_seconds
-
-    secs = [comm_seconds(cost_mod.comm(cfg, lay, r)["dp"], span, mach, "dp") for r in range(lay.pp)]
-    return secs[0] >= max(secs) * (1 - 1e-9)
-
-
-def _guarded(ctx: Any, st: Structure) -> Any:
-    """``ctx`` for a variant: the ZeRO stages where rank 0 still moves the most dp traffic
-    (:func:`rank0_carries_dp`; None: none), and its drops not counted (the base's layouts again)."""
-    want = ctx.fixed.get("zero", (0, 1, 2, 3))
-    want = set(want) if isinstance(want, (list, tuple, set, frozenset)) else {want}
-    zeros = [z for z in (0, 1, 2, 3) if z in want and rank0_carries_dp(ctx.cfg, st, ctx.mach, ctx.tot.gb, z)]
-    if not zeros:
-        return None
-    return ctx._replace(fixed=dict(ctx.fixed, zero=zeros), drop=lambda *a, **kw: None)
+def _quiet(ctx: Any) -> Any:
+    """``ctx`` for a variant: its drops not counted (the base's layouts again). Every ZeRO stage is
+    weighed: the step charges each rank's own dp (the max over ranks, issue 45 item 5), so a split
+    that moves layers onto ranks that then move more dp is timed with their traffic (until 7 Dec the
+    step charged rank 0's, and such a split was left out where rank 0 did not move the most)."""
+    return ctx._replace(drop=lambda *a, **kw: None)
 
 
 def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs: list, bar: float,
@@ -107,9 +78,7 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
         own = s.inner_memo["own_bound"] if i == 0 else s.bound
         if bar < float("inf") and (own > bar or _refined(refined, s) > bar):
             continue  # none of this split's layouts can be listed
-        c_ctx = ctx if i == 0 else _guarded(ctx, s)
-        if c_ctx is None:
-            continue
+        c_ctx = ctx if i == 0 else _quiet(ctx)
         k = key
         if i:
             k = n_structs + len(extra)
@@ -135,13 +104,11 @@ def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> 
     """The dry run's pipeline balance (a timed plan with pp > 1): ``busiest_rank_ratio``, the FLOPs
     of the busiest pipeline rank over the mean rank's (the head, MTP and embedding counted where
     they sit), and under zbv / dualpipev, where a split with lighter end chunks is predicted faster
-    (and rank 0 still moves the most dp traffic: :func:`rank0_carries_dp`), ``balanced_v``
+    (each rank's dp charged, the max: no split is timed on rank 0's alone), ``balanced_v``
     {pp_layout, busiest_rank_ratio, step_time_s, override}: the before and after of issue 45.
     ``resolve``: resolve/plan.py's, passed in (that module imports this one)."""
     import dataclasses
 
-    from paralayer.resolve import rules
-    from paralayer.resolve.cost.machine import machine_for
     from paralayer.resolve.cost.split import layer_work, rank_work
 
     pp = plan.degrees["pp"]
@@ -159,8 +126,6 @@ def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> 
             p_v = resolve(cfg_v)
             if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
                 continue
-            if not dp_led_by_rank0(cfg_v, rules.check(cfg_v), p_v.spans["dp"], machine_for(cfg_v)):
-                continue  # rank 0's dp would time the step short (rank0_carries_dp)
             t = p_v.extra["step_time_s"]
             if t < plan.extra["step_time_s"] and (best is None or t < best["step_time_s"]):
                 best = {"pp_layout": list(s), "busiest_rank_ratio": ratio, "step_time_s": t,
@@ -172,4 +137,4 @@ def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> 
     return out
 
 
-__all__ = ["add_variants", "busiest_and_balanced", "group_exceeds", "plan_group", "rank0_carries_dp", "dp_led_by_rank0"]
+__all__ = ["add_variants", "busiest_and_balanced", "group_exceeds", "plan_group"]
