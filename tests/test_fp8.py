@@ -334,6 +334,8 @@ def test_rowwise_weight_gradient_scales_span_every_cp_rank():
      "parallel.ep=1"),
     (["train.fp8.recipe=blockwise"], "train.precision", "multiples of 128"),
     (["parallel.tp=2", "parallel.cp=2"], "train.precision", "train.fp8.recipe=rowwise"),
+    (["model.moe.num_experts=4", "parallel.cp=2", "train.fp8.recipe=rowwise"], "train.precision",
+     "covering the MoE blocks"),
     (["train.fp8.base_precision=fp16"], "train.fp8.base_precision", "auto, bf16, fp32"),
 ])
 def test_bad_fp8_input_exits_2_with_one_line(extra, field, words):

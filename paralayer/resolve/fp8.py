@@ -119,6 +119,12 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                   f"parallel.{'cp' if p.cp > 1 else 'tp'}={p.cp if p.cp > 1 else p.tp}: an expert's scales that "
                   "span tokens would cover part of a sequence, not one process's micro-batch; valid: parallel.ep=1, "
                   "or ep > 1 with tp=1 and cp=1"))
+    if p.cp > 1 and p.ep == 1 and any(is_moe_layer(cfg, i) for i in fp8_layers(cfg)):
+        # the same reason at ep=1 (measured at cp2, 4 experts: tensorwise 1.0e-2 off one process in
+        # loss, rowwise 5.9e-3; docs/context-parallel.md): an expert's GEMMs run on one cp rank's rows
+        err(Issue("train.precision", f"train.precision=fp8 is not built for the MoE experts with parallel.cp={p.cp}: "
+                  "an expert's scales that span tokens would cover one cp rank's rows, not the sequence's; valid: "
+                  "parallel.cp=1, or train.fp8.bf16_first_blocks / bf16_last_blocks covering the MoE blocks"))
     if lay.tp_overlap:
         err(Issue("train.precision", "train.precision=fp8 is not built with parallel.tp_overlap=true (the fused "
                   "ring GEMMs have no FP8 cast); valid: parallel.tp_overlap=false"))
