@@ -154,6 +154,8 @@ LAYOUTS = {
     "pp2-1f1b": (["parallel.pp=2", "parallel.schedule=1f1b"], []),
     "pp2-interleaved": (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"], ["model.n_layers=4"]),
     "cp2": (["parallel.cp=2"], []),
+    # four ranks; rowwise only (tensorwise is refused there: test_bad_fp8_input_exits_2_with_one_line)
+    "tp2-cp2": (["parallel.tp=2", "parallel.cp=2"], []),
     "dp2-zero2": (["parallel.dp=2", "parallel.zero=2"], []),
     "dp2-zero3": (["parallel.dp=2", "parallel.zero=3"], []),
     # the experts' GEMMs in FP8, once per sending rank (model/moe.py); dropless top-2 of 4
@@ -187,12 +189,13 @@ def references(tmp_path_factory):
 def _layout_errs(references, model_keys: list, layout: list, steps: int = 4) -> tuple[float, float]:
     """The worst relative errors of loss and grad norm over the first ``steps`` steps."""
     ref, path = references(tuple(model_keys))
-    got = run_ranks(_run, 2, BASE + model_keys + [f"data.path={path}"] + layout, timeout_s=600)[0]
+    world = 4 if "parallel.cp=2" in layout and "parallel.tp=2" in layout else 2
+    got = run_ranks(_run, world, BASE + model_keys + [f"data.path={path}"] + layout, timeout_s=600)[0]
     return _errs(got[:steps], ref[:steps])
 
 
-#: rowwise under cp is refused by the resolver (test_bad_fp8_input_exits_2_with_one_line), not run
-PAIRS = [(r, n) for r in ("tensorwise", "rowwise") for n in LAYOUTS if (r, n) != ("rowwise", "cp2")]
+#: tensorwise under tp and cp together is refused by the resolver (test_bad_fp8_input_exits_2_with_one_line)
+PAIRS = [(r, n) for r in ("tensorwise", "rowwise") for n in LAYOUTS if (r, n) != ("tensorwise", "tp2-cp2")]
 
 
 @pytest.mark.timeout(900)
@@ -274,6 +277,53 @@ def test_experts_scaled_over_every_sender_fail(monkeypatch, references):
     assert max(errs) > 1e-4, errs
 
 
+def _cp_rowwise_wgrad(rank, world, plant):
+    """One rowwise Fp8Linear: one process on a whole sequence, then each cp rank on its zigzag shard
+    (the weight gradients summed over the ranks, as the dp·cp gradient sync does). The sequence
+    holds outliers: the tokens of cp rank 0 carry inputs 2^16 larger and output gradients 2^16
+    smaller than rank 1's, so a column's amax over the tokens is one rank's, and the other rank's
+    values fall, under one process's scale, into e4m3's subnormals. ``plant``: each rank's amax of
+    its own tokens (the reduce taken away). Returns the relative errors of y, dx, dW."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralayer.parallel.context.zigzag import zigzag_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    g = torch.Generator().manual_seed(0)
+    own = zigzag_shard(torch.arange(32), 0, world, 0)
+    big = torch.ones(32).index_fill(0, own, 2.0 ** 16)
+    x = torch.randn(1, 32, 64, generator=g) * big[:, None] / 2 ** 8
+    dy = torch.randn(1, 32, 48, generator=g) * 2 ** 8 / big[:, None]
+    lin = f8.Fp8Linear.from_float(nn.Linear(64, 48, bias=False), config=f8.recipe_config("rowwise", True))
+    ref_x = x.clone().requires_grad_()
+    lin(ref_x).backward(dy)
+    ref = (lin(x), ref_x.grad, lin.weight.grad.clone())
+    lin.weight.grad = None
+    lin.token_mesh = mesh
+    if plant:
+        f8.wgrad_mesh = lambda m: None
+    xs = zigzag_shard(x, 1, world, rank).requires_grad_()
+    y = lin(xs)
+    y.backward(zigzag_shard(dy, 1, world, rank))
+    torch.distributed.all_reduce(lin.weight.grad)
+    got = (y, xs.grad, lin.weight.grad)
+    return [float((a - zigzag_shard(b, 1, world, rank)).norm() / b.norm()) for a, b in zip(got[:2], ref[:2])] + \
+        [float((got[2] - ref[2]).norm() / ref[2].norm())]
+
+
+def test_rowwise_weight_gradient_scales_span_every_cp_rank():
+    """Under cp each rank casts the weight gradient's operands with one process's per-column scale
+    (the amax over both ranks' tokens): the weight gradient equals one process's. Planted: each
+    rank's amax of its own tokens, which keeps the small tokens that one process rounds into e4m3's
+    subnormals; it misses. (At init std 0.2 with no outliers the plant does not move the 4-step
+    layout run at all: rowwise's scales are powers of 2, so a shard's scale changes only values in
+    the subnormals; LAYOUTS' cp2 checks the run, this checks the scale.)"""
+    good = run_ranks(_cp_rowwise_wgrad, 2, False, timeout_s=120)
+    bad = run_ranks(_cp_rowwise_wgrad, 2, True, timeout_s=120)
+    assert all(max(r) < 1e-6 for r in good), good
+    assert all(max(r[:2]) < 1e-6 for r in bad) and min(r[2] for r in bad) > 1e-2, bad
+
+
 # ------------------------------------------------------------------ refusals, before any rank starts
 @pytest.mark.parametrize("extra,field,words", [
     (["train.fp8.recipe=delayed"], "train.fp8.recipe", "tensorwise, rowwise, blockwise"),
@@ -283,7 +333,9 @@ def test_experts_scaled_over_every_sender_fail(monkeypatch, references):
     (["model.moe.num_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.cp=2"], "train.precision",
      "parallel.ep=1"),
     (["train.fp8.recipe=blockwise"], "train.precision", "multiples of 128"),
-    (["train.fp8.recipe=rowwise", "parallel.cp=2"], "train.fp8.recipe", "valid with cp > 1"),
+    (["parallel.tp=2", "parallel.cp=2"], "train.precision", "train.fp8.recipe=rowwise"),
+    (["model.moe.num_experts=4", "parallel.cp=2", "train.fp8.recipe=rowwise"], "train.precision",
+     "covering the MoE blocks"),
     (["train.fp8.base_precision=fp16"], "train.fp8.base_precision", "auto, bf16, fp32"),
 ])
 def test_bad_fp8_input_exits_2_with_one_line(extra, field, words):

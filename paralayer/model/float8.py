@@ -15,7 +15,8 @@ Recipes (``recipe_config``):
   (``enable_fsdp_float8_all_gather``), their scales the whole weight's: ``refresh_scales`` runs
   torchao's ``precompute_float8_dynamic_scale_for_fsdp`` before every step (one all-reduce of the
   amaxes; also right after a resume). Under cp each rank holds part of every sequence: the casts of
-  the input and of the output gradient take their amax over the cp group (:class:`Fp8Linear`).
+  the input and of the output gradient take their amax over the cp group (:class:`Fp8Linear`; under
+  tp as well, the DTensor's amax, already whole over tp, then over cp: :func:`_amax`).
   Under ep an expert receives the rows of every ep rank's micro-batch; model/moe.py runs its FP8
   GEMMs once per sending rank, so that every scale spanning tokens (any recipe's weight-gradient
   casts, tensorwise's input and output-gradient ones) covers one micro-batch, as one process's does.
@@ -23,6 +24,9 @@ Recipes (``recipe_config``):
   the weight and activations are gathered in the base precision under FSDP. Under tp the casts run
   on DTensors: a row split over the tp ranks (row-parallel inputs, column-parallel output gradients
   and weights) gets its amax over the whole row (DTensor reduces the max: the scale is Replicate).
+  Under cp the weight gradient's operands, scaled per column along the tokens, take their amax over
+  the cp group (:class:`_TokenScaledMatmul`; under tp too); the other casts scale along K or N, which
+  no cp rank splits.
 - blockwise: 1x128 tiles of activations and output gradients, 128x128 blocks of weights, all e4m3
   (DeepSeek-V3 §3.3). torchao 0.18's blockwise trainer needs triton kernels (CUDA only), so this is
   an emulation (:class:`_BlockwiseMatmul`): the same quantise-dequantise, matmuls in the base dtype.
@@ -36,6 +40,8 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DTensor
 
 from paralayer.resolve.fp8 import cache_tile
 
@@ -56,12 +62,12 @@ def _import_quietly() -> None:
 
 _import_quietly()
 
-from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8 import Float8LinearConfig, float8_utils  # noqa: E402
+from torchao.float8.config import ScalingGranularity, ScalingType  # noqa: E402
 from torchao.float8.distributed_utils import tensor_already_casted_to_fp8  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args  # noqa: E402
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim  # noqa: E402
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # noqa: E402
-from torchao.float8.float8_utils import tensor_to_scale  # noqa: E402
 
 BLOCK = 128
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -75,6 +81,30 @@ def recipe_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool = Fal
 
 
 # ------------------------------------------------------------------ tensorwise / rowwise (torchao)
+def _amax(t: torch.Tensor, mesh, granularity, axis) -> torch.Tensor:
+    """``t``'s amax (whole, or along ``axis``), then its MAX over ``mesh`` (the cp ranks). Under tp
+    ``t`` is a DTensor, whose amax DTensor reduces over tp; the cp reduce takes its local part and
+    keeps its placements (a MAX of MAXes), which torchao's own reduce cannot (no DTensor rule)."""
+    amax = float8_utils.tensor_to_amax(t, False, None, granularity, axis)  # through the module: tests patch it
+    if mesh is None:
+        return amax
+    local = amax.to_local() if isinstance(amax, DTensor) else amax
+    local = funcol.all_reduce(local, "MAX", mesh.get_group())
+    if isinstance(local, funcol.AsyncCollectiveTensor):
+        local = local.wait()
+    if isinstance(amax, DTensor):
+        return DTensor.from_local(local, amax.device_mesh, amax.placements, run_check=False)
+    return local
+
+
+@torch.no_grad()
+def _scale(t: torch.Tensor, dtype: torch.dtype, mesh, granularity=ScalingGranularity.TENSORWISE, axis=None,
+           power_of_2: bool = False) -> torch.Tensor:
+    """torchao's ``tensor_to_scale`` with the amax of :func:`_amax`."""
+    return float8_utils.amax_to_scale(_amax(t, mesh, granularity, axis), dtype,
+                                      round_scales_to_power_of_2=power_of_2)
+
+
 class _GradCast(torch.autograd.Function):
     """Forward: identity. Backward: the output gradient cast to FP8 with its amax over ``mesh``
     (tensorwise: the whole gradient of a sequence held by the cp ranks)."""
@@ -88,15 +118,57 @@ class _GradCast(torch.autograd.Function):
     def backward(ctx, g):
         if tensor_already_casted_to_fp8(g):
             return g, None, None, None
-        scale = tensor_to_scale(g, ctx.dtype, reduce_amax=True, device_mesh=ctx.mesh)
+        scale = _scale(g, ctx.dtype, ctx.mesh)
         return hp_tensor_and_scale_to_float8(g, scale, ctx.dtype, ctx.mm_config, GemmInputRole.GRAD_OUTPUT), \
             None, None, None
 
 
+def _cast(t: torch.Tensor, cast, axis: int, role: GemmInputRole, mm_config, config, mesh=None) -> torch.Tensor:
+    """``t`` cast as ``cast`` (a CastConfig) says, its amax (per tensor, or along ``axis``) reduced
+    (MAX) over ``mesh`` when given; left in high precision when the cast is disabled."""
+    if tensor_already_casted_to_fp8(t) or cast.scaling_type is ScalingType.DISABLED:
+        return t
+    dim = get_maybe_axiswise_dim(axis, cast.scaling_granularity)
+    scale = _scale(t, cast.target_dtype, mesh, cast.scaling_granularity, dim, config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, mm_config, role, dim)
+
+
+def wgrad_mesh(mesh):
+    """The mesh the weight-gradient casts reduce their amax over (the cp mesh); a seam for the
+    tests' planted error (None: each cp rank's own tokens)."""
+    return mesh
+
+
+class _TokenScaledMatmul(torch.autograd.Function):
+    """torchao's ``matmul_with_hp_or_float8_args`` (same forward, same casts), but the weight
+    gradient's operands, whose axiswise scales run along the tokens (rowwise: one per column of the
+    output gradient and of the input), take their amax over ``mesh``: the cp ranks' tokens together,
+    so each rank casts its shard with one process's scale of the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, x, w_t, mm_config, config, mesh):
+        ctx.mesh = mesh
+        return matmul_with_hp_or_float8_args.forward(ctx, x, w_t, mm_config, config)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w_t = ctx.saved_tensors
+        c, mmc, mesh = ctx.config, ctx.linear_mm_config, wgrad_mesh(ctx.mesh)
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        # grad_input: scales along N (per token) and of the weight: no token crosses a cp rank
+        gi = torch.mm(_cast(g2, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, mmc, c),
+                      _cast(w_t, c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT, mmc, c).t())
+        # grad_weight: scales along the tokens (dim 0), over every cp rank's
+        gw = torch.mm(_cast(g2, c.cast_config_grad_output_for_grad_weight, 0, GemmInputRole.GRAD_OUTPUT, mmc, c,
+                            mesh).t(),
+                      _cast(x2, c.cast_config_input_for_grad_weight, 0, GemmInputRole.INPUT, mmc, c, mesh))
+        return gi.reshape(*g.shape[:-1], gi.shape[-1]), gw.t(), None, None, None
+
+
 class Fp8Linear(Float8Linear):
-    """torchao's Float8Linear, plus ``token_mesh``: under cp (tensorwise only: resolve/fp8.py) the
-    input's and output gradient's scales are taken over every cp rank's tokens, so they equal one
-    process's scale of the whole sequence."""
+    """torchao's Float8Linear, plus ``token_mesh``: under cp every scale that spans tokens is taken
+    over every cp rank's tokens, so it equals one process's scale of the whole sequence (tensorwise:
+    the input's and output gradient's; rowwise: the weight gradient's operands, per column)."""
 
     token_mesh = None
 
@@ -110,10 +182,9 @@ class Fp8Linear(Float8Linear):
         if mesh is None:
             return super().forward(x)
         c = self.config
-        if not tensor_already_casted_to_fp8(x):
-            x = hp_tensor_to_float8_dynamic(x, c.cast_config_input.target_dtype, self.linear_mm_config,
-                                            reduce_amax=True, gemm_input_role=GemmInputRole.INPUT,
-                                            device_mesh=mesh)
+        if c.cast_config_input_for_grad_weight.scaling_granularity is ScalingGranularity.AXISWISE:
+            return _TokenScaledMatmul.apply(x, self.weight.t(), self.linear_mm_config, c, mesh)
+        x = _cast(x, c.cast_config_input, -1, GemmInputRole.INPUT, self.linear_mm_config, c, mesh)
         y = matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.linear_mm_config, c)
         return _GradCast.apply(y, self.linear_mm_config, c.cast_config_grad_output.target_dtype, mesh)
 

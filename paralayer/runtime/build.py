@@ -175,7 +175,8 @@ def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device,
     from paralayer.resolve.fp8 import fp8_layers
 
     recipe, emulate = cfg.train.fp8.recipe, device.type != "cuda"
-    cp_mesh = meshes["cp"] if meshes.size("cp") > 1 and recipe == "tensorwise" else None
+    # blockwise's token tiles (128) lie inside a cp chunk (resolve/fp8.py): no scale spans cp ranks
+    cp_mesh = meshes["cp"] if meshes.size("cp") > 1 and recipe in ("tensorwise", "rowwise") else None
     for chunk in chunks:
         convert_blocks(chunk, recipe, fp8_layers(cfg), emulate=emulate, fsdp_float8_all_gather=fsdp,
                        token_mesh=cp_mesh, fp8_comm=fp8_comm)
