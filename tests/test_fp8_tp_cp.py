@@ -65,7 +65,8 @@ def test_the_float8_styles_gather_one_byte_rows(rehearsed):
     cfg, _, r = rehearsed["tp2-sp"]
     m = cfg.model
     rows = m.seq_len * m.d_model * cfg.train.micro_batch
-    gathers = {c["message_bytes"]: c["count"] for c in r["collectives"] if c["axis"] == "tp" and c["kind"] == "all-gather"}
+    gathers = {c["message_bytes"]: c["count"] for c in r["collectives"]
+               if c["axis"] == "tp" and c["kind"] == "all-gather"}
     assert gathers.get(rows, 0) == 4 * m.n_layers, gathers  # each block: attention and MLP, forward and backward
 
 
@@ -92,4 +93,5 @@ def test_bf16_plans_take_no_fp8_term():
         assert not lay.errors, lay.errors
         assert fp8_blocks.tp_styles(cfg, lay) is None
         assert fp8_blocks.act_delta(cfg, lay, False, "none") == 0.0
-        assert fp8_blocks.tp_comm_delta(cfg, lay, list(range(cfg.model.n_layers)), lambda i: False, 512.0) == (0.0, 0.0, 0.0, 0)
+        layers = list(range(cfg.model.n_layers))
+        assert fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: False, 512.0) == (0.0, 0.0, 0.0, 0)

@@ -76,6 +76,13 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
             attn = (3 * h * 2 if auto else h * ab) - shard
             ffn = (2 * h * 2 if auto else h * ab) - shard
         return (attn + (0.0 if moe else ffn)) / ab
+    if styles == "fp8":
+        # without SP: the replicated input cast to FP8 once a part, where the base counts autocast's
+        # casts (three for q, k, v; two for w1, w3) or the one shared input
+        wo = -(ab - 1) * q / t if core else q / t
+        attn = h - (3 if auto else 1) * h * ab + wo
+        ffn = h - (2 if auto else 1) * h * ab - (ab - 1) * f / t
+        return (attn + (0.0 if moe else ffn)) / ab
     if lay.cp > 1 and lay.tp == 1 and cfg.train.fp8.recipe == "tensorwise":
         if moe:  # an MoE block's FP8 GEMMs under cp: not measured, the base rules
             return 0.0
@@ -87,25 +94,35 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
     return 0.0
 
 
-def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe, tokens: float) -> tuple[float, float, float, int]:
+def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
+                  tokens: float) -> tuple[float, float, float, int]:
     """(collective pairs, bytes in units of one s·b·h activation message, amax all-reduce bytes and
     their count) per microbatch that a rank's FP8 blocks (``layers``, global indices; ``is_moe(i)``)
-    move beyond the base SP rule (cost.terms._tp_comm: per part, the attention or a dense FFN, 2
-    pairs and half a pair for its backward re-gather). A float8-styled part moves its input's
-    all-gather and its output gradient's at 1 byte, its output's reduce-scatter in the activations'
-    dtype, its input gradient's in the norms' (fp32 under autocast); a plain-styled part gathers
-    its input in the norms' dtype and its output gradient in the activations'; neither re-gathers.
-    Rowwise scales a row that tp splits over the whole row: per part and microbatch an fp64 amax
-    all-reduce of each token row of the row-parallel input (forward) and of each column-parallel
-    output gradient (backward), and of the d_model rows of each weight (attention 4 + 4, FFN 3 + 3;
-    ``tokens`` the microbatch's). Tensorwise's one-number amax all-reduces are left out."""
+    move beyond the base rule (cost.terms._tp_comm: per part, the attention or a dense FFN, 2
+    pairs and half a pair for its backward re-gather under SP; 2 all-reduces without).
+
+    Under SP a float8-styled part moves its input's all-gather and its output gradient's at 1
+    byte, its output's reduce-scatter in the activations' dtype, its input gradient's in the
+    norms' (fp32 under autocast); a plain-styled part gathers its input in the norms' dtype and
+    its output gradient in the activations'; neither re-gathers. Without SP either styles' part
+    all-reduces its output in the activations' dtype and its input gradient in the norms'. Rowwise scales a row that tp splits over the
+    whole row: per part and microbatch an fp64 amax all-reduce of each token row of the
+    row-parallel input (forward) and of each column-parallel output gradient (backward), and of
+    the d_model rows of each weight (attention 4 + 4, FFN 3 + 3; ``tokens`` the microbatch's).
+    Tensorwise's one-number amax all-reduces are left out."""
     styles = tp_styles(cfg, lay)
-    if styles is None or not lay.sequence_parallel or lay.tp_overlap:
+    sp = lay.sequence_parallel
+    if styles is None or lay.tp_overlap:
         return 0.0, 0.0, 0.0, 0
     ab = ACT_BYTES[lay.precision]
     norm_b = 4 if _autocast(lay) else ab
-    # one part: two all-gathers and two reduce-scatters, half each
-    part = (2 + ab + norm_b) / 2 if styles == "fp8" else norm_b + ab
+    # one part under SP: two all-gathers and two reduce-scatters, half each; without SP the
+    # output's all-reduce in the activations' dtype and the input gradient's in the norms', where
+    # the base counts two in the activations' dtype
+    if not sp:
+        part, base, regather = ab + norm_b, 2.0, 0.0
+    else:
+        part, base, regather = ((2 + ab + norm_b) / 2 if styles == "fp8" else norm_b + ab), 2.5, 0.5
     rowwise = cfg.train.fp8.recipe == "rowwise"
     fp8 = set(fp8_layers(cfg))
     pairs = units = amax = 0.0
@@ -114,8 +131,8 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe, tokens: float)
         if i not in fp8:
             continue
         n = 1 if is_moe(i) else 2  # parts in FP8 tp: the attention, and a dense FFN
-        pairs += -n / 2  # no re-gather: 2 pairs a part, where the base counts 2.5
-        units += n * part / ab - n * 2.5
+        pairs -= n * regather  # no re-gather: 2 pairs a part, where the base counts 2.5
+        units += n * part / ab - n * base
         if rowwise:
             reduced = 4 if n == 1 else 7  # the attention's reductions, and the FFN's 3
             amax += 8.0 * reduced * (tokens + cfg.model.d_model)

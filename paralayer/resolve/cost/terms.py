@@ -233,6 +233,9 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
         e = entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
+        if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, rowwise's amax all-reduces
+            e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
+            e["count_per_step"] += fp8[3] * mm
         return with_reruns(e, 2 * again, act_msg * 2 * again)
     return entry("none", 0, 0, 1)
 
