@@ -30,7 +30,7 @@ from __future__ import annotations
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.fp8 import fp8_layers
-from paralayer.resolve.memory.states import ACT_BYTES, precision_mode
+from paralayer.resolve.memory.states import ACT_BYTES, layer_recompute, precision_mode
 from paralayer.resolve.rules import Layout
 
 
@@ -108,8 +108,9 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
     all-reduces its output in the activations' dtype and its input gradient in the norms'. Rowwise scales a row that tp splits over the
     whole row: per part and microbatch an fp64 amax all-reduce of each token row of the
     row-parallel input (forward) and of each column-parallel output gradient (backward), and of
-    the d_model rows of each weight (attention 4 + 4, FFN 3 + 3; ``tokens`` the microbatch's).
-    Tensorwise's one-number amax all-reduces are left out."""
+    the d_model rows of each weight (attention 4 + 4, FFN 3 + 3; ``tokens`` the microbatch's;
+    not counted again for full recompute's rerun). Tensorwise's one-number amax all-reduces are
+    left out."""
     styles = tp_styles(cfg, lay)
     sp = lay.sequence_parallel
     if styles is None or lay.tp_overlap:
@@ -133,6 +134,11 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
         n = 1 if is_moe(i) else 2  # parts in FP8 tp: the attention, and a dense FFN
         pairs -= n * regather  # no re-gather: 2 pairs a part, where the base counts 2.5
         units += n * part / ab - n * base
+        if sp and layer_recompute(lay, i) == "full":
+            # full recompute reruns the forward: the input's all-gather again (1 byte under the
+            # float8 styles, the norms' dtype under the plain ones) and the output's reduce-scatter,
+            # where the base counts one pair in the activations' dtype a part
+            units += n * ((1 if styles == "fp8" else norm_b) + ab) / (2 * ab) - n
         if rowwise:
             reduced = 4 if n == 1 else 7  # the attention's reductions, and the FFN's 3
             amax += 8.0 * reduced * (tokens + cfg.model.d_model)
