@@ -105,12 +105,12 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
     byte, its output's reduce-scatter in the activations' dtype, its input gradient's in the
     norms' (fp32 under autocast); a plain-styled part gathers its input in the norms' dtype and
     its output gradient in the activations'; neither re-gathers. Without SP either styles' part
-    all-reduces its output in the activations' dtype and its input gradient in the norms'. Rowwise scales a row that tp splits over the
-    whole row: per part and microbatch an fp64 amax all-reduce of each token row of the
-    row-parallel input (forward) and of each column-parallel output gradient (backward), and of
-    the d_model rows of each weight (attention 4 + 4, FFN 3 + 3; ``tokens`` the microbatch's;
-    not counted again for full recompute's rerun). Tensorwise's one-number amax all-reduces are
-    left out."""
+    all-reduces its output in the activations' dtype and its input gradient in the norms'.
+    Rowwise scales a row that tp splits over the whole row: per part and microbatch an fp64 amax
+    all-reduce of each token row of the row-parallel input (forward) and of each column-parallel
+    output gradient (backward), and of the d_model rows of each weight (attention 4 + 4, FFN
+    3 + 3; ``tokens`` the microbatch's; not counted again for full recompute's rerun).
+    Tensorwise's one-number amax all-reduces are left out."""
     styles = tp_styles(cfg, lay)
     sp = lay.sequence_parallel
     if styles is None or lay.tp_overlap:
