@@ -43,6 +43,12 @@ _WIDE = {"all-gather", "reduce-scatter"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    """The bytes a collective moves for ``t``. A float8 tensor of torchao (Float8TrainingTensor, as
+    its tensor-parallel styles gather it) moves its FP8 ``_data`` (its scale is the whole tensor's,
+    alike on every rank); the wrapper itself reads as its original dtype (4 bytes under autocast)."""
+    data = getattr(t, "_data", None)
+    if isinstance(data, torch.Tensor) and data is not t and isinstance(getattr(t, "_scale", None), torch.Tensor):
+        t = data
     return int(t.numel()) * t.element_size()
 
 

@@ -136,7 +136,21 @@ def weight_copy_of(t: torch.Tensor):
 
 
 def _key(t: torch.Tensor) -> int:
-    return _local(t).untyped_storage()._cdata
+    return _storage(t)[0]
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(storage key, bytes) of what a saved tensor holds. A float8 tensor of torchao
+    (Float8TrainingTensor: FP8 ``_data`` and an fp32 ``_scale``, a wrapper whose own storage is
+    sized by its original dtype) holds its data and its scale: keyed by the data's storage, sized
+    by both (the wrapper's own size read an FP8 input saved under tp at 4 bytes an element)."""
+    base = _local(t)
+    data, scale = getattr(base, "_data", None), getattr(base, "_scale", None)
+    if isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
+        st = data.untyped_storage()
+        return st._cdata, st.nbytes() + scale.untyped_storage().nbytes()
+    st = base.untyped_storage()
+    return st._cdata, st.nbytes()
 
 
 class SavedPeak:
@@ -168,9 +182,7 @@ class SavedPeak:
             # autograd): not an activation
             return t
         try:
-            base = _local(t)
-            st = base.untyped_storage()
-            key, nbytes = st._cdata, st.nbytes()
+            key, nbytes = _storage(t)
         except Exception:  # noqa: BLE001 - a tensor without storage (sparse, nested)
             return t
         if key in self.skip or nbytes == 0:
@@ -218,8 +230,7 @@ class SavedPeak:
                 tokens.append(None)
                 continue
             try:
-                st = _local(t).untyped_storage()
-                key, nbytes = st._cdata, st.nbytes()
+                key, nbytes = _storage(t)
             except Exception:  # noqa: BLE001 - a tensor without storage
                 tokens.append(None)
                 continue

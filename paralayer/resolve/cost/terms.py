@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from paralayer.config import Config
+from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import (
     chunk_facts,
@@ -190,7 +191,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     again = split_reruns(cfg, lay, layers)  # the V schedules' second reruns, per step
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
-    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values())), ends),
+    fp8_tp = fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: is_moe_layer(cfg, i), tokens)
+    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp), ends),
            "pp": _pp_comm(lay, act_msg, r),
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
@@ -216,9 +218,12 @@ def plan_dp_entry(cfg: Config, lay: Layout) -> dict:
     return dict(per[top], pp_rank=top, rank_bytes_per_step=[int(e["bytes_per_step"]) for e in per])
 
 
-def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0) -> dict:
+def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0,
+             fp8: tuple = (0.0, 0.0, 0.0, 0)) -> dict:
     """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
-    split backwards' second reruns per step (2 each)."""
+    split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
+    bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
+    (resolve/fp8_blocks.py tp_comm_delta)."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
@@ -231,14 +236,20 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
         pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        e = entry("all-gather+reduce-scatter", act_msg, pairs * mm + 2 * again, lay.tp)
+        e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + 2 * again, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
-        e["bytes_per_step"] = int(act_msg * (pairs * mm + 2 * again))
+        e["bytes_per_step"] = int(act_msg * ((pairs + fp8[1]) * mm + 2 * again))
+        if fp8[3]:  # rowwise's amax all-reduces
+            e["count_per_step"] += fp8[3] * mm
+            e["bytes_per_step"] += int(fp8[2] * mm)
         return with_reruns(e, 2 * again, act_msg * 2 * again)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
         e = entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
+        if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, rowwise's amax all-reduces
+            e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
+            e["count_per_step"] += fp8[3] * mm
         return with_reruns(e, 2 * again, act_msg * 2 * again)
     return entry("none", 0, 0, 1)
 

@@ -37,6 +37,7 @@ fragmentation, temporary buffers and communication buffers are not counted; Mega
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.fp8 import cached_bytes
 from paralayer.resolve.memory import interleaved_flight, v_flight
@@ -67,6 +68,8 @@ def act_elems_per_token(cfg: Config, lay: Layout, moe: bool, recompute: str | No
     elems = _act_elems(cfg, lay, moe, mode, linear)
     if lay.precision == "bf16":
         elems += bf16_extra_elems(cfg, lay, mode, moe, linear)
+    if cfg.train.precision == "fp8":  # an FP8 block's linears under tp or cp (resolve/fp8_blocks.py)
+        elems += fp8_blocks.act_delta(cfg, lay, moe, mode, linear)
     return elems
 
 

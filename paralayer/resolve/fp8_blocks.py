@@ -1,0 +1,146 @@
+"""What an FP8 block saves and sends under tp and cp beyond the base precision's rules
+(train.precision=fp8; issue 44). Torch-free.
+
+Why its own terms: an FP8 block's linears are Float8Linear (paralayer/model/float8.py), which
+neither the bf16 activation fit nor the SP collectives describe:
+
+- tp: the block takes its linears' DTensor styles, never the SP GEMMs (parallel/tensor/layout.py):
+  the column GEMMs' input is gathered once and saved whole, no backward re-gather. Under
+  tensorwise on a GPU plan the styles are torchao's float8 ones (``fp8`` here): the input is cast
+  to FP8 before its all-gather (e4m3, 1 byte, saved by wq/wk/wv together, w1/w3 together), the
+  output gradient before its backward all-gather (e5m2, 1 byte); wo's and w2's inputs are cast
+  to FP8 by their row-parallel style and saved as such (wo's beside the core's own output, w2's
+  in place of the SwiGLU product). The reduce-scatters move the output (base precision) and the
+  input gradient (the norms' output dtype: fp32 under autocast). Otherwise (rowwise; a CPU plan)
+  the styles are DTensor's plain ones (``plain``): the gathered input in the norms' dtype, which
+  under autocast each linear casts again for itself (q, k, v: three bf16 copies; w1, w3: two).
+- cp (tensorwise, tp 1): each Float8Linear casts its input to FP8 over the cp group's amax and
+  saves that FP8 copy (one per linear: q, k, v, wo, w1, w3, w2's in place of the product); under
+  autocast the ring takes RoPE's fp32 q and k and returns fp32, beside the FP8 copy of wo's input.
+
+Measured with ``--rehearse`` (a rank of the full world on fake tensors), where a torchao float8
+tensor counts its FP8 data and scale (rehearse/memory.py, rehearse/comm.py): tiny at tp 2 with SP
+and at cp 2 on an H100 layout (docs/planner.md, tests/test_fp8_tp_cp.py). Counted for GQA
+blocks (the attention part of an MoE block too); MLA and Gated DeltaNet blocks under FP8 with
+tp or cp keep the base rules (not measured). The amax all-reduces (8 bytes each) and the scales
+(4 bytes a tensor) are left out.
+"""
+from __future__ import annotations
+
+from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
+from paralayer.resolve.fp8 import fp8_layers
+from paralayer.resolve.memory.states import ACT_BYTES, layer_recompute, precision_mode
+from paralayer.resolve.rules import Layout
+
+
+def tp_styles(cfg: Config, lay: Layout) -> str | None:
+    """How an FP8 block's linears are split over tp: ``"fp8"`` (torchao's float8 styles:
+    tensorwise on a GPU plan, runtime/build.py ``fp8_comm``), ``"plain"`` (DTensor's: rowwise, or
+    a CPU plan), None where no FP8 GQA block meets tp."""
+    if cfg.train.precision != "fp8" or lay.tp == 1 or not _gqa_fp8(cfg):
+        return None
+    return "fp8" if cfg.train.fp8.recipe == "tensorwise" and lay.device == "cuda" else "plain"
+
+
+def _gqa_fp8(cfg: Config) -> bool:
+    return bool(fp8_layers(cfg)) and parts.attention_kind(cfg) == "gqa"
+
+
+def _autocast(lay: Layout) -> bool:
+    return precision_mode(lay.precision, lay.zero, lay.dp * lay.cp) == "bf16-autocast"
+
+
+def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = False) -> float:
+    """What an FP8 block saves per token beyond the base rules (``activations.act_elems_per_token``),
+    in units of ``ACT_BYTES[precision]``; 0 where none of the terms above apply. Applied to every
+    block of the kind: with ``train.fp8.bf16_first/last_blocks`` under tp or cp the bf16 blocks
+    count as FP8 ones (not separated here: the activation tables go by kind)."""
+    if linear or mode == "full" or cfg.train.precision != "fp8" or not _gqa_fp8(cfg):
+        return 0.0
+    m = cfg.model
+    h, f, t = m.d_model, m.ffn_hidden, lay.tp
+    q, kv = m.n_heads * parts.head_dim(cfg), m.n_kv_heads * parts.head_dim(cfg)
+    ab = ACT_BYTES[lay.precision]
+    auto = _autocast(lay)
+    norm_b = 4 if auto else ab  # the norms' output: fp32 under autocast, else the activations' dtype
+    core = mode in ("core_attn", "selective")  # the core's output recomputed: wo's input is its only copy
+    styles = tp_styles(cfg, lay)
+    if styles is not None and lay.sequence_parallel:
+        # the base counts each column GEMM's input as its sequence shard in the norms' dtype
+        shard = h / t * norm_b
+        if styles == "fp8":
+            attn = h - shard + (-(ab - 1) * q / t if core else q / t)
+            ffn = h - shard - (ab - 1) * f / t
+        else:
+            attn = (3 * h * 2 if auto else h * ab) - shard
+            ffn = (2 * h * 2 if auto else h * ab) - shard
+        return (attn + (0.0 if moe else ffn)) / ab
+    if styles == "fp8":
+        # without SP: the replicated input cast to FP8 once a part, where the base counts autocast's
+        # casts (three for q, k, v; two for w1, w3) or the one shared input
+        wo = -(ab - 1) * q / t if core else q / t
+        attn = h - (3 if auto else 1) * h * ab + wo
+        ffn = h - (2 if auto else 1) * h * ab - (ab - 1) * f / t
+        return (attn + (0.0 if moe else ffn)) / ab
+    if lay.cp > 1 and lay.tp == 1 and cfg.train.fp8.recipe == "tensorwise":
+        if moe:  # an MoE block's FP8 GEMMs under cp: not measured, the base rules
+            return 0.0
+        # five FP8 copies of the normed input where the base counts autocast's five casts or the
+        # two shared inputs; wo's FP8 copy; the ring's fp32 q, k and output under autocast
+        ring = (2 * q + kv) * (4 - ab) if auto and not core else 0.0
+        wo = -(ab - 1) * q if core else q
+        return (5 * h - (5 if auto else 2) * h * ab + wo + ring - (ab - 1) * f) / ab
+    return 0.0
+
+
+def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
+                  tokens: float) -> tuple[float, float, float, int]:
+    """(collective pairs, bytes in units of one s·b·h activation message, amax all-reduce bytes and
+    their count) per microbatch that a rank's FP8 blocks (``layers``, global indices; ``is_moe(i)``)
+    move beyond the base rule (cost.terms._tp_comm: per part, the attention or a dense FFN, 2
+    pairs and half a pair for its backward re-gather under SP; 2 all-reduces without).
+
+    Under SP a float8-styled part moves its input's all-gather and its output gradient's at 1
+    byte, its output's reduce-scatter in the activations' dtype, its input gradient's in the
+    norms' (fp32 under autocast); a plain-styled part gathers its input in the norms' dtype and
+    its output gradient in the activations'; neither re-gathers. Without SP either styles' part
+    all-reduces its output in the activations' dtype and its input gradient in the norms'.
+    Rowwise scales a row that tp splits over the whole row: per part and microbatch an fp64 amax
+    all-reduce of each token row of the row-parallel input (forward) and of each column-parallel
+    output gradient (backward), and of the d_model rows of each weight (attention 4 + 4, FFN
+    3 + 3; ``tokens`` the microbatch's; not counted again for full recompute's rerun).
+    Tensorwise's one-number amax all-reduces are left out."""
+    styles = tp_styles(cfg, lay)
+    sp = lay.sequence_parallel
+    if styles is None or lay.tp_overlap:
+        return 0.0, 0.0, 0.0, 0
+    ab = ACT_BYTES[lay.precision]
+    norm_b = 4 if _autocast(lay) else ab
+    # one part under SP: two all-gathers and two reduce-scatters, half each; without SP the
+    # output's all-reduce in the activations' dtype and the input gradient's in the norms', where
+    # the base counts two in the activations' dtype
+    if not sp:
+        part, base, regather = ab + norm_b, 2.0, 0.0
+    else:
+        part, base, regather = ((2 + ab + norm_b) / 2 if styles == "fp8" else norm_b + ab), 2.5, 0.5
+    rowwise = cfg.train.fp8.recipe == "rowwise"
+    fp8 = set(fp8_layers(cfg))
+    pairs = units = amax = 0.0
+    count = 0
+    for i in layers:
+        if i not in fp8:
+            continue
+        n = 1 if is_moe(i) else 2  # parts in FP8 tp: the attention, and a dense FFN
+        pairs -= n * regather  # no re-gather: 2 pairs a part, where the base counts 2.5
+        units += n * part / ab - n * base
+        if sp and layer_recompute(lay, i) == "full":
+            # full recompute reruns the forward: the input's all-gather again (1 byte under the
+            # float8 styles, the norms' dtype under the plain ones) and the output's reduce-scatter,
+            # where the base counts one pair in the activations' dtype a part
+            units += n * ((1 if styles == "fp8" else norm_b) + ab) / (2 * ab) - n
+        if rowwise:
+            reduced = 4 if n == 1 else 7  # the attention's reductions, and the FFN's 3
+            amax += 8.0 * reduced * (tokens + cfg.model.d_model)
+            count += 2 * reduced
+    return pairs, units, amax, count
