@@ -136,16 +136,18 @@ def _notes(cfg: Config, lay, mem) -> list[str]:
     if lay.precision == "bf16":
         notes.append("bf16 mixed precision as the runtime runs it: ZeRO 0/1 autocast (fp32 weights 4 B, + 2 B for "
                      "the weights whose bf16 copy backward keeps: the head, MoE blocks, and the layers' GEMMs "
-                     "without sequence parallel unless fully recomputed; fp32 grads 4 B, m, v 8 B); ZeRO 2/3 FSDP2 MixedPrecisionPolicy "
-                     "(fp32 shards, bf16 gathered weights under ZeRO-2, fp32 reduce) "
+                     "without sequence parallel unless fully recomputed; fp32 grads 4 B, m, v 8 B); "
+                     "ZeRO 2/3 FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathered weights under ZeRO-2, fp32 reduce) "
                      "per parameter before ZeRO sharding")
     if cfg.cluster.peak_tflops is None:
         notes.append("peak TFLOP/s unknown for this device: no MFU will be reported")
     return notes
 
 
-def resolve(cfg: Config) -> Plan:
-    """Config → Plan. Never raises for a bad layout: problems land in ``errors``."""
+def resolve(cfg: Config, *, weigh_v: bool = True) -> Plan:
+    """Config → Plan. Never raises for a bad layout: problems land in ``errors``. ``weigh_v``: under a
+    V schedule, also time the lighter-end splits (``balanced_v``); False for the resolves that time
+    one of them, so that they do not weigh again."""
     lay = rules.check(cfg)
     mem = memory.memory(cfg, lay)
     params = memory.parameter_counts(cfg)
@@ -213,7 +215,7 @@ def resolve(cfg: Config) -> Plan:
         if plan.degrees["pp"] > 1:  # the busiest pipeline rank, and a V's lighter-end split (issue 45)
             from paralayer.resolve.planner.v_balance import busiest_and_balanced
 
-            plan.extra.update(busiest_and_balanced(cfg, plan, resolve))
+            plan.extra.update(busiest_and_balanced(cfg, plan, lambda c: resolve(c, weigh_v=False), weigh_v))
     from paralayer.resolve import data_plan
 
     data_plan.apply(cfg, plan)  # the data section: tokens and epochs per source, bad shards

@@ -97,16 +97,14 @@ def plan_group(plan_structure: Callable, ctx: Any, key: int, st: Structure, recs
     recs.extend(best.values())
 
 
-_WEIGHING = []  # set while the dry run times a lighter-end split (its own resolve must not weigh again)
-
-
-def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> dict:
+def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any], weigh: bool = True) -> dict:
     """The dry run's pipeline balance (a timed plan with pp > 1): ``busiest_rank_ratio``, the FLOPs
     of the busiest pipeline rank over the mean rank's (the head, MTP and embedding counted where
     they sit), and under zbv / dualpipev, where a split with lighter end chunks is predicted faster
     (each rank's dp charged, the max: no split is timed on rank 0's alone), ``balanced_v``
     {pp_layout, busiest_rank_ratio, step_time_s, override}: the before and after of issue 45.
-    ``resolve``: resolve/plan.py's, passed in (that module imports this one)."""
+    ``resolve``: resolve/plan.py's, passed in (that module imports this one), that does not weigh
+    again; ``weigh`` False: the ratio alone (this plan is itself one of the splits being timed)."""
     import dataclasses
 
     from paralayer.resolve.cost.split import layer_work, rank_work
@@ -116,22 +114,18 @@ def busiest_and_balanced(cfg: Any, plan: Any, resolve: Callable[[Any], Any]) -> 
     split = [len(s) for s in plan.stage_layers]
     total = sum(work) + head
     out = {"busiest_rank_ratio": pp * max(rank_work(work, head, split, pp, plan.schedule)) / total}
-    if _WEIGHING or plan.extra.get("step_time_s") is None:
+    if not weigh or plan.extra.get("step_time_s") is None:
         return out
     best = None
-    _WEIGHING.append(True)
-    try:
-        for s, ratio in v_end_splits(work, head, pp, plan.schedule, split):
-            cfg_v = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_layout=list(s)))
-            p_v = resolve(cfg_v)
-            if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
-                continue
-            t = p_v.extra["step_time_s"]
-            if t < plan.extra["step_time_s"] and (best is None or t < best["step_time_s"]):
-                best = {"pp_layout": list(s), "busiest_rank_ratio": ratio, "step_time_s": t,
-                        "override": f"parallel.pp_layout=[{','.join(map(str, s))}]"}
-    finally:
-        _WEIGHING.pop()
+    for s, ratio in v_end_splits(work, head, pp, plan.schedule, split):
+        cfg_v = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_layout=list(s)))
+        p_v = resolve(cfg_v)
+        if not p_v.valid or not p_v.fits or p_v.extra.get("step_time_s") is None:
+            continue
+        t = p_v.extra["step_time_s"]
+        if t < plan.extra["step_time_s"] and (best is None or t < best["step_time_s"]):
+            best = {"pp_layout": list(s), "busiest_rank_ratio": ratio, "step_time_s": t,
+                    "override": f"parallel.pp_layout=[{','.join(map(str, s))}]"}
     if best is not None:
         out["balanced_v"] = best
     return out
