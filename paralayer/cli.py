@@ -98,6 +98,12 @@ def _report_errors(plan: Any, label: str = "") -> None:
             part = (f"activations {mem['activations'] / 2**30:.2f} GiB (model.seq_len × train.micro_batch tokens × "
                     "model.d_model/model.ffn_hidden per layer; cut by parallel.recompute, parallel.cp, parallel.tp with "
                     "parallel.sequence_parallel)")
+            top = plan.extra.get("activations_by_tensor") or {}
+            if top.get("tensors"):
+                t0 = top["tensors"][0]
+                part += (f"; of the saved set of pipeline rank {top['pp_rank']}'s {top['layers']} {top['layer_kind']} "
+                         f"layers (recompute={top['recompute']}, {top['bytes_per_token_per_layer']:,.0f} B a token "
+                         f"each) the largest tensor is {t0['tensor']}, {t0['share']:.0%}")
         else:
             part = (f"weights, grads and optimizer {states / 2**30:.2f} GiB (model.d_model, model.n_layers, "
                     "model.ffn_hidden, model.vocab_size, model.moe.num_experts; split by parallel.tp, parallel.pp, "

@@ -202,6 +202,10 @@ def resolve(cfg: Config, *, weigh_v: bool = True) -> Plan:
         tp_overlap=lay.tp_overlap,
         pp_overlap=lay.pp_overlap,
     )
+    if plan.valid and not mem.fits:  # which saved tensor makes it too big (issue 45)
+        from paralayer.resolve.memory.saved_parts import largest_saved
+
+        plan.extra["activations_by_tensor"] = largest_saved(cfg, lay, mem.stage)
     from paralayer.resolve.fp8 import plan_section
 
     if cfg.train.precision == "fp8":  # which GEMMs run in FP8 (the time model still counts them bf16)

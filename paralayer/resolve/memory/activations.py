@@ -89,10 +89,14 @@ def kind_elems(cfg: Config, lay: Layout, kind: int, recompute: str | None = None
     return act_elems_per_token(cfg, lay, moe, recompute, linear)
 
 
-def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = False) -> float:
+def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = False,
+               parts: dict | None = None) -> float:
+    """``parts``: filled with the same total by tensor (resolve/memory/saved_parts.py names them)."""
     m = cfg.model
     h, f, t = m.d_model, m.ffn_hidden, lay.tp
     if mode == "full":
+        if parts is not None:
+            parts["layer input (recompute=full)"] = h / t if lay.sequence_parallel else h
         return h / t if lay.sequence_parallel else h
     rep = 3 * h + 2  # the two norms' inputs and 1/rms (model.transformer.RMSNorm), the residual add
     if m.post_norms:  # Gemma 3's norms on wo's and w2's outputs: their inputs and 1/rms
@@ -116,12 +120,14 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fa
         # GPT-OSS's clamped SwiGLU keeps only gate and up whatever the mode (model/moe.py ClampedSwiGLU)
         moe_mult = 3 if mode == "swiglu" or mo.swiglu_limit is not None else 4
         moe_whole = 3 * rows * h + mo.num_experts + moe_mult * (rows * fe + mo.shared_ffn_hidden)
+        swiglu = moe_mult * (rows * fe + mo.shared_ffn_hidden)
         if cfg.train.fp8.cache_activations and mode in ("swiglu", "norm_up"):
             # gate and up, the recomputed SwiGLU's inputs, kept in FP8 with a scale per tile
             # (train.fp8.cache_activations, model/float8.py Fp8Tiles) where 2 elements each were counted
             ab = ACT_BYTES[lay.precision]
             widths = ((rows * fe, fe), (mo.shared_ffn_hidden, mo.shared_ffn_hidden))
             moe_whole -= sum(2 * n * (1 - cached_bytes(w) / ab) for n, w in widths)
+            swiglu -= sum(2 * n * (1 - cached_bytes(w) / ab) for n, w in widths)
         # the routing's bookkeeping: two int64 per row (the sort), the top-k's int64 indices and
         # fp32 weights, two fp32 per token, and each row's weight in the activations' dtype
         moe_whole += (16 * rows + 12 * mo.top_k + 8) / ACT_BYTES[lay.precision] + rows
@@ -131,13 +137,27 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fa
             moe_whole += h + 1
     else:
         shard += ffn_mult * f
+    if parts is not None:
+        dense_ffn = 0 if moe else ffn_mult * f
+        parts["Gated DeltaNet's saved set" if linear else "attention's saved set"] = (shard - dense_ffn) / t
+        if not moe:
+            parts["dense FFN's gate, up, silu(gate), product"] = dense_ffn / t
+        else:
+            parts["routed rows' d_model-wide copies (dispatched, experts' output, combined: 3·k·h)"] = 3 * rows * h
+            parts["experts' SwiGLU (gate, up, silu(gate), product; routed and shared)"] = swiglu
+            parts["router and routing bookkeeping"] = moe_whole - 3 * rows * h - swiglu
     if lay.sequence_parallel:
         # the inputs of the column GEMMs (attention, FFN): only this rank's chunk is saved, the
         # backward gathers it again (parallel/sequence_parallel.py, tp_overlap.py); an MoE block's
         # input is gathered by DTensor and saved whole
         gathered = h / t + (h if moe else h / t)
+        if parts is not None:
+            parts["GEMM inputs gathered over tp"] = gathered
+            parts["norms' inputs and 1/rms, residual, replicated projections"] = (rep - 2 * h) / t
         return gathered + (rep - 2 * h) / t + shard / t + moe_whole
     # Without SP, DTensor keeps one more full-width h per token (measured at tp=2 and 4).
+    if parts is not None:
+        parts["norms' inputs and 1/rms, residual, replicated projections"] = rep + (h - h / t)
     return rep + shard / t + (h - h / t) + moe_whole
 
 
