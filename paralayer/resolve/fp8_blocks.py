@@ -181,8 +181,8 @@ def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
     if cfg.train.precision != "fp8" or lay.cp == 1 or not _gqa_fp8(cfg):
         return 0.0, 0
     recipe = cfg.train.fp8.recipe
-    if recipe not in ("rowwise", "tensorwise"):
-        return 0.0, 0
+    if recipe not in ("rowwise", "tensorwise") or (recipe == "tensorwise" and lay.tp > 1):
+        return 0.0, 0  # blockwise reduces nothing over cp; tensorwise with tp and cp is refused
     m = cfg.model
     h, f, t = m.d_model, m.ffn_hidden, lay.tp
     q, kv = m.n_heads * parts.head_dim(cfg), m.n_kv_heads * parts.head_dim(cfg)
