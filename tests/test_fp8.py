@@ -103,6 +103,30 @@ def test_a_cast_skipped_in_backward_fails_the_oracle():
     assert worst > 1e-3, worst
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_cp_path_casts_under_cuda_autocast_as_torchao(recipe, monkeypatch):
+    """Under CUDA's autocast torchao's Float8Linear casts its input to the autocast dtype, so its
+    GEMMs save and return bf16; our cp path (``token_mesh``), which bypasses torchao's forward, must
+    do the same. CUDA's autocast is faked on CPU (the device checks torchao and we call); the cp
+    amax is each tensor's own (one rank). Before: the cp path returned fp32."""
+    real_on, real_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda dev=None: dev in (None, "cuda") or real_on(dev))
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda dev: torch.bfloat16 if dev == "cuda" else real_dtype(dev))
+    monkeypatch.setattr(torch, "get_autocast_gpu_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(f8, "_amax", lambda t, mesh, g, axis: f8.float8_utils.tensor_to_amax(t, False, None, g, axis))
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16, bias=False)
+    nn.init.normal_(lin.weight, std=0.2)
+    x = torch.randn(2, 8, 32)
+    oracle = f8.Float8Linear.from_float(copy.deepcopy(lin), config=f8.recipe_config(recipe, True))
+    ours = f8.Fp8Linear.from_float(copy.deepcopy(lin), config=f8.recipe_config(recipe, True))
+    ours.token_mesh = object()  # any mesh: the cp path
+    want = oracle(x)
+    got = ours(x)
+    assert want.dtype == torch.bfloat16
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def _blockwise_reference(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Tile by tile, in loops: amax, scale 448/amax, round to e4m3, back."""
     out = torch.empty_like(x)

@@ -165,6 +165,26 @@ class _TokenScaledMatmul(torch.autograd.Function):
         return gi.reshape(*g.shape[:-1], gi.shape[-1]), gw.t(), None, None, None
 
 
+#: The autocast whose cast torchao's ``Float8Linear.forward`` duplicates for F.linear: its
+#: ``torch.is_autocast_enabled()`` and ``torch.get_autocast_gpu_dtype()``, which with no device
+#: mean CUDA's (whatever the input's device).
+TORCHAO_AUTOCAST = "cuda"
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an FP8 GEMM takes it under autocast, so that it saves and returns the autocast dtype
+    as F.linear would: torchao's cast (CUDA's autocast dtype while CUDA's autocast is on), and, where
+    torchao casts nothing, the same cast under the input's own device's autocast (a CPU bf16 run:
+    ``--rehearse`` of a GPU plan, the CPU tests). :class:`Fp8Linear` applies it on every path, the
+    cp ones included, which bypass torchao's forward."""
+    if torch.is_autocast_enabled(TORCHAO_AUTOCAST):
+        return x.to(torch.get_autocast_dtype(TORCHAO_AUTOCAST))
+    dev = x.device.type
+    if dev != TORCHAO_AUTOCAST and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 class Fp8Linear(Float8Linear):
     """torchao's Float8Linear, plus ``token_mesh``: under cp every scale that spans tokens is taken
     over every cp rank's tokens, so it equals one process's scale of the whole sequence (tensorwise:
@@ -173,11 +193,7 @@ class Fp8Linear(Float8Linear):
     token_mesh = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        if dev != "cuda" and torch.is_autocast_enabled(dev):
-            # torchao casts the input under CUDA's autocast only; a CPU bf16 run (--rehearse of a GPU
-            # plan) casts it the same way, so the GEMM saves and returns bf16 as on a GPU
-            x = x.to(torch.get_autocast_dtype(dev))
+        x = autocast_input(x)
         mesh = self.token_mesh
         if mesh is None:
             return super().forward(x)

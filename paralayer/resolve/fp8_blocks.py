@@ -17,13 +17,19 @@ neither the bf16 activation fit nor the SP collectives describe:
 - cp (tensorwise, tp 1): each Float8Linear casts its input to FP8 over the cp group's amax and
   saves that FP8 copy (one per linear: q, k, v, wo, w1, w3, w2's in place of the product); under
   autocast the ring takes RoPE's fp32 q and k and returns fp32, beside the FP8 copy of wo's input.
+- cp (rowwise, any tp): each Float8Linear saves its input in the GEMM's dtype as autocast's linear
+  would, but under autocast the ring's fp32 q, k and output (the latter beside wo's own bf16 copy)
+  are not in the base rules (as for a bf16 block, which the bf16 plan leaves as it is).
+- cp (both): the scales that span tokens take their amax over the cp group, all-reduces in the
+  activations' dtype (:func:`cp_amax`: rowwise's K + N per weight gradient, tensorwise's one number
+  per input and output gradient).
 
 Measured with ``--rehearse`` (a rank of the full world on fake tensors), where a torchao float8
 tensor counts its FP8 data and scale (rehearse/memory.py, rehearse/comm.py): tiny at tp 2 with SP
-and at cp 2 on an H100 layout (docs/planner.md, tests/test_fp8_tp_cp.py). Counted for GQA
-blocks (the attention part of an MoE block too); MLA and Gated DeltaNet blocks under FP8 with
-tp or cp keep the base rules (not measured). The amax all-reduces (8 bytes each) and the scales
-(4 bytes a tensor) are left out.
+and at cp 2 (tensorwise, rowwise; rowwise tp 2 · cp 2 too) on an H100 layout (docs/planner.md,
+tests/test_fp8_tp_cp.py). Counted for GQA blocks (the attention part of an MoE block too); MLA
+and Gated DeltaNet blocks under FP8 with tp or cp keep the base rules (not measured). Left out:
+tensorwise's amax all-reduces over tp (8 bytes each) and the scales (4 bytes a tensor).
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
     norm_b = 4 if auto else ab  # the norms' output: fp32 under autocast, else the activations' dtype
     core = mode in ("core_attn", "selective")  # the core's output recomputed: wo's input is its only copy
     styles = tp_styles(cfg, lay)
+    ring = _rowwise_ring(cfg, lay, q, kv, ab) if auto and not core else 0.0
     if styles is not None and lay.sequence_parallel:
         # the base counts each column GEMM's input as its sequence shard in the norms' dtype
         shard = h / t * norm_b
@@ -75,7 +82,7 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
         else:
             attn = (3 * h * 2 if auto else h * ab) - shard
             ffn = (2 * h * 2 if auto else h * ab) - shard
-        return (attn + (0.0 if moe else ffn)) / ab
+        return (attn + (0.0 if moe else ffn) + ring) / ab
     if styles == "fp8":
         # without SP: the replicated input cast to FP8 once a part, where the base counts autocast's
         # casts (three for q, k, v; two for w1, w3) or the one shared input
@@ -91,7 +98,18 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
         ring = (2 * q + kv) * (4 - ab) if auto and not core else 0.0
         wo = -(ab - 1) * q if core else q
         return (5 * h - (5 if auto else 2) * h * ab + wo + ring - (ab - 1) * f) / ab
-    return 0.0
+    return ring / ab
+
+
+def _rowwise_ring(cfg: Config, lay: Layout, q: int, kv: int, ab: float) -> float:
+    """Bytes per token that a rowwise block under cp and autocast saves beyond the base rules
+    (with the core's output kept): the ring takes RoPE's fp32 q and k (``q + kv`` wide, where the
+    base counts the activations' dtype) and returns fp32, which wo's Float8Linear casts to a copy
+    of its own (the base counts one shared copy); all split over tp by heads. A bf16 block saves
+    the same, which the bf16 plan leaves out (docs/planner.md)."""
+    if lay.cp == 1 or cfg.train.fp8.recipe != "rowwise":
+        return 0.0
+    return ((q + kv) * (4 - ab) + 4 * q) / lay.tp
 
 
 def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
@@ -144,3 +162,40 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
             amax += 8.0 * reduced * (tokens + cfg.model.d_model)
             count += 2 * reduced
     return pairs, units, amax, count
+
+
+
+def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
+    """(bytes, count) per microbatch of the amax all-reduces (MAX) over cp of a rank's FP8 blocks
+    (``layers``, global indices; ``full(i)``: full recompute reruns layer i), each in the GEMM's
+    input dtype (the activations'), model/float8.py ``Fp8Linear``:
+
+    - rowwise: each linear's weight-gradient operands, scaled per column along the tokens, in
+      backward: the input's K amaxes and the output gradient's N (``_TokenScaledMatmul``); under
+      tp a column-parallel linear's N and a row-parallel one's K are the rank's share.
+    - tensorwise (tp 1): one number for each linear's input (forward, again in full recompute's
+      rerun) and one for its output gradient (backward).
+
+    Counted for a GQA attention and a dense SwiGLU FFN (7 linears); FP8 MoE blocks under cp are
+    refused (resolve/fp8.py), so an MoE layer here is a bf16 one and reduces nothing."""
+    if cfg.train.precision != "fp8" or lay.cp == 1 or not _gqa_fp8(cfg):
+        return 0.0, 0
+    recipe = cfg.train.fp8.recipe
+    if recipe not in ("rowwise", "tensorwise") or (recipe == "tensorwise" and lay.tp > 1):
+        return 0.0, 0  # blockwise reduces nothing over cp; tensorwise with tp and cp is refused
+    m = cfg.model
+    h, f, t = m.d_model, m.ffn_hidden, lay.tp
+    q, kv = m.n_heads * parts.head_dim(cfg), m.n_kv_heads * parts.head_dim(cfg)
+    ab = ACT_BYTES[lay.precision]
+    # the K + N amaxes of wq, wk, wv, wo, w1, w3, w2 (the tp-split side divided by tp)
+    rows = 7 * h + (2 * q + 2 * kv + 3 * f) / t
+    nbytes, count = 0.0, 0
+    for i in set(layers) & set(fp8_layers(cfg)):
+        if recipe == "rowwise":
+            nbytes += ab * rows
+            count += 14
+        else:
+            n = 21 if full(i) else 14
+            nbytes += ab * n
+            count += n
+    return nbytes, count

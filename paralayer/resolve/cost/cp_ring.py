@@ -1,11 +1,13 @@
 """cp of ``cost.comm``: the ring's K/V blocks and their fp32 dK/dV, the window ring's chunks, and
-the Gated DeltaNet layers' states and conv tails (cost/cp_sends.py), with every rerun of them.
+the Gated DeltaNet layers' states and conv tails (cost/cp_sends.py), with every rerun of them, and
+the FP8 blocks' amax all-reduces (resolve/fp8_blocks.py cp_amax).
 
 Why its own module: the cp entry sorts the rank's layers by how their attention crosses cp and
 counts each kind apart; cost/terms.py keeps the other axes. Torch-free."""
 from __future__ import annotations
 
 from paralayer.config import Config
+from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import config_cache
 from paralayer.resolve.cost.cp_sends import linear_cp_traffic, window_sends
@@ -58,6 +60,10 @@ def cp_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_
     e = entry("ring send/recv (K,V)" + (" + state/tail send/recv" if lin_msgs else ""), kv,
                kv_sends + dkv_sends + lin_msgs, lay.cp)
     e["bytes_per_step"] = int(kv_sends * kv + dkv_sends * kv_elems * 4) + lin_bytes
+    amax, n_amax = fp8_blocks.cp_amax(cfg, lay, layers, lambda i: layer_recompute(lay, i) == "full")
+    if n_amax:  # FP8 scales over the cp group: small all-reduces per microbatch
+        e["count_per_step"] += n_amax * mm
+        e["bytes_per_step"] += int(amax * mm)
     return with_reruns(e, kv_again + lin_again[0], kv_again * kv + lin_again[1])
 
 
