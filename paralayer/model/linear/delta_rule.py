@@ -39,8 +39,9 @@ def _heads_first(q, k, v, g, beta):
 def next_state(state: torch.Tensor, chunk_decay: torch.Tensor, k_to_end: torch.Tensor,
                v_new: torch.Tensor) -> torch.Tensor:
     """The state after a chunk: the old state decayed over the whole chunk (the gates come first),
-    plus each token's correction written with the decay from its position to the chunk's end."""
-    return state * chunk_decay + k_to_end.transpose(-1, -2) @ v_new
+    plus each token's correction written with the decay from its position to the chunk's end.
+    state (B, dk, dv), chunk_decay (B, 1, 1), k_to_end (B, C, dk), v_new (B, C, dv)."""
+    return torch.baddbmm(state * chunk_decay, k_to_end.transpose(-1, -2), v_new)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -74,14 +75,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
-    state = (torch.zeros(b, h, dk, dv, device=q.device, dtype=q.dtype) if initial_state is None
-             else initial_state.to(q.dtype))
+    # the recurrence over chunks, the only sequential part: per chunk three batched GEMMs with
+    # their adds fused (baddbmm) over (b·h) and one decay, on views of the tensors above (unbind:
+    # one op for all chunks, and one stack in backward, where indexing each chunk would cost a
+    # select and a full-size select_backward per chunk)
+    bh = b * h
+
+    def chunks(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.reshape(bh, n, x.shape[-2], x.shape[-1]).unbind(1)
+
+    u_c, w_c, attn_c, q_c, k_c, decay_c = (chunks(x) for x in (u, w, attn, q_from_start, k_to_end, chunk_decay))
+    state = (torch.zeros(bh, dk, dv, device=q.device, dtype=q.dtype) if initial_state is None
+             else initial_state.to(q.dtype).reshape(bh, dk, dv))
     outs = []
     for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state  # what the carried state does not already predict
-        outs.append(q_from_start[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = next_state(state, chunk_decay[:, :, i], k_to_end[:, :, i], v_new)
-    out = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :s]
+        v_new = torch.baddbmm(u_c[i], w_c[i], state, alpha=-1)  # what the carried state does not predict
+        outs.append(torch.baddbmm(torch.bmm(attn_c[i], v_new), q_c[i], state))
+        state = next_state(state, decay_c[i], k_c[i], v_new)
+    out = torch.stack(outs, dim=1).reshape(b, h, n * chunk, dv)[:, :, :s]
+    state = state.reshape(b, h, dk, dv)
     return out.transpose(1, 2).contiguous().to(dtype), state
 
 
