@@ -41,7 +41,7 @@ def next_state(state: torch.Tensor, chunk_decay: torch.Tensor, k_to_end: torch.T
     """The state after a chunk: the old state decayed over the whole chunk (the gates come first),
     plus each token's correction written with the decay from its position to the chunk's end.
     state (B, dk, dv), chunk_decay (B, 1, 1), k_to_end (B, C, dk), v_new (B, C, dv)."""
-    return torch.baddbmm(state * chunk_decay, k_to_end.transpose(-1, -2), v_new)
+    return state * chunk_decay + torch.bmm(k_to_end.transpose(-1, -2), v_new)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -75,10 +75,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
-    # the recurrence over chunks, the only sequential part: per chunk three batched GEMMs with
-    # their adds fused (baddbmm) over (b·h) and one decay, on views of the tensors above (unbind:
+    # the recurrence over chunks, the only sequential part: per chunk four GEMMs batched over
+    # (b·h) (bmm: a 4-D matmul adds its expand and views), on views of the tensors above (unbind:
     # one op for all chunks, and one stack in backward, where indexing each chunk would cost a
-    # select and a full-size select_backward per chunk)
+    # select and a full-size select_backward per chunk). Not baddbmm: under autocast it would cast
+    # the fp32 addend to bf16 too, where the sums here stay fp32 as transformers' are
     bh = b * h
 
     def chunks(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -89,8 +90,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
              else initial_state.to(q.dtype).reshape(bh, dk, dv))
     outs = []
     for i in range(n):
-        v_new = torch.baddbmm(u_c[i], w_c[i], state, alpha=-1)  # what the carried state does not predict
-        outs.append(torch.baddbmm(torch.bmm(attn_c[i], v_new), q_c[i], state))
+        v_new = u_c[i] - torch.bmm(w_c[i], state)  # what the carried state does not already predict
+        outs.append(torch.bmm(q_c[i], state) + torch.bmm(attn_c[i], v_new))
         state = next_state(state, decay_c[i], k_c[i], v_new)
     out = torch.stack(outs, dim=1).reshape(b, h, n * chunk, dv)[:, :, :s]
     state = state.reshape(b, h, dk, dv)
