@@ -70,3 +70,18 @@ def test_a_planted_average_fails(monkeypatch):
     hi, _ = _busiest_of_every_data_rank(CASES["deepseek-v3"])
     got = _dry(CASES["deepseek-v3"])["memory_per_device_bytes"]["optimizer"]
     assert got < hi and f"{got / GIB:.2f}" == "2.85"
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-qwen3.5-moe", "qwen3-8b"])
+def test_the_dealt_tensors_are_the_pipeline_ranks_own(name):
+    """The deal replays the runtime's tensors: their sizes sum to the rank's dense parameters on
+    every pipeline rank, the hybrid's linear layers (their own projections, conv, gates and norm)
+    and Qwen3-Next's gated q_proj and shared-expert gate included. The deal over attention's sizes
+    for every layer summed to 734M on qwen3.5-35b-a3b's first stage, not 870M, and its full-depth
+    rehearsal read optimizer 1.011 on data rank 7."""
+    from paralayer.resolve import memory
+
+    cfg = load_config([f"recipe={name}"])
+    lay = rules.check(cfg)
+    for r in range(lay.pp):
+        assert sum(zero1.dense_sizes(cfg, lay, r)) == memory.rank_params(cfg, lay, r)[0], (name, r)

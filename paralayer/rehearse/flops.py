@@ -4,9 +4,13 @@ Two additions to torch's counter: DTensor ops are let through first (their local
 device runs; counting the DTensor op would count the global shape on every rank), and so are the
 meta-tensor ops of DTensor's sharding propagation, and the CPU
 attention kernels (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the
-rehearsal dispatches to here) get the formulas torch gives their CUDA twins.
+rehearsal dispatches to here) get the formulas torch gives their CUDA twins; a grouped conv's
+backward is counted per group (torch's formula counts its weight gradient ``groups`` times) and a
+triangular solve, which torch leaves out, as n² a column.
 """
 from __future__ import annotations
+
+from math import prod
 
 import torch
 from torch.utils import flop_counter as fc
@@ -47,7 +51,29 @@ def _cpu_attention_mapping() -> dict:
     for op, formula in ((fwd, fc.sdpa_flop), (bwd, fc.sdpa_backward_flop)):
         if op is not None:
             out[op] = _raw(formula)
+    out[aten.convolution_backward] = _raw(fc.shape_wrapper(conv_backward_flop))
+    out[aten.linalg_solve_triangular] = _raw(fc.shape_wrapper(solve_triangular_flop))
     return out
+
+
+def conv_backward_flop(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
+                       output_padding, groups, output_mask, out_shape=None, **kwargs) -> int:
+    """torch's formula (2.13) with its weight gradient divided by ``groups``: it counts that part
+    as a conv over every input channel, ``groups`` times the work (the depthwise conv before the
+    delta rule, groups = channels: 8,192 times at Qwen3.5's widths). The input gradient is right."""
+    args = (grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed, output_padding, groups)
+    torch_formula = fc.conv_backward_flop.__wrapped__  # registered wrapped in shape_wrapper
+    n = torch_formula(*args, [output_mask[0], False, False], out_shape=out_shape)
+    if output_mask[1]:
+        n += torch_formula(*args, [False, True, False], out_shape=out_shape) // max(int(groups), 1)
+    return n
+
+
+def solve_triangular_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A triangular solve with an n × n matrix: n² FLOPs a right-hand column (n²/2 multiply-adds),
+    numel(out) · n over the batch; torch has no formula (the chunked delta rule's UT transform,
+    model/linear/delta_rule.py, and its backward's solve with the transposed matrix)."""
+    return prod(out_shape) * int(a_shape[-1])
 
 
 def _raw(formula):

@@ -184,13 +184,14 @@ def layer_attn_rank_params(cfg: Config, i: int, tp: int) -> float:
     return linear_rank_params(cfg, tp) if is_linear_layer(cfg, i) else attn_rank_params(cfg, tp)
 
 
-def linear_core_fwd_flops(cfg: Config) -> float:
+def linear_core_fwd_flops(cfg: Config, piece: float | None = None) -> float:
     """Forward FLOPs per token of one linear layer's core: per value head and chunk of C tokens
     (model/linear/delta_rule.py) k_beta·kᵀ and q·kᵀ (2C²dk each), the two triangular solves (C²dv,
     C²dk), the state read twice and written once (2C·dk·dv each), attn·v_new (2C²dv): per token
-    C(5dk + 3dv) + 6dk·dv, over the padded chunks; plus the depthwise conv, 2K per channel."""
+    C(5dk + 3dv) + 6dk·dv, over the padded chunks (of the sequence, or of each ``piece`` of that
+    many tokens run alone: cp's zigzag halves); plus the depthwise conv, 2K per channel."""
     m, li = cfg.model, cfg.model.linear
-    s, c, dk, dv = m.seq_len, li.chunk, li.head_k_dim, li.head_v_dim
+    s, c, dk, dv = piece or m.seq_len, li.chunk, li.head_k_dim, li.head_v_dim
     padded = -(-s // c) * c
     rule = li.v_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv) * padded / s
     return rule + 2.0 * li.conv_kernel * (2 * li.k_heads * dk + li.v_heads * dv)

@@ -29,6 +29,7 @@ from paralayer.resolve.cost.ep_bytes import (  # noqa: F401 - ep_node_split re-e
     node_dispatch_on,
     node_dispatch_split,
 )
+from paralayer.resolve.cost.linear_flops import linear_core_rank_flops
 from paralayer.resolve.cost.norm_up_flops import norm_up_rerun_flops
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
@@ -427,14 +428,16 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
 
     Per token of the device's m·b·s/cp, per layer, forward: 2·(attention weights: split /tp,
     MLA's down-projections whole), + 2·(3·h·f)/tp for an MLP or, for an MoE block (whole on every
-    tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S); the attention core 2·a·(d_qk + d_v)·s/tp (4·s·h/tp
-    for a plain block; not halved for the mask). Backward: twice the matmuls, 2.5 times the core
-    (the flash-attention backward recomputes the scores: 5 matmuls to the forward's 2). Recompute
+    tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S, + h for a gated shared expert); the attention core
+    2·a·(d_qk + d_v)·s/tp (4·s·h/tp for a plain block; not halved for the mask). Backward: twice
+    the matmuls, 2.5 times the core (the flash-attention backward recomputes the scores: 5 matmuls
+    to the forward's 2). Recompute
     adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
     head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
     its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
     causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`:
-    cp rank ``cp_rank``'s blocks, or the busiest's when None);
+    cp rank ``cp_rank``'s blocks, or the busiest's when None). A Gated DeltaNet layer counts its
+    own projections and its delta rule instead (:func:`linear_core_rank_flops`);
     model FLOPs (:func:`flops_per_token`, MFU) keep the convention of :func:`layer_core_flops`."""
     m = cfg.model
     h, t = m.d_model, lay.tp
@@ -454,24 +457,30 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         core_full *= 2 * dqk / (dqk + dv)
     last = (lay.chunks - 1) in rank_chunks(lay, r)
     clip = _max_logit_per_token(cfg, lay)
+    lin_fwd, lin_step = linear_core_rank_flops(cfg, lay)
     for i in rank_layers(cfg, lay, r):
         core = core_full * window_core_fraction(m.seq_len, lay.cp, parts.layer_window(cfg, i), cp_rank)
         mat = attn_mat
+        linear = parts.is_linear_layer(cfg, i)
+        if linear:  # Gated DeltaNet: its projections and its delta rule, not attention's
+            mat, core = 2.0 * parts.linear_weights(cfg) / t, lin_fwd
         if is_moe_layer(cfg, i):
             mo = m.moe
             mat += 2.0 * (h * mo.num_experts + routed_rows_per_token(cfg) * expert_params(cfg)
-                          + 3 * h * mo.shared_ffn_hidden)
+                          + 3 * h * mo.shared_ffn_hidden + parts.shared_gate_params(cfg))
         else:
             mat += 2.0 * 3 * h * m.ffn_hidden / t
         mode = layer_recompute(lay, i)
         again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
         if mode == "norm_up":
             again = norm_up_rerun_flops(cfg, i)
-        if clip and not parts.is_linear_layer(cfg, i):  # QK-clip's q·kᵀ, again in each rerun of the core
+        if clip and not linear:  # QK-clip's q·kᵀ, again in each rerun of the core
             total += clip * (1 + (layer_reruns(lay, i) if mode == "full" else
                                   (mode in ("selective", "core_attn")
                                    or (mode == "norm_up" and parts.attention_kind(cfg) == "mla"))))
-        total += 3.0 * mat + core_passes * core + again
+        if linear and mode == "selective":
+            again = 0.0  # selective wraps attention's core; a linear layer has none (model/recompute.py)
+        total += 3.0 * mat + (lin_step if linear else core_passes * core) + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
         total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth

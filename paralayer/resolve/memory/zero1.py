@@ -30,12 +30,23 @@ def attn_sizes(cfg: Config, t: int) -> list[int]:
         return out + [(a.kv_lora_rank + a.qk_rope_head_dim) * h, a.kv_lora_rank,
                       n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank // t, h * n * a.v_head_dim // t]
     hd = model_parts.head_dim(cfg)
-    out = [m.n_heads * hd * h // t, m.n_kv_heads * hd * h // t, m.n_kv_heads * hd * h // t, h * m.n_heads * hd // t]
+    q = (2 if m.attn_gate else 1) * m.n_heads  # Qwen3-Next's gated layers: q_proj makes [q | gate]
+    out = [q * hd * h // t, m.n_kv_heads * hd * h // t, m.n_kv_heads * hd * h // t, h * m.n_heads * hd // t]
     if m.attn_bias:  # GPT-OSS: q, k, v biases split with the heads, o's whole
         out += [m.n_heads * hd // t, m.n_kv_heads * hd // t, m.n_kv_heads * hd // t, h]
     if m.attn_sinks:
         out.append(m.n_heads // t)
     return out + ([hd, hd] if m.qk_norm else [])
+
+
+def linear_sizes(cfg: Config, t: int) -> list[int]:
+    """One Gated DeltaNet layer's parameters on a tp rank (model/linear/gated_deltanet.py):
+    in_proj_qkvz, in_proj_ba, dt_bias, A_log and out_proj split by heads, the conv weight and the
+    gated norm's gain whole (model_parts.linear_rank_params counts the same)."""
+    h, li = cfg.model.d_model, cfg.model.linear
+    hk, hv, dk, dv = li.k_heads, li.v_heads, li.head_k_dim, li.head_v_dim
+    return [(2 * hk * dk + 2 * hv * dv) * h // t, 2 * hv * h // t, (2 * hk * dk + hv * dv) * li.conv_kernel,
+            hv // t, hv // t, dv, h * hv * dv // t]
 
 
 def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
@@ -45,7 +56,7 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
     m = cfg.model
     h, t = m.d_model, lay.tp
     vocab = lay.padded_vocab * h // t
-    attn = attn_sizes(cfg, t)
+    attn, linear = attn_sizes(cfg, t), linear_sizes(cfg, t)
     out: list[int] = []
     for c in rank_chunks(lay, r):
         if c == 0:
@@ -54,7 +65,8 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
         if c == lay.chunks - 1:
             layers += model_parts.mtp_layers(cfg)
         for i in layers:
-            out += [h] + attn + [h] * (model_parts.layer_norm_count(cfg) - 1)
+            mixer = linear if model_parts.is_linear_layer(cfg, i) else attn
+            out += [h] + mixer + [h] * (model_parts.layer_norm_count(cfg) - 1)
             if i >= m.n_layers:  # an MTP block's own norms and projection
                 out += [h, h, 2 * h * h, h]
             if is_moe_layer(cfg, i):
@@ -69,6 +81,8 @@ def dense_sizes(cfg: Config, lay: Layout, r: int) -> list[int]:
                         out += [mo.num_experts * fe] * 2 + [mo.num_experts * h]
                 if mo.shared_ffn_hidden:
                     out += [mo.shared_ffn_hidden * h] * 3
+                    if model_parts.shared_gate_params(cfg):
+                        out.append(model_parts.shared_gate_params(cfg))
             else:
                 out += [m.ffn_hidden * h // t] * 3
         if c == lay.chunks - 1:
