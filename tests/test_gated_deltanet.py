@@ -119,3 +119,37 @@ def test_planted_errors_fail(reference, monkeypatch, plant):
     worst = max(_rel(grads[n], g_ref[n]) for n in g_ref)
     print(f"planted {plant}: out rel err {_rel(y, y_ref):.1e}, grads max {worst:.1e}")
     assert _rel(y, y_ref) > 100 * TOL and worst > 100 * TOL
+
+
+@pytest.mark.parametrize("seq", [128, 300])
+def test_the_rehearsal_counts_the_layer_flops_the_plan_counts(seq, monkeypatch):
+    """One layer's forward and backward under the rehearsal's counter (rehearse/flops.py) equal the
+    plan's (cost/terms.py: 3 × its projections' 2·N, and linear_core_rank_flops), exactly, at a
+    sequence of whole chunks and at a padded one. Planted: torch's own conv-backward formula (it
+    counts the depthwise conv's weight gradient once per channel) and the solves left uncounted
+    (torch has no formula) each move the count off the plan's."""
+    from paralayer import config as config_mod
+    from paralayer.rehearse import flops as rflops
+    from paralayer.resolve import model_parts, rules
+    from paralayer.resolve.cost.terms import linear_core_rank_flops
+
+    cfg = config_mod.load_config(["recipe=tiny-qwen3.5", f"model.seq_len={seq}"])
+    lay, li = rules.check(cfg), cfg.model.linear
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg.model.d_model, li.k_heads, li.v_heads, li.head_k_dim, li.head_v_dim, li.conv_kernel)
+    x = torch.randn(2, seq, cfg.model.d_model, requires_grad=True)
+
+    def count() -> float:
+        with rflops.LocalFlopCounter() as f:
+            layer(x).sum().backward()
+        return sum(f.get_flop_counts()["Global"].values())
+
+    plan = (3 * 2.0 * model_parts.linear_weights(cfg) / lay.tp + linear_core_rank_flops(cfg, lay)[1]) * 2 * seq
+    assert count() == pytest.approx(plan, rel=1e-12)
+    stock = rflops._cpu_attention_mapping()
+    monkeypatch.setattr(rflops, "_cpu_attention_mapping",
+                        lambda: {k: v for k, v in stock.items() if k is not torch.ops.aten.convolution_backward})
+    assert count() > 1.2 * plan  # torch 2.13's formula: the conv's weight gradient × its 128 channels
+    monkeypatch.setattr(rflops, "_cpu_attention_mapping",
+                        lambda: {k: v for k, v in stock.items() if k is not torch.ops.aten.linalg_solve_triangular})
+    assert count() < 0.97 * plan

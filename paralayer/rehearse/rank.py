@@ -178,7 +178,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
     from paralayer.runtime import train as T
 
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = T.as_plan(plan_d)
     _init_fake(rank, int(plan.world_size))
     phase = "build"
@@ -231,6 +231,7 @@ def rehearse_rank(cfg: Config, plan_d: dict, rank: int) -> dict:
     mb = out["memory_bytes"]
     mb["total"] = mb["params"] + mb["grads"] + mb["optimizer"] + mb["activations"]
     out["seconds"] = time.perf_counter() - t0
+    out["cpu_seconds"] = time.process_time() - c0  # this rank's own CPU time: what a busy machine's wall hides
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
