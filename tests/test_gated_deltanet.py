@@ -124,14 +124,14 @@ def test_planted_errors_fail(reference, monkeypatch, plant):
 @pytest.mark.parametrize("seq", [128, 300])
 def test_the_rehearsal_counts_the_layer_flops_the_plan_counts(seq, monkeypatch):
     """One layer's forward and backward under the rehearsal's counter (rehearse/flops.py) equal the
-    plan's (cost/terms.py: 3 × its projections' 2·N, and linear_core_rank_flops), exactly, at a
+    plan's (cost/terms.py: 3 × its projections' 2·N, and cost/linear_flops.py), exactly, at a
     sequence of whole chunks and at a padded one. Planted: torch's own conv-backward formula (it
     counts the depthwise conv's weight gradient once per channel) and the solves left uncounted
     (torch has no formula) each move the count off the plan's."""
     from paralayer import config as config_mod
     from paralayer.rehearse import flops as rflops
     from paralayer.resolve import model_parts, rules
-    from paralayer.resolve.cost.terms import linear_core_rank_flops
+    from paralayer.resolve.cost.linear_flops import linear_core_rank_flops
 
     cfg = config_mod.load_config(["recipe=tiny-qwen3.5", f"model.seq_len={seq}"])
     lay, li = rules.check(cfg), cfg.model.linear

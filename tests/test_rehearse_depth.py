@@ -52,7 +52,7 @@ PATTERNS = {"qwen3-next": {2: "[linear,full]", 6: "[linear,linear,linear,full,li
 TOLERANCE = {"qwen3-moe": 2e-3, "deepseek-v3-tiny": 1e-2, "qwen3-next": 5e-3}
 #: FLOPs, every family within 1e-3. tiny-qwen3-next read 0.927 at 2 layers and 0.897 at 6 until the plan
 #: counted a linear layer's own projections and delta rule (it counted attention's on every layer:
-#: cost/terms.py linear_core_rank_flops) and the counter its triangular solves and the depthwise conv's
+#: cost/linear_flops.py) and the counter its triangular solves and the depthwise conv's
 #: backward per group (rehearse/flops.py); 1.0000 now (1.0008 before the shared expert's gate was counted)
 FLOPS_TOLERANCE: dict[str, float] = {}
 DEPTHS = (2, 6)
