@@ -50,9 +50,9 @@ RECIPES = st.sampled_from(["tiny", "tiny", "tiny-pp", "tiny-moe", "llama3-8b", "
 
 def _run(argv: list[str]) -> tuple[int, float, str, str]:
     """One in-process call and its CPU seconds. The collector is off meanwhile: the worker's heap after
-    hundreds of other tests is not the command's cost."""
+    hundreds of other tests is not the command's cost (and no gc.collect() first: on that heap it costs
+    more than the command; 7 Dec, a collect per call took the file from ~40 s to 380 s)."""
     out, err = io.StringIO(), io.StringIO()
-    gc.collect()
     gc.disable()
     try:
         t0 = time.process_time()
