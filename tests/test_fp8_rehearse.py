@@ -15,6 +15,7 @@ from paralayer import rehearse as R
 from paralayer.resolve import fp8 as fp8_mod
 from paralayer.resolve import resolve
 from paralayer.resolve.memory import autocast
+from tests.plan_beside import misses, rehearse_cases, replanned
 
 BASE = ["recipe=deepseek-v3-tiny", "cluster=h800-80gb-8x", "model.mla.qk_rope_head_dim=16", "parallel.dp=auto",
         "train.global_batch=32", "model.n_layers=2", "model.mtp.depth=0", "train.precision=fp8",
@@ -24,37 +25,18 @@ BASE = ["recipe=deepseek-v3-tiny", "cluster=h800-80gb-8x", "model.mla.qk_rope_he
 #: ZeRO-2: FSDP gathers the Float8Linear weights in FP8 (1 byte) and the routed experts in bf16
 CASES = {"zero1": ["parallel.zero=1", "parallel.recompute=norm_up", "train.fp8.bf16_first_blocks=1"],
          "zero2": ["parallel.zero=2", "parallel.recompute=swiglu"]}
-STATES = ("params", "grads", "optimizer")
 
 
 def _misses(r: dict) -> list[str]:
-    """What disagrees: a model state not equal to the byte, activations or an axis's bytes off by 5%."""
-    out = [k for k in STATES if r["memory_bytes"][k] != r["plan_memory_bytes"][k]]
-    if abs(r["ratios"]["activations"] - 1) > 0.05:
-        out.append("activations")
-    out += [ax for ax, x in r["ratios"]["comm"].items() if x is None or abs(x - 1) > 0.05]
-    return out
+    return misses(r, 0.05)
 
 
-def _replanned(case: tuple) -> dict:
-    """The rank's measured figures beside the plan's, recomputed now (a planted error shows here)."""
-    cfg, plan, r = case
-    from paralayer.rehearse.driver import beside_the_plan, rehearsal_config
-
-    return beside_the_plan(rehearsal_config(cfg, plan)[0], plan, r)
+_replanned = replanned
 
 
 @pytest.fixture(scope="module")
 def rehearsed() -> dict:
-    out = {}
-    for name, extra in CASES.items():
-        cfg = config_mod.load_config(BASE + extra)
-        plan = resolve(cfg).to_dict()
-        assert not plan["errors"] and plan["precision"] == "bf16" and plan["fp8"], plan["errors"]
-        run = R.rehearse(cfg, plan, [0])
-        assert run["ok"], run
-        out[name] = (cfg, plan, run["ranks"][0])
-    return out
+    return rehearse_cases(BASE, CASES, lambda plan: plan["precision"] == "bf16")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from paralayer import config as config_mod
-from paralayer import rehearse as R
-from paralayer.resolve import fp8_blocks, resolve
+from paralayer.resolve import fp8_blocks
 from paralayer.resolve.rules import check
+from tests.plan_beside import misses, rehearse_cases, replanned
 
 BASE = ["recipe=tiny", "cluster=h100-80gb-8x", "parallel.dp=auto", "train.global_batch=16", "train.precision=fp8",
         "train.fp8.recipe=tensorwise"]
@@ -22,37 +22,19 @@ CASES = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
          "cp2-rowwise": ["parallel.tp=1", "parallel.cp=2", "train.fp8.recipe=rowwise"],
          "tp2-cp2-rowwise": ["parallel.tp=2", "parallel.cp=2", "train.fp8.recipe=rowwise", "train.global_batch=8"]}
 CP_CASES = [n for n in CASES if "cp2" in n]
-STATES = ("params", "grads", "optimizer")
 TOL = 0.02
 
 
 def _misses(r: dict) -> list[str]:
-    """What disagrees: a model state not equal to the byte, activations or an axis's bytes off by 2%."""
-    out = [k for k in STATES if r["memory_bytes"][k] != r["plan_memory_bytes"][k]]
-    if abs(r["ratios"]["activations"] - 1) > TOL:
-        out.append("activations")
-    return out + [ax for ax, x in r["ratios"]["comm"].items() if x is None or abs(x - 1) > TOL]
+    return misses(r, TOL)
 
 
-def _replanned(case: tuple) -> dict:
-    """The rank's measured figures beside the plan's, recomputed now (a planted error shows here)."""
-    cfg, plan, r = case
-    from paralayer.rehearse.driver import beside_the_plan, rehearsal_config
-
-    return beside_the_plan(rehearsal_config(cfg, plan)[0], plan, r)
+_replanned = replanned
 
 
 @pytest.fixture(scope="module")
 def rehearsed() -> dict:
-    out = {}
-    for name, extra in CASES.items():
-        cfg = config_mod.load_config(BASE + extra)
-        plan = resolve(cfg).to_dict()
-        assert not plan["errors"] and plan["fp8"], plan["errors"]
-        run = R.rehearse(cfg, plan, [0])
-        assert run["ok"], run
-        out[name] = (cfg, plan, run["ranks"][0])
-    return out
+    return rehearse_cases(BASE, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
