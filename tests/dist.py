@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import multiprocessing as mp
 import os
 import tempfile
@@ -34,6 +35,10 @@ def backend() -> str:
 
 
 def _child(fn, rank, world_size, store_path, args, queue, pg_timeout_s, kind="gloo"):
+    # a forked rank inherits the test worker's heap (hundreds of tests' objects): out of the
+    # collector's view, or a full collection walks it inside a step (0.2 s and more on a loaded
+    # machine: the straggler tests read it as the healthy rank being slow)
+    gc.freeze()
     import torch
     import torch.distributed as dist
 

@@ -7,8 +7,8 @@ its ``main`` so that ``train`` runs with :class:`FaultHooks` — a ``StepHooks``
 chosen rank at the chosen step, raises (``raise``), kills itself with SIGKILL (``kill``), or makes
 its loss NaN (``nan``, which the global loss then carries to every rank). Run-health kinds:
 ``stop`` freezes the rank with SIGSTOP before that step's forward (a hung peer; it first writes its
-pid to ``$TMP/stopped-pid`` so a test can clean up), ``slow`` sleeps 0.2 s before every forward
-from that step on (a straggler), ``slowbw`` 0.2 s inside every backward from that step on, ``nan1`` / ``spike1`` poison the loss (NaN, or ×10) the first
+pid to ``$TMP/stopped-pid`` so a test can clean up), ``slow`` sleeps 0.2 s (or ``slow:R:S:SECONDS``)
+before every forward from that step on (a straggler), ``slowbw`` the same inside every backward, ``nan1`` / ``spike1`` poison the loss (NaN, or ×10) the first
 time that step runs only (a bad batch: after a rollback the step reads other data).
 """
 from __future__ import annotations
@@ -53,8 +53,9 @@ def make_hooks(module, spec: str):
     commas (``kill1:1:3,stop1:1:6``) apply in turn, so that one run can hold two failures."""
     if "," in spec:
         return _joined(module, [make_hooks(module, s) for s in spec.split(",")])
-    kind, rank_s, step_s = spec.split(":")
+    kind, rank_s, step_s, *secs = spec.split(":")
     at_rank, at_step = int(rank_s), int(step_s)
+    pause = float(secs[0]) if secs else 0.2  # slow / slowbw
     done: set = set()
 
     backward_sleep: dict = {}
@@ -66,10 +67,10 @@ def make_hooks(module, spec: str):
 
         def before_forward(self, rank: int, step: int) -> None:
             if kind == "slow" and rank == at_rank and step >= at_step:
-                time.sleep(0.2)
+                time.sleep(pause)
                 return
             if kind == "slowbw" and rank == at_rank and step >= at_step:
-                _sleep_in_next_backward(backward_sleep)
+                _sleep_in_next_backward(backward_sleep, pause)
                 return
             if (rank, step) != (at_rank, at_step) or kind in ("nan", "nan1", "spike1", "slow", "slowbw", "stopsave"):
                 return
@@ -110,8 +111,8 @@ def make_hooks(module, spec: str):
     return FaultHooks()
 
 
-def _sleep_in_next_backward(state: dict) -> None:
-    """``slowbw``: sleep 0.2 s at the first module backward after this call (the peer then waits in
+def _sleep_in_next_backward(state: dict, pause: float) -> None:
+    """``slowbw``: sleep ``pause`` s at the first module backward after this call (the peer then waits in
     a backward collective: tp's, FSDP's reduce-scatter, the pipeline's gradient receive). One global
     backward pre-hook per process, armed once per step."""
     import torch
@@ -120,10 +121,11 @@ def _sleep_in_next_backward(state: dict) -> None:
         def pre(module, grad_output):
             if state.get("armed"):
                 state["armed"] = False
-                time.sleep(0.2)
+                time.sleep(state["pause"])
 
         state["handle"] = torch.nn.modules.module.register_module_full_backward_pre_hook(pre)
     state["armed"] = True
+    state["pause"] = pause
 
 
 def _joined(module, parts: list):
