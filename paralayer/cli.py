@@ -11,6 +11,7 @@ import argparse
 import itertools
 import math
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -230,11 +231,18 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     con.print("[green]valid[/green]" if plan.ok else "[red]not runnable[/red] (exit 2)")
 
 
+def device_label(profile: str, calibrated: Optional[str]) -> str:
+    """What the device-hours are hours of: the profile's GPU model (``h800-80gb-8x``: H800, whose
+    time constants are the H100's), else the kind the planner calibrated with."""
+    m = re.match(r"([a-z]+\d+[a-z]*)-\d+gb", (profile or "").lower())
+    return (m.group(1) if m else calibrated or "device").upper()
+
+
 def _time_rows(t: Any, d: dict, cfg: Any) -> None:
     """The calibrated GPU time model's prediction (resolve/cost/step_time.py), when the plan has one."""
     if d.get("step_time_s") is None:
         return
-    dev = (d.get("gpu") or "device").upper()
+    dev = device_label(cfg.cluster.name, d.get("gpu"))
     t.add_row("predicted step time", f"{d['step_time_s']:.3g} s")
     if d.get("fp8_gain") is not None:  # train.precision=fp8: the split by precision (resolve/cost/fp8_time.py)
         s = d["step_time_by_precision"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paralayer.cli import main
+from paralayer.cli import device_label, main
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = ["model.moe.num_experts=4", "model.moe.ffn_hidden=128"]
@@ -116,6 +116,16 @@ def test_dry_run_tables(capsys):
     for text in ("Parallel degrees", "inter-node", "Memory per device", "capacity", "bubble",
                  "Communication", "all-to-all", "one expert per rank"):
         assert text in out, text
+
+
+def test_device_hours_are_hours_of_the_profiles_gpu(capsys):
+    """DeepSeek-V3's recipe runs on H800s: its hours are H800-hours, though the planner's time
+    constants are the H100's (cluster/profiles/h800-80gb-8x.yaml)."""
+    assert main(["recipe=deepseek-v3", "--dry-run"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert "H800-hours" in out and "H100-hours" not in out, out[-2000:]
+    assert [device_label(p, k) for p, k in (("h800-80gb-8x", "h100"), ("b200-180gb-8x", "b200"),
+                                            ("my-slurm", "h100"), ("local", None))] == ["H800", "B200", "H100", "DEVICE"]
 
 
 def test_dry_run_json_valid(capsys):
