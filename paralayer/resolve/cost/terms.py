@@ -42,7 +42,7 @@ from paralayer.resolve.memory import (
     rank_chunks,
     routed_rows_per_token,
 )
-from paralayer.resolve.memory.states import layer_reruns, rank_layers
+from paralayer.resolve.memory.states import layer_reruns, rank_layers, region_reruns
 from paralayer.resolve.rules import Layout
 
 
@@ -473,7 +473,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         mode = layer_recompute(lay, i)
         again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
         if mode == "norm_up":
-            again = norm_up_rerun_flops(cfg, i)
+            again = norm_up_rerun_flops(cfg, i, gemm_only=True) * region_reruns(lay, i)
         if clip and not linear:  # QK-clip's q·kᵀ, again in each rerun of the core
             total += clip * (1 + (layer_reruns(lay, i) if mode == "full" else
                                   (mode in ("selective", "core_attn")

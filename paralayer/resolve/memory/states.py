@@ -69,6 +69,13 @@ def layer_reruns(lay: Layout, i: int) -> float:
     split backward (:func:`input_pass_reruns` of its chunk; the MTP blocks sit on the last)."""
     if layer_recompute(lay, i) != "full":
         return 0.0
+    return region_reruns(lay, i)
+
+
+def region_reruns(lay: Layout, i: int) -> float:
+    """Reruns per microbatch of a region recomputed in layer i (a whole block under ``full``, the
+    norms and up-projections under ``norm_up``): 1, more under a split backward, whose input pass
+    drops its rerun and whose weight pass reruns once more (model/recompute.py ``dropped_after``)."""
     if lay.pp <= 1 or lay.schedule not in V_SCHEDULES or lay.microbatches <= 0:
         return 1.0
     chunk = next((c for c, ls in enumerate(lay.stage_layers) if i in ls), lay.chunks - 1)
