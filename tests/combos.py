@@ -41,8 +41,8 @@ import itertools
 from typing import Optional
 
 #: the tiny model every layout trains (seq 16 splits into 2·cp = 4 zigzag chunks and over cp·tp = 4
-#: sequence-parallel ranks; tp 2 divides heads and FFN); 4 layers, 8 where an uneven split of 4
-#: chunks needs them (:func:`n_layers`)
+#: sequence-parallel ranks; tp 2 divides heads and FFN); 2 layers, 4 or 8 where the row's chunks
+#: need them (:func:`n_layers`)
 BASE = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
         "model.vocab_size=64", "model.seq_len=16", "model.init_std=0.2",
         "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
@@ -107,7 +107,7 @@ GROUP = ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.topk_grou
 
 #: the model families' parts a layout must keep exact (issue #33), as overrides of BASE's model:
 #: Qwen3's head_dim (12, not 32 / 4), per-head q/k norms and Llama 3.1's RoPE with positions past its
-#: original 8; a sliding window of 6 (across cp's 4-token zigzag chunks) on layers 0 and 2, full on 1 and 3
+#: original 8; a sliding window of 6 (across cp's 4-token zigzag chunks) on the even layers, full on the odd ones
 FAMILY = {"plain": [],
           "qwen3": ["model.head_dim=12", "model.qk_norm=true", "model.rope.type=llama3", "model.rope.factor=8",
                     "model.rope.original_max_position=8"],
@@ -329,8 +329,18 @@ def model_overrides(row: dict) -> list[str]:
 
 
 def n_layers(row: dict) -> int:
-    """4 layers (one per chunk under pp 2 × vpp 2), 8 for an uneven split of 4 chunks."""
-    return 8 if row["pp_layout"] == "uneven" and degrees(row)["vpp"] > 1 else 4
+    """The fewest layers that exercise the row (each layer costs ~10% of a row's CPU): 2 (a
+    window layer and a full one, a dense first layer and an MoE one, one per stage of pp 2); 4
+    with 4 chunks (pp 2 × vpp 2: one per chunk), with an uneven split of 2 chunks (1 + 3), and
+    under recompute_every=2 with a pipeline (a recomputed layer on every stage); 8 for an uneven
+    split of 4 chunks."""
+    d = degrees(row)
+    chunks = d["pp"] * (2 if d["vpp"] > 1 else 1)
+    if row["pp_layout"] == "uneven" and d["pp"] > 1:
+        return 8 if chunks == 4 else 4
+    if chunks == 4 or (d["pp"] > 1 and row["recompute"] == "full" and row["recompute_every"] == 2):
+        return 4
+    return 2
 
 
 def reference_key(row: dict) -> tuple:

@@ -31,6 +31,9 @@ import paralayer.runtime.train  # noqa: E402,F401
 from paralayer.config import ModelConfig  # noqa: E402
 from paralayer.model.transformer import Transformer  # noqa: E402
 
+# one thread in the test process too (its ranks take one each): the recompute check's 48 models ran
+# 2 OpenMP threads on a loaded 2-core machine (CI's workers: the other files already set it)
+torch.set_num_threads(1)
 with torch.device("meta"):
     Transformer(ModelConfig(d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=8, vocab_size=8))
 

@@ -1,12 +1,12 @@
 """Pipeline parallel: parity with one process for every schedule, activation memory, the bubble.
 
 Module-level parity: each rank splits the meta model, materialises its chunks from the seed,
-runs 5 AdamW steps through :class:`PipelineRunner`; the reference is the whole model in one
+runs 2 AdamW steps through :class:`PipelineRunner` (step 1's gradients, the update they make,
+step 2's loss, the weights after both); the reference is the whole model in one
 process on the same batch (loss = mean CE of the batch, gradient = its gradient).
 """
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -26,7 +26,7 @@ with torch.device("meta"):
     Transformer(ModelConfig(d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=8, vocab_size=8))
 
 D, LAYERS, HEADS, KV, FFN, VOCAB, SEQ = 64, 8, 4, 2, 128, 96, 32
-MB, SEED, STEPS, LR = 2, 7, 5, 1e-3
+MB, SEED, STEPS, LR = 2, 7, 2, 1e-3
 TOL = 1e-5
 STD = 0.2  # a wide init: at 0.02 every model's loss is ~ln(vocab), and a wrong split can match it
 
@@ -125,10 +125,27 @@ CASES = [("gpipe", 2, 1, 4), ("1f1b", 2, 1, 4), ("interleaved", 2, 2, 4), ("zbv"
 EMPTY_END = [("zbv", 2, 2, 4, (0, 4, 4, 0)), ("dualpipev", 2, 2, 4, (0, 3, 2, 3))]
 
 
+def _pp_list(rank: int, world: int, jobs: list):
+    return [_pp_worker(rank, world, schedule, m, vpp, STEPS, layout) for schedule, m, vpp, layout in jobs]
+
+
+@pytest.fixture(scope="module")
+def pp_runs():
+    """Every case of CASES and EMPTY_END by its (schedule, pp, vpp, m, layout): the cases of one pp
+    run in turn in ONE forked world (a world's first runner pays a warm-up the next ones do not)."""
+    cases = [c + (None,) for c in CASES] + list(EMPTY_END)
+    out = {}
+    for pp in sorted({c[1] for c in cases}):
+        group = [c for c in cases if c[1] == pp]
+        res = run_ranks(_pp_list, pp, [(s, m, vpp, lay) for s, _, vpp, m, lay in group], timeout_s=600)
+        out.update({c: [r[i] for r in res] for i, c in enumerate(group)})
+    return out
+
+
 @pytest.mark.parametrize("schedule,pp,vpp,m", CASES, ids=[f"{c[0]}-pp{c[1]}" for c in CASES])
-def test_parity_with_one_process(schedule, pp, vpp, m, layout=None):
+def test_parity_with_one_process(pp_runs, schedule, pp, vpp, m, layout=None):
     ref_losses, ref_grads, ref_params = _ref(m)
-    out = run_ranks(_pp_worker, pp, schedule, m, vpp, STEPS, layout)
+    out = pp_runs[(schedule, pp, vpp, m, layout)]
     # every pp rank returns the same (broadcast) loss
     for r in out[1:]:
         assert r["losses"] == out[0]["losses"]
@@ -152,8 +169,8 @@ def test_parity_with_one_process(schedule, pp, vpp, m, layout=None):
 
 
 @pytest.mark.parametrize("schedule,pp,vpp,m,layout", EMPTY_END, ids=[f"{c[0]}-{c[4]}" for c in EMPTY_END])
-def test_parity_empty_end_chunks(schedule, pp, vpp, m, layout):
-    test_parity_with_one_process(schedule, pp, vpp, m, layout)
+def test_parity_empty_end_chunks(pp_runs, schedule, pp, vpp, m, layout):
+    test_parity_with_one_process(pp_runs, schedule, pp, vpp, m, layout)
 
 
 def test_parity_empty_end_chunks_planted_error_fails():
@@ -185,18 +202,6 @@ def test_layout_helpers():
     names = {n for c in pl.split_model(model, plan, 0) + pl.split_model(model, plan, 1)
              for n, _ in c.named_parameters()}
     assert names == {n for n, _ in model.named_parameters()}
-
-
-def test_bubble_definition_gives_formula_for_ideal_gpipe():
-    # p stages, m microbatches, forward 1, backward 2: the ideal GPipe timeline
-    p, m = 4, 8
-    rows = []
-    for r in range(p):
-        ev = [{"action": "F", "mb": i, "chunk": r, "start": r + i, "end": r + i + 1} for i in range(m)]
-        b0 = (m + p - 1) + 2 * (p - 1 - r)
-        ev += [{"action": "B", "mb": i, "chunk": r, "start": b0 + 2 * i, "end": b0 + 2 * i + 2} for i in range(m)]
-        rows.append(ev)
-    assert math.isclose(tl.bubble_from_timelines(rows), (p - 1) / m)
 
 
 def test_plot_timeline(tmp_path):
@@ -233,14 +238,20 @@ def _mem_worker(rank: int, world: int, schedule: str, m: int, steps: int = 1, vp
     return peaks[-1], max(lives), peaks
 
 
+def _mem_list(rank: int, world: int, jobs: list):
+    """_mem_worker for every argument tuple of ``jobs``, in turn in this world (one fork, not one each)."""
+    return [_mem_worker(rank, world, *job) for job in jobs]
+
+
 def test_activation_memory_gpipe_grows_1f1b_flat():
     p = 2
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
-        for m in (p, 2 * p, 4 * p):
-            res = run_ranks(_mem_worker, p, schedule, m)
-            peaks[(schedule, m)] = [r[0] for r in res]
-            assert all(r[1] == 0 for r in res), "saved activations leaked past the step"
+    jobs = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (p, 2 * p, 4 * p)]
+    out = run_ranks(_mem_list, p, jobs)
+    for i, job in enumerate(jobs):
+        res = [r[i] for r in out]
+        peaks[job] = [r[0] for r in res]
+        assert all(r[1] == 0 for r in res), "saved activations leaked past the step"
     for stage in range(p):
         g = [peaks[("gpipe", m)][stage] for m in (p, 2 * p, 4 * p)]
         # GPipe keeps every microbatch: peak ∝ m
@@ -264,12 +275,13 @@ def test_no_activations_outlive_a_step(schedule):
     backward of the V schedules. (This caught ActivationMemory holding saved OUTPUTS with their
     grad_fn: a cycle through autograd's C++ nodes that kept the bytes counted forever.)"""
     p, m = 2, 4
-    for rank, (_, live, peaks) in enumerate(run_ranks(_mem_worker, p, schedule, m, 3)):
+    out = run_ranks(_mem_list, p, [(schedule, m, 3), (schedule, 2 * m)])
+    for rank, (_, live, peaks) in enumerate(r[0] for r in out):
         assert live == 0, (schedule, rank, live)
         assert peaks[0] == peaks[1] == peaks[2], (schedule, rank, peaks)
     # the plan's in-flight count for the V schedules (torch's orders: ZB-V 2p, DualPipeV 2p + 1
     # chunk-microbatches on every rank) within 10% of the measured peak
-    for rank, (peak, _, _) in enumerate(run_ranks(_mem_worker, p, schedule, 2 * m)):
+    for rank, (peak, _, _) in enumerate(r[1] for r in out):
         want = _predicted_activations(schedule, p, 2 * m)[rank]
         assert abs(peak - want) <= 0.10 * peak, (schedule, rank, peak, want)
 
@@ -310,7 +322,7 @@ E2E_SEQ = 16
 E2E_BASE = ["parallel.tp=1",
             "model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
             "model.vocab_size=64", f"model.seq_len={E2E_SEQ}", "train.global_batch=16", "train.micro_batch=2",
-            "train.steps=5", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
+            "train.steps=2", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
             "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled", "logging.progress=false",
             "checkpoint.every=0", "cluster.device=cpu", "cluster.peak_tflops=1.0", f"model.init_std={STD}"]
 
@@ -326,23 +338,39 @@ def _e2e_rank(rank, world, cfg, plan):
             for r in train(cfg, plan)]
 
 
-def _e2e(tmp, layout: list[str]) -> list[dict]:
+def _e2e_list(rank, world, jobs):
+    return [_e2e_rank(rank, world, cfg, plan) for cfg, plan in jobs]
+
+
+def _e2e_many(tmp, layouts: list) -> list[list[list[dict]]]:
+    """Each layout's records by rank; the layouts (one world size) train in turn in ONE forked world
+    (a world's first train() pays ~0.75 CPU-s per rank of warm-up that a second one does not)."""
     from paralayer.config import load_config
     from paralayer.resolve.plan import resolve
 
-    cfg = load_config(E2E_BASE + [f"data.path={_e2e_data(tmp)}"] + layout)
-    plan = resolve(cfg).to_dict()
-    assert not plan["errors"], plan["errors"]
-    return run_ranks(_e2e_rank, plan["world_size"], cfg, plan, timeout_s=300)
+    cfgs = [load_config(E2E_BASE + [f"data.path={_e2e_data(tmp)}"] + layout) for layout in layouts]
+    jobs = [(cfg, resolve(cfg).to_dict()) for cfg in cfgs]
+    assert not [p["errors"] for _, p in jobs if p["errors"]]
+    (world,) = {plan["world_size"] for _, plan in jobs}
+    out = run_ranks(_e2e_list, world, jobs, timeout_s=600)
+    return [[out[r][i] for r in range(world)] for i in range(len(jobs))]
 
 
+def _e2e(tmp, layout: list[str]) -> list[list[dict]]:
+    return _e2e_many(tmp, [layout])[0]
+
+
+MOE_E2E = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
+           "model.moe.capacity_factor=null"]
 _E2E_REF: dict = {}
 
 
-def _e2e_ref(tmp):
-    if "ref" not in _E2E_REF:
-        _E2E_REF["ref"] = _e2e(tmp, ["parallel.dp=1"])[0]
-    return _E2E_REF["ref"]
+def _e2e_ref(tmp, moe: bool = False):
+    """The one-rank records of the dense model (or the MoE one): both computed once, in one world."""
+    if not _E2E_REF:
+        dense, with_moe = _e2e_many(tmp, [["parallel.dp=1"], MOE_E2E + ["parallel.dp=1"]])
+        _E2E_REF.update(dense=dense[0], moe=with_moe[0])
+    return _E2E_REF["moe" if moe else "dense"]
 
 
 def _assert_e2e_parity(out: list, ref: list, what) -> None:
@@ -358,14 +386,31 @@ def _assert_e2e_parity(out: list, ref: list, what) -> None:
 #: train() every schedule runs once, at pp 4 (pp 2 through train() is in the combination suite,
 #: tests/test_combinations.py, and the composed cases below): one matrix, not the same one twice.
 E2E_CASES = [(s, 4) for s in ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")]
+#: every 4-rank layout of this file's train() tests, by test id: they train in turn in one world
+E2E_WORLD4 = {
+    **{f"{s}-pp{pp}": ["parallel.dp=1", f"parallel.pp={pp}", f"parallel.vpp={2 if s == 'interleaved' else 1}",
+                       f"parallel.schedule={s}"] for s, pp in E2E_CASES},
+    "pp2-dp2-zero3-interleaved": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3",
+                                  "parallel.schedule=interleaved"],
+    # the V schedules with tensor + sequence parallel (view outputs, sharded loss), and with experts
+    # over ep (the MoE all-to-all under the V)
+    "zbv-tp2": ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "parallel.schedule=zbv"],
+    "dualpipev-moe-ep2": MOE_E2E + ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=dualpipev"],
+}
+
+
+@pytest.fixture(scope="module")
+def e2e4(tmp_path_factory):
+    """Every layout of E2E_WORLD4: its records by rank."""
+    tmp = tmp_path_factory.getbasetemp()
+    return dict(zip(E2E_WORLD4, _e2e_many(tmp, list(E2E_WORLD4.values()))))
 
 
 @pytest.mark.parametrize("schedule,pp", E2E_CASES, ids=[f"{s}-pp{pp}" for s, pp in E2E_CASES])
-def test_train_parity(tmp_path_factory, schedule, pp):
+def test_train_parity(tmp_path_factory, e2e4, schedule, pp):
     tmp = tmp_path_factory.getbasetemp()
     ref = _e2e_ref(tmp)
-    vpp = 2 if schedule == "interleaved" else 1
-    out = _e2e(tmp, ["parallel.dp=1", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"])
+    out = e2e4[f"{schedule}-pp{pp}"]
     _assert_e2e_parity(out, ref, (schedule, pp))
     for recs in out:
         assert all(r["bubble_measured"] is not None and r["bubble_measured"] >= 0 for r in recs)
@@ -434,66 +479,15 @@ def test_moe_aux_loss_gradient_through_pipeline():
             assert _rel(g, dict(model.named_parameters())[n].grad) < 1e-5, n
 
 
-def test_train_parity_pp2_dp2_zero3_interleaved(tmp_path_factory):
+def test_train_parity_pp2_dp2_zero3_interleaved(tmp_path_factory, e2e4):
     tmp = tmp_path_factory.getbasetemp()
-    ref = _e2e_ref(tmp)
-    out = _e2e(tmp, ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.zero=3",
-                     "parallel.schedule=interleaved"])
-    _assert_e2e_parity(out, ref, "pp2-dp2-zero3-interleaved")
+    _assert_e2e_parity(e2e4["pp2-dp2-zero3-interleaved"], _e2e_ref(tmp), "pp2-dp2-zero3-interleaved")
 
 
 # ------------------------------------------------------------------ zero-bubble schedules with tp+SP and MoE
-MOE_E2E = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
-           "model.moe.capacity_factor=null"]
-
-
-@pytest.mark.parametrize("schedule,layout", [
-    ("zbv", ["parallel.dp=1", "parallel.tp=2"]),                               # SP: view outputs, sharded loss
-    ("dualpipev", MOE_E2E + ["parallel.dp=2", "parallel.ep=2"]),               # MoE all-to-all under the V
-], ids=["zbv-tp2", "dualpipev-moe-ep2"])
-def test_train_parity_v_schedules_compose(tmp_path_factory, schedule, layout):
+@pytest.mark.parametrize("case", ["zbv-tp2", "dualpipev-moe-ep2"])
+def test_train_parity_v_schedules_compose(tmp_path_factory, e2e4, case):
     """The V schedules with tensor + sequence parallel, and with experts over ep, match one rank."""
     tmp = tmp_path_factory.getbasetemp()
-    moe = layout[0].startswith("model.moe")
-    ref = _e2e_ref(tmp) if not moe else _e2e(tmp, MOE_E2E + ["parallel.dp=1"])[0]
-    out = _e2e(tmp, layout + ["parallel.pp=2", f"parallel.schedule={schedule}"])
-    _assert_e2e_parity(out, ref, (schedule, layout))
-
-
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_schedule_bubble_formula_matches_torch_order(schedule):
-    """The resolver's bubble for the V schedules is the replay of the order torch generates (every
-    action one unit long, no communication time), for p = 2..8 and m from the least it accepts."""
-    import importlib.util
-
-    from torch.distributed.pipelining import schedules as S
-
-    from paralayer.resolve.cost import bubble_fraction
-
-    spec = importlib.util.spec_from_file_location(
-        "bubble_bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bubble.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
-    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "FULL_BACKWARD": "B", "BACKWARD_WEIGHT": "W"}
-    for p in (2, 3, 4, 8):
-        for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):
-            rows = []
-            for rank in range(p):
-                sch = cls.__new__(cls)  # only the order generator: no stages, no process group
-                sch.pp_group_size, sch._n_microbatches, sch.n_local_stages = p, m, 2
-                sch._num_stages = sch.num_stages = 2 * p
-                sch.rank = rank
-                sch.stage_index_to_group_rank = {i: (i if i < p else 2 * p - 1 - i) for i in range(2 * p)}
-                evs = []
-                for a in sch._calculate_single_rank_operations(rank):
-                    for x in (getattr(a, "sub_actions", None) or [a]) if a is not None else []:
-                        k = kinds.get(str(x.computation_type).split(".")[-1])
-                        if k:
-                            n = len(evs)
-                            evs.append({"action": k, "mb": x.microbatch_index, "chunk": x.stage_index,
-                                        "start": float(n), "end": n + (2.0 if k == "B" and "FULL" in
-                                                                       str(x.computation_type) else 1.0)})
-                rows.append(evs)
-            got = tl.bubble_from_timelines(bench.simulate(rows))
-            assert got == pytest.approx(bubble_fraction(schedule, p, m), abs=1e-9), (p, m, got)
+    ref = _e2e_ref(tmp, moe=case.endswith("moe-ep2"))
+    _assert_e2e_parity(e2e4[case], ref, (case, E2E_WORLD4[case]))

@@ -143,18 +143,26 @@ def test_v_schedule_rehearsal_counts_the_plans_tp_bytes_and_flops(schedule, over
     assert abs(r["ratios"]["flops"] - 1) < 1e-3
 
 
-@pytest.mark.parametrize("schedule,layout", [
-    ("dualpipev", ["parallel.tp=2"]),                                   # SP
-    ("zbv", ["parallel.tp=2", "parallel.tp_overlap=true"]),             # SP over the ring
-    ("dualpipev", ["parallel.tp=2", "parallel.tp_overlap=true"]),
-], ids=["dualpipev-tp2", "zbv-tp2-overlap", "dualpipev-tp2-overlap"])
-def test_train_parity_v_schedules_tp2(tmp_path_factory, schedule, layout):
-    """pp 2 × tp 2 through train(): 5 steps' losses and grad norms equal one process's (1e-5)."""
-    from tests.test_pipeline import _assert_e2e_parity, _e2e, _e2e_ref
+#: pp 2 × tp 2 under the V schedules, by test id: they train in turn in ONE forked world
+V_TP2 = {"dualpipev-tp2": ("dualpipev", ["parallel.tp=2"]),                                # SP
+         "zbv-tp2-overlap": ("zbv", ["parallel.tp=2", "parallel.tp_overlap=true"]),         # SP over the ring
+         "dualpipev-tp2-overlap": ("dualpipev", ["parallel.tp=2", "parallel.tp_overlap=true"])}
 
-    tmp = tmp_path_factory.getbasetemp()
-    out = _e2e(tmp, ["parallel.dp=1", "parallel.pp=2", f"parallel.schedule={schedule}"] + layout)
-    _assert_e2e_parity(out, _e2e_ref(tmp), (schedule, layout))
+
+@pytest.fixture(scope="module")
+def v_tp2_runs(tmp_path_factory):
+    from tests.test_pipeline import _e2e_many
+
+    layouts = [["parallel.dp=1", "parallel.pp=2", f"parallel.schedule={s}"] + lay for s, lay in V_TP2.values()]
+    return dict(zip(V_TP2, _e2e_many(tmp_path_factory.getbasetemp(), layouts)))
+
+
+@pytest.mark.parametrize("case", list(V_TP2))
+def test_train_parity_v_schedules_tp2(tmp_path_factory, v_tp2_runs, case):
+    """pp 2 × tp 2 through train(): 2 steps' losses and grad norms equal one process's (1e-5)."""
+    from tests.test_pipeline import _assert_e2e_parity, _e2e_ref
+
+    _assert_e2e_parity(v_tp2_runs[case], _e2e_ref(tmp_path_factory.getbasetemp()), V_TP2[case])
 
 
 def test_resolver_accepts_tp_overlap_under_the_v_schedules():
@@ -270,3 +278,61 @@ def test_v_schedules_full_recompute_rehearse_the_plans_tp_and_cp_bytes(schedule,
         print(schedule, axis, r["rank"], r["ratios"])
         assert r["ratios"]["comm"][axis] == pytest.approx(1, abs=1e-3)
         assert abs(r["ratios"]["flops"] - 1) < 1e-6
+
+
+# ------------------------------------------------------------------ (from tests/test_pipeline.py: the V orders)
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedule_bubble_formula_matches_torch_order(schedule):
+    """The resolver's bubble for the V schedules is the replay of the order torch generates (every
+    action one unit long, no communication time), for p = 2..8 and m from the least it accepts."""
+    import importlib.util
+    import os
+
+    from torch.distributed.pipelining import schedules as S
+
+    from paralayer.parallel.pipeline import timeline as tl
+    from paralayer.resolve.cost import bubble_fraction
+
+    spec = importlib.util.spec_from_file_location(
+        "bubble_bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bubble.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "FULL_BACKWARD": "B", "BACKWARD_WEIGHT": "W"}
+    for p in (2, 3, 4, 8):
+        for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):
+            rows = []
+            for rank in range(p):
+                sch = cls.__new__(cls)  # only the order generator: no stages, no process group
+                sch.pp_group_size, sch._n_microbatches, sch.n_local_stages = p, m, 2
+                sch._num_stages = sch.num_stages = 2 * p
+                sch.rank = rank
+                sch.stage_index_to_group_rank = {i: (i if i < p else 2 * p - 1 - i) for i in range(2 * p)}
+                evs = []
+                for a in sch._calculate_single_rank_operations(rank):
+                    for x in (getattr(a, "sub_actions", None) or [a]) if a is not None else []:
+                        k = kinds.get(str(x.computation_type).split(".")[-1])
+                        if k:
+                            n = len(evs)
+                            evs.append({"action": k, "mb": x.microbatch_index, "chunk": x.stage_index,
+                                        "start": float(n), "end": n + (2.0 if k == "B" and "FULL" in
+                                                                       str(x.computation_type) else 1.0)})
+                rows.append(evs)
+            got = tl.bubble_from_timelines(bench.simulate(rows))
+            assert got == pytest.approx(bubble_fraction(schedule, p, m), abs=1e-9), (p, m, got)
+
+
+def test_bubble_definition_gives_formula_for_ideal_gpipe():
+    # p stages, m microbatches, forward 1, backward 2: the ideal GPipe timeline
+    import math
+
+    from paralayer.parallel.pipeline import timeline as tl
+
+    p, m = 4, 8
+    rows = []
+    for r in range(p):
+        ev = [{"action": "F", "mb": i, "chunk": r, "start": r + i, "end": r + i + 1} for i in range(m)]
+        b0 = (m + p - 1) + 2 * (p - 1 - r)
+        ev += [{"action": "B", "mb": i, "chunk": r, "start": b0 + 2 * i, "end": b0 + 2 * i + 2} for i in range(m)]
+        rows.append(ev)
+    assert math.isclose(tl.bubble_from_timelines(rows), (p - 1) / m)

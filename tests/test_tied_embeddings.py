@@ -54,37 +54,52 @@ def test_two_copies_train_like_one_shared_matrix():
 
 
 # ------------------------------------------------------------------ through train(), any layout
-BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.tie_embeddings=true", "train.steps=4",
+BASE = ["recipe=tiny", "model.n_layers=4", "model.seq_len=32", "model.tie_embeddings=true", "train.steps=2",
         "model.init_std=0.2",
         "train.global_batch=4", "train.micro_batch=1", "train.precision=fp32", "logging.wandb.mode=disabled",
         "logging.progress=false", "checkpoint.every=0"]
 
 
-def _rank(rank, world, cfg, plan):
+def _rank_list(rank, world, jobs):
+    """Train every (cfg, plan) of ``jobs`` in turn in this world: [(loss, grad_norm) per step] each."""
     from paralayer.runtime.train import train
 
-    return [(r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
+    return [[(r["loss"], r["grad_norm"]) for r in train(cfg, plan)] for cfg, plan in jobs]
 
 
-def _run(tmp, layout):
-    cfg, plan = cfg_and_plan(BASE + [f"run.dir={tmp}"] + layout)
-    return run_ranks(_rank, plan["world_size"], cfg, plan, timeout_s=300)
+#: the layouts (tp2-dp2 on 4 ranks, the pipelines on 8: the recipe's tp 2 / dp 2 fill them): the
+#: layouts of one world size train in turn in ONE forked world (a world's first train() pays ~0.75
+#: CPU-s per rank of warm-up that a second one does not)
+LAYOUTS = {
+    "tp2-dp2": ["parallel.tp=2", "parallel.dp=2"],
+    # the pair across ranks, FSDP
+    "pp2-dp2-zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=1f1b"],
+    "pp2-tp2-zbv": ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=zbv"],  # both copies on pipeline rank 0
+}
 
 
-_REF: dict = {}
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """The one-rank reference and every layout's records by rank: (ref, {layout id: [records per rank]})."""
+    tmp = tmp_path_factory.mktemp("tied")
+    ref = run_ranks(_rank_list, 1, [cfg_and_plan(BASE + [f"run.dir={tmp / 'ref'}", "parallel.tp=1", "parallel.dp=1"])],
+                    timeout_s=300)[0][0]
+    jobs = {name: cfg_and_plan(BASE + [f"run.dir={tmp / name}"] + lay) for name, lay in LAYOUTS.items()}
+    runs = {}
+    for world in sorted({plan["world_size"] for _, plan in jobs.values()}):
+        names = [n for n, (_, plan) in jobs.items() if plan["world_size"] == world]
+        out = run_ranks(_rank_list, world, [jobs[n] for n in names], timeout_s=600)
+        runs.update({n: [out[r][i] for r in range(world)] for i, n in enumerate(names)})
+    return ref, runs
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.tp=2", "parallel.dp=2"],
-    ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=1f1b"],  # the pair across ranks, FSDP
-    ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=zbv"],  # both copies on pipeline rank 0
-], ids=["tp2-dp2", "pp2-dp2-zero3", "pp2-tp2-zbv"])
-def test_tied_layouts_match_one_rank(tmp_path, layout):
-    if "ref" not in _REF:
-        _REF["ref"] = _run(tmp_path / "ref", ["parallel.tp=1", "parallel.dp=1"])[0]
-    ref = _REF["ref"]
-    for recs in _run(tmp_path / "l", layout):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tied_layouts_match_one_rank(tied_runs, layout):
+    ref, runs = tied_runs
+    for recs in runs[layout]:
         for (loss, gn), (loss_r, gn_r) in paired(recs, ref):
             # grad norm 3e-5: at init std 0.2 the summation order of the two copies' grads shows
-            # by step 4 (measured 1.2e-5 under tp2-dp2 and pp2-tp2-zbv; a wrong layout is off by > 1e-1)
-            assert loss == pytest.approx(loss_r, rel=1e-5) and gn == pytest.approx(gn_r, rel=3e-5), (layout, recs, ref)
+            # (measured 1.2e-5 by step 4 under tp2-dp2 and pp2-tp2-zbv; a wrong layout is off by > 1e-1).
+            # 2 steps: the summed gradient (step 1's norm) and the update it makes (step 2's loss)
+            assert loss == pytest.approx(loss_r, rel=1e-5) and gn == pytest.approx(gn_r, rel=3e-5), \
+                (LAYOUTS[layout], recs, ref)
