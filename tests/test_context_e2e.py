@@ -10,16 +10,12 @@ through the real model. The long-context recipe needs cp to fit.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist import max_rel_err, run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=tiny", "parallel.tp=1", "model.n_layers=2", "model.seq_len=64", "train.global_batch=4",
         "train.micro_batch=2", "train.steps=5", "logging.wandb.mode=disabled", "parallel.dp=1", "model.init_std=0.2"]
 #: the long-sequence tiny shape of the memory checks: 2 layers, d_model 128, GQA 4:2, seq 512
@@ -53,11 +49,49 @@ def _train(rank, world, overrides):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_train, 1, [])[0]
+def reference(worlds):
+    return worlds[("train", "ref")][0]
 
 
 _rel = max_rel_err  # fails on empty or mismatched records
+
+_KINDS = {"train": lambda: _train, "saved": lambda: _saved_bytes, "ring": lambda: _ring_bytes}
+#: the ring-traffic cases (test_ring_traffic_matches_plan): (world size, overrides)
+RING_CASES = [
+    (2, ["parallel.cp=2"]),
+    (4, ["parallel.cp=4"]),
+    (4, ["parallel.cp=2", "parallel.tp=2"]),
+    (2, ["parallel.cp=2", "parallel.recompute=selective"]),
+    (2, ["parallel.cp=2", "parallel.recompute=full"]),
+]
+
+
+#: test_cp2_tp4_matches_one_rank's runs (8 ranks, MHA): plain and with the SwiGLU-only recompute
+CP2_TP4 = ([], ["parallel.recompute=swiglu"])
+
+
+def _jobs(rank, world, jobs):
+    """Each (kind, overrides) of ``jobs`` in turn in this world: _train, _saved_bytes or _ring_bytes."""
+    return [_KINDS[kind]()(rank, world, overrides) for kind, overrides in jobs]
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """{(kind, case): [result per rank]} of every parity run (and its one-rank reference), every
+    memory case and every ring-traffic case of the module: one forked world per world size, its
+    cases run in turn (each world's start and first step's set-up once, not once per case)."""
+    cases = [(1, "train", "ref", []), (1, "train", "ref_mha", ["model.n_kv_heads=4"])]
+    cases += [(8, "train", ("cp2_tp4", *ex), ["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", *ex])
+              for ex in CP2_TP4]
+    cases += [(w, "train", name, ov) for name, (w, ov) in LAYOUTS.items()]
+    cases += [(cp, "saved", name, ov) for name, (cp, ov) in MEM_CASES.items()]
+    cases += [(w, "ring", tuple(ov), ov) for w, ov in RING_CASES]
+    out = {}
+    for world in sorted({c[0] for c in cases}):
+        mine = [c for c in cases if c[0] == world]
+        per_rank = run_ranks(_jobs, world, [(kind, ov) for _, kind, _, ov in mine], timeout_s=600)
+        out.update({(kind, key): [r[i] for r in per_rank] for i, (_, kind, key, _) in enumerate(mine)})
+    return out
 
 
 LAYOUTS = {
@@ -72,9 +106,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_training_parity(reference, name):
-    world, overrides = LAYOUTS[name]
-    per_rank = run_ranks(_train, world, overrides, timeout_s=300)
+def test_context_parallel_training_parity(worlds, reference, name):
+    per_rank = worlds[("train", name)]
     losses, norms = per_rank[0]
     ref_losses, ref_norms = reference
     assert len(losses) == 5
@@ -133,9 +166,8 @@ MEM_CASES = {  # name: (cp, overrides)
 
 
 @pytest.fixture(scope="module")
-def saved():
-    return {name: run_ranks(_saved_bytes, cp, overrides, timeout_s=300)
-            for name, (cp, overrides) in MEM_CASES.items()}
+def saved(worlds):
+    return {name: worlds[("saved", name)] for name in MEM_CASES}
 
 
 def test_activation_bytes_fall_with_cp(saved):
@@ -197,15 +229,9 @@ def _ring_bytes(rank, world, overrides):
     return sent, plan["comm"]["cp"]
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, ["parallel.cp=2"]),
-    (4, ["parallel.cp=4"]),
-    (4, ["parallel.cp=2", "parallel.tp=2"]),
-    (2, ["parallel.cp=2", "parallel.recompute=selective"]),
-    (2, ["parallel.cp=2", "parallel.recompute=full"]),
-])
-def test_ring_traffic_matches_plan(world, overrides):
-    res = run_ranks(_ring_bytes, world, overrides, timeout_s=300)
+@pytest.mark.parametrize("world,overrides", RING_CASES)
+def test_ring_traffic_matches_plan(worlds, world, overrides):
+    res = worlds[("ring", tuple(overrides))]
     for sent, cp_comm in res:
         print(overrides, "sent", sent, "plan", cp_comm)
         assert sent["bytes"] == cp_comm["bytes_per_step"], (sent, cp_comm)
@@ -213,18 +239,20 @@ def test_ring_traffic_matches_plan(world, overrides):
 
 
 # --------------------------------------------------------------------------------- the long-context recipe
-def _dry_run(*args):
-    res = subprocess.run([sys.executable, "launch.py", "recipe=llama3-8b-512k", "--dry-run", "--json", *args],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    return res.returncode, json.loads(res.stdout)
+def _dry_run(capsys, *args):
+    """launch.py's ``main`` in this process (a launch.py process costs ~3 CPU-s of imports)."""
+    from paralayer.cli import main
+
+    rc = main(["recipe=llama3-8b-512k", "--dry-run", "--json", *args])
+    return rc, json.loads(capsys.readouterr().out)
 
 
-def test_long_context_recipe_needs_cp():
+def test_long_context_recipe_needs_cp(capsys):
     """The recipe's own layout fits with cp > 1; at cp=1 one 512k sequence does not fit an 80 GB
     device even with tp=8, SP and full recompute (--dry-run exits 2), and activations fall by ~cp."""
-    rc, plan = _dry_run()
+    rc, plan = _dry_run(capsys)
     assert rc == 0 and plan["fits"] and plan["degrees"]["cp"] > 1, (rc, plan.get("errors"))
-    rc1, plan1 = _dry_run("parallel.cp=1")
+    rc1, plan1 = _dry_run(capsys, "parallel.cp=1")
     assert rc1 == 2 and not plan1["fits"], (rc1, plan1["memory_per_device_bytes"])
     mem, mem1 = plan["memory_per_device_bytes"], plan1["memory_per_device_bytes"]
     assert mem1["activations"] > mem1["capacity"] * 0.8
@@ -241,12 +269,11 @@ def test_long_context_recipe_needs_cp():
     assert plan["comm"]["cp"]["count_per_step"] == (3 * (cp - 1) + cp) * n_layers * mm
 
 
-def test_cp2_tp4_matches_one_rank():
+def test_cp2_tp4_matches_one_rank(worlds):
     """cp 2 × tp 4 with sequence parallel (8 ranks; MHA so tp 4 divides the KV heads), plain and with
     the SwiGLU-only recompute: loss and grad norm of 5 steps against one process."""
-    ref = run_ranks(_train, 1, ["model.n_kv_heads=4"])[0]
-    for extra in ([], ["parallel.recompute=swiglu"]):
-        losses, norms = run_ranks(_train, 8, ["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", *extra],
-                                  timeout_s=300)[0]
+    ref = worlds[("train", "ref_mha")][0]
+    for extra in CP2_TP4:
+        losses, norms = worlds[("train", ("cp2_tp4", *extra))][0]
         assert _rel(losses, ref[0]) <= REL, (extra, losses, ref[0])
         assert _rel(norms, ref[1]) <= REL, (extra, norms, ref[1])

@@ -4,9 +4,6 @@ refusals (exit 2, one line, before any rank starts)."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +15,6 @@ from paralayer.model import float8 as f8  # noqa: E402
 from paralayer.model.transformer import Transformer, init_weights  # noqa: E402
 from tests.dist import max_rel_err, run_ranks, write_tokens
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 #: 64-wide blocks: every GEMM's K and N stay multiples of 16 after tp 2 (the resolver's rule).
 #: ``train.grad_clip=0``: the clip's global grad norm is summed in another order on every layout
@@ -193,47 +189,104 @@ BLOCKWISE = ["train.fp8.recipe=blockwise", "model.d_model=128", "model.ffn_hidde
 BLOCKWISE_LAYOUTS = ("pp2-1f1b", "dp2-zero2", "dp2-zero3", "ep2")
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One process per (recipe, model keys), run once for the module; and the data files."""
-    tmp = tmp_path_factory.mktemp("fp8")
-    cache: dict = {}
+#: the planted errors a job of a world can carry, each set in the rank for its run only
+#: (tests below): {name: (module, attribute, its planted value)}, resolved in the rank
+def _plants() -> dict:
+    import torchao.float8
+    import torchao.float8.float8_utils as fu
 
-    def get(model_keys: tuple) -> tuple[list, str]:
-        if model_keys not in cache:
-            seq = 128 if "model.seq_len=128" in model_keys else 32
-            path = write_tokens(str(tmp / f"tokens{seq}.jsonl"), 16, seq, 64, keep_existing=True)
-            base = BASE + list(model_keys) + [f"data.path={path}"]
-            cache[model_keys] = (run_ranks(_run, 1, base, timeout_s=300)[0], path)
-        return cache[model_keys]
+    from paralayer.model import moe
 
-    return get
+    return {"amax_per_shard": (fu, "tensor_to_amax", _per_shard_amax),
+            "fsdp_scale_per_shard": (torchao.float8, "precompute_float8_dynamic_scale_for_fsdp",
+                                     _per_shard_fsdp_scales),
+            "experts_over_every_sender": (moe, "_per_source", lambda mm, splits: mm)}
 
 
-def _layout_errs(references, model_keys: list, layout: list, steps: int = 4) -> tuple[float, float]:
-    """The worst relative errors of loss and grad norm over the first ``steps`` steps."""
-    ref, path = references(tuple(model_keys))
-    world = 4 if "parallel.cp=2" in layout and "parallel.tp=2" in layout else 2
-    got = run_ranks(_run, world, BASE + model_keys + [f"data.path={path}"] + layout, timeout_s=600)[0]
-    return _errs(got[:steps], ref[:steps])
+def _run_jobs(rank, world, jobs):
+    """Each (overrides, plant) of ``jobs`` in turn in this world, the plant (if any) set for its run
+    only: [(loss, grad_norm) per step] per job. One forked world runs many layouts (as
+    tests/test_combinations.py's ``_run_list``): each world's start and first step's set-up once."""
+    out = []
+    for overrides, plant in jobs:
+        where = _plants()[plant] if plant else None
+        kept = getattr(where[0], where[1]) if where else None
+        if where:
+            setattr(where[0], where[1], where[2])
+        try:
+            out.append(_run(rank, world, overrides))
+        finally:
+            if where:
+                setattr(where[0], where[1], kept)
+    return out
+
+
+def _blockwise_steps(name: str) -> list:
+    """Blockwise under dp and ep is compared at its first step only (test_blockwise_layout_equals_one_process):
+    one step is run. A step's loss and grad norm come before its update, so the first step's are the
+    same whatever ``train.steps`` (the 4-step reference's first)."""
+    return [] if name.startswith("pp") else ["train.steps=1"]
+
+
+def _world(layout: list) -> int:
+    return 4 if "parallel.cp=2" in layout and "parallel.tp=2" in layout else 2
 
 
 #: tensorwise under tp and cp together is refused by the resolver (test_bad_fp8_input_exits_2_with_one_line)
 PAIRS = [(r, n) for r in ("tensorwise", "rowwise") for n in LAYOUTS if (r, n) != ("tensorwise", "tp2-cp2")]
+#: every layout run of the module: (model keys, layout, plant) by case name; the planted ones below
+CASES = {**{f"{n}-{r}": ([f"train.fp8.recipe={r}"] + LAYOUTS[n][1], LAYOUTS[n][0], None) for r, n in PAIRS},
+         **{f"blockwise-{n}": (BLOCKWISE + LAYOUTS[n][1], LAYOUTS[n][0] + _blockwise_steps(n), None)
+            for n in BLOCKWISE_LAYOUTS},
+         "planted-tp2-amax_per_shard": (["train.fp8.recipe=tensorwise"], ["parallel.tp=2"], "amax_per_shard"),
+         "planted-zero3-fsdp_scale_per_shard": (["train.fp8.recipe=tensorwise"], ["parallel.dp=2", "parallel.zero=3"],
+                                                "fsdp_scale_per_shard"),
+         "planted-ep2-experts_over_every_sender": (["train.fp8.recipe=tensorwise"] + LAYOUTS["ep2"][1],
+                                                   LAYOUTS["ep2"][0], "experts_over_every_sender")}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """{case: (its rank 0's records, one process's records)} for every case of :data:`CASES`: the
+    references (one process per recipe and model keys) in one one-rank world, the layouts in one
+    world per world size (2 and 4), each run in turn."""
+    tmp = tmp_path_factory.mktemp("fp8")
+    paths = {seq: write_tokens(str(tmp / f"tokens{seq}.jsonl"), 16, seq, 64) for seq in (32, 128)}
+
+    def base(model_keys) -> list:
+        return BASE + list(model_keys) + [f"data.path={paths[128 if 'model.seq_len=128' in model_keys else 32]}"]
+
+    keys = sorted({tuple(mk) for mk, _, _ in CASES.values()})
+    # a reference whose every case runs one step runs one step too (its first is the same: above)
+    one = {k for k in keys if all("train.steps=1" in lay for mk, lay, _ in CASES.values() if tuple(mk) == k)}
+    jobs = [(base(k) + (["train.steps=1"] if k in one else []), None) for k in keys]
+    refs = dict(zip(keys, run_ranks(_run_jobs, 1, jobs, timeout_s=600)[0]))
+    out = {}
+    for world in sorted({_world(lay) for _, lay, _ in CASES.values()}):
+        names = [n for n, (_, lay, _) in CASES.items() if _world(lay) == world]
+        got = run_ranks(_run_jobs, world, [(base(CASES[n][0]) + CASES[n][1], CASES[n][2]) for n in names],
+                        timeout_s=900)[0]
+        out.update({n: (g, refs[tuple(CASES[n][0])]) for n, g in zip(names, got)})
+    return out
+
+
+def _layout_errs(results, case: str, steps: int = 4) -> tuple[float, float]:
+    """The worst relative errors of loss and grad norm over the first ``steps`` steps."""
+    got, ref = results[case]
+    return _errs(got[:steps], ref[:steps])
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe,name", PAIRS, ids=[f"{n}-{r}" for r, n in PAIRS])
-def test_layout_equals_one_process(recipe, name, references):
+def test_layout_equals_one_process(recipe, name, results):
     """Loss and grad norm of every step within 1e-5 of one process at FP8 (init std 0.2, 4 steps)."""
-    layout, model_keys = LAYOUTS[name]
-    el, en = _layout_errs(references, [f"train.fp8.recipe={recipe}"] + model_keys, layout)
+    el, en = _layout_errs(results, f"{name}-{recipe}")
     assert el < TOL and en < TOL, (recipe, name, el, en)
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", BLOCKWISE_LAYOUTS)
-def test_blockwise_layout_equals_one_process(name, references):
+def test_blockwise_layout_equals_one_process(name, results):
     """pp2 over 4 steps; dp2 (ZeRO-2/3) and ep2 at the first step, from one process's weights, where
     every FP8 cast of the layout runs. Their later steps sum the gradients in another order (dp's
     halves, ep's experts per sender; fp32 alone: 7.4e-8 at step 1, 3.9e-7 at step 3 under ep2), and
@@ -241,8 +294,7 @@ def test_blockwise_layout_equals_one_process(name, references):
     rounding. Measured on an AVX-512 EPYC (7 Dec), grad norm at steps 1-4: dp2-zero3 1.9e-7 / 0 /
     2.0e-7 / 3.1e-4, ep2 7.8e-8 / 1.7e-4 / 1.0e-2 / 3.6e-2 (another machine had held dp2 over 4 steps).
     pp changes no sum's order: it holds every step."""
-    layout, model_keys = LAYOUTS[name]
-    el, en = _layout_errs(references, BLOCKWISE + model_keys, layout, steps=4 if name.startswith("pp") else 1)
+    el, en = _layout_errs(results, f"blockwise-{name}", steps=4 if name.startswith("pp") else 1)
     assert el < TOL and en < TOL, ("blockwise", name, el, en)
 
 
@@ -268,51 +320,38 @@ def _per_shard_fsdp_scales(module):
 
 
 @pytest.mark.timeout(900)
-def test_a_scale_per_shard_fails(monkeypatch, references):
+def test_a_scale_per_shard_fails(results):
     """Under tp (a tensor's tensorwise amax of its shard) and under ZeRO-3 (the FP8 all-gather's scale
-    of a shard): layouts that match above now miss one process.
+    of a shard): layouts that match above now miss one process (planted in the ranks: _plants).
 
     Not planted for rowwise: its scales are powers of 2 (torchao's recipe), and scaling by a power of 2
     leaves an e4m3 value's mantissa as it was, so a row's scale taken on a shard (at most the whole
     row's amax, so no overflow) changes only elements that fall into e4m3's subnormals (below ~3.5e-5
     of the row's amax): under tp2 that plant moved loss and grad norm by 7.1e-8 at most, below any
     tolerance; the rowwise layouts are checked above."""
-    import torchao.float8
-    import torchao.float8.float8_utils as fu
-
-    monkeypatch.setattr(fu, "tensor_to_amax", _per_shard_amax)
-    errs = _layout_errs(references, ["train.fp8.recipe=tensorwise"], ["parallel.tp=2"])
+    errs = _layout_errs(results, "planted-tp2-amax_per_shard")
     assert max(errs) > 1e-4, errs
-    monkeypatch.undo()
-    monkeypatch.setattr(torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", _per_shard_fsdp_scales)
-    errs = _layout_errs(references, ["train.fp8.recipe=tensorwise"], ["parallel.dp=2", "parallel.zero=3"])
+    errs = _layout_errs(results, "planted-zero3-fsdp_scale_per_shard")
     assert max(errs) > 1e-4, errs
 
 
 @pytest.mark.timeout(900)
-def test_experts_scaled_over_every_sender_fail(monkeypatch, references):
+def test_experts_scaled_over_every_sender_fail(results):
     """Planted under ep2: each expert's FP8 GEMM run once over the rows of both sending ranks (its
     tensorwise scales then span two micro-batches, one process's span one): ep2 misses one process."""
-    from paralayer.model import moe
-
-    monkeypatch.setattr(moe, "_per_source", lambda mm, splits: mm)
-    layout, model_keys = LAYOUTS["ep2"]
-    errs = _layout_errs(references, ["train.fp8.recipe=tensorwise"] + model_keys, layout)
+    errs = _layout_errs(results, "planted-ep2-experts_over_every_sender")
     assert max(errs) > 1e-4, errs
 
 
-def _cp_rowwise_wgrad(rank, world, plant):
+def _cp_rowwise_wgrad(rank, world, mesh, plant):
     """One rowwise Fp8Linear: one process on a whole sequence, then each cp rank on its zigzag shard
     (the weight gradients summed over the ranks, as the dp·cp gradient sync does). The sequence
     holds outliers: the tokens of cp rank 0 carry inputs 2^16 larger and output gradients 2^16
     smaller than rank 1's, so a column's amax over the tokens is one rank's, and the other rank's
     values fall, under one process's scale, into e4m3's subnormals. ``plant``: each rank's amax of
     its own tokens (the reduce taken away). Returns the relative errors of y, dx, dW."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from paralayer.parallel.context.zigzag import zigzag_shard
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     g = torch.Generator().manual_seed(0)
     own = zigzag_shard(torch.arange(32), 0, world, 0)
     big = torch.ones(32).index_fill(0, own, 2.0 ** 16)
@@ -324,15 +363,27 @@ def _cp_rowwise_wgrad(rank, world, plant):
     ref = (lin(x), ref_x.grad, lin.weight.grad.clone())
     lin.weight.grad = None
     lin.token_mesh = mesh
+    kept = f8.wgrad_mesh
     if plant:
         f8.wgrad_mesh = lambda m: None
-    xs = zigzag_shard(x, 1, world, rank).requires_grad_()
-    y = lin(xs)
-    y.backward(zigzag_shard(dy, 1, world, rank))
+    try:
+        xs = zigzag_shard(x, 1, world, rank).requires_grad_()
+        y = lin(xs)
+        y.backward(zigzag_shard(dy, 1, world, rank))
+    finally:
+        f8.wgrad_mesh = kept
     torch.distributed.all_reduce(lin.weight.grad)
     got = (y, xs.grad, lin.weight.grad)
     return [float((a - zigzag_shard(b, 1, world, rank)).norm() / b.norm()) for a, b in zip(got[:2], ref[:2])] + \
         [float((got[2] - ref[2]).norm() / ref[2].norm())]
+
+
+def _cp_rowwise_good_and_planted(rank, world):
+    """:func:`_cp_rowwise_wgrad` as it is, then planted, in turn in one world (one cp mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    return [_cp_rowwise_wgrad(rank, world, mesh, plant) for plant in (False, True)]
 
 
 def test_rowwise_weight_gradient_scales_span_every_cp_rank():
@@ -342,8 +393,7 @@ def test_rowwise_weight_gradient_scales_span_every_cp_rank():
     subnormals; it misses. (At init std 0.2 with no outliers the plant does not move the 4-step
     layout run at all: rowwise's scales are powers of 2, so a shard's scale changes only values in
     the subnormals; LAYOUTS' cp2 checks the run, this checks the scale.)"""
-    good = run_ranks(_cp_rowwise_wgrad, 2, False, timeout_s=120)
-    bad = run_ranks(_cp_rowwise_wgrad, 2, True, timeout_s=120)
+    good, bad = zip(*run_ranks(_cp_rowwise_good_and_planted, 2, timeout_s=120))
     assert all(max(r) < 1e-6 for r in good), good
     assert all(max(r[:2]) < 1e-6 for r in bad) and min(r[2] for r in bad) > 1e-2, bad
 
@@ -362,10 +412,13 @@ def test_rowwise_weight_gradient_scales_span_every_cp_rank():
      "covering the MoE blocks"),
     (["train.fp8.base_precision=fp16"], "train.fp8.base_precision", "auto, bf16, fp32"),
 ])
-def test_bad_fp8_input_exits_2_with_one_line(extra, field, words):
-    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny", "train.precision=fp8", "parallel.tp=1",
-                        *extra, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 2, r.stdout + r.stderr
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:") and field in ln]
-    assert lines and any(words in ln for ln in lines), r.stdout + r.stderr
+def test_bad_fp8_input_exits_2_with_one_line(extra, field, words, capsys):
+    """The front door's own code (launch.py's ``main``) in this process: a launch.py process per
+    case costs ~3 CPU-s of imports and proves nothing more about the resolver's refusal."""
+    from paralayer.cli import main
+
+    rc = main(["recipe=tiny", "train.precision=fp8", "parallel.tp=1", *extra, "--dry-run"])
+    r = capsys.readouterr()
+    assert rc == 2, r.out + r.err
+    lines = [ln for ln in (r.out + r.err).splitlines() if ln.startswith("error:") and field in ln]
+    assert lines and any(words in ln for ln in lines), r.out + r.err

@@ -249,15 +249,13 @@ def test_cp2_combined_matches_transformers(saved, tokens, cp_combined_results, l
 @pytest.mark.parametrize("layout, words", [
     (["parallel.cp=2", "model.seq_len=8"], "parallel.cp: 2: a zigzag chunk (model.seq_len 8 / 2·cp = 2 tokens) "
                                            "is shorter than the linear layers' conv tail")])
-def test_unbuilt_layouts_refused_by_name(layout, words):
-    import subprocess
-    import sys
+def test_unbuilt_layouts_refused_by_name(layout, words, capsys):
+    """launch.py's ``main`` in this process (a launch.py process costs ~3 CPU-s of imports)."""
+    from paralayer.cli import main
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-qwen3-next", "parallel.dp=1", "parallel.ep=1",
-                        *layout, "--dry-run"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, (r.returncode,
-                                                                                                r.stderr)
+    rc = main(["recipe=tiny-qwen3-next", "parallel.dp=1", "parallel.ep=1", *layout, "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (rc, err)
 
 
 def test_round_trip_under_ep2_pp2(saved, tokens, tmp_path):
@@ -321,15 +319,18 @@ def test_planner_counts_linear_layers():
 
 
 def test_rehearse_states_exact():
-    """--rehearse on tiny-qwen3-next (rank 0, dp2·ep2, and tp2): params, grads and optimizer bytes equal the plan's."""
-    import subprocess
-    import sys
+    """The rehearsal of tiny-qwen3-next (rank 0, dp2·ep2, and tp2): params, grads and optimizer bytes equal
+    the plan's. Rehearsed from this process, as the next test (its rank still runs in a process of the
+    rehearsal's fork server): a launch.py process per layout cost ~3 CPU-s of imports and a fork server."""
+    from paralayer import config as config_mod
+    from paralayer import rehearse as R
+    from paralayer.resolve import resolve
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for layout in ([], ["parallel.tp=2", "parallel.dp=1", "parallel.ep=1"]):
-        r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-qwen3-next", *layout, "--rehearse", "--ranks",
-                            "0", "--json"], cwd=root, capture_output=True, text=True, timeout=300)
-        rank = json.loads(r.stdout)["ranks"][0]
+        cfg = config_mod.load_config(["recipe=tiny-qwen3-next", *layout])
+        plan = resolve(cfg).to_dict()
+        assert not plan["errors"], plan["errors"]
+        rank = R.rehearse(cfg, plan, [0])["ranks"][0]
         got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
         print(f"tiny-qwen3-next {layout} rehearsed: {got}; plan {plan}")
         assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
