@@ -2,6 +2,7 @@
 OmegaConf path built, field for field, and a rank's start-up no longer imports omegaconf."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -43,10 +44,16 @@ def assert_same(new: config_mod.Config, old: config_mod.Config) -> None:
     assert new == old
 
 
+@functools.lru_cache(maxsize=None)
+def resolved_text(recipe: str, *overrides: str) -> str:
+    """The resolved.yaml the launcher writes for ``recipe`` (kept: tiny and tiny-moe are written for
+    a dozen cases, each the same text)."""
+    return config_mod.to_yaml(config_mod.load_config([f"recipe={recipe}", *overrides]))
+
+
 def write_resolved(tmp_path: Path, recipe: str, *overrides: str) -> str:
-    cfg = config_mod.load_config([f"recipe={recipe}", *overrides])
     path = tmp_path / f"{recipe}.yaml"
-    path.write_text(config_mod.to_yaml(cfg))
+    path.write_text(resolved_text(recipe, *overrides))
     return str(path)
 
 
