@@ -161,25 +161,35 @@ def test_what_we_cannot_build_is_refused(saved, tmp_path, edit, words):
 
 
 # ------------------------------------------------------------------ multi-rank, through the runtime
+def micro_batch(layout: list) -> int:
+    """2 micro-batches a step on every rank (the gradient accumulated over them): micro batch 1 where
+    the batch is split (pp's schedules keep their 4 micro-batches, dp halves the batch), else 2 (one
+    rank, tp and cp: half the passes, and so half the collectives, of micro batch 1)."""
+    return 1 if any(o.startswith(("parallel.pp=", "parallel.dp=")) for o in layout) else 2
+
+
 def _overrides(path: str, data: str, layout: list) -> list:
     return ["recipe=tiny", "parallel.tp=1", "parallel.dp=1", f"model.init=hf:{path}", f"model.seq_len={fam.SEQ}",
             f"data.path={data}", "data.format=tokens", "data.shuffle=false", f"train.global_batch={BATCH}",
-            "train.micro_batch=1", "train.steps=2", "train.precision=fp32", "train.grad_clip=1e9",
+            f"train.micro_batch={micro_batch(layout)}", "train.steps=2", "train.precision=fp32", "train.grad_clip=1e9",
             "logging.wandb.mode=disabled"] + list(layout)
 
 
 def _grads_worker(rank, world, runs):
-    """For each overrides of ``runs``, the runtime's step 1 on this rank: the global loss and this
-    rank's full gradients (every run in this one forked world: one start-up for all families)."""
+    """For each (overrides, export dir or None) of ``runs``, the runtime's step 1 on this rank: the
+    global loss and this rank's full gradients (every run in this one forked world: one start-up for
+    all families); with a dir, then the round trip's 2 training steps and export_hf into it (the
+    same world and setup serve both tests: train_step zeroes the gradients and the MoE counters)."""
     from torch.distributed.tensor import DTensor
 
+    from paralayer.checkpoint.hf import export_hf
     from paralayer.model.transformer import _clean_name
     from paralayer.runtime.build import as_plan
-    from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch
+    from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch, train_step
     from tests.dist import cfg_and_plan
 
     out = []
-    for overrides in runs:
+    for overrides, export_dir in runs:
         cfg, plan = cfg_and_plan(overrides)
         run = setup(cfg, as_plan(plan), None)
         tokens, labels = step_batch(run, 1)
@@ -192,6 +202,10 @@ def _grads_worker(rank, world, runs):
                 head = name in ("tok_embeddings.weight", "output.weight")
                 grads[name] = (g[: fam.VOCAB] if head else g).numpy().copy()
         out.append((float(loss), grads))
+        if export_dir is not None:
+            for s in (1, 2):
+                train_step(run, s)
+            export_hf(run.built.chunks, cfg.model, export_dir)
     return out
 
 
@@ -214,20 +228,26 @@ def _planted_copy(src: str, dst: str, edit) -> str:
 @pytest.fixture(scope="module")
 def layout_results(saved, tokens, tmp_path_factory):
     """{(family, layout): [(loss, grads) per rank]}: one 2-rank world per layout, the families in turn
-    (cp2 also runs the planted copies, keyed ("window", "cp2", plant))."""
+    (cp2 also runs the planted copies, keyed ("window", "cp2", plant)); the tp2 and pp2 (1f1b) worlds
+    also train and export each family for the round trip: {("export", family, "tp2" | "pp2"): dir}."""
     root = tmp_path_factory.mktemp("planted")
     planted = {k: _planted_copy(saved["window"][0], str(root / k), e) for k, e in CP_PLANTS.items()}
+    exports = {"tp2": "tp2", "pp2_1f1b": "pp2"}  # layout -> the round trip's name for it
+    assert all(LAYOUTS[lay] == ROUND_TRIP[name] for lay, name in exports.items())
     out = {}
     for layout, extra in LAYOUTS.items():
         fams = ONLY.get(layout, fam.FAMILIES)
         keys = [(f, layout) for f in fams]
-        paths = [saved[f][0] for f in fams]
+        runs = [(_overrides(saved[f][0], tokens, extra),
+                 str(root / f"{f}-{exports[layout]}") if layout in exports else None) for f in fams]
         if layout == "cp2":
             keys += [("window", layout, k) for k in planted]
-            paths += list(planted.values())
-        res = run_ranks(_grads_worker, 2, [_overrides(p, tokens, extra) for p in paths], timeout_s=300)
+            runs += [(_overrides(p, tokens, extra), None) for p in planted.values()]
+        res = run_ranks(_grads_worker, 2, runs, timeout_s=300)
         for i, key in enumerate(keys):
             out[key] = [r[i] for r in res]
+            if runs[i][1] is not None:
+                out[("export", key[0], exports[layout])] = runs[i][1]
     return out
 
 
@@ -236,21 +256,36 @@ def tokens(tmp_path_factory):
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 2 * BATCH, fam.SEQ, fam.VOCAB)
 
 
-@pytest.mark.parametrize("family, layout", CASES)
-def test_layouts_match_transformers(saved, tokens, layout_results, family, layout):
-    path, ref = saved[family]
+@pytest.fixture(scope="module")
+def hf_reference(saved, tokens):
+    """{family: (transformers' loss, {its name: its gradient})} on the global batch: one forward and
+    backward per family, read by every layout of that family (the gradients copied out of the shared
+    model, which other tests zero)."""
+    from types import SimpleNamespace
+
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
-    ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=x, labels=x)
-    out.loss.backward()
-    hf = dict(ref.named_parameters())
-    loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf, family)
+    out = {}
+    for family in fam.FAMILIES:
+        ref = saved[family][1]
+        ref.zero_grad(set_to_none=True)
+        res = ref(input_ids=x, labels=x)
+        res.loss.backward()
+        out[family] = (res.loss.item(), {n: SimpleNamespace(grad=None if p.grad is None else p.grad.clone())
+                                         for n, p in ref.named_parameters()})
+        ref.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("family, layout", CASES)
+def test_layouts_match_transformers(hf_reference, layout_results, family, layout):
+    want_loss, hf = hf_reference[family]
+    loss_err, errs = _layout_errors(layout_results[(family, layout)], want_loss, hf, family)
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     assert loss_err < TOL and max(errs.values()) < LAYOUT_GRAD_TOL, errs
     if (family, layout) == ("window", "cp2"):
         for plant in CP_PLANTS:
-            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf, family)
+            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], want_loss, hf, family)
             print(f"window cp2 planted {plant}: loss rel err {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
             assert max(p_errs.values()) > 100 * TOL, (plant, p_errs)
 
@@ -293,18 +328,18 @@ LR = 3e-3  # the tiny recipe's train.lr
 ROUND_TRIP = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"]}
 
 
-def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
+def test_round_trip_through_training_and_export(saved, tokens, layout_results, tmp_path):
     """transformers loads each export (its own class for the family) and its logits equal ours
     within 1e-6; the tp2 and pp2 exports equal the one-rank export (the heads and the layers are
-    split and merged back right)."""
+    split and merged back right). The tp2 and pp2 runs are those of layout_results' worlds."""
     import transformers
     from safetensors.torch import load_file
 
-    outs = {}
-    for lay, extra in ROUND_TRIP.items():
-        runs = [(_overrides(saved[f][0], tokens, extra), str(tmp_path / f"{f}-{lay}")) for f in fam.FAMILIES]
-        run_ranks(_round_trip_worker, 1 if lay == "one" else 2, runs, timeout_s=300)
-        outs[lay] = {f: r[1] for f, r in zip(fam.FAMILIES, runs)}
+    runs = [(_overrides(saved[f][0], tokens, ROUND_TRIP["one"]), str(tmp_path / f"{f}-one")) for f in fam.FAMILIES]
+    run_ranks(_round_trip_worker, 1, runs, timeout_s=300)
+    outs = {"one": {f: r[1] for f, r in zip(fam.FAMILIES, runs)}}
+    for lay in ("tp2", "pp2"):
+        outs[lay] = {f: layout_results[("export", f, lay)] for f in fam.FAMILIES}
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:2])
     want_class = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "window": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
