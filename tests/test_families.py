@@ -176,20 +176,17 @@ def _overrides(path: str, data: str, layout: list) -> list:
 
 
 def _grads_worker(rank, world, runs):
-    """For each (overrides, export dir or None) of ``runs``, the runtime's step 1 on this rank: the
-    global loss and this rank's full gradients (every run in this one forked world: one start-up for
-    all families); with a dir, then the round trip's 2 training steps and export_hf into it (the
-    same world and setup serve both tests: train_step zeroes the gradients and the MoE counters)."""
+    """For each overrides of ``runs``, the runtime's step 1 on this rank: the global loss and this
+    rank's full gradients (every run in this one forked world: one start-up for all families)."""
     from torch.distributed.tensor import DTensor
 
-    from paralayer.checkpoint.hf import export_hf
     from paralayer.model.transformer import _clean_name
     from paralayer.runtime.build import as_plan
-    from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch, train_step
+    from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch
     from tests.dist import cfg_and_plan
 
     out = []
-    for overrides, export_dir in runs:
+    for overrides in runs:
         cfg, plan = cfg_and_plan(overrides)
         run = setup(cfg, as_plan(plan), None)
         tokens, labels = step_batch(run, 1)
@@ -202,10 +199,6 @@ def _grads_worker(rank, world, runs):
                 head = name in ("tok_embeddings.weight", "output.weight")
                 grads[name] = (g[: fam.VOCAB] if head else g).numpy().copy()
         out.append((float(loss), grads))
-        if export_dir is not None:
-            for s in (1, 2):
-                train_step(run, s)
-            export_hf(run.built.chunks, cfg.model, export_dir)
     return out
 
 
@@ -228,26 +221,20 @@ def _planted_copy(src: str, dst: str, edit) -> str:
 @pytest.fixture(scope="module")
 def layout_results(saved, tokens, tmp_path_factory):
     """{(family, layout): [(loss, grads) per rank]}: one 2-rank world per layout, the families in turn
-    (cp2 also runs the planted copies, keyed ("window", "cp2", plant)); the tp2 and pp2 (1f1b) worlds
-    also train and export each family for the round trip: {("export", family, "tp2" | "pp2"): dir}."""
+    (cp2 also runs the planted copies, keyed ("window", "cp2", plant))."""
     root = tmp_path_factory.mktemp("planted")
     planted = {k: _planted_copy(saved["window"][0], str(root / k), e) for k, e in CP_PLANTS.items()}
-    exports = {"tp2": "tp2", "pp2_1f1b": "pp2"}  # layout -> the round trip's name for it
-    assert all(LAYOUTS[lay] == ROUND_TRIP[name] for lay, name in exports.items())
     out = {}
     for layout, extra in LAYOUTS.items():
         fams = ONLY.get(layout, fam.FAMILIES)
         keys = [(f, layout) for f in fams]
-        runs = [(_overrides(saved[f][0], tokens, extra),
-                 str(root / f"{f}-{exports[layout]}") if layout in exports else None) for f in fams]
+        paths = [saved[f][0] for f in fams]
         if layout == "cp2":
             keys += [("window", layout, k) for k in planted]
-            runs += [(_overrides(p, tokens, extra), None) for p in planted.values()]
-        res = run_ranks(_grads_worker, 2, runs, timeout_s=300)
+            paths += list(planted.values())
+        res = run_ranks(_grads_worker, 2, [_overrides(p, tokens, extra) for p in paths], timeout_s=300)
         for i, key in enumerate(keys):
             out[key] = [r[i] for r in res]
-            if runs[i][1] is not None:
-                out[("export", key[0], exports[layout])] = runs[i][1]
     return out
 
 
@@ -328,18 +315,18 @@ LR = 3e-3  # the tiny recipe's train.lr
 ROUND_TRIP = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.schedule=1f1b"]}
 
 
-def test_round_trip_through_training_and_export(saved, tokens, layout_results, tmp_path):
+def test_round_trip_through_training_and_export(saved, tokens, tmp_path):
     """transformers loads each export (its own class for the family) and its logits equal ours
     within 1e-6; the tp2 and pp2 exports equal the one-rank export (the heads and the layers are
-    split and merged back right). The tp2 and pp2 runs are those of layout_results' worlds."""
+    split and merged back right)."""
     import transformers
     from safetensors.torch import load_file
 
-    runs = [(_overrides(saved[f][0], tokens, ROUND_TRIP["one"]), str(tmp_path / f"{f}-one")) for f in fam.FAMILIES]
-    run_ranks(_round_trip_worker, 1, runs, timeout_s=300)
-    outs = {"one": {f: r[1] for f, r in zip(fam.FAMILIES, runs)}}
-    for lay in ("tp2", "pp2"):
-        outs[lay] = {f: layout_results[("export", f, lay)] for f in fam.FAMILIES}
+    outs = {}
+    for lay, extra in ROUND_TRIP.items():
+        runs = [(_overrides(saved[f][0], tokens, extra), str(tmp_path / f"{f}-{lay}")) for f in fam.FAMILIES]
+        run_ranks(_round_trip_worker, 1 if lay == "one" else 2, runs, timeout_s=300)
+        outs[lay] = {f: r[1] for f, r in zip(fam.FAMILIES, runs)}
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:2])
     want_class = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "window": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
