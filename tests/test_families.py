@@ -161,10 +161,17 @@ def test_what_we_cannot_build_is_refused(saved, tmp_path, edit, words):
 
 
 # ------------------------------------------------------------------ multi-rank, through the runtime
+def micro_batch(layout: list) -> int:
+    """2 micro-batches a step on every rank (the gradient accumulated over them): micro batch 1 where
+    the batch is split (pp's schedules keep their 4 micro-batches, dp halves the batch), else 2 (one
+    rank, tp and cp: half the passes, and so half the collectives, of micro batch 1)."""
+    return 1 if any(o.startswith(("parallel.pp=", "parallel.dp=")) for o in layout) else 2
+
+
 def _overrides(path: str, data: str, layout: list) -> list:
     return ["recipe=tiny", "parallel.tp=1", "parallel.dp=1", f"model.init=hf:{path}", f"model.seq_len={fam.SEQ}",
             f"data.path={data}", "data.format=tokens", "data.shuffle=false", f"train.global_batch={BATCH}",
-            "train.micro_batch=1", "train.steps=2", "train.precision=fp32", "train.grad_clip=1e9",
+            f"train.micro_batch={micro_batch(layout)}", "train.steps=2", "train.precision=fp32", "train.grad_clip=1e9",
             "logging.wandb.mode=disabled"] + list(layout)
 
 
@@ -236,21 +243,36 @@ def tokens(tmp_path_factory):
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 2 * BATCH, fam.SEQ, fam.VOCAB)
 
 
-@pytest.mark.parametrize("family, layout", CASES)
-def test_layouts_match_transformers(saved, tokens, layout_results, family, layout):
-    path, ref = saved[family]
+@pytest.fixture(scope="module")
+def hf_reference(saved, tokens):
+    """{family: (transformers' loss, {its name: its gradient})} on the global batch: one forward and
+    backward per family, read by every layout of that family (the gradients copied out of the shared
+    model, which other tests zero)."""
+    from types import SimpleNamespace
+
     x = torch.tensor([json.loads(line)["input_ids"] for line in open(tokens)][:BATCH])
-    ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=x, labels=x)
-    out.loss.backward()
-    hf = dict(ref.named_parameters())
-    loss_err, errs = _layout_errors(layout_results[(family, layout)], out.loss.item(), hf, family)
+    out = {}
+    for family in fam.FAMILIES:
+        ref = saved[family][1]
+        ref.zero_grad(set_to_none=True)
+        res = ref(input_ids=x, labels=x)
+        res.loss.backward()
+        out[family] = (res.loss.item(), {n: SimpleNamespace(grad=None if p.grad is None else p.grad.clone())
+                                         for n, p in ref.named_parameters()})
+        ref.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("family, layout", CASES)
+def test_layouts_match_transformers(hf_reference, layout_results, family, layout):
+    want_loss, hf = hf_reference[family]
+    loss_err, errs = _layout_errors(layout_results[(family, layout)], want_loss, hf, family)
     print(f"{family} {layout}: loss rel err {loss_err:.1e}, grads max {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)}) over {len(errs)}")
     assert loss_err < TOL and max(errs.values()) < LAYOUT_GRAD_TOL, errs
     if (family, layout) == ("window", "cp2"):
         for plant in CP_PLANTS:
-            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], out.loss.item(), hf, family)
+            p_loss, p_errs = _layout_errors(layout_results[(family, layout, plant)], want_loss, hf, family)
             print(f"window cp2 planted {plant}: loss rel err {p_loss:.1e}, grads max {max(p_errs.values()):.1e}")
             assert max(p_errs.values()) > 100 * TOL, (plant, p_errs)
 

@@ -35,9 +35,13 @@ def _full_params(chunks) -> dict:
             for c in chunks for n, p in c.named_parameters()}
 
 
-def _rank_train(rank, world, cfg, plan, run_dir):
-    """train(), and the full parameters at its checkpoint save and right after its resume (the
-    runtime's own _save and resume, wrapped in this forked rank only)."""
+def _rank_train(rank, world, jobs):
+    """For each (cfg, plan, run_dir) of ``jobs`` in turn, in this one world (a straight run, a stopped
+    one and its resume share one fork): train(), the full parameters at its checkpoint save and right
+    after its resume (the runtime's own _save and resume, wrapped in this forked rank only), and the
+    checkpoint folder's listing once every rank's train() has returned."""
+    import torch.distributed as dist
+
     from paralayer.runtime import rank_checkpoints as C
     from paralayer.runtime import train as T
 
@@ -54,45 +58,62 @@ def _rank_train(rank, world, cfg, plan, run_dir):
         return start
 
     C._save, C.resume = saving, resuming  # where train() and save_if_due look them up
-    recs = T.train(cfg, plan, run_dir)
-    out = [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"]} for r in recs]
-    return out, seen
+    out = []
+    for cfg, plan, run_dir in jobs:
+        seen = {}
+        recs = T.train(cfg, plan, run_dir)
+        dist.barrier()
+        ckpt = cfg.checkpoint.dir
+        listing = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
+        recs = [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"]} for r in recs]
+        out.append((recs, seen, listing))
+    return out
 
 
-def _run(tmp, name, layout: list[str], extra: list[str]):
-    run_dir = os.path.join(tmp, name)
-    os.makedirs(run_dir, exist_ok=True)
-    ckpt = os.path.join(tmp, "ckpt-" + name.split("-")[0])
-    cfg = load_config(BASE + [f"data.path={_data(tmp)}", f"checkpoint.dir={ckpt}", f"run.dir={run_dir}"]
-                      + layout + extra)
-    plan = resolve(cfg).to_dict()
-    assert not plan["errors"], plan["errors"]
-    res = run_ranks(_rank_train, plan["world_size"], cfg, plan, run_dir, timeout_s=300)
-    params: dict = {}  # {"saved" | "loaded": {name: bytes}}, merged over the ranks (replicas must agree)
-    for _, seen in res:
-        for when, tensors in seen.items():
-            for name, data in tensors.items():
-                assert params.setdefault(when, {}).setdefault(name, data) == data, (when, name)
-    return res[0][0], params
+def _runs(tmp, jobs: list) -> list:
+    """[(rank 0's records, {"saved" | "loaded": {name: bytes}}, the checkpoint listing)] of each
+    (name, layout, extra) of ``jobs``, in turn in one world (the jobs share one world size)."""
+    args = []
+    for name, layout, extra in jobs:
+        run_dir = os.path.join(tmp, name)
+        os.makedirs(run_dir, exist_ok=True)
+        ckpt = os.path.join(tmp, "ckpt-" + name.split("-")[0])
+        cfg = load_config(BASE + [f"data.path={_data(tmp)}", f"checkpoint.dir={ckpt}", f"run.dir={run_dir}"]
+                          + layout + extra)
+        plan = resolve(cfg).to_dict()
+        assert not plan["errors"], plan["errors"]
+        args.append((cfg, plan, run_dir))
+    assert len({plan["world_size"] for _, plan, _ in args}) == 1, [plan["world_size"] for _, plan, _ in args]
+    res = run_ranks(_rank_train, args[0][1]["world_size"], args, timeout_s=300)
+    out = []
+    for i in range(len(jobs)):
+        params: dict = {}  # merged over the ranks (replicas must agree)
+        for per_rank in res:
+            for when, tensors in per_rank[i][1].items():
+                for name, data in tensors.items():
+                    assert params.setdefault(when, {}).setdefault(name, data) == data, (when, name)
+        out.append((res[0][i][0], params, res[0][i][2]))
+    return out
 
 
 def test_exact_resume_same_layout(tmp_path):
     tmp = str(tmp_path)
     layout = ["parallel.dp=2", "parallel.zero=1"]
-    straight, _ = _run(tmp, "straight-a", layout, ["checkpoint.every=0"])
-    first, _ = _run(tmp, "same-1", layout, ["train.stop_at_step=2"])
+    (straight, _, _), (first, _, _), (second, _, _) = _runs(tmp, [
+        ("straight-a", layout, ["checkpoint.every=0"]), ("same-1", layout, ["train.stop_at_step=2"]),
+        ("same-2", layout, ["train.resume=auto"])])
     assert [r["step"] for r in first] == [1, 2]
-    second, _ = _run(tmp, "same-2", layout, ["train.resume=auto"])
     assert [r["step"] for r in second] == [3, 4]
     assert first + second == straight  # bitwise: loss, grad norm, lr
 
 
 def test_resume_tp2_pp2_as_dp4(tmp_path):
     tmp = str(tmp_path)
-    straight, _ = _run(tmp, "straight-b", ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"], ["checkpoint.every=0"])
-    first, saved = _run(tmp, "mixed-1", ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"], ["train.stop_at_step=2"])
+    mixed = ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"]
+    (straight, _, _), (first, saved, _), (second, loaded, _) = _runs(tmp, [
+        ("straight-b", mixed, ["checkpoint.every=0"]), ("mixed-1", mixed, ["train.stop_at_step=2"]),
+        ("mixed-2", ["parallel.dp=4", "parallel.tp=1", "parallel.pp=1"], ["train.resume=auto"])])
     assert first == straight[:2]
-    second, loaded = _run(tmp, "mixed-2", ["parallel.dp=4", "parallel.tp=1", "parallel.pp=1"], ["train.resume=auto"])
     assert [r["step"] for r in second] == [3, 4]
     # bit for bit after the load: every parameter of both pipeline stages, tp shards joined
     assert sorted(saved["saved"]) == sorted(loaded["loaded"]) and len(loaded["loaded"]) == 2 + 4 * 9 + 1
@@ -111,12 +132,11 @@ def test_exact_resume_async_save(tmp_path):
     stopped at 3 and resumed equals the straight run bit for bit."""
     tmp = str(tmp_path)
     layout = ["parallel.dp=2", "parallel.zero=0"]
-    straight, _ = _run(tmp, "straight-c", layout, ["checkpoint.every=0"])
-    first, _ = _run(tmp, "async-1", layout,
-                    ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"])
-    names = sorted(os.listdir(os.path.join(tmp, "ckpt-async")))
+    (straight, _, _), (first, _, names), (second, _, _) = _runs(tmp, [
+        ("straight-c", layout, ["checkpoint.every=0"]),
+        ("async-1", layout, ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"]),
+        ("async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])])
     assert names == ["step-00000002", "step-00000003"], names  # keep=2, all complete after the run
-    second, _ = _run(tmp, "async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])
     assert [r["step"] for r in second] == [4]
     assert first + second == straight
 
