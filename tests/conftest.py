@@ -15,7 +15,6 @@ that is not there FAILS these fixtures instead of skipping.
 """
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import subprocess
@@ -156,17 +155,9 @@ def local_slurm_2node():
 SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py", "test_recovery_slurm.py"}
 
 
-def pytest_collection_finish(session):
-    """What collection made (torch, transformers, every test module: ~0.5M objects) lives as long as
-    the worker: out of the collector's view, or every full collection walks it again (7 Dec: 22
-    full collections, 34 s of a 560 s in-process run of six files)."""
-    gc.collect()
-    gc.freeze()
-
-
 #: the groups that take longest (seconds of a worker in a full run, 7 Dec): handed out first
-LONGEST = ("slurm", "test_combinations.py", "test_fp8.py", "test_pipeline.py", "test_export_trained.py",
-           "test_runtime.py")
+LONGEST = ("slurm", "test_combinations.py", "test_runtime.py", "test_recovery.py", "test_planner.py",
+           "test_straggler_stopped.py", "test_planner_pruning.py", "test_split_backward.py")
 
 
 @pytest.hookimpl(tryfirst=True)
