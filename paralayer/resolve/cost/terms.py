@@ -30,7 +30,7 @@ from paralayer.resolve.cost.ep_bytes import (  # noqa: F401 - ep_node_split re-e
     node_dispatch_split,
 )
 from paralayer.resolve.cost.linear_flops import linear_core_rank_flops
-from paralayer.resolve.cost.norm_up_flops import norm_up_rerun_flops
+from paralayer.resolve.cost.norm_up_flops import norm_up_gemm_flops, norm_up_rerun_flops
 from paralayer.resolve.fp8 import fp8_gather_bytes, fp8_gathered_params
 from paralayer.resolve.memory import (
     ACT_BYTES,
@@ -473,7 +473,7 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         mode = layer_recompute(lay, i)
         again = (mat + core) * layer_reruns(lay, i) if mode == "full" else (core if mode == "selective" else 0.0)
         if mode == "norm_up":
-            again = norm_up_rerun_flops(cfg, i, gemm_only=True) * region_reruns(lay, i)
+            again = norm_up_gemm_flops(cfg) * region_reruns(lay, i)
         if clip and not linear:  # QK-clip's q·kᵀ, again in each rerun of the core
             total += clip * (1 + (layer_reruns(lay, i) if mode == "full" else
                                   (mode in ("selective", "core_attn")
