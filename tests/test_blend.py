@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -16,16 +15,14 @@ from paralayer.data.blend import _Schedule
 from paralayer.data.dataset import build_dataset
 from paralayer.resolve.plan import resolve
 from tests.dist import run_ranks
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.megatron_oracle import megatron
 
 SEQ = 16
 
 
 def _shard(prefix: str, n_tokens: int, lo: int, hi: int, seed: int) -> None:
     """A megatron-written shard of ids in [lo, hi), so a sequence's ids tell its source."""
+    IndexedDatasetBuilder = megatron("IndexedDatasetBuilder")
     g = np.random.default_rng(seed)
     b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     left = n_tokens

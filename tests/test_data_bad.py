@@ -9,7 +9,6 @@ import io
 import json
 import os
 import struct
-import warnings
 
 import numpy as np
 import pytest
@@ -20,10 +19,7 @@ from paralayer.config import DataConfig, load_config
 from paralayer.data.dataset import build_dataset, build_valid_dataset
 from paralayer.data.errors import DataError
 from paralayer.resolve.plan import resolve
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.megatron_oracle import megatron
 
 SEQ = 16
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64",
@@ -32,6 +28,7 @@ TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_h
 
 
 def _shard(prefix, n_tokens, hi=200, dtype=np.uint16, seed=0):
+    IndexedDatasetBuilder = megatron("IndexedDatasetBuilder")
     g = np.random.default_rng(seed)
     b = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
     for k in range(0, n_tokens, 25):

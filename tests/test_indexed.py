@@ -5,8 +5,6 @@ contract says (documents back to back, cut into seq_len, tail dropped, step k = 
 (k−1)·B … k·B−1), from a prefix, a directory and a list."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -16,15 +14,13 @@ from paralayer.data.dataset import build_dataset
 from paralayer.data.indexed import IndexedShard, IndexedWriter
 from paralayer.data.prepare import prepare_files
 from paralayer.data.tokenizers import ByteTokenizer
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tests.megatron_oracle import megatron
 
 DOCS = [f"doc {i}: " + "pack me, " * (i % 7) + "Ünïcödé ✓" for i in range(300)]
 
 
 def _megatron_shard(prefix: str, docs: list, dtype=np.uint16) -> None:
+    IndexedDatasetBuilder = megatron("IndexedDatasetBuilder")
     b = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
     for d in docs:
         b.add_item(torch.tensor(d, dtype=torch.int64))
@@ -38,6 +34,7 @@ def _docs(seed: int, n: int, vocab: int, max_len: int = 40) -> list:
 
 
 def test_megatron_reads_our_shards_token_for_token(tmp_path):
+    IndexedDataset = megatron("IndexedDataset")
     (tmp_path / "c.txt").write_text("\n".join(DOCS) + "\n", encoding="utf-8")
     prefix = str(tmp_path / "out" / "corpus")
     st = prepare_files([str(tmp_path / "c.txt")], prefix, "text", workers=2, part_docs=70)
