@@ -71,7 +71,7 @@ from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner import v_balance
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes, tp_timer
+from paralayer.resolve.planner.comm import fsdp_key, recompute_key, tp_timer
 from paralayer.resolve.planner.gc_pause import gc_paused
 from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
@@ -84,7 +84,7 @@ from paralayer.resolve.planner.memory import (
     state_table,
     table_bytes,
 )
-from paralayer.resolve.planner.rank_time import inner_of, timed_on_ranks
+from paralayer.resolve.planner.rank_time import every_on_ranks, every_points, timed_on_ranks
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
 from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
@@ -358,14 +358,13 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         if slower_than(*fp8_plan.less(ch, work, tot.rc_frac[rk]), ovh_per_m * mm, bubble, bar_step):
             return True
         fk = fsdp_key(st.lay, zero)
-        if (False, rk, fk) not in st.per_ax:
-            set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
+        pts = every_points(ctx.cfg, st, ctx.mach, tot.gb, k, fk)  # st.per_ax of full/k (rank 0's)
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1, 2))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
-        inner = inner_of(ctx.cfg, st, ctx.mach, st.rank_lines[(rk, fk)], mm, "full", k, zero,
-                         (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None)
-        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
-                      tot, ctx.mach, k, ch, inner)
+        timed = functools.partial(_timed, st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work,
+                                  ovh_per_m, overlap, tot, ctx.mach, k, ch)
+        return every_on_ranks(ctx.cfg, st, ctx.mach, pts, (mm, k, zero, fk),
+                              (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None, timed, bar_step)
     return None
 
 
