@@ -99,11 +99,19 @@ def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
             counts = tuple(_chunk_counts(ch) for ch in per_chunk)
             split, il = (per_chunk, ()) if schedule in V_SCHEDULES else ((), per_chunk)
         held = tuple((i, layer_kind(cfg, i)) for i in layers)
+        held, split, il = (_interned(cfg, x) for x in (held, split, il))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
                               _tables(cfg, lay, r), split, counts, 0.0,
                               muon_states.muon_split(cfg, lay, r),
                               tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
+
+
+def _interned(cfg: Config, blocks: tuple) -> tuple:
+    """One tuple object per value of a rank's (index, kind) blocks, kept on the config: shapes that
+    differ only in what moves no layer (ep, the split's other ranks) then share the identity that
+    :func:`_shared_layer_sums` keys its sums by."""
+    return cfg.__dict__.setdefault("_rank_blocks", Memo()).setdefault(blocks, blocks)
 
 
 def _tables(cfg: Config, lay: Layout, r: int) -> tuple:
