@@ -139,6 +139,22 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
     return acts
 
 
+def shared_memos(store: dict, lay: Layout, ranks: list[RankInfo]) -> tuple[dict, dict]:
+    """A structure's (in_flight by (micro-batch, mode), each rank's activations by (micro-batch, mode,
+    overlap, FSDP, recompute or k)), shared with the structures whose activations are the same: the
+    key holds all that in_flight, the act tables and the peaks read of the layout (ep only as ep > 1:
+    act_tables') and of each candidate rank (its blocks, chunks, tables, and the V ranks in_flight
+    weighs as one group), so structures that differ in ep alone weigh them once. Kept in ``store``
+    (the plan's act_cache) under ("activations", key)."""
+    groups: dict = {}
+    sig = tuple((rk.rank, rk.last, rk.layers, rk.split_chunks, rk.il_chunks, rk.chunk_counts, rk.tables, rk.kinds,
+                 groups.setdefault((rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.tables), rk.rank))
+                for rk in ranks)
+    key = ("activations", lay.tp, lay.cp, lay.dp, lay.pp, lay.vpp, lay.schedule, lay.sequence_parallel, lay.ep > 1,
+           lay.padded_vocab, lay.precision, lay.device, tuple(map(tuple, lay.stage_layers)), sig)
+    return store.setdefault(key, ({}, {}))
+
+
 def table_bytes(cfg: Config, positions: float, mode: str) -> tuple[float, float]:
     """One RoPE table's and one window mask's bytes (memory.chunk_tables) in a ZeRO stage's mode."""
     return mem_mod.rope_bytes_for(parts.rope_dim(cfg), positions, mode), mask_bytes_for(positions, mode)

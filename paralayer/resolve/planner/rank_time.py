@@ -16,7 +16,15 @@ from paralayer.resolve.cost.machine import Machine
 from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.step_time import fb_overlap_facts, rank_inner
 from paralayer.resolve.planner.bounds import SLACK
-from paralayer.resolve.planner.comm import RANK_AXES, at_m, comm_points, rank_line_table, set_axes, with_ranks
+from paralayer.resolve.planner.comm import (
+    RANK_AXES,
+    at_m,
+    comm_points,
+    fsdp_key,
+    rank_line_table,
+    set_axes,
+    with_ranks,
+)
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import overlap_refusal
 
@@ -83,14 +91,16 @@ def timed_on_ranks(cfg: Config, st: Structure, mach: Machine, lines, at: tuple, 
     return timed(inner_of=inner_of(cfg, st, mach, lines.rank_lines(recompute, fk), mm, recompute, 1, zero, tp_of))
 
 
-def every_points(cfg: Config, st: Structure, mach: Machine, gb: int, k: int, fk: bool) -> list:
-    """comm_points of recompute=full on every k-th layer, rank 0's alone (``st.per_ax`` set from them),
-    once per structure, k and FSDP key: :func:`every_on_ranks` adds the other ranks where needed."""
+def every_points(cfg: Config, st: Structure, mach: Machine, gb: int, k: int, zero: int) -> tuple[list, bool]:
+    """(comm_points of recompute=full on every k-th layer, rank 0's alone; the FSDP key of ``zero``),
+    once per structure, k and FSDP key (``st.per_ax`` set from them): :func:`every_on_ranks` adds the
+    other ranks where needed."""
+    fk = fsdp_key(st.lay, zero)
     key = ("every_pts", k, fk)
     if key not in st.inner_memo:
         st.inner_memo[key] = comm_points(cfg, st, mach, gb, "full", 2 if fk else 0, k, ranks=False)
         set_axes(st, (f"full/{k}", fk), st.inner_memo[key])
-    return st.inner_memo[key]
+    return st.inner_memo[key], fk
 
 
 def every_on_ranks(cfg: Config, st: Structure, mach: Machine, pts: list, at: tuple, tp_of: Callable | None,

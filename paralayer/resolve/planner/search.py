@@ -81,6 +81,7 @@ from paralayer.resolve.planner.memory import (
     in_flight,
     peak_memory,
     peak_memory_every,
+    shared_memos,
     state_table,
     table_bytes,
 )
@@ -310,7 +311,7 @@ class _Context(NamedTuple):
     tot: Totals
     fixed: dict
     drop: Any
-    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards, ep > 1) -> act_elems_per_token table
+    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards, ep > 1) -> act_elems_per_token table; shared_memos'
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
     layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
     fits: list  # [layouts that fit so far, of which untimed] (stats["listed"], stats["untimed"])
@@ -357,8 +358,7 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         ch = fp8_at(mb, mm, "full", k) if fp8_at else None
         if slower_than(*fp8_plan.less(ch, work, tot.rc_frac[rk]), ovh_per_m * mm, bubble, bar_step):
             return True
-        fk = fsdp_key(st.lay, zero)
-        pts = every_points(ctx.cfg, st, ctx.mach, tot.gb, k, fk)  # st.per_ax of full/k (rank 0's)
+        pts, fk = every_points(ctx.cfg, st, ctx.mach, tot.gb, k, zero)  # st.per_ax of full/k (rank 0's)
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1, 2))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
         timed = functools.partial(_timed, st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work,
@@ -401,7 +401,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None  # fp8 too: bf16 base
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
-    flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
+    flights, act_memo = shared_memos(ctx.act_cache, lay, ranks)  # (mb, mode) -> in_flight; (+ overlap, ...) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero),
                              fp8_plan.fp8_copies_fn(cfg, lay) if copy_terms else None)
