@@ -45,7 +45,7 @@ def rank_facts(cfg: Config, lay: Layout, r: int) -> tuple:
         return hit[2]
     dense, expert, n_layers = rank_params(cfg, lay, r)
     layers = rank_layers(cfg, lay, r)
-    facts = (dense, expert, n_layers, layers, sum(1 for i in layers if is_moe_layer(cfg, i)))
+    facts = (dense, expert, n_layers, layers, moe_count(cfg, layers))
     cache[key] = (lay.stage_layers, cfg, facts)
     return facts
 
@@ -63,7 +63,7 @@ def rank_layer_facts(cfg: Config, lay: Layout, r: int) -> tuple:
     if hit is not None and hit[0] is lay.stage_layers and hit[1] is cfg:
         return hit[2]
     layers = rank_layers(cfg, lay, r)  # rank_params' count: the chunks' layers and the MTP blocks
-    facts = (len(layers), layers, sum(1 for i in layers if is_moe_layer(cfg, i)))
+    facts = (len(layers), layers, moe_count(cfg, layers))
     cache[key] = (lay.stage_layers, cfg, facts)
     return facts
 
@@ -77,7 +77,7 @@ def recompute_facts(cfg: Config, lay: Layout, layers: list) -> tuple[int, int]:
     facts = cache.get(key)
     if facts is None:
         full = [i for i in layers if layer_recompute(lay, i) == "full"]
-        facts = cache[key] = (len(full), sum(1 for i in full if is_moe_layer(cfg, i)))
+        facts = cache[key] = (len(full), moe_count(cfg, full))
     return facts
 
 
@@ -103,6 +103,17 @@ def split_reruns(cfg: Config, lay: Layout, layers: list) -> dict:
                 out[i] = extra
     cache[key] = (lay.stage_layers, cfg, out)
     return out
+
+
+def moe_count(cfg: Config, layers: list) -> int:
+    """How many of ``layers`` are MoE blocks: ``is_moe_layer`` of every block index, tabled once per
+    config (its rule reads the config's model alone; the table lives in :func:`config_cache`)."""
+    cache = config_cache(cfg)
+    flags = cache.get("moe_flags")
+    if flags is None:  # the blocks: the layers, then the MTP blocks (model_parts.mtp_layers)
+        flags = cache["moe_flags"] = [int(is_moe_layer(cfg, i))
+                                      for i in range(cfg.model.n_layers + cfg.model.mtp.depth)]
+    return sum(map(flags.__getitem__, layers))
 
 
 def config_cache(cfg: Config) -> dict:

@@ -7,6 +7,7 @@ the node over NVLink); both read only the layout's mesh and the model's routing 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import comb
 
 from paralayer.config import Config
@@ -21,13 +22,20 @@ def ep_node_split(lay: Layout, payload: float) -> dict:
     on this rank's node (consecutive ranks of the flattened dp·cp grid, tp innermost: the mesh order)
     get their share over NVLink (``intra_node``), the rest crosses the network (``inter_node``).
     The three add up to ``bytes_per_step``; the wire time counts intra and inter apart."""
-    ep, dpn = lay.ep, max(lay.devices_per_node, 1)
-    ep_cp = min(ep, lay.cp) if ep % max(min(ep, lay.cp), 1) == 0 else lay.cp
-    ep_dp = max(ep // max(ep_cp, 1), 1)
-    group = [i_cp * lay.tp + i_dp * lay.tp * lay.cp for i_dp in range(ep_dp) for i_cp in range(ep_cp)]
-    on_node = sum(1 for r in group if r // dpn == 0)  # the group through rank 0, rank 0 among them
+    ep = lay.ep
+    on_node = _ranks_on_node(ep, lay.cp, lay.tp, max(lay.devices_per_node, 1))
     return {"local_bytes_per_step": int(payload / ep), "intra_node_bytes_per_step": int(payload * (on_node - 1) / ep),
             "inter_node_bytes_per_step": int(payload * (ep - on_node) / ep), "ep_ranks_per_node": on_node}
+
+
+@lru_cache(maxsize=4096)
+def _ranks_on_node(ep: int, cp: int, tp: int, dpn: int) -> int:
+    """The ranks of the ep group through rank 0 on its node, rank 0 among them (:func:`ep_node_split`;
+    a function of these four numbers alone, so cached: the planner asks ~10⁴ times per plan)."""
+    ep_cp = min(ep, cp) if ep % max(min(ep, cp), 1) == 0 else cp
+    ep_dp = max(ep // max(ep_cp, 1), 1)
+    group = [i_cp * tp + i_dp * tp * cp for i_dp in range(ep_dp) for i_cp in range(ep_cp)]
+    return sum(1 for r in group if r // dpn == 0)
 
 
 def group_routing_bound(cfg: Config, lay: Layout, tokens: float, ab: float, count: float) -> dict:

@@ -368,7 +368,8 @@ def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: lis
         v = held + (t[mo.chunk] if mo.chunk < len(t) else 0.0)
         if v > peak:
             peak, at = v, j
-        kept = max(kept, held)
+        if held > kept:
+            kept = held
     return peak, kept, at
 
 

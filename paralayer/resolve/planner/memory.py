@@ -99,11 +99,19 @@ def _candidate_ranks(cfg: Config, lay: Layout) -> list[RankInfo]:
             counts = tuple(_chunk_counts(ch) for ch in per_chunk)
             split, il = (per_chunk, ()) if schedule in V_SCHEDULES else ((), per_chunk)
         held = tuple((i, layer_kind(cfg, i)) for i in layers)
+        held, split, il = (_interned(cfg, x) for x in (held, split, il))
         ranks.append(RankInfo(r, dense, expert, len(layers) - n_moe, n_moe, (lay.chunks - 1) in chunks, held,
                               _tables(cfg, lay, r), split, counts, 0.0,
                               muon_states.muon_split(cfg, lay, r),
                               tuple(sum(1 for _, k in held if k == kind) for kind in range(len(KINDS))), il))
     return ranks
+
+
+def _interned(cfg: Config, blocks: tuple) -> tuple:
+    """One tuple object per value of a rank's (index, kind) blocks, kept on the config: shapes that
+    differ only in what moves no layer (ep, the split's other ranks) then share the identity that
+    :func:`_shared_layer_sums` keys its sums by."""
+    return cfg.__dict__.setdefault("_rank_blocks", Memo()).setdefault(blocks, blocks)
 
 
 def _tables(cfg: Config, lay: Layout, r: int) -> tuple:
@@ -129,6 +137,22 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
             acts[(overlap, fsdp)] = act_cache[akey]
     lay.tp_overlap, lay.zero = False, zero0
     return acts
+
+
+def shared_memos(store: dict, lay: Layout, ranks: list[RankInfo]) -> tuple[dict, dict]:
+    """A structure's (in_flight by (micro-batch, mode), each rank's activations by (micro-batch, mode,
+    overlap, FSDP, recompute or k)), shared with the structures whose activations are the same: the
+    key holds all that in_flight, the act tables and the peaks read of the layout (ep only as ep > 1:
+    act_tables') and of each candidate rank (its blocks, chunks, tables, and the V ranks in_flight
+    weighs as one group), so structures that differ in ep alone weigh them once. Kept in ``store``
+    (the plan's act_cache) under ("activations", key)."""
+    groups: dict = {}
+    sig = tuple((rk.rank, rk.last, rk.layers, rk.split_chunks, rk.il_chunks, rk.chunk_counts, rk.tables, rk.kinds,
+                 groups.setdefault((rk.dense, rk.expert, rk.last, rk.chunk_counts, rk.tables), rk.rank))
+                for rk in ranks)
+    key = ("activations", lay.tp, lay.cp, lay.dp, lay.pp, lay.vpp, lay.schedule, lay.sequence_parallel, lay.ep > 1,
+           lay.padded_vocab, lay.precision, lay.device, tuple(map(tuple, lay.stage_layers)), sig)
+    return store.setdefault(key, ({}, {}))
 
 
 def table_bytes(cfg: Config, positions: float, mode: str) -> tuple[float, float]:

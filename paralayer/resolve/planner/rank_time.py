@@ -13,9 +13,18 @@ from typing import Callable
 
 from paralayer.config import Config
 from paralayer.resolve.cost.machine import Machine
+from paralayer.resolve.cost.rank_groups import timing_ranks
 from paralayer.resolve.cost.step_time import fb_overlap_facts, rank_inner
 from paralayer.resolve.planner.bounds import SLACK
-from paralayer.resolve.planner.comm import RANK_AXES, at_m
+from paralayer.resolve.planner.comm import (
+    RANK_AXES,
+    at_m,
+    comm_points,
+    fsdp_key,
+    rank_line_table,
+    set_axes,
+    with_ranks,
+)
 from paralayer.resolve.planner.types import Structure
 from paralayer.resolve.rules import overlap_refusal
 
@@ -82,4 +91,37 @@ def timed_on_ranks(cfg: Config, st: Structure, mach: Machine, lines, at: tuple, 
     return timed(inner_of=inner_of(cfg, st, mach, lines.rank_lines(recompute, fk), mm, recompute, 1, zero, tp_of))
 
 
-__all__ = ["inner_of", "pp_overlap_on", "timed_on_ranks"]
+def every_points(cfg: Config, st: Structure, mach: Machine, gb: int, k: int, zero: int) -> tuple[list, bool]:
+    """(comm_points of recompute=full on every k-th layer, rank 0's alone; the FSDP key of ``zero``),
+    once per structure, k and FSDP key (``st.per_ax`` set from them): :func:`every_on_ranks` adds the
+    other ranks where needed."""
+    fk = fsdp_key(st.lay, zero)
+    key = ("every_pts", k, fk)
+    if key not in st.inner_memo:
+        st.inner_memo[key] = comm_points(cfg, st, mach, gb, "full", 2 if fk else 0, k, ranks=False)
+        set_axes(st, (f"full/{k}", fk), st.inner_memo[key])
+    return st.inner_memo[key], fk
+
+
+def every_on_ranks(cfg: Config, st: Structure, mach: Machine, pts: list, at: tuple, tp_of: Callable | None,
+                   timed: Callable, bar: float):
+    """:func:`timed_on_ranks` for recompute=full on every k-th layer (search._partial_full), from
+    :func:`every_points`' ``pts``: every other timed rank's ``cost.comm`` only where rank 0's step does
+    not exceed ``bar``. Where it does, the Candidate returned is timed on rank 0's traffic alone: a
+    lower bound of its step and over ``bar``, so it is never listed nor enters the best ``top`` (the
+    bar only falls), and it is counted as the exhaustive one was (stats["listed"]).
+    ``timed``: search._timed less its ``inner_of``; ``at``: (microbatches, k, zero, FSDP key)."""
+    mm, k, zero, fk = at
+    rk = f"full/{k}"
+    if (rk, fk) not in st.rank_lines:
+        reps = timing_ranks(cfg, st.lay, *st.work_head, prune=True)  # rank 0's entry: the same under any k
+        if bar < math.inf and reps[0][0] == 0:
+            c = timed(inner_of=inner_of(cfg, st, mach, ((reps[0],), rank_line_table(pts, reps[:1])), mm, "full",
+                                        k, zero, tp_of))
+            if c.step * SLACK > bar:
+                return c
+        set_axes(st, (rk, fk), with_ranks(cfg, st, mach, pts))
+    return timed(inner_of=inner_of(cfg, st, mach, st.rank_lines[(rk, fk)], mm, "full", k, zero, tp_of))
+
+
+__all__ = ["every_on_ranks", "every_points", "inner_of", "pp_overlap_on", "timed_on_ranks"]

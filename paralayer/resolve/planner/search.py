@@ -71,7 +71,7 @@ from paralayer.resolve.memory import ACT_BYTES, BYTES_PER_PARAM
 from paralayer.resolve.planner import precision as fp8_plan
 from paralayer.resolve.planner import v_balance
 from paralayer.resolve.planner.bounds import refined_bound, slower_than, structure_bound, structure_work
-from paralayer.resolve.planner.comm import comm_points, fsdp_key, recompute_key, set_axes, tp_timer
+from paralayer.resolve.planner.comm import fsdp_key, recompute_key, tp_timer
 from paralayer.resolve.planner.gc_pause import gc_paused
 from paralayer.resolve.planner.lazy_lines import LazyLines
 from paralayer.resolve.planner.memory import (
@@ -81,10 +81,11 @@ from paralayer.resolve.planner.memory import (
     in_flight,
     peak_memory,
     peak_memory_every,
+    shared_memos,
     state_table,
     table_bytes,
 )
-from paralayer.resolve.planner.rank_time import inner_of, timed_on_ranks
+from paralayer.resolve.planner.rank_time import every_on_ranks, every_points, timed_on_ranks
 from paralayer.resolve.planner.rows import config_for, materialise, override_prefix
 from paralayer.resolve.planner.types import Candidate, Structure, Totals
 from paralayer.resolve.planner.types import MemPick as MemPick  # noqa: F401 - a planner name too
@@ -310,7 +311,7 @@ class _Context(NamedTuple):
     tot: Totals
     fixed: dict
     drop: Any
-    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards, ep > 1) -> act_elems_per_token table
+    act_cache: dict  # (tp, sp, cp > 1, overlap, FSDP shards, ep > 1) -> act_elems_per_token table; shared_memos'
     weighed: list  # [layouts whose memory was weighed so far] (the work bound)
     layer_sums: dict  # peak_memory_every's per-rank layer sums, shared by the plan's structures
     fits: list  # [layouts that fit so far, of which untimed] (stats["listed"], stats["untimed"])
@@ -357,15 +358,13 @@ def _partial_full(ctx: _Context, st: Structure, key: int, ranks: list[RankInfo],
         ch = fp8_at(mb, mm, "full", k) if fp8_at else None
         if slower_than(*fp8_plan.less(ch, work, tot.rc_frac[rk]), ovh_per_m * mm, bubble, bar_step):
             return True
-        fk = fsdp_key(st.lay, zero)
-        if (False, rk, fk) not in st.per_ax:
-            set_axes(st, (rk, fk), comm_points(ctx.cfg, st, ctx.mach, tot.gb, "full", 2 if fk else 0, k))
+        pts, fk = every_points(ctx.cfg, st, ctx.mach, tot.gb, k, zero)  # st.per_ax of full/k (rank 0's)
         line = tuple(sum(v[i] for v in st.per_ax[(overlap, rk, fk)].values()) for i in (0, 1, 2))
         t_tp = tp_time(mb, "full") if overlap else 0.0  # the resolver times tp_overlap as under full
-        inner = inner_of(ctx.cfg, st, ctx.mach, st.rank_lines[(rk, fk)], mm, "full", k, zero,
-                         (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None)
-        return _timed(st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work, ovh_per_m, overlap,
-                      tot, ctx.mach, k, ch, inner)
+        timed = functools.partial(_timed, st, key, zero, mb, mm, "full", mem, line, t_tp, dp(zero, mm), bubble, work,
+                                  ovh_per_m, overlap, tot, ctx.mach, k, ch)
+        return every_on_ranks(ctx.cfg, st, ctx.mach, pts, (mm, k, zero, fk),
+                              (lambda kinds: tp_time(mb, "full", kinds)) if overlap else None, timed, bar_step)
     return None
 
 
@@ -402,7 +401,7 @@ def _plan_structure(ctx: _Context, key: int, st: Structure, recs: list, bar: flo
     tp_time = tp_timer(cfg, mach, tot, st, (ranks[0].n_dense, ranks[0].n_moe)) if True in overlaps else None
     copy_terms = mem_mod.autocast_copy_terms(cfg, lay) if lay.precision == "bf16" else None  # fp8 too: bf16 base
     every_sums: dict = {}  # (overlap, zero) -> peak_memory_every's per-layer sums by k
-    flights, act_memo = {}, {}  # (mb, precision mode) -> in_flight; (+ overlap, FSDP, recompute or k) -> acts
+    flights, act_memo = shared_memos(ctx.act_cache, lay, ranks)  # (mb, mode) -> in_flight; (+ overlap, ...) -> acts
     for zero in _allowed(ctx.fixed, "zero", [0, 1, 2] if cfg.model.mtp.depth else [0, 1, 2, 3]):  # MTP: no ZeRO-3
         states = state_table(ranks, lay, zero, tot, copy_terms, fp8_plan.copy_saving_fn(cfg, lay, zero),
                              fp8_plan.fp8_copies_fn(cfg, lay) if copy_terms else None)
