@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from paralayer.checkpoint.dcp import list_checkpoints, verify_checkpoint
-from tests.dist import write_tokens
+from tests.dist import warm, write_tokens
 
 STEPS, EVERY, TRIALS = 50, 2, 20
 SEQ = 16
@@ -95,6 +95,7 @@ def _rank(overrides: list[str], run_dir: str, kill_at: int, log: str, rank: int,
 def _fork(overrides, run_dir, kill_at, log, world: int = 1, killer: int = 0) -> int:
     """``world`` forked ranks; rank ``killer`` dies at its ``kill_at``-th save operation and the
     others are SIGKILLed at once (as a node failure or scancel would). Returns the killer's exit code."""
+    warm()  # the runtime imported here once: each trial's ranks fork with it (~1 CPU-s a rank otherwise)
     ctx = mp.get_context("fork")
     store = os.path.join(run_dir, f"store-{os.getpid()}-{random.getrandbits(32)}")
     procs = [ctx.Process(target=_rank, args=(overrides, run_dir, kill_at if r == killer else 0, log, r, world, store))

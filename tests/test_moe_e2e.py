@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist import TINY_SMALL, cfg_and_plan, max_rel_err, paired, run_ranks, train_records
 
-# Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective.
+# Tiny MoE: 2 layers, both MoE, 4 experts top-2, dropless, no aux loss in the objective; 3 steps
+# (TINY_SMALL's 5 cut: the parity runs compare every step, and two updates already feed back into routing).
 MOE = TINY_SMALL + ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96",
-                    "model.moe.aux_loss_coef=0", "model.moe.capacity_factor=null", "train.precision=fp32"]
+                    "model.moe.aux_loss_coef=0", "model.moe.capacity_factor=null", "train.precision=fp32",
+                    "train.steps=3"]
 
 
 def _cfg_plan(overrides):
@@ -24,9 +28,32 @@ def _train(rank, world, overrides):
     return train_records(MOE + list(overrides))
 
 
+def _jobs_worker(rank, world, jobs):
+    """Every (function, args) of ``jobs`` in turn in this world: what each returns."""
+    return [fn(rank, world, *args) for fn, args in jobs]
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_train, 1, ["parallel.dp=1"])[0]
+def runs(tmp_path_factory):
+    """``runs(name)``: every rank's result of one job of :func:`_jobs`. The jobs of one world size run in
+    turn in ONE forked world (3 worlds for the file, not one per case), each world the first time a
+    test asks for one of its jobs; every patch a job sets in its rank is undone when it returns."""
+    jobs, cache = _jobs(str(tmp_path_factory.mktemp("moe_e2e"))), {}
+
+    def get(name):
+        if name not in cache:
+            world = jobs[name][0]
+            group = [k for k, j in jobs.items() if j[0] == world]
+            out = run_ranks(_jobs_worker, world, [jobs[k][1:] for k in group], timeout_s=900)
+            cache.update({k: [r[i] for r in out] for i, k in enumerate(group)})
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs("reference")[0]
 
 
 _rel_err = max_rel_err  # fails on empty or mismatched records
@@ -44,14 +71,14 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's jobs
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_parallel_parity(reference, name):
-    world, overrides = LAYOUTS[name]
-    recs = run_ranks(_train, world, overrides)
+def test_expert_parallel_parity(runs, reference, name):
+    recs = runs(f"parity {name}")
     ref = reference
     losses = [r["loss"] for r in recs[0]]
     ref_losses = [r["loss"] for r in ref]
-    assert len(losses) == 5
+    assert len(losses) == 3
     err = _rel_err(losses, ref_losses)
     print(f"{name}: max relative loss error {err:.2e}")
     assert err <= 1e-5, (name, losses, ref_losses)
@@ -64,7 +91,7 @@ def test_expert_parallel_parity(reference, name):
     # grad norms agree too (expert grads reduced over expert-dp, norms summed over ep)
     gerr = _rel_err([r["grad_norm"] for r in recs[0]], [r["grad_norm"] for r in ref])
     # 3e-5, not 1e-5: at init std 0.2 the routing's summation order shows in the norm by step 5
-    # (measured 1.6e-5 under ep2_tp2, 1.1e-5 under ep2_cp2, the rest below 1e-5)
+    # (measured 1.6e-5 under ep2_tp2, 1.1e-5 under ep2_cp2, the rest below 1e-5, when the runs had 5 steps)
     assert gerr <= 3e-5, (name, gerr)
 
 
@@ -120,10 +147,11 @@ SAVED = {
 }
 
 
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's jobs
 @pytest.mark.parametrize("name", list(SAVED))
-def test_moe_saved_activations_match_plan(name):
-    world, overrides = SAVED[name]
-    out = run_ranks(_saved_bytes, world, ["train.micro_batch=2"] + overrides)
+def test_moe_saved_activations_match_plan(runs, name):
+    world = SAVED[name][0]
+    out = runs(f"saved {name}")
     measured = sum(m for m, _ in out) / world  # ep ranks receive unequal rows: their mean
     predicted = out[0][1]
     err = (predicted - measured) / measured
@@ -148,19 +176,24 @@ def _a2a_traffic(rank, world, overrides):
         return orig(output, input, *args, **kwargs)
 
     dist.all_to_all_single = counting
-    try:
+    try:  # undone after: the next job of this world counts nothing
         train(cfg, plan)
     finally:
         dist.all_to_all_single = orig
     return len(sent), sum(sent), plan["comm"]["ep"]
 
 
-@pytest.mark.parametrize("capacity", [None, 0.5])
-def test_all_to_all_traffic_matches_plan(capacity):
+def _a2a_overrides(capacity):
     ov = ["parallel.dp=2", "parallel.ep=2", "train.steps=1"]
     if capacity is not None:
         ov.append(f"model.moe.capacity_factor={capacity}")
-    out = run_ranks(_a2a_traffic, 2, ov)
+    return ov
+
+
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's jobs
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_all_to_all_traffic_matches_plan(runs, capacity):
+    out = runs(f"a2a {capacity}")
     ep = out[0][2]
     assert ep["collective"] == "all-to-all" and ep["group_size"] == 2
     # 2 MoE layers × 2 microbatches × (dispatch + combine) × (forward + backward)
@@ -194,18 +227,27 @@ def _forced_train(rank, world, overrides, run_dir):
         weights, experts = probs.topk(self.top_k, dim=-1)
         return experts, weights / weights.sum(dim=-1, keepdim=True), probs
 
+    real = MoEFeedForward.route
     MoEFeedForward.route = forced_route
-    cfg, plan = _cfg_plan(overrides)
-    return train(cfg, plan, run_dir if rank == 0 else None)
+    try:  # undone after: the other jobs of this world route for real
+        cfg, plan = _cfg_plan(overrides)
+        return train(cfg, plan, run_dir if rank == 0 else None)
+    finally:
+        MoEFeedForward.route = real
 
 
-@pytest.mark.parametrize("capacity", [None, 1.0, 0.5])
-def test_forced_router_imbalance_and_exact_drops(tmp_path, capacity):
+def _forced_overrides(capacity):
     ov = ["parallel.dp=2", "parallel.ep=2", "train.steps=2", "model.moe.top_k=1"]
     if capacity is not None:
         ov.append(f"model.moe.capacity_factor={capacity}")
-    recs = run_ranks(_forced_train, 2, ov, str(tmp_path))[0]
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return ov
+
+
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's jobs
+@pytest.mark.parametrize("capacity", [None, 1.0, 0.5])
+def test_forced_router_imbalance_and_exact_drops(runs, capacity):
+    recs, run_dir = runs(f"forced {capacity}")[0]
+    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == len(lines) == 2
     layers, gb, seq, mb, E = 2, 8, 64, 2, 4
     slots = gb * seq * 1 * layers               # every token-slot of the step, all MoE layers
@@ -294,16 +336,19 @@ def _train_bias(rank, world, overrides):
         captured["bias"] = [ff.expert_bias.tolist() for ff in M.moe_layers(chunks)]
 
     M.update_bias = spy
-    recs = train(cfg, plan)
+    try:
+        recs = train(cfg, plan)
+    finally:
+        M.update_bias = orig
     return [r["loss"] for r in recs], captured["bias"], [r["grad_norm"] for r in recs]
 
 
-def test_sigmoid_router_bias_balancing_parity():
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's jobs
+def test_sigmoid_router_bias_balancing_parity(runs):
     """router=sigmoid: the selection bias moves every step (aux-loss-free balancing) from the global
     load, so ep=2 × dp=2 follows the one-rank run step for step."""
-    ov = ["model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
-    ref_losses, ref_bias, ref_norms = run_ranks(_train_bias, 1, ov + ["parallel.dp=1"])[0]
-    out = run_ranks(_train_bias, 2, ov + ["parallel.dp=2", "parallel.ep=2"])
+    ref_losses, ref_bias, ref_norms = runs("sigmoid one rank")[0]
+    out = runs("sigmoid ep2")
     assert any(abs(b) > 0 for layer in ref_bias for b in layer)
     for losses, bias, norms in out:
         assert bias == ref_bias
@@ -312,3 +357,24 @@ def test_sigmoid_router_bias_balancing_parity():
         gerr = _rel_err(norms, ref_norms)
         print(f"sigmoid ep2: max relative loss error {err:.2e}, grad norm {gerr:.2e}")
         assert err <= 1e-5 and gerr <= 3e-5, (err, gerr)
+
+
+SIGMOID = ["model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
+
+
+def _forced_job(rank, world, overrides, run_dir):
+    return _forced_train(rank, world, overrides, run_dir), run_dir
+
+
+def _jobs(tmp: str) -> dict:
+    """{name: (world, function, args)}: every multi-rank run of this file."""
+    jobs = {"reference": (1, _train, (["parallel.dp=1"],))}
+    jobs.update({f"parity {k}": (w, _train, (ov,)) for k, (w, ov) in LAYOUTS.items()})
+    jobs.update({f"saved {k}": (w, _saved_bytes, (["train.micro_batch=2"] + ov,)) for k, (w, ov) in SAVED.items()})
+    jobs.update({f"a2a {c}": (2, _a2a_traffic, (_a2a_overrides(c),)) for c in (None, 0.5)})
+    for c in (None, 1.0, 0.5):  # each its own run folder: rank 0 writes metrics.jsonl there
+        os.makedirs(os.path.join(tmp, f"forced-{c}"))
+        jobs[f"forced {c}"] = (2, _forced_job, (_forced_overrides(c), os.path.join(tmp, f"forced-{c}")))
+    jobs["sigmoid one rank"] = (1, _train_bias, (SIGMOID + ["parallel.dp=1"],))
+    jobs["sigmoid ep2"] = (2, _train_bias, (SIGMOID + ["parallel.dp=2", "parallel.ep=2"],))
+    return jobs

@@ -33,6 +33,9 @@ from tests.families import VOCAB
 from tests.qwen3_next_ref import SEQ
 
 LOGITS_TOL, GRAD_TOL, BATCH = 1e-5, 1e-4, 4
+# one thread in the test process (transformers' reference and the one-rank oracle run here; its ranks
+# take one each): two OpenMP threads of each xdist worker on a loaded 2-core machine spin for nothing
+torch.set_num_threads(1)
 
 
 def _rel(got, want) -> float:
@@ -160,17 +163,9 @@ def tokens(tmp_path_factory):
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "t.jsonl"), 2 * BATCH, SEQ, VOCAB)
 
 
-@pytest.fixture(scope="module")
-def layout_results(saved, tokens):
-    """{layout: [(loss, grads) per rank]}: every layout in turn in one forked 2-rank world."""
-    from tests.test_hf_moe import run_layouts
-
-    return run_layouts({k: _overrides(saved[0], tokens, LAYOUTS[k]) for k in LAYOUTS}, timeout_s=600)
-
-
 def _planted_cp_worker(rank, world, runs):
-    """tests/test_families.py's _grads_worker for each (plant, overrides) of ``runs``, the plant set
-    in this forked rank for its run only."""
+    """tests/test_families.py's _grads_worker for each (plant, overrides) of ``runs``, the plant (if
+    any: "" is none) set in this forked rank for its run only."""
     from paralayer.parallel.context import linear_state
     from tests.test_families import _grads_worker as grads
     from tests.test_linear_cp import _no_state, _no_tail
@@ -179,7 +174,7 @@ def _planted_cp_worker(rank, world, runs):
     for plant, overrides in runs:
         if plant == "tail_not_passed":
             linear_state._Tails.apply = _no_tail
-        else:
+        elif plant == "state_not_passed":
             linear_state.cp_delta_rule = _no_state
         try:
             out += grads(rank, world, [overrides])
@@ -189,13 +184,27 @@ def _planted_cp_worker(rank, world, runs):
 
 
 @pytest.fixture(scope="module")
-def planted_cp_results(saved, tokens):
-    """{plant: [(loss, grads) per rank]} under cp2."""
+def two_rank_results(saved, tokens):
+    """{layout or plant: [(loss, grads) per rank]}: every layout, then each planted cp2, in turn in
+    ONE forked 2-rank world."""
     from tests.dist import run_ranks
 
-    runs = [(p, _overrides(saved[0], tokens, LAYOUTS["cp2"])) for p in CP_PLANTS]
-    res = run_ranks(_planted_cp_worker, 2, runs, timeout_s=300)
-    return {p: [r[i] for r in res] for i, p in enumerate(CP_PLANTS)}
+    runs = {k: ("", _overrides(saved[0], tokens, LAYOUTS[k])) for k in LAYOUTS}
+    runs.update({p: (p, _overrides(saved[0], tokens, LAYOUTS["cp2"])) for p in CP_PLANTS})
+    res = run_ranks(_planted_cp_worker, 2, list(runs.values()), timeout_s=600)
+    return {k: [r[i] for r in res] for i, k in enumerate(runs)}
+
+
+@pytest.fixture(scope="module")
+def layout_results(two_rank_results):
+    """{layout: [(loss, grads) per rank]}."""
+    return {k: two_rank_results[k] for k in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def planted_cp_results(two_rank_results):
+    """{plant: [(loss, grads) per rank]} under cp2."""
+    return {p: two_rank_results[p] for p in CP_PLANTS}
 
 
 def _check_layout(saved, tokens, results, layout) -> tuple[float, float]:
@@ -212,6 +221,7 @@ def _check_layout(saved, tokens, results, layout) -> tuple[float, float]:
     return loss_err, max(errs.values())
 
 
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's runs
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_transformers(saved, tokens, layout_results, layout, request):
     loss_err, grad_err = _check_layout(saved, tokens, layout_results[layout], layout)
@@ -228,18 +238,38 @@ CP_COMBINED = {"cp2_tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_
                "cp2_pp2": ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=1f1b"]}
 
 
+ROUND_TRIP = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=1f1b"]
+
+
+def _four_rank_worker(rank, world, runs, round_trip, out):
+    """The CP_COMBINED runs (tests/test_hf_moe.py's _layouts_worker), then the round trip's 2 steps
+    and export under ep2·pp2 (its _round_trip_worker), in one 4-rank world."""
+    from tests.test_hf_moe import _layouts_worker, _round_trip_worker
+
+    res = _layouts_worker(rank, world, runs)
+    _round_trip_worker(rank, world, round_trip, out)
+    return res
+
+
 @pytest.fixture(scope="module")
-def cp_combined_results(saved, tokens):
-    """{layout: [(loss, grads) per rank]} of CP_COMBINED: each tp rank passes its own heads' states;
-    full recompute reruns the state pass; pp2 passes them within each stage."""
+def four_rank_results(saved, tokens, tmp_path_factory):
+    """({layout: [(loss, grads) per rank]} of CP_COMBINED, the round trip's export folder): each tp
+    rank passes its own heads' states; full recompute reruns the state pass; pp2 passes them within
+    each stage."""
     from tests.dist import run_ranks
-    from tests.test_hf_moe import _layouts_worker
 
-    res = run_ranks(_layouts_worker, 4, [_overrides(saved[0], tokens, v) for v in CP_COMBINED.values()],
-                    timeout_s=600)
-    return {k: [r[i] for r in res] for i, k in enumerate(CP_COMBINED)}
+    out = str(tmp_path_factory.mktemp("qwen3_next_round_trip") / "export")
+    res = run_ranks(_four_rank_worker, 4, [_overrides(saved[0], tokens, v) for v in CP_COMBINED.values()],
+                    _overrides(saved[0], tokens, ROUND_TRIP), out, timeout_s=600)
+    return {k: [r[i] for r in res] for i, k in enumerate(CP_COMBINED)}, out
 
 
+@pytest.fixture(scope="module")
+def cp_combined_results(four_rank_results):
+    return four_rank_results[0]
+
+
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's runs
 @pytest.mark.parametrize("layout", list(CP_COMBINED))
 def test_cp2_combined_matches_transformers(saved, tokens, cp_combined_results, layout):
     loss_err, grad_err = _check_layout(saved, tokens, cp_combined_results[layout], layout)
@@ -258,19 +288,15 @@ def test_unbuilt_layouts_refused_by_name(layout, words, capsys):
     assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (rc, err)
 
 
-def test_round_trip_under_ep2_pp2(saved, tokens, tmp_path):
+@pytest.mark.timeout(900)  # the first test of a world runs all of that world's runs
+def test_round_trip_under_ep2_pp2(saved, four_rank_results):
     """Import → 2 steps under ep2·pp2 → export: transformers loads Qwen3NextForCausalLM from it and
     its logits equal ours (re-imported) within 1e-5, as at import (the linear layers at this init turn
     fp32 rounding into ~5e-6: transformers against itself with its weights moved by 1e-7 relative
     parts by 1e-5 in logits), and its loss equals ours within 1e-5; the weights moved."""
     import transformers
 
-    from tests.dist import run_ranks
-    from tests.test_hf_moe import _round_trip_worker
-
-    out = str(tmp_path / "export")
-    run_ranks(_round_trip_worker, 4, _overrides(saved[0], tokens, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                                                                    "parallel.schedule=1f1b"]), out, timeout_s=600)
+    out = four_rank_results[1]  # trained and exported in the CP_COMBINED world
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").float().eval()
     assert type(back).__name__ == "Qwen3NextForCausalLM"
     src = json.load(open(os.path.join(saved[0], "config.json")))

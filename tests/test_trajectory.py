@@ -4,8 +4,11 @@ Every parity test compares one layout with another run of the same commit, so a 
 every layout the same way (the init, the loss reduction, the data order, the optimizer) passes them
 all. tests/assets/trajectory_tiny.json holds the one-rank run's per-step loss and grad norm over 20
 steps at init std 0.2 (the tiny recipe with seq 32 and a global batch of 8 to keep it cheap; lr 3e-4,
-where 20 steps of Adam do not amplify fp32 rounding). Three layouts must reproduce it: one rank,
-tp2·dp2, and pp2 under the zbv (V) schedule with ZeRO-3 on dp 2.
+where 20 steps of Adam do not amplify fp32 rounding). Three layouts must reproduce it: one rank
+(all 20 steps), tp2·dp2, and pp2 under the zbv (V) schedule with ZeRO-3 on dp 2 (their first
+``LAYOUT_STEPS`` = 10 steps: train.stop_at_step, so the learning-rate schedule is still that of 20
+steps; a 4-rank step costs ~4 one-rank steps of CPU). The runs of one world size train in turn in
+ONE forked world.
 
 Tolerances (relative, each step): loss 1e-6; grad norm 2e-6 (tp's sharded sums of squares leave
 ~1e-6 of rounding in the norm: measured at most 1.2e-6 for tp2·dp2 over 20 steps). The one-rank
@@ -26,6 +29,7 @@ from tests.dist import cfg_and_plan, run_ranks
 
 ASSET = Path(__file__).resolve().parent / "assets" / "trajectory_tiny.json"
 LOSS_TOL, NORM_TOL = 1e-6, 2e-6
+LAYOUT_STEPS = 10
 BASE = ["recipe=tiny", "model.init_std=0.2", "model.seq_len=32", "train.steps=20", "train.global_batch=8",
         "train.micro_batch=2", "train.lr=3e-4", "train.threads=1", "logging.wandb.mode=disabled",
         "logging.progress=false", "checkpoint.every=0"]
@@ -39,27 +43,66 @@ LAYOUTS = {
 import paralayer.runtime.train  # noqa: E402,F401  (imported once, before the ranks fork)
 
 
-def _train(rank: int, world: int, overrides: list, planted: bool) -> list:
+def _train(overrides: list, planted: bool) -> list:
     import paralayer.runtime.build as build
     from paralayer.runtime.train import train
 
+    real = build.lm_loss
     if planted:  # the planted bug: an off-by-one in the mean's denominator (sum / (n + 1))
-        real = build.lm_loss
-
         def off_by_one(logits, labels, vocab_size=None):
             n = (labels != -100).sum()
             return real(logits, labels, vocab_size) * n / (n + 1)
 
         build.lm_loss = off_by_one
-    cfg, plan = cfg_and_plan(overrides)
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
+    try:
+        cfg, plan = cfg_and_plan(overrides)
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in train(cfg, plan)]
+    finally:  # the next run of this world trains with the real loss
+        build.lm_loss = real
+
+
+def _train_list(rank: int, world: int, jobs: list) -> list:
+    """Every (overrides, planted) of ``jobs`` in turn in this world."""
+    return [_train(overrides, planted) for overrides, planted in jobs]
+
+
+def _overrides(name: str, extra: tuple = ()) -> list:
+    return BASE + LAYOUTS[name] + list(extra)
+
+
+def _world(overrides: list) -> int:
+    return int(cfg_and_plan(overrides)[1]["world_size"])
 
 
 def run_layout(name: str, planted: bool = False, extra: tuple = ()) -> list:
     """[(step, loss, grad_norm)] of rank 0 of one layout."""
-    ov = BASE + LAYOUTS[name] + list(extra)
-    _, plan = cfg_and_plan(ov)
-    return run_ranks(_train, int(plan["world_size"]), ov, planted, timeout_s=300, pg_timeout_s=60)[0]
+    ov = _overrides(name, extra)
+    return run_ranks(_train_list, _world(ov), [(ov, planted)], timeout_s=300, pg_timeout_s=60)[0][0]
+
+
+#: every run of the tests: (layout, planted, extra overrides)
+RUNS = {"one rank": ("one rank", False, ()),
+        **{name: (name, False, (f"train.stop_at_step={LAYOUT_STEPS}",)) for name in LAYOUTS if name != "one rank"},
+        "planted": ("one rank", True, ("train.stop_at_step=3",))}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``runs(key)``: rank 0's records of RUNS[key]; the runs of one world size in turn in ONE forked
+    world (one rank: the stored layout and the plant; 4 ranks: the other two layouts), each world
+    the first time a test asks for one of its runs."""
+    cache: dict = {}
+
+    def get(key: str) -> list:
+        if key not in cache:
+            jobs = {k: (_overrides(n, extra), planted) for k, (n, planted, extra) in RUNS.items()}
+            world = _world(jobs[key][0])
+            group = [k for k in jobs if _world(jobs[k][0]) == world]
+            out = run_ranks(_train_list, world, [jobs[k] for k in group], timeout_s=600, pg_timeout_s=60)[0]
+            cache.update(zip(group, out))
+        return cache[key]
+
+    return get
 
 
 def mismatches(got: list, stored: dict) -> list[str]:
@@ -86,17 +129,17 @@ def stored() -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_reproduces_the_stored_trajectory(name, stored):
-    got = run_layout(name)
-    assert len(got) == 20
+def test_layout_reproduces_the_stored_trajectory(name, stored, runs):
+    got = runs(name)
+    assert len(got) == (20 if name == "one rank" else LAYOUT_STEPS)
     bad = mismatches(got, stored)
     assert not bad, f"{name} left the stored trajectory ({ASSET.name}):\n" + "\n".join(bad)
 
 
-@pytest.mark.timeout(300)
-def test_a_planted_change_in_the_loss_reduction_fails(stored):
+@pytest.mark.timeout(600)
+def test_a_planted_change_in_the_loss_reduction_fails(stored, runs):
     """The oracle can fail: sum / (n + 1) instead of the mean leaves the file from step 1."""
-    got = run_layout("one rank", planted=True, extra=("train.stop_at_step=3",))
+    got = runs("planted")
     assert len(got) == 3
     bad = mismatches(got, stored)
     assert len(bad) == 3 and bad[0].startswith("step 1:"), bad
