@@ -150,6 +150,18 @@ def local_slurm_2node():
             subprocess.run(["bash", script, "stop", "--nodes", "2"], capture_output=True, timeout=120, env=env)
 
 
+
+def pytest_configure(config):
+    """An xdist worker computes on one thread: two workers share the 2 cores, and torch's default of
+    one thread per core made each in-process model spin two OpenMP threads against the other
+    worker (test_qwen3_next's one-rank comparison: 13 s of wall under load, 5 s on one thread).
+    Forked ranks inherit it; launched ranks set ``train.threads`` themselves."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 #: Test files that submit to the real SLURM clusters: one xdist worker runs all of them, one after
 #: another, so two files never compete for the clusters' task slots (their deadlines assume that).
 SLURM_FILES = {"test_slurm.py", "test_slurm_e2e.py", "test_multinode.py", "test_recovery_slurm.py"}
