@@ -30,6 +30,15 @@ CASES = {
 }
 
 
+#: the measured side of _block_saved, by its arguments: a model's saved storages do not depend on the plan's
+#: functions the planted tests patch (resolve/memory), so a block measured once is judged again, not rebuilt
+_MEASURED: dict = {}
+
+
+class _Past(Exception):
+    """Raised after the last measured layer's forward: the layers after it and the head save nothing counted."""
+
+
 def _block_saved(overrides: list[str], precision: str, mode: str = "none",
                  fake: bool = True, layers: tuple = (0, 1), fsdp: bool = False) -> list[tuple[int, float]]:
     """[(saved bytes, the plan's bytes)] of ``layers`` (by default layer 0, dense, and layer 1,
@@ -37,12 +46,6 @@ def _block_saved(overrides: list[str], precision: str, mode: str = "none",
     apply_recompute); ``fake`` False: on real CPU tensors (small shapes only), the runtime's own
     dtypes and storages. ``fsdp``: bf16 as FSDP's mixed precision runs it (bf16 weights, no
     autocast; the plan's 'bf16-fsdp', ZeRO 2 over two data ranks)."""
-    import contextlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from paralayer.runtime.build import apply_recompute
-
     cfg = config_mod.load_config(overrides + [
         f"model.n_layers={max(2, max(layers) + 1)}", "model.mtp.depth=0", "parallel.pp=1", "parallel.ep=1",
         "parallel.dp=1",
@@ -50,6 +53,23 @@ def _block_saved(overrides: list[str], precision: str, mode: str = "none",
     lay = rules.check(cfg)
     if fsdp:
         lay.zero, lay.dp = 2, 2
+    memo = (tuple(overrides), precision, mode, fake, tuple(layers), fsdp)
+    if memo not in _MEASURED:
+        _MEASURED[memo] = _measure(cfg, lay, mode, fake, layers, fsdp)
+    total = _MEASURED[memo]
+    tokens = cfg.model.seq_len
+    return [(total[i], memory_activations.kind_elems(cfg, lay, memory_activations.layer_kind(cfg, i), mode)
+             * tokens * memory_states.ACT_BYTES[lay.precision]) for i in layers]
+
+
+def _measure(cfg, lay, mode: str, fake: bool, layers: tuple, fsdp: bool) -> dict[int, int]:
+    """{layer: bytes of the storages it saves for backward} over one forward up to the last of ``layers``."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paralayer.runtime.build import apply_recompute
+
     key = lambda t: t.untyped_storage()._cdata  # noqa: E731 - fake storages have no address
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         if fsdp:
@@ -84,15 +104,23 @@ def _block_saved(overrides: list[str], precision: str, mode: str = "none",
                 total[i] += t.untyped_storage().nbytes()
             return t
 
+        def leave(m, a, o):
+            inside[0] = None
+            if m is last:
+                raise _Past
+
+        last = model.layers[str(max(layers))]
         for i in layers:
             model.layers[str(i)].register_forward_pre_hook(enter(i))
-            model.layers[str(i)].register_forward_hook(lambda m, a, o: inside.__setitem__(0, None))
+            model.layers[str(i)].register_forward_hook(leave)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=lay.precision == "bf16" and not fsdp)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            model(torch.zeros((1, cfg.model.seq_len), dtype=torch.long))
-    tokens = cfg.model.seq_len
-    return [(total[i], memory_activations.kind_elems(cfg, lay, memory_activations.layer_kind(cfg, i), mode)
-             * tokens * memory_states.ACT_BYTES[lay.precision]) for i in layers]
+            try:
+                model(torch.zeros((1, cfg.model.seq_len), dtype=torch.long))
+            except _Past:
+                pass
+    assert inside[0] is None and all(i in total for i in layers)
+    return total
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -252,7 +280,7 @@ def test_a_planted_norm_up_term_fails(monkeypatch):
 
     monkeypatch.setattr(norm_up_acts, "norm_up_freed", planted)
     monkeypatch.setattr(memory_activations, "norm_up_freed", planted)
-    got, plan = _block_saved(CASES["deepseek-v3"], "fp32", "norm_up", layers=(0, 1))[0]
+    got, plan = _block_saved(CASES["deepseek-v3"], "fp32", "norm_up", layers=(0,))[0]  # the dense block
     assert got / plan < 0.8, (got, plan)
 
 

@@ -201,7 +201,8 @@ def test_rehearsed_weight_copies_equal_the_plan(extra):
     from paralayer import rehearse as R
     from paralayer.resolve import resolve, rules
 
-    cfg = config_mod.load_config(["recipe=tiny", "train.precision=bf16", "parallel.zero=1", *extra])
+    # 2 layers (tiny's 4 halved): still a layer per pipeline stage, every copy counted per layer
+    cfg = config_mod.load_config(["recipe=tiny", "train.precision=bf16", "parallel.zero=1", "model.n_layers=2", *extra])
     plan = resolve(cfg).to_dict()
     out = R.rehearse(cfg, plan, R.parse_ranks("all-stages", plan))
     assert out["ok"], out["errors"]

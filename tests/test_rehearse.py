@@ -62,14 +62,17 @@ def test_ranks_spec():
         R.parse_ranks("x", plan)
 
 
-def test_cli_bad_ranks_exit_2_and_json_contract():
+def test_cli_bad_ranks_exit_2_and_json_contract(capsys):
+    """The front door (launch.py) refuses a bad --ranks before rehearsing anything; the JSON contract
+    is the CLI's own main, in this process (the same code launch.py calls: one interpreter's imports
+    fewer)."""
+    from paralayer import cli
+
     bad = subprocess.run([sys.executable, "launch.py", *BASE, "--rehearse", "--ranks", "999"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--ranks" in bad.stderr and "Traceback" not in bad.stderr
-    ok = subprocess.run([sys.executable, "launch.py", *BASE, "model.n_layers=1", "--rehearse", "--json"],
-                        capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr
-    out = json.loads(ok.stdout)
+    assert cli.main([*BASE, "model.n_layers=1", "--rehearse", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     r = out["ranks"][0]
     for key in ("rank", "coords", "memory_bytes", "plan_memory_bytes", "collectives", "plan_comm", "flops",
                 "plan_flops", "seconds"):
@@ -78,10 +81,11 @@ def test_cli_bad_ranks_exit_2_and_json_contract():
     assert set(r["collectives"][0]) >= {"axis", "kind", "message_bytes", "count"}
 
 
-def test_a_layout_that_does_not_fit_exits_2():
-    r = subprocess.run([sys.executable, "launch.py", *BASE, "model.n_layers=1", "cluster.device_memory_gib=1",
-                        "--rehearse"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "needs" in r.stderr
+def test_a_layout_that_does_not_fit_exits_2(capsys):
+    from paralayer import cli
+
+    rc = cli.main([*BASE, "model.n_layers=1", "cluster.device_memory_gib=1", "--rehearse"])
+    assert rc == 2 and "needs" in capsys.readouterr().err
 
 
 def _clip_worker(rank: int, world: int) -> list[float]:
