@@ -198,8 +198,8 @@ SlurmdUser=root
 
 AuthType=auth/munge
 CredType=cred/munge
-# our own munge socket; cred_expire=10 so a requeued job is not held PENDING (BeginTime) for 121 s
-AuthInfo=socket=$MUNGE_SOCK,cred_expire=10
+# our own munge socket; cred_expire=5 so a requeued job is held PENDING (BeginTime) 6 s, not 121 (10 held it 12 s)
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=5
 
 StateSaveLocation=$H/state
 SlurmdSpoolDir=$spool
