@@ -137,6 +137,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         return [results[r] for r in range(world_size)]
 
 
+def worlds_by_size(jobs: dict, world_of: Callable[[Any], int], fn: Callable[..., Any],
+                   timeout_s: float = 600) -> Callable[[Any], Any]:
+    """``get(key)``: rank 0's result for ``jobs[key]``. The jobs of one world size run in turn in ONE
+    forked world (``fn(rank, world, [job, ...])`` returns one result per job), started the first time a
+    test asks for one of them: a world per size, not per case."""
+    cache: dict = {}
+
+    def get(key: Any) -> Any:
+        if key not in cache:
+            world = world_of(jobs[key])
+            group = [k for k in jobs if world_of(jobs[k]) == world]
+            out = run_ranks(fn, world, [jobs[k] for k in group], timeout_s=timeout_s, pg_timeout_s=60)[0]
+            cache.update(zip(group, out))
+        return cache[key]
+
+    return get
+
 def cfg_and_plan(overrides: list[str]):
     """A config from ``recipe=... key=value`` overrides and its plan dict; the plan must be valid."""
     from paralayer.config import load_config

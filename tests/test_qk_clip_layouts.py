@@ -19,7 +19,7 @@ import functools
 
 import pytest
 
-from tests.dist import TINY_SMALL, cfg_and_plan, paired, run_ranks
+from tests.dist import TINY_SMALL, cfg_and_plan, paired, worlds_by_size
 
 STEPS, TOL = 3, 1e-5
 KEYS = ("loss", "grad_norm", "max_logit")
@@ -94,17 +94,7 @@ CASES = {**{f"one {k}": (ov, "") for k, ov in ONE.items()},
 def runs() -> dict:
     """{case: rank 0's records}: the cases of one world size in turn in ONE forked world (3 worlds,
     not one per case), each computed the first time a test asks for its world."""
-    cache: dict = {}
-
-    def get(name: str) -> list:
-        if name not in cache:
-            world = _world(CASES[name][0])
-            group = [k for k in CASES if _world(CASES[k][0]) == world]
-            out = run_ranks(_train_list, world, [CASES[k] for k in group], timeout_s=900, pg_timeout_s=60)[0]
-            cache.update(zip(group, out))
-        return cache[name]
-
-    return get
+    return worlds_by_size(CASES, lambda case: _world(case[0]), _train_list, timeout_s=900)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import cfg_and_plan, run_ranks
+from tests.dist import cfg_and_plan, run_ranks, worlds_by_size
 
 ASSET = Path(__file__).resolve().parent / "assets" / "trajectory_tiny.json"
 LOSS_TOL, NORM_TOL = 1e-6, 2e-6
@@ -91,18 +91,8 @@ def runs():
     """``runs(key)``: rank 0's records of RUNS[key]; the runs of one world size in turn in ONE forked
     world (one rank: the stored layout and the plant; 4 ranks: the other two layouts), each world
     the first time a test asks for one of its runs."""
-    cache: dict = {}
-
-    def get(key: str) -> list:
-        if key not in cache:
-            jobs = {k: (_overrides(n, extra), planted) for k, (n, planted, extra) in RUNS.items()}
-            world = _world(jobs[key][0])
-            group = [k for k in jobs if _world(jobs[k][0]) == world]
-            out = run_ranks(_train_list, world, [jobs[k] for k in group], timeout_s=600, pg_timeout_s=60)[0]
-            cache.update(zip(group, out))
-        return cache[key]
-
-    return get
+    jobs = {k: (_overrides(n, extra), planted) for k, (n, planted, extra) in RUNS.items()}
+    return worlds_by_size(jobs, lambda job: _world(job[0]), _train_list)
 
 
 def mismatches(got: list, stored: dict) -> list[str]:
