@@ -62,6 +62,8 @@ def local_shards(params: list, *lists: list) -> tuple[list, ...]:
     in the group) keeps the DTensors, whose dispatch redistributes as it must."""
     from torch.distributed.tensor import DTensor
 
+    from paralayer.parallel.local_shard import local_tensor
+
     def same(p, t) -> bool:
         return (isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
                 and t.shape == p.shape)
@@ -69,7 +71,7 @@ def local_shards(params: list, *lists: list) -> tuple[list, ...]:
     for i, p in enumerate(params):
         if not isinstance(p, DTensor) or not all(same(p, lst[i]) for lst in lists if lst):
             return (params, *lists)
-    return tuple([t.to_local() for t in lst] for lst in (params, *lists))
+    return tuple([local_tensor(t) for t in lst] for lst in (params, *lists))
 
 
 class EagerAdamW(torch.optim.AdamW):
