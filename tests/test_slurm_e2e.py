@@ -3,7 +3,9 @@ one-node SLURM of cluster/local_slurm.sh (start it first; skipped, with the reas
 up). Real training runs of the tiny recipe, so each test costs tens of seconds on a loaded 2-core
 machine; the whole file stays under ~4 min. Every wait has a deadline.
 
-- one job with --wait: the printed hint (job id, logs, how to follow), exit status 0, every step
+- one job with --wait, the default recipe (4 ranks) on the user's default path (the pre-flight
+  rehearsal first): the printed hint (job id, logs, how to follow), exit status 0, every step; the
+  other launches pass --no-rehearse (~8 CPU-s of fork server and rehearsal each, and not their subject)
 - a sweep (-m parallel.dp=1,2) as one 2-element job array: ids N_0/N_1 in sacct, one run.dir and
   one W&B run each, both in one W&B group
 - `scontrol requeue` of a running job: it resumes from its periodic checkpoint, every step logged once
@@ -111,31 +113,6 @@ def _wandb_runs(run_dir) -> list[tuple[str, str, str]]:
 
 
 # ----------------------------------------------------------------------------- tests
-def test_one_job_wait(slurm_env, tmp_path):
-    run = tmp_path / "one"
-    t0 = time.monotonic()
-    r = _launch([*SMALL, f"run.dir={run}", "train.steps=6", "logging.wandb.mode=disabled", "--wait"],
-                tmp_path, slurm_env, timeout=150)
-    took = time.monotonic() - t0
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    m = re.search(r"submitted job (\d+) ", r.stdout)
-    assert m, r.stdout
-    job = m.group(1)
-    # the hint: where the logs are and how to follow the job
-    follow = re.search(r"follow with: tail -f (\S+_log\.out) (\S+_log\.err)", r.stdout)
-    assert follow and Path(follow.group(1)).is_file(), r.stdout
-    assert f"squeue -j {job}" in r.stdout and f"sacct -j {job}" in r.stdout
-    assert str(run) in r.stdout and "metrics.jsonl" in r.stdout
-    # --wait followed it: states and rank 0's log lines went by, then the end state
-    assert "RUNNING" in r.stderr and f"job {job}: COMPLETED" in r.stderr, r.stderr[-3000:]
-    assert "step 6/6" in r.stderr
-    assert _steps(run) == list(range(1, 7))
-    assert (run / "resolved.yaml").is_file() and (run / "plan.json").is_file()
-    rows = _sacct_until(job, lambda rs: rs and rs[0][1] == "COMPLETED")
-    assert rows and rows[0] == [job, "COMPLETED"], rows
-    print(f"one job: {took:.0f}s")
-
-
 def test_sweep_is_one_job_array(slurm_env, tmp_path):
     base = tmp_path / "sweep"
     t0 = time.monotonic()
@@ -197,7 +174,7 @@ def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
     out = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, LAUNCH, *SMALL, f"run.dir={run}", f"train.steps={steps}",
-                             "checkpoint.every=3", "logging.wandb.mode=disabled", "--wait"],
+                             "checkpoint.every=3", "logging.wandb.mode=disabled", "--no-rehearse", "--wait"],
                             cwd=tmp_path, env=slurm_env, stdout=out, stderr=subprocess.STDOUT, text=True)
     job = None
     resumed_re = re.compile(r"resumed from \S+step-(\d+) at step (\d+)")
@@ -249,7 +226,7 @@ def test_finished_job_with_an_abort_at_exit_is_completed(slurm_env, tmp_path):
     run = tmp_path / "abort"
     env = fault_env(tmp_path / "fault", "abortexit:1:0", slurm_env)
     r = _launch([*SMALL, "parallel.dp=2", f"run.dir={run}", "train.steps=3", "logging.wandb.mode=disabled",
-                 "cluster.slurm.max_restarts=2", "--wait"], tmp_path, env, timeout=240)
+                 "cluster.slurm.max_restarts=2", "--no-rehearse", "--wait"], tmp_path, env, timeout=240)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     job = re.search(r"submitted job (\d+) ", r.stdout).group(1)
     assert f"job {job}: COMPLETED" in r.stderr, r.stderr[-3000:]
@@ -327,11 +304,15 @@ def test_default_recipe_four_ranks_and_no_secret_anywhere(slurm_env, tmp_path):
     """Issue 16: the README's `python launch.py cluster=local-slurm --wait` with the DEFAULT recipe
     (tiny: tp=2 × dp=2 = 4 ranks, more than this 2-core machine's cores) completes; with a planted
     WANDB_API_KEY (W&B offline) no file of the run (resolved.yaml, plan.json, metrics, W&B files),
-    no SLURM log and nothing printed holds it."""
+    no SLURM log and nothing printed holds it. Issue 7's one job with --wait, on the same launch:
+    the printed hint (job id, logs, how to follow), the states --wait followed, exit status 0, every
+    step, sacct's COMPLETED."""
     run = tmp_path / "default"
     env = dict(slurm_env, WANDB_API_KEY=SECRET)
-    r = _launch(["cluster=local-slurm", f"run.dir={run}", "train.steps=3", "train.warmup_steps=1", "--wait"],
-                tmp_path, env, timeout=400)
+    t0 = time.monotonic()
+    r = _launch(["cluster=local-slurm", f"run.dir={run}", "train.steps=3", "train.warmup_steps=1",
+                 "logging.progress=true", "--wait"], tmp_path, env, timeout=400)
+    took = time.monotonic() - t0
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     plan = json.loads((run / "plan.json").read_text())
     assert plan["world_size"] == 4 and plan["degrees"]["tp"] == 2 and plan["degrees"]["dp"] == 2
@@ -339,12 +320,30 @@ def test_default_recipe_four_ranks_and_no_secret_anywhere(slurm_env, tmp_path):
     assert list(run.glob("wandb/offline-run-*")), "W&B offline files were written"
     assert SECRET not in r.stdout + r.stderr
     assert _files_holding(tmp_path, SECRET) == []  # run dir and slurm-logs/ (submitit files, task logs)
+    # the pre-flight rehearsal ran before the submission (the user's default path)
+    assert "paralayer: pre-flight rehearsal of ranks [0] passed" in r.stderr, r.stderr[-3000:]
+    m = re.search(r"submitted job (\d+) ", r.stdout)
+    assert m, r.stdout
+    job = m.group(1)
+    # the hint: where the logs are and how to follow the job
+    follow = re.search(r"follow with: tail -f (\S+_log\.out) (\S+_log\.err)", r.stdout)
+    assert follow and Path(follow.group(1)).is_file(), r.stdout
+    assert f"squeue -j {job}" in r.stdout and f"sacct -j {job}" in r.stdout
+    assert str(run) in r.stdout and "metrics.jsonl" in r.stdout
+    # --wait followed it: states and rank 0's log lines went by, then the end state
+    assert "RUNNING" in r.stderr and f"job {job}: COMPLETED" in r.stderr, r.stderr[-3000:]
+    assert "step 3/3" in r.stderr
+    assert (run / "resolved.yaml").is_file()
+    rows = _sacct_until(job, lambda rs: rs and rs[0][1] == "COMPLETED")
+    assert rows and rows[0] == [job, "COMPLETED"], rows
+    print(f"one job: {took:.0f}s")
 
 
 @pytest.mark.parametrize("sweep", [False, True])
 def test_submission_refused_is_one_line(slurm_env, tmp_path, sweep):
     """sbatch refusing the job (no such partition): one line, exit 2, for a job and a sweep alike."""
-    args = [*SMALL, "cluster.slurm.partition=no-such-partition", f"run.dir={tmp_path / 'r'}", "--wait"]
+    args = [*SMALL, "cluster.slurm.partition=no-such-partition", f"run.dir={tmp_path / 'r'}", "--no-rehearse",
+            "--wait"]
     if sweep:
         args += ["-m", "parallel.dp=1,2"]
     r = _launch(args, tmp_path, slurm_env, timeout=120)
