@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from paralayer.families.registry import FAMILIES
-from tests.dist import run_ranks, write_tokens
+from tests.dist import cfg_and_plan, run_ranks, write_tokens
 
 SEQ, VOCAB, BATCH, TOL = 32, 61, 4, 1e-5
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
@@ -63,11 +63,14 @@ def _save(family: str, path: str) -> None:
 
 
 def micro_batch(layout: list) -> int:
-    """2 micro-batches a step on every rank: micro batch 1 where the batch is split (pp's schedule
-    keeps its 4 micro-batches, dp halves the batch), else 2 (one rank or tp: half the forward and
-    backward passes, and so half of tp's collectives, of micro batch 1; the step's gradient is the
-    same mean over the global batch)."""
-    return 1 if any(o.startswith(("parallel.pp=", "parallel.dp=")) for o in layout) else 2
+    """One forward and backward a step on each rank where the layout allows it: the whole batch on
+    one rank or tp, half of it on each of dp's 2 ranks (ep2); micro batch 1 under pp, whose schedule
+    keeps its 4 micro-batches. A quarter (half under ep2) of micro batch 1's passes, and so of tp's
+    collectives; the step's gradient is the same mean over the global batch, and the export reads
+    the weights whatever the accumulation was."""
+    if any(o.startswith("parallel.pp=") for o in layout):
+        return 1
+    return BATCH // 2 if any(o.startswith("parallel.dp=") for o in layout) else BATCH
 
 
 def _overrides(path: str, data: str, layout: list) -> list:
@@ -78,16 +81,15 @@ def _overrides(path: str, data: str, layout: list) -> list:
 
 
 def _train_worker(rank, world, runs):
-    """For each (overrides, out dir): 2 training steps from the import, the model's own global loss
-    on step 3's batch (forward and backward, no update), then export_hf (collective)."""
+    """For each (config, plan, out dir): 2 training steps from the import, the model's own global loss
+    on step 3's batch (forward and backward, no update), then export_hf (collective). The configs are
+    loaded in the test process, once a case, not once a rank (~0.3 CPU-s each)."""
     from paralayer.checkpoint.hf import export_hf
     from paralayer.runtime.build import as_plan
     from paralayer.runtime.train import forward_backward, reduce_and_clip_tensors, setup, step_batch, train_step
-    from tests.dist import cfg_and_plan
 
     out = []
-    for overrides, folder in runs:
-        cfg, plan = cfg_and_plan(overrides)
+    for cfg, plan, folder in runs:
         run = setup(cfg, as_plan(plan), None)
         trained = [train_step(run, s)["loss"] for s in (1, 2)]
         run.opt.zero_grad(set_to_none=True)
@@ -111,12 +113,13 @@ def results(tmp_path_factory):
     out = {}
     for world, lays in ((1, ["one"]), (2, ["tp2", "pp2", "ep2"])):
         cases = [(f, lay) for f, lay in CASES if lay in lays]
-        runs = [(_overrides(src[f], tokens, LAYOUTS[lay]), str(root / "out" / f"{f}-{lay}")) for f, lay in cases]
+        runs = [(*cfg_and_plan(_overrides(src[f], tokens, LAYOUTS[lay])), str(root / "out" / f"{f}-{lay}"))
+                for f, lay in cases]
         res = run_ranks(_train_worker, world, runs, timeout_s=600)
         for i, case in enumerate(cases):
             losses = [r[i][1] for r in res]
             assert max(losses) - min(losses) <= 1e-6 * abs(losses[0]), (case, losses)  # one global loss
-            out[case] = (runs[i][1], losses[0], src[case[0]])
+            out[case] = (runs[i][2], losses[0], src[case[0]])
     out["tokens"] = tokens
     return out
 

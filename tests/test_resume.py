@@ -13,7 +13,10 @@ from paralayer.resolve.plan import resolve
 from tests.dist import paired, run_ranks, write_tokens
 
 SEQ = 16
-BASE = ["model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
+#: 2 layers: one a pipeline stage under pp2 (a stage-to-global layer index slip still shows); 4 doubled
+#: every step's passes and the saves' tensors for nothing the checks need
+LAYERS = 2
+BASE = ["model.d_model=32", f"model.n_layers={LAYERS}", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=48",
         "model.vocab_size=64", f"model.seq_len={SEQ}", "model.init_std=0.2", "train.global_batch=8",
         "train.micro_batch=2", "train.steps=4", "train.lr=3e-3", "train.warmup_steps=1", "train.precision=fp32",
         "train.threads=1", "data.format=tokens", "data.shuffle=false", "logging.wandb.mode=disabled",
@@ -96,12 +99,23 @@ def _runs(tmp, jobs: list) -> list:
     return out
 
 
-def test_exact_resume_same_layout(tmp_path):
-    tmp = str(tmp_path)
-    layout = ["parallel.dp=2", "parallel.zero=1"]
-    (straight, _, _), (first, _, _), (second, _, _) = _runs(tmp, [
-        ("straight-a", layout, ["checkpoint.every=0"]), ("same-1", layout, ["train.stop_at_step=2"]),
-        ("same-2", layout, ["train.resume=auto"])])
+#: the 2-rank jobs of the same-layout and the async-save tests: ONE forked world runs the six in turn
+#: (a world and its first train()'s warm-up less); (name, layout, extra) as _runs takes them
+SAME, ASYNC = ["parallel.dp=2", "parallel.zero=1"], ["parallel.dp=2", "parallel.zero=0"]
+DP2_JOBS = [("straight-a", SAME, ["checkpoint.every=0"]), ("same-1", SAME, ["train.stop_at_step=2"]),
+            ("same-2", SAME, ["train.resume=auto"]), ("straight-c", ASYNC, ["checkpoint.every=0"]),
+            ("async-1", ASYNC, ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"]),
+            ("async-2", ASYNC, ["train.resume=auto", "checkpoint.async_save=true"])]
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory) -> dict:
+    """{job name: _runs' (records, params, listing)} of :data:`DP2_JOBS`, one world for all."""
+    return dict(zip([j[0] for j in DP2_JOBS], _runs(str(tmp_path_factory.mktemp("dp2")), DP2_JOBS)))
+
+
+def test_exact_resume_same_layout(dp2_runs):
+    straight, first, second = (dp2_runs[k][0] for k in ("straight-a", "same-1", "same-2"))
     assert [r["step"] for r in first] == [1, 2]
     assert [r["step"] for r in second] == [3, 4]
     assert first + second == straight  # bitwise: loss, grad norm, lr
@@ -116,7 +130,7 @@ def test_resume_tp2_pp2_as_dp4(tmp_path):
     assert first == straight[:2]
     assert [r["step"] for r in second] == [3, 4]
     # bit for bit after the load: every parameter of both pipeline stages, tp shards joined
-    assert sorted(saved["saved"]) == sorted(loaded["loaded"]) and len(loaded["loaded"]) == 2 + 4 * 9 + 1
+    assert sorted(saved["saved"]) == sorted(loaded["loaded"]) and len(loaded["loaded"]) == 2 + LAYERS * 9 + 1
     for name, data in saved["saved"].items():
         assert loaded["loaded"][name] == data, name
     print("tp2 pp2 -> dp4: max rel err loss %.1e, grad norm %.1e" % tuple(
@@ -127,15 +141,10 @@ def test_resume_tp2_pp2_as_dp4(tmp_path):
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
 
 
-def test_exact_resume_async_save(tmp_path):
+def test_exact_resume_async_save(dp2_runs):
     """checkpoint.async_save=true: saves at every step are written while the next steps run; the run
     stopped at 3 and resumed equals the straight run bit for bit."""
-    tmp = str(tmp_path)
-    layout = ["parallel.dp=2", "parallel.zero=0"]
-    (straight, _, _), (first, _, names), (second, _, _) = _runs(tmp, [
-        ("straight-c", layout, ["checkpoint.every=0"]),
-        ("async-1", layout, ["train.stop_at_step=3", "checkpoint.every=1", "checkpoint.async_save=true"]),
-        ("async-2", layout, ["train.resume=auto", "checkpoint.async_save=true"])])
+    straight, (first, _, names), second = dp2_runs["straight-c"][0], dp2_runs["async-1"], dp2_runs["async-2"][0]
     assert names == ["step-00000002", "step-00000003"], names  # keep=2, all complete after the run
     assert [r["step"] for r in second] == [4]
     assert first + second == straight
