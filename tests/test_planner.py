@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -251,15 +250,18 @@ def test_why_names_the_losing_term():
         assert any(term in w for w in whys), term
 
 
-def test_cli_plan_table_and_json():
-    out = subprocess.run([sys.executable, "launch.py", *H100_70B, "--plan"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "why it loses" in out.stdout and "Dropped layouts" in out.stdout
-    out = subprocess.run([sys.executable, "launch.py", "recipe=tiny", "cluster.devices_per_node=4", "--plan", "--json"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_cli_plan_table_and_json(capsys):
+    """The front door's own code (launch.py's ``main``) in this process, table and JSON on stdout:
+    a launch.py process per call costs ~3 CPU-s of imports and proves nothing more about the
+    planner's output (tests/test_fp8_plan.py runs ``launch.py --plan`` as a process)."""
+    from paralayer.cli import main
+
+    assert main([*H100_70B, "--plan"]) == 0
+    out = capsys.readouterr()
+    assert "why it loses" in out.out and "Dropped layouts" in out.out, out.err
+    assert main(["recipe=tiny", "cluster.devices_per_node=4", "--plan", "--json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
     assert isinstance(data, list) and data
     first = data[0]
     for k in ("degrees", "step_time_s", "memory", "bubble", "comm_time_s", "tokens_per_s", "mfu", "why"):
