@@ -69,9 +69,11 @@ REGRESSION_ROWS = [dict(pipe="dualpipev", recompute="core_attn", moe="softmax", 
 
 
 def suite_rows() -> list[dict]:
-    """The covering array and the regression rows (every feature set) the suite trains."""
+    """The covering array (compacted beside the regression rows: :func:`compact`) and the regression
+    rows (every feature set) the suite trains."""
     first = default_row()
-    return covering_array() + [dict(first, **r) for r in REGRESSION_ROWS]
+    regression = [dict(first, **r) for r in REGRESSION_ROWS]
+    return compact(covering_array(), regression) + regression
 
 
 def feature_values() -> dict[str, tuple]:
@@ -288,6 +290,52 @@ def covering_array(features: Optional[dict] = None, tries: int = 12) -> list[dic
             raise ValueError(f"no row within MAX_WORLD covers {sorted(uncovered, key=repr)[:3]}")
         rows.append({n: best[n] for n in names})
         uncovered -= row_pairs(best, features)
+    return rows
+
+
+def row_cost(row: dict) -> int:
+    """A row's relative training cost: ranks × microbatches × layers (what a step's ops scale with)."""
+    return world_size(row) * MICROBATCHES.get(row["pipe"], 2) * n_layers(row)
+
+
+def compact(rows: list[dict], fixed: list[dict] = (), features: Optional[dict] = None) -> list[dict]:
+    """``rows`` with every row dropped whose pairs the rest (and ``fixed``) cover, once the few pairs
+    only it covers are moved into other rows (each by setting its two values there, where the row
+    stays allowed, within MAX_WORLD, and loses no pair nothing else covers). The greedy array's last
+    rows each cover one or two pairs; every row costs a world's training (~4 CPU-s at 4 ranks).
+    Deterministic: the last row first; a moved pair goes to the row it makes cheapest."""
+    from collections import Counter
+
+    features = features or feature_values()
+    first = {n: v[0] for n, v in features.items()}
+    want = allowed_pairs(features)
+    rows = [dict(r) for r in rows]
+    held = Counter({p: len(rows) + 1 for r in fixed for p in row_pairs(r, features)})  # never lost
+    for r in rows:
+        held.update(row_pairs(r, features))
+    i = len(rows) - 1
+    while i >= 0:
+        others = rows[:i] + rows[i + 1:]
+        count = held - Counter(row_pairs(rows[i], features))
+        for (f, a), (g, b) in sorted(want - set(count), key=repr):
+            best = None
+            for j, r in enumerate(others):
+                cand = dict(r, **{f: a, g: b})
+                if cand == r or not _row_ok(cand, first):
+                    continue
+                gone, new = row_pairs(r, features), row_pairs(cand, features)
+                if ((f, a), (g, b)) in new and all(count[p] > 1 for p in gone - new):
+                    key = (row_cost(cand) - row_cost(r), j)
+                    if best is None or key < best[0]:
+                        best = (key, j, cand, gone, new)
+            if best is None:
+                break
+            _, j, cand, gone, new = best
+            others[j] = cand
+            count = count - Counter(gone) + Counter(new)
+        if want <= set(count):
+            rows, held = others, count
+        i -= 1
     return rows
 
 
