@@ -153,9 +153,7 @@ def _launch_small(run_dir, *extra, env=None):
 
 def test_tiny_recipe_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    t0 = time.time()
     res = _launch(["recipe=tiny", f"run.dir={run_dir}"], timeout=180)
-    elapsed = time.time() - t0
     assert res.returncode == 0, res.stderr[-3000:]
     for f in ("resolved.yaml", "plan.json", "metrics.jsonl"):
         assert (run_dir / f).exists(), f
@@ -168,8 +166,8 @@ def test_tiny_recipe_trains_end_to_end(tmp_path):
     assert keys <= set(recs[0])
     assert recs[-1]["loss"] < 0.6 * recs[0]["loss"], (recs[0]["loss"], recs[-1]["loss"])
     assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb")), "no W&B offline run file"
-    # Generous: CI machines are noisy; the README's claim is "under a minute" measured by hand.
-    assert elapsed < 120, elapsed
+    # no wall-clock bound: a timed test fails on a loaded machine, not on a slow launcher; the README's
+    # "under a minute" is measured by hand and its time written beside the command
 
 
 def _seconds_since_fault(stderr: str) -> float:
