@@ -9,16 +9,30 @@ reads back."""
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING
+from typing import Any, Optional, Protocol
 
 from paralayer.runtime import optimizer
 from paralayer.runtime.health.preempt import Preempted, PreemptSave
 
-if TYPE_CHECKING:
-    from paralayer.runtime.train import RankRun
+
+class CheckpointedRun(Protocol):
+    """What these functions read of a rank's run (runtime/train.py's RankRun), named here so that this
+    module does not import train.py, which imports it."""
+
+    cfg: Any
+    built: Any
+    checkpointer: Any
+    ckpt_dir: Optional[str]
+    dataset: Any
+    device: Any
+    hooks: Any
+    opt: Any
+    rank: int
+    sched: Any
+    stability: Any
 
 
-def resume(run: RankRun) -> int:
+def resume(run: CheckpointedRun) -> int:
     """Load ``train.resume`` (auto: the newest good checkpoint, a path, or none); the first step to run."""
     resume_from = run.cfg.train.resume
     if resume_from == "none" or run.ckpt_dir is None:
@@ -42,7 +56,7 @@ def resume(run: RankRun) -> int:
     return start_step
 
 
-def restore_extra(run: RankRun, extra: dict, rolling_back: bool = False) -> None:
+def restore_extra(run: CheckpointedRun, extra: dict, rolling_back: bool = False) -> None:
     """A loaded checkpoint's small state: the LR schedule, the RNG, the data skipped by rollbacks."""
     from paralayer.checkpoint import dcp as ckpt
 
@@ -53,7 +67,7 @@ def restore_extra(run: RankRun, extra: dict, rolling_back: bool = False) -> None
         run.dataset.load_state_dict(extra["data"])
 
 
-def save_if_due(run: RankRun, step: int, stop: int) -> bool:
+def save_if_due(run: CheckpointedRun, step: int, stop: int) -> bool:
     """A periodic checkpoint (every ``checkpoint.every`` steps and at the run's last step)."""
     every = run.cfg.checkpoint.every
     if not (every and run.ckpt_dir and (step % every == 0 or step == stop)):
@@ -64,7 +78,7 @@ def save_if_due(run: RankRun, step: int, stop: int) -> bool:
     return True
 
 
-def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, saved: bool, logger) -> None:
+def stop_if_signalled(run: CheckpointedRun, preempt: PreemptSave, step: int, stop: int, saved: bool, logger) -> None:
     """SLURM's USR2/TERM, agreed by every rank: save (unless just saved), hand the signal on, raise."""
     sig = preempt.agreed(run.device) if (preempt.active and step < stop) else None
     if sig is None:
@@ -82,7 +96,7 @@ def stop_if_signalled(run: RankRun, preempt: PreemptSave, step: int, stop: int, 
     raise Preempted(f"stopped after step {step} on {sig.name}")
 
 
-def checkpoints(run: RankRun):
+def checkpoints(run: CheckpointedRun):
     """The run's Checkpointer: its own gloo group with checkpoint.timeout_s (collective on first use)."""
     if run.checkpointer is None:
         from paralayer.checkpoint import dcp as ckpt
@@ -94,7 +108,7 @@ def checkpoints(run: RankRun):
     return run.checkpointer
 
 
-def _save(run: RankRun, step: int) -> None:
+def _save(run: CheckpointedRun, step: int) -> None:
     from paralayer.checkpoint import dcp as ckpt
 
     extra = {"step": step, "scheduler": run.sched.state_dict(), "rng": ckpt.rng_state(),

@@ -3,15 +3,24 @@ process group and fake tensors the schedule cannot vote on shapes at run time.""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from paralayer.compat import private
 from paralayer.resolve.plan import plan_field
 
-if TYPE_CHECKING:
-    from paralayer.parallel.pipeline.runner import PipelineRunner
+
+class StageSource(Protocol):
+    """What :func:`static_stage_args` reads of the pipeline runner (parallel/pipeline/runner.py's
+    PipelineRunner), named here so that this module does not import the runner that imports it."""
+
+    microbatch_shape: tuple[int, int]
+    chunk_ids: list[int]
+    chunks: list[Any]
+    n_chunks: int
+    device: torch.device
+    loss_parallel: bool
 
 
 def static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
@@ -24,7 +33,7 @@ def static_warmup(stages, has_backward: bool, p2p_done: bool) -> None:
         st._inference_mode = InferenceMode.STATIC
 
 
-def static_stage_args(runner: "PipelineRunner", plan: dict, autocast_dtype) -> dict:
+def static_stage_args(runner: StageSource, plan: dict, autocast_dtype) -> dict:
     """Example input and output of each of this rank's chunks, for ``PipelineStage``'s static mode.
 
     A chunk's input is the token ids (chunk 0) or the residual stream, in the autocast dtype if
