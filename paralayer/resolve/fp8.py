@@ -27,6 +27,8 @@ ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
 #: elements per fp32 scale along a row of an activation cached in FP8 (train.fp8.cache_activations;
 #: DeepSeek-V3's 1x128 tiles; model/float8.py Fp8Tiles)
 CACHE_TILE = 128
+#: bytes a weight's gathered copy holds under FSDP2 without FP8: its mixed-precision param dtype
+_GATHER_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def cache_tile(row: int) -> int:
@@ -192,12 +194,13 @@ def layer_gemm_shapes(cfg: Config, tp: int, tokens: float,
 
 def fp8_gathered_params(cfg: Config, lay, layers, zero: int | None = None) -> float:
     """Parameters of ``layers`` whose FSDP all-gather moves FP8 (1 byte) instead of the base
-    precision: the FP8 blocks' linear weights under tensorwise with ZeRO 2/3 on GPUs (the runtime's
-    ``enable_fsdp_float8_all_gather``, model/float8.py; CPU ranks gather in fp32). 0 otherwise.
+    precision: the FP8 blocks' linear weights under tensorwise with ZeRO 2/3 (the runtime's
+    ``enable_fsdp_float8_all_gather``, model/float8.py, on GPUs and on CPU alike: tiny at tp 2, dp 2,
+    ZeRO-3 gathers a block's 92,160 linear weights in 92,160 bytes beside its norms' 1,024, 7 Dec;
+    until then the plan took CPU ranks to gather in fp32 and read dp 0.542 of the rehearsal). 0 otherwise.
     ``zero``: the stage (default the layout's)."""
     zero = lay.zero if zero is None else zero
-    if (cfg.train.precision != "fp8" or cfg.train.fp8.recipe != "tensorwise" or zero < 2
-            or lay.device != "cuda"):
+    if cfg.train.precision != "fp8" or cfg.train.fp8.recipe != "tensorwise" or zero < 2:
         return 0.0
     fp8 = set(fp8_layers(cfg))
     # the routed experts are 3-D parameters behind model/moe.py's expert_mm, not Float8Linear
@@ -215,7 +218,9 @@ def fp8_copy_saving(cfg: Config, lay, layers, zero: int | None = None) -> float:
     zero = lay.zero if zero is None else zero
     if zero != 2 or lay.dp * lay.cp <= 1:
         return 0.0
-    return fp8_gathered_params(cfg, lay, layers, zero)
+    # each such weight held at 1 byte where the gathered copy would hold the base precision's
+    # (bf16 2, fp32 4: tiny at dp 2, ZeRO-2 on CPU holds 3 bytes less a weight, 7 Dec)
+    return fp8_gathered_params(cfg, lay, layers, zero) * (_GATHER_BYTES[lay.precision] - 1)
 
 
 def fp8_gather_bytes(gathered: float, units: int, gathers: int, reduced: float) -> dict:

@@ -128,7 +128,15 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
     all-reduce of each token row of the row-parallel input (forward) and of each column-parallel
     output gradient (backward), and of the d_model rows of each weight (attention 4 + 4, FFN
     3 + 3; ``tokens`` the microbatch's; not counted again for full recompute's rerun).
-    Tensorwise's one-number amax all-reduces are left out."""
+    Tensorwise takes one fp64 amax (8 bytes) over tp for every cast of a tp-split tensor, and
+    torchao casts each operand again in backward from its saved high-precision copy: each weight
+    (forward, and for the input gradient), a row-parallel input (forward, and for the weight
+    gradient) and a column-parallel output gradient (input and weight gradients): 4 a linear, 16
+    a part with attention, 12 with a dense FFN, per microbatch; full recompute's rerun casts the
+    weights and the row-parallel inputs once more (5, 4). Under FSDP's FP8 all-gather (ZeRO 2/3)
+    the weights' scales are precomputed once a step and their casts reduce nothing. Counted with
+    the plain styles the rehearsal runs (gloo); the float8 styles' input casts before their FP8
+    all-gather are not."""
     styles = tp_styles(cfg, lay)
     sp = lay.sequence_parallel
     if styles is None or lay.tp_overlap:
@@ -143,6 +151,8 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
     else:
         part, base, regather = ((2 + ab + norm_b) / 2 if styles == "fp8" else norm_b + ab), 2.5, 0.5
     rowwise = cfg.train.fp8.recipe == "rowwise"
+    tensorwise = cfg.train.fp8.recipe == "tensorwise"
+    fsdp_fp8 = lay.zero >= 2 and lay.dp * lay.cp > 1  # FSDP's FP8 all-gather (resolve/fp8.fp8_gathered_params)
     fp8 = set(fp8_layers(cfg))
     pairs = units = amax = 0.0
     count = 0
@@ -161,6 +171,14 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
             reduced = 4 if n == 1 else 7  # the attention's reductions, and the FFN's 3
             amax += 8.0 * reduced * (tokens + cfg.model.d_model)
             count += 2 * reduced
+        elif tensorwise:
+            casts = 16 + (12 if n == 2 else 0)
+            if layer_recompute(lay, i) == "full":
+                casts += 5 + (4 if n == 2 else 0)
+            if fsdp_fp8:  # the weights' scales precomputed once a step (model/float8.py refresh_scales)
+                casts -= 8 + (6 if n == 2 else 0) + (4 + (3 if n == 2 else 0) if layer_recompute(lay, i) == "full" else 0)
+            amax += 8.0 * casts
+            count += casts
     return pairs, units, amax, count
 
 

@@ -241,14 +241,14 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
         e["bytes_per_step"] = int(act_msg * ((pairs + fp8[1]) * mm + 2 * again))
-        if fp8[3]:  # rowwise's amax all-reduces
+        if fp8[3]:  # the amax all-reduces (rowwise, tensorwise)
             e["count_per_step"] += fp8[3] * mm
             e["bytes_per_step"] += int(fp8[2] * mm)
         return with_reruns(e, 2 * again, act_msg * 2 * again)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
         e = entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
-        if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, rowwise's amax all-reduces
+        if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, the amax all-reduces
             e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
             e["count_per_step"] += fp8[3] * mm
         return with_reruns(e, 2 * again, act_msg * 2 * again)
