@@ -25,6 +25,11 @@ CASES = {
     "tiny-swa": ["recipe=tiny-swa"],
     "qwen3-30b-a3b": ["recipe=qwen3-30b-a3b", "model.n_layers=2"],
     "deepseek-v3-tiny": ["recipe=deepseek-v3-tiny"],
+    # MoE under tp2 with full recompute and ZeRO-1 at ep 1 (7 Dec): an MoE layer's rerun moves its
+    # attention pair and its block's input all-gather, not a dense layer's two pairs (tp read 0.917),
+    # and ZeRO-1 deals the experts out over dp with the rest, so they are broadcast (dp read 1.85)
+    "tiny-moe-tp2-full-zero1": ["recipe=tiny-moe", "parallel.tp=2", "parallel.dp=2", "parallel.ep=1",
+                                "parallel.zero=1", "parallel.recompute=full"],
     # issue 45's balanced V: pp rank 0 holds the embedding alone and the head alone (0-layer chunks)
     "tiny-dualpipev-empty-ends": ["recipe=tiny", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=dualpipev",
                                   "train.global_batch=32", "model.n_layers=2", "parallel.pp_layout=[0,1,1,0]"],

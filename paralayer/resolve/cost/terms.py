@@ -189,11 +189,13 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
     n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
-    n_full, _ = recompute_facts(cfg, lay, layers)  # full: every k-th layer
+    n_full, n_full_moe = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     again = split_reruns(cfg, lay, layers)  # the V schedules' second reruns, per step
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
     fp8_tp = fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: is_moe_layer(cfg, i), tokens)
-    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp), ends),
+    again_moe = sum(v for i, v in again.items() if is_moe_layer(cfg, i))
+    out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp,
+                                     n_full_moe, again_moe), ends),
            "pp": _pp_comm(lay, act_msg, r),
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
@@ -220,11 +222,18 @@ def plan_dp_entry(cfg: Config, lay: Layout) -> dict:
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0,
-             fp8: tuple = (0.0, 0.0, 0.0, 0)) -> dict:
+             fp8: tuple = (0.0, 0.0, 0.0, 0), n_full_moe: int = 0, again_moe: int = 0) -> dict:
     """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
     split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
     bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
-    (resolve/fp8_blocks.py tp_comm_delta)."""
+    (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among the
+    recomputed ones and their second reruns.
+
+    A recomputed layer's forward rerun moves its collectives again: a dense layer's two pairs
+    (attention, FFN) under SP, two all-reduces without; an MoE layer's attention pair and its
+    block's input all-gather (half a pair, in autocast's fp32 stream: ``moe_pair``) under SP, the
+    attention's all-reduce alone without. Until 7 Dec an MoE layer's rerun was counted as a dense
+    one's: tiny-moe at tp 2 with full recompute read tp 0.917 of the rehearsal in fp32."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
@@ -236,22 +245,27 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # grad (its input grad is a local slice): one pair's volume, not two
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
-        pairs = 4 * n_dense + (2 + moe_pair) * n_moe + 2 * n_full + (2 * n_dense + n_moe) / 2
-        e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + 2 * again, lay.tp)
+        rerun = 1 + moe_pair / 2  # an MoE layer's rerun, in pairs
+        pairs = (4 * n_dense + (2 + moe_pair) * n_moe + 2 * (n_full - n_full_moe) + rerun * n_full_moe
+                 + (2 * n_dense + n_moe) / 2)
+        twice = 2 * (again - again_moe) + rerun * again_moe
+        e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + twice, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
-        e["bytes_per_step"] = int(act_msg * ((pairs + fp8[1]) * mm + 2 * again))
+        e["bytes_per_step"] = int(act_msg * ((pairs + fp8[1]) * mm + twice))
         if fp8[3]:  # the amax all-reduces (rowwise, tensorwise)
             e["count_per_step"] += fp8[3] * mm
             e["bytes_per_step"] += int(fp8[2] * mm)
-        return with_reruns(e, 2 * again, act_msg * 2 * again)
+        return with_reruns(e, twice, act_msg * twice)
     if lay.tp > 1:
         # an MoE block without SP sees the replicated stream: only its attention all-reduces
-        e = entry("all-reduce", act_msg, (4 * n_dense + 2 * n_moe + 2 * n_full) * mm + 2 * again, lay.tp)
+        twice = 2 * (again - again_moe) + again_moe
+        e = entry("all-reduce", act_msg,
+                  (4 * n_dense + 2 * n_moe + 2 * (n_full - n_full_moe) + n_full_moe) * mm + twice, lay.tp)
         if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, the amax all-reduces
             e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
             e["count_per_step"] += fp8[3] * mm
-        return with_reruns(e, 2 * again, act_msg * 2 * again)
+        return with_reruns(e, twice, act_msg * twice)
     return entry("none", 0, 0, 1)
 
 
@@ -342,10 +356,12 @@ def _dp_comm(lay: Layout, dense: float, expert: float, n_layers: int, fp8_params
     if d == 1:
         return entry("none", 0, 0, 1)
     # expert grads are reduced over the dp·cp/ep expert-data ranks only: nothing when that is
-    # one rank; ZeRO-1 never broadcasts them (each rank steps its own experts)
+    # one rank; ZeRO-1 broadcasts them only without ep: under ep each rank steps its own experts,
+    # at ep 1 they are dealt out over dp·cp with the rest (parallel/data.py ZeroOneOptimizer: tiny-moe dp 2 broadcast
+    # every weight, 7 Dec; the plan had counted the dense ones only, dp 1.75 of the rehearsal)
     d_exp = d // max(lay.ep, 1)
     n = dense + (expert if d_exp > 1 else 0)
-    n_bcast = dense
+    n_bcast = dense + (expert if lay.ep == 1 else 0)
     ring = (d - 1) / d
     if lay.zero == 0:
         e = entry("all-reduce", n * gb, 1, d)
