@@ -198,6 +198,12 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     t.add_row("microbatches per pipeline (m)", str(d["microbatches"]))
     t.add_row("pipeline bubble", f"{d['bubble_fraction']:.4f}")
     t.add_row("FLOPs per token", f"{d['flops_per_token']:.4g}")
+    if d.get("optimizer_step"):  # train.optimizer=muon (resolve/cost/optimizer_step.py), apart from the model FLOPs
+        o = d["optimizer_step"]
+        moves = ", ".join(f"{ax} {_bytes(b)}" for ax, b in sorted(o["comm_bytes"].items())) or "none"
+        t.add_row("Muon's step, busiest device (pp/dp/tp place)",
+                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} "
+                  f"({o['pp_rank']}/{o['dp_index']}/{o['tp_index']})")
     t.add_row("tokens per step", f"{d['tokens_per_step']:,}")
     t.add_row("padded vocab", str(d["padded_vocab_size"]))
     t.add_row("layers per pipeline chunk", ", ".join(str(len(s)) for s in d["stage_layers"]))
@@ -244,6 +250,8 @@ def _time_rows(t: Any, d: dict, cfg: Any) -> None:
         return
     dev = device_label(cfg.cluster.name, d.get("gpu"))
     t.add_row("predicted step time", f"{d['step_time_s']:.3g} s")
+    if d.get("optimizer_s") is not None:  # train.optimizer=muon: its step's seconds, part of the step time
+        t.add_row("of which Muon's optimizer step", f"{d['optimizer_s']:.3g} s")
     if d.get("fp8_gain") is not None:  # train.precision=fp8: the split by precision (resolve/cost/fp8_time.py)
         s = d["step_time_by_precision"]
         t.add_row("step time by precision (busiest rank)",

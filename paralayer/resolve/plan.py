@@ -210,6 +210,12 @@ def resolve(cfg: Config, *, weigh_v: bool = True) -> Plan:
 
     if cfg.train.precision == "fp8":  # which GEMMs run in FP8 (the time model still counts them bf16)
         plan.extra["fp8"] = plan_section(cfg, lay)
+    if plan.valid and getattr(cfg.train, "optimizer", "adamw") == "muon":
+        # Muon's own step (Newton-Schulz FLOPs, the owners' moves) on its busiest device, apart from
+        # flops_per_token and comm (model FLOPs, MFU): resolve/cost/optimizer_step.py
+        from paralayer.resolve.cost.optimizer_step import plan_section as muon_section
+
+        plan.extra["optimizer_step"] = muon_section(cfg, lay)
     if plan.valid and lay.device != "cpu":
         # the calibrated GPU time model (resolve/cost/step_time.py): step_time_s, tokens_per_s, mfu and
         # the time and device-hours to train on train.tokens (or train.steps)
