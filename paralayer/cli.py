@@ -198,12 +198,6 @@ def print_plan(plan: Any, cfg: Any, console: Any = None) -> None:
     t.add_row("microbatches per pipeline (m)", str(d["microbatches"]))
     t.add_row("pipeline bubble", f"{d['bubble_fraction']:.4f}")
     t.add_row("FLOPs per token", f"{d['flops_per_token']:.4g}")
-    if d.get("optimizer_step"):  # train.optimizer=muon (resolve/cost/optimizer_step.py), apart from the model FLOPs
-        o = d["optimizer_step"]
-        moves = ", ".join(f"{ax} {_bytes(b)}" for ax, b in sorted(o["comm_bytes"].items())) or "none"
-        t.add_row("Muon's step, busiest device (pp/dp/tp place)",
-                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} "
-                  f"({o['pp_rank']}/{o['dp_index']}/{o['tp_index']})")
     t.add_row("tokens per step", f"{d['tokens_per_step']:,}")
     t.add_row("padded vocab", str(d["padded_vocab_size"]))
     t.add_row("layers per pipeline chunk", ", ".join(str(len(s)) for s in d["stage_layers"]))
@@ -245,7 +239,13 @@ def device_label(profile: str, calibrated: Optional[str]) -> str:
 
 
 def _time_rows(t: Any, d: dict, cfg: Any) -> None:
-    """The calibrated GPU time model's prediction (resolve/cost/step_time.py), when the plan has one."""
+    """Muon's step (CPU plans too), then the calibrated GPU time model's prediction
+    (resolve/cost/step_time.py), when the plan has one."""
+    if d.get("optimizer_step"):  # train.optimizer=muon (resolve/cost/optimizer_step.py), apart from the model FLOPs
+        o = d["optimizer_step"]
+        moves = ", ".join(f"{ax} {_bytes(b)}" for ax, b in sorted(o["comm_bytes"].items())) or "none"
+        t.add_row("Muon's step, busiest device (pp/dp/tp place)",
+                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} ({o['pp_rank']}/{o['dp_index']}/{o['tp_index']})")
     if d.get("step_time_s") is None:
         return
     dev = device_label(cfg.cluster.name, d.get("gpu"))
