@@ -244,8 +244,9 @@ def _time_rows(t: Any, d: dict, cfg: Any) -> None:
     if d.get("optimizer_step"):  # train.optimizer=muon (resolve/cost/optimizer_step.py), apart from the model FLOPs
         o = d["optimizer_step"]
         moves = ", ".join(f"{ax} {_bytes(b)}" for ax, b in sorted(o["comm_bytes"].items())) or "none"
+        where = f"{o['pp_rank']}/{o['dp_index']}/{o['tp_index']}"
         t.add_row("Muon's step, busiest device (pp/dp/tp place)",
-                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} ({o['pp_rank']}/{o['dp_index']}/{o['tp_index']})")
+                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} ({where})")
     if d.get("step_time_s") is None:
         return
     dev = device_label(cfg.cluster.name, d.get("gpu"))
