@@ -239,11 +239,20 @@ def device_label(profile: str, calibrated: Optional[str]) -> str:
 
 
 def _time_rows(t: Any, d: dict, cfg: Any) -> None:
-    """The calibrated GPU time model's prediction (resolve/cost/step_time.py), when the plan has one."""
+    """Muon's step (CPU plans too), then the calibrated GPU time model's prediction
+    (resolve/cost/step_time.py), when the plan has one."""
+    if d.get("optimizer_step"):  # train.optimizer=muon (resolve/cost/optimizer_step.py), apart from the model FLOPs
+        o = d["optimizer_step"]
+        moves = ", ".join(f"{ax} {_bytes(b)}" for ax, b in sorted(o["comm_bytes"].items())) or "none"
+        where = f"{o['pp_rank']}/{o['dp_index']}/{o['tp_index']}"
+        t.add_row("Muon's step, busiest device (pp/dp/tp place)",
+                  f"{o['flops']:.4g} Newton-Schulz FLOPs, moves {moves} ({where})")
     if d.get("step_time_s") is None:
         return
     dev = device_label(cfg.cluster.name, d.get("gpu"))
     t.add_row("predicted step time", f"{d['step_time_s']:.3g} s")
+    if d.get("optimizer_s") is not None:  # train.optimizer=muon: its step's seconds, part of the step time
+        t.add_row("of which Muon's optimizer step", f"{d['optimizer_s']:.3g} s")
     if d.get("fp8_gain") is not None:  # train.precision=fp8: the split by precision (resolve/cost/fp8_time.py)
         s = d["step_time_by_precision"]
         t.add_row("step time by precision (busiest rank)",

@@ -215,18 +215,72 @@ def test_plan_counts_one_momentum_buffer_per_muon_parameter(recipe):
 
 
 @pytest.mark.timeout(300)
-def test_rehearsal_holds_the_plans_muon_states():
-    """The runtime's states on fake tensors (--rehearse) equal the plan's, ep2 · ZeRO-3 on the tiny MoE."""
+def test_rehearsal_holds_the_plans_muon_states(monkeypatch):
+    """The runtime's states, Newton-Schulz FLOPs and owners' moves on fake tensors (--rehearse) are the
+    plan's for each rank (resolve/cost/optimizer_step.py ``rank_step`` joins plan_flops and plan_comm),
+    ep2 · ZeRO-3 on the tiny MoE (the dense rows' two all-to-alls, the experts' local Newton-Schulz);
+    the plan with a Newton-Schulz step fewer, or without the moves, disagrees with the same ranks."""
     import subprocess
     import sys
 
+    from paralayer.config import load_config
+    from paralayer.rehearse import driver
+    from paralayer.resolve.cost import optimizer_step
+    from paralayer.resolve.plan import resolve
+
+    ov = ["recipe=tiny-moe", "parallel.zero=3", "train.optimizer=muon"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "launch.py", "recipe=tiny-moe", "parallel.zero=3", "train.optimizer=muon",
-                        "--rehearse", "--json"], cwd=root, capture_output=True, text=True, timeout=280)
+    r = subprocess.run([sys.executable, "launch.py", *ov, "--rehearse", "--json"], cwd=root, capture_output=True,
+                       text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-2000:]
     ranks = json.loads(r.stdout)["ranks"]
     held = [(x["memory_bytes"]["optimizer"], x["plan_memory_bytes"]["optimizer"]) for x in ranks]
     assert held and all(got == plan > 0 for got, plan in held), held
+    for x in ranks:
+        step = x["plan_optimizer_step"]
+        assert step["flops"] > 0 and step["comm_bytes"], step
+        assert _close(x), (x["rank"], x["ratios"])
+    plan = resolve(load_config(ov)).to_dict()
+    four, _ = driver.rehearsal_config(load_config(ov + ["train.muon.ns_steps=4"]), plan)
+    assert not any(driver.beside_the_plan(four, plan, x)["agrees"]["flops"] for x in ranks)
+    cfg_run, _ = driver.rehearsal_config(load_config(ov), plan)
+    good = optimizer_step.rank_step
+    monkeypatch.setattr(optimizer_step, "rank_step", lambda *a: {**good(*a), "collectives": []})
+    assert not any(_close(driver.beside_the_plan(cfg_run, plan, x)) for x in ranks)
+
+
+def _close(rank: dict, tol: float = 1e-3) -> bool:
+    """FLOPs and every axis's bytes within ``tol`` of the plan's: tighter than the rehearsal's 2% and 5%
+    (they agree to 3e-5 here), so that moves of 4.8% of the ep axis's bytes cannot hide in them."""
+    ratios = [rank["ratios"]["flops"], *rank["ratios"]["comm"].values()]
+    return all(r is not None and abs(r - 1) <= tol for r in ratios)
+
+
+@pytest.mark.timeout(300)
+def test_rehearsed_zero1_share_is_the_plans_exact_share(monkeypatch):
+    """ZeRO-1 over 3 data ranks deals whole parameters unevenly: rank 2's share holds more of Muon's
+    matrices (823,132,160 Newton-Schulz FLOPs, the others 710,410,240). Its rehearsed optimizer bytes
+    and FLOPs are the plan's for that share (optimizer_step.zero1_owners, memory/muon_states.py);
+    a plan that deals the matrices otherwise (all to rank 0) disagrees."""
+    from paralayer import rehearse as R
+    from paralayer.config import load_config
+    from paralayer.rehearse import driver
+    from paralayer.resolve import rules
+    from paralayer.resolve.cost import optimizer_step
+    from paralayer.resolve.plan import resolve
+
+    cfg = load_config(["recipe=tiny", "parallel.tp=1", "parallel.dp=3", "train.global_batch=24", "parallel.zero=1",
+                       "train.optimizer=muon"])
+    plan = resolve(cfg).to_dict()
+    out = R.rehearse(cfg, plan, [2])
+    x = out["ranks"][0]
+    assert out["ok"] and x["agrees"]["optimizer"] and x["agrees"]["flops"] and x["agrees"]["comm"], x["ratios"]
+    assert x["plan_optimizer_step"]["flops"] > optimizer_step.rank_step(cfg, rules.check(cfg), 0, 0)["flops"]
+    good = optimizer_step.zero1_owners
+    monkeypatch.setattr(optimizer_step, "zero1_owners", lambda *a: [0 for _ in good(*a)])
+    cfg_run, _ = driver.rehearsal_config(cfg, plan)
+    bad = driver.beside_the_plan(cfg_run, plan, x)
+    assert not bad["agrees"]["flops"] and not bad["agrees"]["optimizer"], bad["ratios"]
 
 
 # ------------------------------------------------------------------ the plan's time and the ranking

@@ -281,6 +281,8 @@ def test_rehearsal_holds_the_plans_qk_clip_buffers_and_a_plan_without_them_fails
     assert plan["memory_per_device_bytes"]["optimizer"] - muon_only["memory_per_device_bytes"]["optimizer"] == buffers
     out = R.rehearse(cfg, plan, [0])
     check_clip_states(out, plan)
+    for r in out["ranks"]:  # and Muon's Newton-Schulz FLOPs and moves (tp's rows, MLA's, MTP's) are the plan's
+        assert r["agrees"]["flops"] and r["agrees"]["comm"] and r["plan_optimizer_step"]["flops"] > 0, r["ratios"]
     monkeypatch.setattr(muon_states, "qk_clip_bytes", lambda *a: 0)
     _, planted = _plan(HELD[kind] + MUONCLIP)
     with pytest.raises(AssertionError):

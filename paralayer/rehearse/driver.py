@@ -120,10 +120,14 @@ def rehearsal_config(cfg: Config, plan: dict) -> tuple[Config, int]:
 
 
 # ------------------------------------------------------------------ the plan's figures per rank
-def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | None = None) -> dict:
+def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | None = None,
+                 tp_index: int = 0) -> dict:
     """What the resolver predicts for one device of pipeline rank ``pp_rank`` (torch-free);
     ``dp_index`` (its place in dp·cp) picks its exact ZeRO-1 share (resolve/memory/zero1.py), ``cp_index``
-    its cp ring's sends and core blocks (a window's differ per cp rank; None: the busiest's)."""
+    its cp ring's sends and core blocks (a window's differ per cp rank; None: the busiest's). Under
+    Muon its optimizer step (resolve/cost/optimizer_step.py ``rank_step``: the Newton-Schulz of the
+    matrices this device owns, at ``dp_index`` and ``tp_index``, and the owners' moves) joins
+    ``plan_flops`` and ``plan_comm``, and stands alone in ``plan_optimizer_step``."""
     from paralayer.resolve import cost, memory, rules
     from paralayer.resolve.memory import zero1
 
@@ -134,10 +138,18 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | N
         dense, expert, _ = memory.rank_params(cfg, lay, pp_rank)
         mine = zero1.share(zero1.dense_sizes(cfg, lay, pp_rank), d, dp_index)
         kept = expert if lay.ep > 1 else 0.0  # under ep each rank steps its own experts
-        o = int(memory.state_bytes(mine * d, kept, d, max(d // max(lay.ep, 1), 1), 1, lay.pp,
-                                   lay.precision, lay.schedule)[2])
+        o = memory.state_bytes(mine * d, kept, d, max(d // max(lay.ep, 1), 1), 1, lay.pp, lay.precision,
+                               lay.schedule)[2]
+        if cfg.train.optimizer == "muon":  # one momentum for the share's Muon matrices (memory/muon_states.py)
+            from paralayer.resolve.cost.optimizer_step import zero1_muon_elements
+            from paralayer.resolve.memory import muon_states
+
+            split = (zero1_muon_elements(cfg, lay, pp_rank, dp_index) * d, kept,
+                     muon_states.qk_clip_bytes(cfg, lay, pp_rank))
+            o = muon_states.optimizer_bytes(o, split, lay, 1)
+        o = int(o)
     comm = cost.comm(cfg, lay, pp_rank, cp_rank=cp_index)
-    return {
+    out = {
         "plan_memory_bytes": {"params": p, "grads": g, "optimizer": o, "activations": a, "total": p + g + o + a},
         "plan_comm": {ax: int(e["bytes_per_step"]) for ax, e in comm.items() if e["bytes_per_step"]},
         "plan_flops": float(cost.rank_flops(cfg, lay, pp_rank, cp_rank=cp_index)),
@@ -148,6 +160,22 @@ def plan_figures(cfg: Config, pp_rank: int, dp_index: int = 0, cp_index: int | N
         # rings (cp's K/V, tp_overlap's fused chunks) are counted by their sends
         "plan_comm_sends_only": [ax for ax, e in comm.items() if "ring" in e["collective"]],
     }
+    if cfg.train.optimizer == "muon":
+        from paralayer.resolve.cost.optimizer_step import rank_step
+
+        step = rank_step(cfg, lay, pp_rank, dp_index, tp_index)
+        moved: dict = {}
+        for row in step["collectives"]:  # in bytes_per_axis's convention: a pair axis's gathers count half
+            half = row["axis"] in out["plan_comm_pairs"] and row["kind"] == "all-gather"
+            # ep over all of dp·cp is dp·cp's process group: its all-to-alls read as ep's (rehearse/comm.py)
+            ax = "ep" if row["axis"] == "dp" and row["kind"] == "all-to-all" and lay.ep == d > 1 else row["axis"]
+            moved[ax] = moved.get(ax, 0) + row["message_bytes"] * row["count"] * (0.5 if half else 1)
+        out["plan_optimizer_step"] = {"flops": step["flops"], "comm_bytes": {ax: int(b) for ax, b in moved.items()}}
+        out["plan_flops"] += step["flops"]
+        for ax, b in moved.items():
+            if b:
+                out["plan_comm"][ax] = out["plan_comm"].get(ax, 0) + int(b)
+    return out
 
 
 def _ratio(measured: float, planned: float) -> Optional[float]:
@@ -275,7 +303,7 @@ def beside_the_plan(cfg_run: Config, plan: dict, res: dict) -> dict:
     judge one set of measured ranks against a changed plan without stepping them again."""
     c = res["coords"]
     res = {**res, **plan_figures(cfg_run, int(c["pp"]), int(c["dp"]) * int(plan["degrees"]["cp"]) + int(c["cp"]),
-                                 int(c["cp"]))}
+                                 int(c["cp"]), int(c["tp"]))}
     res.update(compare(res))
     return res
 

@@ -144,6 +144,20 @@ def _notes(cfg: Config, lay, mem) -> list[str]:
     return notes
 
 
+def _sections(cfg: Config, lay: Layout, plan: Plan) -> None:
+    """The plan's optional sections: ``fp8``, which GEMMs run in FP8 (the time model still counts them
+    bf16); ``optimizer_step``, Muon's own step (Newton-Schulz FLOPs, the owners' moves) on its busiest
+    device, apart from flops_per_token and comm (model FLOPs, MFU): resolve/cost/optimizer_step.py."""
+    from paralayer.resolve.fp8 import plan_section
+
+    if cfg.train.precision == "fp8":
+        plan.extra["fp8"] = plan_section(cfg, lay)
+    if plan.valid and getattr(cfg.train, "optimizer", "adamw") == "muon":
+        from paralayer.resolve.cost.optimizer_step import plan_section as muon_section
+
+        plan.extra["optimizer_step"] = muon_section(cfg, lay)
+
+
 def resolve(cfg: Config, *, weigh_v: bool = True) -> Plan:
     """Config → Plan. Never raises for a bad layout: problems land in ``errors``. ``weigh_v``: under a
     V schedule, also time the lighter-end splits (``balanced_v``); False for the resolves that time
@@ -206,10 +220,7 @@ def resolve(cfg: Config, *, weigh_v: bool = True) -> Plan:
         from paralayer.resolve.memory.saved_parts import largest_saved
 
         plan.extra["activations_by_tensor"] = largest_saved(cfg, lay, mem.stage)
-    from paralayer.resolve.fp8 import plan_section
-
-    if cfg.train.precision == "fp8":  # which GEMMs run in FP8 (the time model still counts them bf16)
-        plan.extra["fp8"] = plan_section(cfg, lay)
+    _sections(cfg, lay, plan)  # fp8 (which GEMMs run in FP8), optimizer_step (Muon's)
     if plan.valid and lay.device != "cpu":
         # the calibrated GPU time model (resolve/cost/step_time.py): step_time_s, tokens_per_s, mfu and
         # the time and device-hours to train on train.tokens (or train.steps)

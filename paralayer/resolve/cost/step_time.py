@@ -378,6 +378,8 @@ def plan_timing(cfg: Config, plan, calibration: Optional[dict] = None) -> dict:
     out = {"step_time_s": t["step_time_s"], "tokens_per_s": t["tokens_per_s"],
            "mfu": t["mfu"] if plan.peak_tflops_given else None, "gpu": mach.gpu,
            "calibration": "GPU_CALIBRATION (benchmarks/calibrate_gpu.py)"}
+    if cfg.train.optimizer == "muon":  # Muon's step (cost/optimizer_step.py), beside the plan's optimizer_step
+        out["optimizer_s"] = t["optimizer_s"]
     for key in ("bf16_step_time_s", "fp8_gain", "step_time_by_precision"):  # train.precision=fp8 only
         if key in t:
             out[key] = t[key]
