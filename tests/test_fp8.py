@@ -181,6 +181,9 @@ LAYOUTS = {
     # the experts' GEMMs in FP8, once per sending rank (model/moe.py); dropless top-2 of 4
     "ep2": (["parallel.dp=2", "parallel.ep=2"], ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0"]),
     # the same over 2 one-rank nodes, sent by node (parallel/expert_node.py): each token rank's rows apart
+    # ep with tp: each tp rank's MoE block takes the gathered micro-batch; rowwise only (PAIRS)
+    "ep2-tp2": (["parallel.dp=2", "parallel.tp=2", "parallel.ep=2"],
+                ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0"]),
     "ep2-by-node": (["parallel.dp=2", "parallel.ep=2", "cluster.devices_per_node=1", "cluster.nodes=2",
                      "parallel.ep_dispatch=node"], ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0"]),
 }
@@ -229,11 +232,14 @@ def _blockwise_steps(name: str) -> list:
 
 
 def _world(layout: list) -> int:
-    return 4 if "parallel.cp=2" in layout and "parallel.tp=2" in layout else 2
+    return 4 if "parallel.tp=2" in layout and ("parallel.cp=2" in layout or "parallel.dp=2" in layout) else 2
 
 
-#: tensorwise under tp and cp together is refused by the resolver (test_bad_fp8_input_exits_2_with_one_line)
-PAIRS = [(r, n) for r in ("tensorwise", "rowwise") for n in LAYOUTS if (r, n) != ("tensorwise", "tp2-cp2")]
+#: tensorwise under tp and cp together is refused by the resolver (test_bad_fp8_input_exits_2_with_one_line);
+#: tensorwise ep2-tp2 is built but 7.3e-5 off one process in grad norm at step 1 at this seed, as the
+#: MoE cp2 run (docs/context-parallel.md)
+PAIRS = [(r, n) for r in ("tensorwise", "rowwise") for n in LAYOUTS
+         if r == "rowwise" or n not in ("tp2-cp2", "ep2-tp2")]
 #: every layout run of the module: (model keys, layout, plant) by case name; the planted ones below
 CASES = {**{f"{n}-{r}": ([f"train.fp8.recipe={r}"] + LAYOUTS[n][1], LAYOUTS[n][0], None) for r, n in PAIRS},
          **{f"blockwise-{n}": (BLOCKWISE + LAYOUTS[n][1], LAYOUTS[n][0] + _blockwise_steps(n), None)
@@ -378,22 +384,90 @@ def _cp_rowwise_wgrad(rank, world, mesh, plant):
         [float((got[2] - ref[2]).norm() / ref[2].norm())]
 
 
-def _cp_rowwise_good_and_planted(rank, world):
-    """:func:`_cp_rowwise_wgrad` as it is, then planted, in turn in one world (one cp mesh)."""
+def _cp_moe(rank, world, mesh, recipe: str, ep: bool, plant: bool) -> list[float]:
+    """One MoE block (4 experts, top-2, dropless), FP8 experts: one process on a whole sequence, then
+    each cp rank on its zigzag shard, at ep=1 (the experts' amax over cp: ExpertMatmul's token_mesh)
+    or ep2 over the two cp ranks (an expert's GEMM once over both senders' rows: moe ``ep_cp``);
+    the outliers of :func:`_cp_rowwise_wgrad`. ``plant``: each cp rank's amax of its own rows (ep=1),
+    each sender's rows apart (ep2). Returns the relative errors of y, dx, the experts' weight grads."""
+    from paralayer.model import moe as moe_mod
+    from paralayer.parallel.context.zigzag import zigzag_shard
+    from paralayer.parallel.expert import apply_expert_parallel
+
+    g = torch.Generator().manual_seed(1)
+    big = torch.ones(32).index_fill(0, zigzag_shard(torch.arange(32), 0, world, 0), 2.0 ** 16)
+    x = torch.randn(1, 32, 64, generator=g) * big[:, None] / 2 ** 8
+    dy = torch.randn(1, 32, 64, generator=g) * 2 ** 8 / big[:, None]
+    config = f8.recipe_config(recipe, True)
+    ref = moe_mod.MoEFeedForward(64, 64, 4, 2, None)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    part = copy.deepcopy(ref)
+    ref.expert_mm = f8.ExpertMatmul(config)
+    ref_x = x.clone().requires_grad_()
+    ref_y = ref(ref_x)
+    ref_y.backward(dy)
+    if ep:
+        apply_expert_parallel(part, mesh.get_group())
+        part.ep_cp = world
+    part.expert_mm = f8.ExpertMatmul(config, None if ep or plant else mesh)
+    kept = moe_mod._by_batch
+    if plant and ep:
+        moe_mod._by_batch = lambda counts, peers: [c for c in counts if c]
+    try:
+        xs = zigzag_shard(x, 1, world, rank).requires_grad_()
+        y = part(xs)
+        y.backward(zigzag_shard(dy, 1, world, rank))
+    finally:
+        moe_mod._by_batch = kept
+    errs = [float((a - zigzag_shard(b, 1, world, rank)).norm() / b.norm())
+            for a, b in ((y, ref_y), (xs.grad, ref_x.grad))]
+    lo, n = part.expert_offset, part.num_local_experts
+    for name in ("w1", "w2", "w3"):
+        got, want = getattr(part, name).grad, getattr(ref, name).grad[lo:lo + n]
+        if not ep:
+            torch.distributed.all_reduce(got)
+        errs.append(float((got - want).norm() / want.norm()))
+    return errs
+
+
+def _cp_scales_world(rank, world):
+    """In one world (one cp mesh): :func:`_cp_rowwise_wgrad` as it is and planted, then
+    :func:`_cp_moe` for each recipe, ep=1 and ep2, as it is and planted."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    return [_cp_rowwise_wgrad(rank, world, mesh, plant) for plant in (False, True)]
+    cases = [(r, ep, p) for r in ("tensorwise", "rowwise") for ep in (0, 1) for p in (0, 1)]
+    return [_cp_rowwise_wgrad(rank, world, mesh, p) for p in (0, 1)], {k: _cp_moe(rank, world, mesh, *k) for k in cases}
 
 
-def test_rowwise_weight_gradient_scales_span_every_cp_rank():
+@pytest.fixture(scope="module")
+def cp_scales():
+    """:func:`_cp_scales_world`'s results by rank."""
+    return run_ranks(_cp_scales_world, 2, timeout_s=120)
+
+
+def test_moe_experts_under_cp_scale_as_one_process(cp_scales):
+    """The experts' FP8 GEMMs under cp (issue 44): at ep=1 each cp rank casts its rows of an expert
+    with one process's scales of the whole sequence's rows (tensorwise: input and output gradient;
+    rowwise: the weight gradient's operands, per column along the tokens), at ep2 over the cp ranks
+    an expert runs one GEMM over the micro-batch's rows: output, input and expert weight gradients
+    equal one process's. Planted (each cp rank's amax, each sender apart): they miss."""
+    for key in [k for k in cp_scales[0][1] if not k[2]]:
+        good, bad = [r[1][key] for r in cp_scales], [r[1][key[:2] + (1,)] for r in cp_scales]
+        assert max(map(max, good)) < 1e-6, (key, good)
+        assert max(map(max, bad)) > 1e-2, (key, bad)
+
+
+def test_rowwise_weight_gradient_scales_span_every_cp_rank(cp_scales):
     """Under cp each rank casts the weight gradient's operands with one process's per-column scale
     (the amax over both ranks' tokens): the weight gradient equals one process's. Planted: each
     rank's amax of its own tokens, which keeps the small tokens that one process rounds into e4m3's
     subnormals; it misses. (At init std 0.2 with no outliers the plant does not move the 4-step
     layout run at all: rowwise's scales are powers of 2, so a shard's scale changes only values in
     the subnormals; LAYOUTS' cp2 checks the run, this checks the scale.)"""
-    good, bad = zip(*run_ranks(_cp_rowwise_good_and_planted, 2, timeout_s=120))
+    good, bad = zip(*[r[0] for r in cp_scales])
     assert all(max(r) < 1e-6 for r in good), good
     assert all(max(r[:2]) < 1e-6 for r in bad) and min(r[2] for r in bad) > 1e-2, bad
 
@@ -404,12 +478,14 @@ def test_rowwise_weight_gradient_scales_span_every_cp_rank():
     (["cluster=a100-80gb-8x"], "train.precision", "valid: fp32, bf16"),
     (["parallel.tp=4", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=96", "parallel.dp=1"],
      "train.precision", "multiples of 16"),
-    (["model.moe.num_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.cp=2"], "train.precision",
-     "parallel.ep=1"),
+    (["model.moe.num_experts=4", "parallel.ep=2", "parallel.cp=4"], "train.precision",
+     "parallel.ep a multiple of parallel.cp"),
+    (["model.moe.num_experts=4", "parallel.ep=2", "parallel.tp=2", "parallel.cp=2", "train.fp8.recipe=rowwise"],
+     "train.precision", "valid: parallel.ep=1, or tp=1, or cp=1"),
     (["train.fp8.recipe=blockwise"], "train.precision", "multiples of 128"),
     (["parallel.tp=2", "parallel.cp=2"], "train.precision", "train.fp8.recipe=rowwise"),
-    (["model.moe.num_experts=4", "parallel.cp=2", "train.fp8.recipe=rowwise"], "train.precision",
-     "covering the MoE blocks"),
+    (["model.moe.num_experts=4", "parallel.cp=2", "train.fp8.recipe=blockwise"], "train.fp8.recipe",
+     "not built for the MoE experts"),
     (["train.fp8.base_precision=fp16"], "train.fp8.base_precision", "auto, bf16, fp32"),
 ])
 def test_bad_fp8_input_exits_2_with_one_line(extra, field, words, capsys):

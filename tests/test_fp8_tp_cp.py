@@ -21,7 +21,12 @@ CASES = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
          "cp2": ["parallel.tp=1", "parallel.cp=2"],
          "cp2-rowwise": ["parallel.tp=1", "parallel.cp=2", "train.fp8.recipe=rowwise"],
          "tp2-cp2-rowwise": ["parallel.tp=2", "parallel.cp=2", "train.fp8.recipe=rowwise", "train.global_batch=8"]}
-CP_CASES = [n for n in CASES if "cp2" in n]
+#: MoE blocks under cp (issue 44: the experts' amaxes over cp at ep=1): their cp bytes, and rowwise's
+#: ring set; one rehearsal of 2 blocks (tensorwise and ep2 · cp2 measured to the byte too, not run
+#: here: docs/planner.md; an MoE block's tensorwise activations under cp keep the base rules)
+MOE_CASES = {"cp2-moe-rowwise": CASES["cp2-rowwise"] + ["model.moe.num_experts=4", "model.moe.ffn_hidden=128",
+                                                        "model.n_layers=2"]}
+CP_CASES = [n for n in CASES if "cp2" in n] + list(MOE_CASES)
 TOL = 0.02
 
 
@@ -34,7 +39,7 @@ _replanned = replanned
 
 @pytest.fixture(scope="module")
 def rehearsed() -> dict:
-    return rehearse_cases(BASE, CASES)
+    return rehearse_cases(BASE, {**CASES, **MOE_CASES})
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -81,11 +86,14 @@ def test_cp_bytes_to_the_byte_with_the_amax_all_reduces(rehearsed, monkeypatch, 
     """The cp bytes hold the ring and the FP8 scales' amax all-reduces over cp (rowwise: K + N
     values per weight gradient; tensorwise: one per input and output gradient): the plan counts
     them to the byte; left out (the planted error) it misses (tensorwise by 112 bytes, rowwise by
-    0.9% and 1.2%, inside the 2% the other checks allow)."""
+    0.9% and 1.2%, inside the 2% the other checks allow). MoE blocks: the experts' amaxes too at
+    ep=1 (the routed rows' w1 and w3 inputs in fp32 under autocast), none at ep2."""
     case = rehearsed[name]
     cfg, _, r = case
     assert cfg.train.fp8.recipe == ("rowwise" if "rowwise" in name else "tensorwise")
-    assert any(c["axis"] == "cp" and c["kind"] == "all-reduce" for c in r["collectives"])
+    reduces = sum(c["count"] for c in r["collectives"] if c["axis"] == "cp" and c["kind"] == "all-reduce")
+    # 2 MoE blocks, one microbatch: the attention's 4 GEMMs and the experts' 4 x 3, two amaxes each
+    assert reduces == {"cp2-moe-rowwise": 64}.get(name, reduces) > 0
     assert _cp_off(_replanned(case)) < 1e-9
     monkeypatch.setattr(fp8_blocks, "cp_amax", lambda *a: (0.0, 0))
     assert _cp_off(_replanned(case)) > 1e-6

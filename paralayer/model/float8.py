@@ -17,9 +17,11 @@ Recipes (``recipe_config``):
   amaxes; also right after a resume). Under cp each rank holds part of every sequence: the casts of
   the input and of the output gradient take their amax over the cp group (:class:`Fp8Linear`; under
   tp as well, the DTensor's amax, already whole over tp, then over cp: :func:`_amax`).
-  Under ep an expert receives the rows of every ep rank's micro-batch; model/moe.py runs its FP8
-  GEMMs once per sending rank, so that every scale spanning tokens (any recipe's weight-gradient
-  casts, tensorwise's input and output-gradient ones) covers one micro-batch, as one process's does.
+  The MoE experts' GEMMs (:class:`ExpertMatmul`) under cp at ep=1 take the same cp amaxes. Under
+  ep an expert receives the rows of every ep rank's micro-batch; model/moe.py runs its FP8 GEMMs
+  once per micro-batch (per sending rank; the cp ranks of one micro-batch together), so that every
+  scale spanning tokens (any recipe's weight-gradient casts, tensorwise's input and output-gradient
+  ones) covers one micro-batch, as one process's does.
 - rowwise: a scale per row of each GEMM operand (torchao's "rowwise" recipe, power-of-2 scales);
   the weight and activations are gathered in the base precision under FSDP. Under tp the casts run
   on DTensors: a row split over the tp ranks (row-parallel inputs, column-parallel output gradients
@@ -85,7 +87,14 @@ def _amax(t: torch.Tensor, mesh, granularity, axis) -> torch.Tensor:
     """``t``'s amax (whole, or along ``axis``), then its MAX over ``mesh`` (the cp ranks). Under tp
     ``t`` is a DTensor, whose amax DTensor reduces over tp; the cp reduce takes its local part and
     keeps its placements (a MAX of MAXes), which torchao's own reduce cannot (no DTensor rule)."""
-    amax = float8_utils.tensor_to_amax(t, False, None, granularity, axis)  # through the module: tests patch it
+    if t.numel() == 0 and mesh is not None and not isinstance(t, DTensor):
+        # an expert no token of this cp rank reached: it joins its peers' reduce with amax 0
+        shape = list(t.shape)
+        if granularity is ScalingGranularity.AXISWISE:
+            shape[axis] = 1
+        amax = t.new_zeros(shape if granularity is ScalingGranularity.AXISWISE else ())
+    else:
+        amax = float8_utils.tensor_to_amax(t, False, None, granularity, axis)  # through the module: tests patch it
     if mesh is None:
         return amax
     local = amax.to_local() if isinstance(amax, DTensor) else amax
@@ -194,26 +203,35 @@ class Fp8Linear(Float8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = autocast_input(x)
-        mesh = self.token_mesh
-        if mesh is None:
+        if self.token_mesh is None:
             return super().forward(x)
-        c = self.config
-        if c.cast_config_input_for_grad_weight.scaling_granularity is ScalingGranularity.AXISWISE:
-            return _TokenScaledMatmul.apply(x, self.weight.t(), self.linear_mm_config, c, mesh)
-        x = _cast(x, c.cast_config_input, -1, GemmInputRole.INPUT, self.linear_mm_config, c, mesh)
-        y = matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.linear_mm_config, c)
-        return _GradCast.apply(y, self.linear_mm_config, c.cast_config_grad_output.target_dtype, mesh)
+        return _token_scaled_mm(x, self.weight.t(), self.linear_mm_config, self.config, self.token_mesh)
+
+
+def _token_scaled_mm(x: torch.Tensor, w_t: torch.Tensor, mm_config, c: Float8LinearConfig, mesh) -> torch.Tensor:
+    """``x @ w_t`` with torchao's casts, each scale that spans tokens taken over ``mesh`` (the cp
+    ranks): rowwise the weight gradient's operands, tensorwise the input and the output gradient."""
+    if c.cast_config_input_for_grad_weight.scaling_granularity is ScalingGranularity.AXISWISE:
+        return _TokenScaledMatmul.apply(x, w_t, mm_config, c, mesh)
+    x = _cast(x, c.cast_config_input, -1, GemmInputRole.INPUT, mm_config, c, mesh)
+    y = matmul_with_hp_or_float8_args.apply(x, w_t, mm_config, c)
+    return _GradCast.apply(y, mm_config, c.cast_config_grad_output.target_dtype, mesh)
 
 
 class ExpertMatmul:
     """``rows @ w.t()`` for an expert's (out, in) weight slice, with the casts of a Float8Linear of
-    the same recipe (model/moe.py calls it per local expert; the scale of ``w`` is that expert's)."""
+    the same recipe (model/moe.py calls it per local expert; the scale of ``w`` is that expert's).
+    ``token_mesh`` (cp at ep=1): an expert's rows on a cp rank are its tokens of part of every
+    sequence, so the scales that span tokens are taken over the cp group, as :class:`Fp8Linear`'s
+    (model/moe.py then runs every expert on every cp rank, rows or none: the reduces must pair)."""
 
-    def __init__(self, config: Float8LinearConfig):
-        self.config = config
+    def __init__(self, config: Float8LinearConfig, token_mesh=None):
+        self.config, self.token_mesh = config, token_mesh
         self.mm_config = Fp8Linear(1, 1, bias=False, config=config, device="meta").linear_mm_config
 
     def __call__(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.token_mesh is not None:
+            return _token_scaled_mm(rows, w.t(), self.mm_config, self.config, self.token_mesh)
         return matmul_with_hp_or_float8_args.apply(rows, w.t(), self.mm_config, self.config)
 
 
@@ -300,11 +318,13 @@ def tp_styles(recipe: str, fp8_comm: bool) -> dict:
 
 
 def convert_blocks(chunk: nn.Module, recipe: str, layers: list[int], *, emulate: bool,
-                   fsdp_float8_all_gather: bool = False, token_mesh=None, fp8_comm: bool = True) -> int:
+                   fsdp_float8_all_gather: bool = False, token_mesh=None, fp8_comm: bool = True,
+                   expert_token_mesh=None) -> int:
     """Swap the GEMMs of ``chunk``'s blocks whose global index is in ``layers`` to FP8, in place, on
     the meta model (before tp, FSDP and materialisation). Returns the number of linears swapped.
     ``token_mesh``: the cp mesh (tensorwise scales over every cp rank's tokens); ``fp8_comm``: the
-    tp collectives may carry FP8 (NCCL; not gloo)."""
+    tp collectives may carry FP8 (NCCL; not gloo); ``expert_token_mesh``: the cp mesh for the MoE
+    experts' casts (ep=1; under ep an expert's rows come per sender, model/moe.py)."""
     config = None if recipe == "blockwise" else recipe_config(recipe, emulate, fsdp_float8_all_gather)
     wanted = set(layers)
     swapped = 0
@@ -324,7 +344,7 @@ def convert_blocks(chunk: nn.Module, recipe: str, layers: list[int], *, emulate:
                 swapped += 1
         ff = block.feed_forward
         if hasattr(ff, "expert_mm"):  # MoE: the experts' hand-written GEMMs
-            ff.expert_mm = blockwise_mm if config is None else ExpertMatmul(config)
+            ff.expert_mm = blockwise_mm if config is None else ExpertMatmul(config, expert_token_mesh)
         block.fp8_tp_styles = None if config is None else tp_styles(recipe, fp8_comm)
     return swapped
 

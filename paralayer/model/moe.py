@@ -171,6 +171,9 @@ class MoEFeedForward(nn.Module):
         self.even_routing = False
         self.ep_size = 1
         self.ep_rank = 0
+        #: consecutive ep ranks that are the cp ranks of one micro-batch (runtime/build.py: parallel.cp
+        #: where ep is a multiple of it): an FP8 expert GEMM runs once over their rows together
+        self.ep_cp = 1
         self.num_local_experts = num_experts
         self.expert_offset = 0
         self.local_slices = self._make_local_slices()
@@ -240,17 +243,21 @@ class MoEFeedForward(nn.Module):
         """Run the LOCAL experts on rows grouped by local expert: rows [sum(counts[:e]),
         sum(counts[:e+1])) go to local expert e. Returns (N, d) in the same row order.
         ``sources`` (expert parallel): sources[e] = the rows of expert e from each ep rank, in order.
-        An FP8 expert GEMM (``expert_mm``) then runs once per source, so that its scales that span
-        tokens cover one rank's micro-batch, as one process's would (model/float8.py)."""
+        An FP8 expert GEMM (``expert_mm``) then runs once per micro-batch (per source, or per
+        ``ep_cp`` consecutive sources: the cp ranks of one), so that its scales that span tokens
+        cover one micro-batch, as one process's would (model/float8.py)."""
         outs = []
         w1, w2, w3 = self._compute_weights(xs)
         mm = self.expert_mm or _plain_mm
         b1, b2, b3 = self.b1, self.b2, self.b3
+        # FP8 under cp (ep=1): every expert's casts reduce their amax over the cp ranks, so every
+        # cp rank runs every expert, with rows or without (model/float8.py ExpertMatmul)
+        paired = getattr(self.expert_mm, "token_mesh", None) is not None
         for e, rows in enumerate(xs.split(counts)):
-            if rows.shape[0] == 0:
+            if rows.shape[0] == 0 and not paired:
                 continue
             if self.expert_mm is not None and sources is not None:
-                mm = _per_source(self.expert_mm, [c for c in sources[e] if c])
+                mm = _per_source(self.expert_mm, _by_batch(sources[e], self.ep_cp))
             gate, up = mm(rows, w1[e]), mm(rows, w3[e])
             if b1 is not None:
                 gate, up = gate + b1[e], up + b3[e]
@@ -432,6 +439,13 @@ def _per_source(mm, splits: list[int]):
     if len(splits) <= 1:
         return mm
     return lambda rows, w: torch.cat([mm(part, w) for part in rows.split(splits)])
+
+
+def _by_batch(counts: list[int], peers: int) -> list[int]:
+    """Rows per micro-batch: each ``peers`` consecutive senders' counts summed (the cp ranks of one
+    micro-batch send as neighbours: parallel/mesh.py), the empty ones left out."""
+    sums = [sum(counts[i:i + peers]) for i in range(0, len(counts), peers)]
+    return [c for c in sums if c]
 
 
 def _plain_mm(rows: Tensor, w: Tensor) -> Tensor:

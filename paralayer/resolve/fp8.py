@@ -113,20 +113,29 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                                       "otherwise"))
     else:
         lay.notes.append(f"train.precision=fp8 ({recipe}) on CPU runs emulated: the same FP8 casts, matmuls in fp32")
-    if p.ep > 1 and (p.cp > 1 or p.tp > 1):
-        # under ep the experts' GEMMs run once per sending rank (model/moe.py), so that their scales
-        # that span tokens cover one micro-batch's, as one process's do; a cp rank sends part of a
-        # sequence (one process: all of it), and the tp ranks' expert inputs are not built for that
-        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.ep={p.ep} and "
-                  f"parallel.{'cp' if p.cp > 1 else 'tp'}={p.cp if p.cp > 1 else p.tp}: an expert's scales that "
-                  "span tokens would cover part of a sequence, not one process's micro-batch; valid: parallel.ep=1, "
-                  "or ep > 1 with tp=1 and cp=1"))
-    if p.cp > 1 and p.ep == 1 and any(is_moe_layer(cfg, i) for i in fp8_layers(cfg)):
-        # the same reason at ep=1 (measured at cp2, 4 experts: tensorwise 1.0e-2 off one process in
-        # loss, rowwise 5.9e-3; docs/context-parallel.md): an expert's GEMMs run on one cp rank's rows
-        err(Issue("train.precision", f"train.precision=fp8 is not built for the MoE experts with parallel.cp={p.cp}: "
-                  "an expert's scales that span tokens would cover one cp rank's rows, not the sequence's; valid: "
-                  "parallel.cp=1, or train.fp8.bf16_first_blocks / bf16_last_blocks covering the MoE blocks"))
+    # under ep the experts' GEMMs run once per micro-batch (model/moe.py), so that their scales that
+    # span tokens cover one micro-batch's, as one process's do; under tp every tp rank runs the MoE
+    # block on the whole (gathered) micro-batch, so a sender's rows are one (ep2·tp2 rowwise within
+    # 1e-7 of one process over 4 steps, 7 Dec); ep with tp and cp together is not measured
+    if p.ep > 1 and p.tp > 1 and p.cp > 1:
+        err(Issue("train.precision", f"train.precision=fp8 is not built with parallel.ep={p.ep}, parallel.tp={p.tp} "
+                  f"and parallel.cp={p.cp} together (not measured); valid: parallel.ep=1, or tp=1, or cp=1"))
+    elif p.ep > 1 and p.cp > 1 and (p.ep % p.cp or recipe == "blockwise"):
+        # an ep group of whole micro-batches (ep a multiple of cp: parallel/mesh.py puts a micro-batch's
+        # cp ranks side by side) runs an expert's FP8 GEMM once over a micro-batch's rows (model/moe.py
+        # ep_cp); blockwise's 128-row tiles would take them in cp-rank order, not one process's
+        err(Issue("train.precision", f"train.precision=fp8 ({recipe}) is not built with parallel.ep={p.ep} and "
+                  f"parallel.cp={p.cp}: an expert's scales that span tokens would cover part of a micro-batch, "
+                  "not one process's; valid: parallel.ep a multiple of parallel.cp, with train.fp8.recipe "
+                  "tensorwise or rowwise"))
+    if p.cp > 1 and p.ep == 1 and recipe == "blockwise" and any(is_moe_layer(cfg, i) for i in fp8_layers(cfg)):
+        # tensorwise and rowwise take an expert's amax over the cp group (model/float8.py ExpertMatmul,
+        # since 7 Dec); blockwise's 128-row weight-gradient tiles run over one process's routed rows
+        # of the whole micro-batch, which a cp rank's rows of an expert interleave with its peers'
+        # (measured, one MoE block at cp2: expert weight grads 3.8e-2 off one process; fp32 2.5e-7)
+        err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built for the MoE experts with parallel.cp="
+                  f"{p.cp}: an expert's 128-row weight-gradient tiles would hold one cp rank's rows, not one "
+                  "process's; valid: tensorwise, rowwise, or parallel.cp=1"))
     if lay.tp_overlap:
         err(Issue("train.precision", "train.precision=fp8 is not built with parallel.tp_overlap=true (the fused "
                   "ring GEMMs have no FP8 cast); valid: parallel.tp_overlap=false"))

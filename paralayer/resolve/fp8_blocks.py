@@ -37,6 +37,7 @@ from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.fp8 import fp8_layers
 from paralayer.resolve.memory.states import ACT_BYTES, layer_recompute, precision_mode
+from paralayer.resolve.model_parts import is_moe_layer
 from paralayer.resolve.rules import Layout
 
 
@@ -194,8 +195,9 @@ def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
     - tensorwise (tp 1): one number for each linear's input (forward, again in full recompute's
       rerun) and one for its output gradient (backward).
 
-    Counted for a GQA attention and a dense SwiGLU FFN (7 linears); FP8 MoE blocks under cp are
-    refused (resolve/fp8.py), so an MoE layer here is a bf16 one and reduces nothing."""
+    Counted for a GQA attention and a dense SwiGLU FFN (7 linears); an MoE block's attention (4),
+    its shared expert (3) and, at ep=1, each routed expert's 3 GEMMs (``ExpertMatmul``, whole on
+    every tp rank; under ep an expert's GEMM runs once per micro-batch and reduces nothing)."""
     if cfg.train.precision != "fp8" or lay.cp == 1 or not _gqa_fp8(cfg):
         return 0.0, 0
     recipe = cfg.train.fp8.recipe
@@ -207,13 +209,24 @@ def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
     ab = ACT_BYTES[lay.precision]
     # the K + N amaxes of wq, wk, wv, wo, w1, w3, w2 (the tp-split side divided by tp)
     rows = 7 * h + (2 * q + 2 * kv + 3 * f) / t
+    moe = m.moe
+    g, fe = moe.shared_ffn_hidden, moe.ffn_hidden or f
+    experts = moe.num_experts if lay.ep == 1 else 0
+    # an MoE block: the attention's 4, the shared expert's 3 (split as a dense FFN), the experts' 3 each
+    moe_rows = 4 * h + (2 * q + 2 * kv) / t + (3 * h + 3 * g / t if g else 0) + experts * 3 * (h + fe)
+    moe_gemms = 4 + (3 if g else 0) + 3 * experts
+    # the experts' w1 and w3 take the routed rows as the norm gives them (fp32 under autocast):
+    # their input amaxes in that dtype (rowwise: h each; tensorwise: one each, and in the rerun)
+    wide = (4 if _autocast(lay) else ab) - ab
     nbytes, count = 0.0, 0
     for i in set(layers) & set(fp8_layers(cfg)):
+        moe_i = is_moe_layer(cfg, i)
+        gemms = moe_gemms if moe_i else 7
         if recipe == "rowwise":
-            nbytes += ab * rows
-            count += 14
+            nbytes += ab * (moe_rows if moe_i else rows) + (wide * 2 * experts * h if moe_i else 0)
+            count += 2 * gemms
         else:
-            n = 21 if full(i) else 14
-            nbytes += ab * n
+            n = (3 if full(i) else 2) * gemms
+            nbytes += ab * n + (wide * 2 * experts * (2 if full(i) else 1) if moe_i else 0)
             count += n
     return nbytes, count

@@ -143,6 +143,7 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
             node_of = nodes_of_group(meshes["ep"].get_group(), plan.devices_per_node)
             for ff in expert_blocks(chunk):
                 set_node_map(ff, node_of)
+                ff.ep_cp = cp if ep % cp == 0 else 1  # FP8: the cp ranks of a micro-batch scaled together
                 if (plan.comm.get("ep") or {}).get("dispatch") == "node":
                     apply_node_dispatch(ff, node_of)
         apply_recompute(chunk, cfg.parallel.recompute, cfg.parallel.recompute_every,
@@ -179,7 +180,8 @@ def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device,
     cp_mesh = meshes["cp"] if meshes.size("cp") > 1 and recipe in ("tensorwise", "rowwise") else None
     for chunk in chunks:
         convert_blocks(chunk, recipe, fp8_layers(cfg), emulate=emulate, fsdp_float8_all_gather=fsdp,
-                       token_mesh=cp_mesh, fp8_comm=fp8_comm)
+                       token_mesh=cp_mesh, fp8_comm=fp8_comm,
+                       expert_token_mesh=cp_mesh if meshes.size("ep") == 1 else None)
         chunk.fp8_fsdp_all_gather = fsdp and recipe == "tensorwise"
     if emulate and dist.is_initialized() and dist.get_rank() == 0:
         print(f"paralayer: train.precision=fp8 ({recipe}) runs emulated on {device.type}: the blocks' GEMMs take "
