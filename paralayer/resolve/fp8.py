@@ -1,8 +1,9 @@
 """FP8 training's rules and the plan's ``fp8`` section (train.precision=fp8), before any rank starts.
 
 Why here and not in the runtime: a GEMM FP8 cannot take (a local K or N that is not a multiple of
-16 after tp; for blockwise under tp a split K or N that is not a multiple of 128), a GPU without FP8 tensor cores, or a layout the FP8 path is
-not built for must fail in the resolver, exit 2 with one line, not minutes later inside a rank.
+16 after tp; for blockwise under tp a split K or N that is not a multiple of 128), a GPU without
+FP8 tensor cores, or a layout the FP8 path is not built for must fail in the resolver, exit 2
+with one line, not minutes later inside a rank.
 
 What runs in FP8 (paralayer/model/float8.py builds it): the blocks' linear GEMMs (attention
 projections, MLP, MoE experts and shared expert), except the first ``train.fp8.bf16_first_blocks``
