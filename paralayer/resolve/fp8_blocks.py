@@ -20,6 +20,9 @@ neither the bf16 activation fit nor the SP collectives describe:
 - cp (rowwise, any tp): each Float8Linear saves its input in the GEMM's dtype as autocast's linear
   would, but under autocast the ring's fp32 q, k and output (the latter beside wo's own bf16 copy)
   are not in the base rules (as for a bf16 block, which the bf16 plan leaves as it is).
+- blockwise (any tp, cp 1): its GEMMs save their input as it comes, the norms' output (fp32
+  under autocast) once for q, k, v and once for w1, w3, gathered whole under tp + SP (the plain
+  styles), where the base counts autocast's bf16 casts (:func:`_blockwise_inputs`).
 - cp (both): the scales that span tokens take their amax over the cp group, all-reduces in the
   activations' dtype (:func:`cp_amax`: rowwise's K + N per weight gradient, tensorwise's one number
   per input and output gradient).
