@@ -32,6 +32,10 @@ Recipes (``recipe_config``):
 - blockwise: 1x128 tiles of activations and output gradients, 128x128 blocks of weights, all e4m3
   (DeepSeek-V3 §3.3). torchao 0.18's blockwise trainer needs triton kernels (CUDA only), so this is
   an emulation (:class:`_BlockwiseMatmul`): the same quantise-dequantise, matmuls in the base dtype.
+  A K or N that 128 does not divide (MLA's kv_a: N = 512 + 64) ends in a partial tile / block with
+  its own scale. Under tp the linears keep DTensor's plain styles and run the emulation on each
+  rank's shards (:func:`tp_blockwise`), whose sharded sizes are multiples of 128 (resolve/fp8.py):
+  a rank's tiles are one process's.
 
 On CPU everything runs emulated (torchao's ``emulate=True``: FP8 values, higher-precision matmuls).
 """
@@ -43,7 +47,7 @@ import logging
 import torch
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from paralayer.resolve.fp8 import cache_tile
 
@@ -237,25 +241,26 @@ class ExpertMatmul:
 
 # ------------------------------------------------------------------ blockwise (emulated)
 def qdq_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Quantise-dequantise a 2-D tensor in e4m3 with one scale per (rows x cols) tile (amax / 448)."""
+    """Quantise-dequantise a 2-D tensor in e4m3 with one scale per (rows x cols) tile (448 / amax).
+    A dimension that the tile does not divide ends in a partial tile scaled by its own elements'
+    amax (DeepSeek's kernels' ceil-div scale grid): zero-padded to whole tiles (zeros leave every
+    amax as it was), then cropped."""
     m, k = x.shape
-    t = x.reshape(m // rows, rows, k // cols, cols)
+    pm, pk = -m % rows, -k % cols
+    t = nn.functional.pad(x, (0, pk, 0, pm)) if pm or pk else x
+    t = t.reshape((m + pm) // rows, rows, (k + pk) // cols, cols)
     amax = t.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=1e-12)
     scale = E4M3_MAX / amax
     q = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() / scale).to(x.dtype).reshape(m, k)
-
-
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of 128 (zeros leave every tile's amax as it was)."""
-    pad = -x.shape[0] % BLOCK
-    return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    out = (q.float() / scale).to(x.dtype).reshape(m + pm, k + pk)
+    return out[:m, :k] if pm or pk else out
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
     """y = x @ wᵀ, DeepSeek-V3's fine-grained FP8: forward x in 1x128 tiles, w in 128x128 blocks;
     dgrad: dy in 1x128 tiles (along N) times the same w blocks; wgrad: dyᵀ in 1x128 tiles and x in
-    128x1 tiles, both along the tokens (so seq_len must hold whole tiles: resolve/fp8.py)."""
+    128x1 tiles, both along the tokens (so seq_len must hold whole tiles: resolve/fp8.py). A K, N
+    or token count that 128 does not divide ends in a partial tile or block (:func:`qdq_tiles`)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -271,23 +276,53 @@ class _BlockwiseMatmul(torch.autograd.Function):
         m = x.numel() // x.shape[-1]
         x2, g2 = x.reshape(m, -1), g.reshape(m, -1)
         gx = qdq_tiles(g2, 1, BLOCK) @ qdq_tiles(w, BLOCK, BLOCK)
-        gp, xp = _pad_rows(g2), _pad_rows(x2)
-        gw = qdq_tiles(gp.t().contiguous(), 1, BLOCK) @ qdq_tiles(xp, BLOCK, 1)
+        gw = qdq_tiles(g2.t().contiguous(), 1, BLOCK) @ qdq_tiles(x2, BLOCK, 1)
         return gx.reshape(x.shape), gw.to(w.dtype)
 
 
 def blockwise_mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """rows @ wᵀ in the emulated blockwise recipe (rows padded to whole 128-row tiles)."""
-    m = rows.shape[0]
-    if m % BLOCK:
-        return _BlockwiseMatmul.apply(_pad_rows(rows), w)[:m]
+    """rows @ wᵀ in the emulated blockwise recipe (the MoE experts' GEMMs, plain tensors)."""
     return _BlockwiseMatmul.apply(rows, w)
 
 
+def _tp_layouts(kind: str, nd: int) -> tuple:
+    """(input, output, input gradient, output gradient) placements over tp of a blockwise GEMM on
+    ``nd``-D activations, by how its weight is split: ``colwise`` (Shard(0)): the whole input in,
+    this rank's N columns out, the input gradient a partial sum over the ranks' N columns;
+    ``rowwise`` (Shard(1)): this rank's K columns in, a partial sum out, its K columns of the input
+    gradient; ``replicate`` (MLA's q_a, kv_a): whole everywhere, the output gradient (a partial
+    sum: each rank's heads give part of it) summed before it is tiled, as one process tiles the
+    whole gradient. None: DTensor.from_local's default (a sharded output's gradient sharded alike,
+    a partial output's whole)."""
+    last = Shard(nd - 1)
+    return {"colwise": (Replicate(), last, Partial(), None), "rowwise": (last, Partial(), last, None),
+            "replicate": (Replicate(), Replicate(), Replicate(), Replicate())}[kind]
+
+
+def tp_blockwise(x: torch.Tensor, w: DTensor) -> DTensor:
+    """The blockwise GEMM of a tp-split linear (DTensor weight on the 1-D tp mesh) on local shards:
+    every sharded K or N is a multiple of 128 on a rank (resolve/fp8.py), so a rank's tiles and
+    blocks are exactly one process's, and the matmul of :class:`_BlockwiseMatmul` runs on them as
+    it is; the DTensor placements carry the reductions (a row-parallel output, a column-parallel
+    input gradient) that the tp styles' hooks then perform."""
+    mesh, (wp,) = w.device_mesh, w.placements
+    kind = "replicate" if wp.is_replicate() else "colwise" if wp.is_shard(0) else "rowwise"
+    xin, out, gin, gout = _tp_layouts(kind, x.ndim)
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [xin], run_check=False)
+    elif x.placements != (xin,):
+        x = x.redistribute(mesh, [xin])
+    y = _BlockwiseMatmul.apply(x.to_local(grad_placements=[gin]), w.to_local())
+    return DTensor.from_local(y, mesh, [out], run_check=False, grad_placements=None if gout is None else [gout])
+
+
 class BlockwiseFp8Linear(nn.Linear):
-    """nn.Linear whose GEMMs run the emulated blockwise recipe (no bias: the blocks have none)."""
+    """nn.Linear whose GEMMs run the emulated blockwise recipe (no bias: the blocks have none);
+    under tp (a DTensor weight) on each rank's shards (:func:`tp_blockwise`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            return tp_blockwise(x, self.weight)
         return _BlockwiseMatmul.apply(x, self.weight)
 
     @classmethod
@@ -345,7 +380,9 @@ def convert_blocks(chunk: nn.Module, recipe: str, layers: list[int], *, emulate:
         ff = block.feed_forward
         if hasattr(ff, "expert_mm"):  # MoE: the experts' hand-written GEMMs
             ff.expert_mm = blockwise_mm if config is None else ExpertMatmul(config, expert_token_mesh)
-        block.fp8_tp_styles = None if config is None else tp_styles(recipe, fp8_comm)
+        # every recipe takes its linears' own tp hooks (blockwise: DTensor's plain styles, never the
+        # fused SP GEMMs, which would multiply the weights in the base precision)
+        block.fp8_tp_styles = tp_styles(recipe, fp8_comm)
     return swapped
 
 

@@ -1,8 +1,9 @@
 """FP8 training's rules and the plan's ``fp8`` section (train.precision=fp8), before any rank starts.
 
 Why here and not in the runtime: a GEMM FP8 cannot take (a local K or N that is not a multiple of
-16 after tp; of 128 for blockwise), a GPU without FP8 tensor cores, or a layout the FP8 path is
-not built for must fail in the resolver, exit 2 with one line, not minutes later inside a rank.
+16 after tp; for blockwise under tp a split K or N that is not a multiple of 128), a GPU without
+FP8 tensor cores, or a layout the FP8 path is not built for must fail in the resolver, exit 2
+with one line, not minutes later inside a rank.
 
 What runs in FP8 (paralayer/model/float8.py builds it): the blocks' linear GEMMs (attention
 projections, MLP, MoE experts and shared expert), except the first ``train.fp8.bf16_first_blocks``
@@ -19,9 +20,20 @@ from paralayer.resolve.model_parts import is_moe_layer
 PRE_FP8_GPUS = ("v100", "p100", "t4", "a100", "a800", "a10", "a30", "a40", "a6000")
 #: names that say the GPU has FP8 tensor cores (Hopper, Ada, Blackwell).
 FP8_GPUS = ("h100", "h200", "h800", "h20", "gh200", "l40", "l4", "4090", "b100", "b200", "gb200", "b300")
-#: the local K and N an FP8 GEMM takes: torch._scaled_mm needs multiples of 16 (tensorwise,
-#: rowwise); blockwise scales tiles of 128 (1x128 activations, 128x128 weights)
-ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
+#: the local K and N an FP8 GEMM takes: torch._scaled_mm needs multiples of 16. Blockwise scales
+#: 1x128 activation tiles and 128x128 weight blocks, but a K or N that 128 does not divide ends in
+#: a partial tile / block with its own scale (DeepSeek's ceil-div scale grids; model/float8.py
+#: qdq_tiles), so it needs only what the GEMM needs (it asked 128 before 7 Dec, which refused
+#: DeepSeek-V3's own kv_a, N = 512 + 64). Under tp a split K or N must hold whole tiles on a
+#: rank (:func:`blockwise_tp_splits`).
+ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 16}
+#: blockwise's tile / block edge (DeepSeek-V3 §3.3)
+BLOCK = 128
+#: the GEMMs tp splits, and along what: column-parallel N, row-parallel K (parallel/tensor/layout.py;
+#: MLA's q_a and kv_a are replicated, the MoE experts and shared expert run whole on every tp rank)
+TP_SPLIT = {"attention.wq": "N", "attention.wk": "N", "attention.wv": "N", "attention.q_b": "N",
+            "attention.kv_b": "N", "attention.wo": "K", "feed_forward.w1": "N", "feed_forward.w3": "N",
+            "feed_forward.w2": "K"}
 
 
 #: elements per fp32 scale along a row of an activation cached in FP8 (train.fp8.cache_activations;
@@ -81,6 +93,19 @@ def local_gemms(cfg: Config, tp: int) -> list[tuple[str, int, int]]:
         if moe.shared_ffn_hidden:
             g = moe.shared_ffn_hidden
             out += [("shared.w1", m.d_model, g), ("shared.w3", m.d_model, g), ("shared.w2", g, m.d_model)]
+    return out
+
+
+def blockwise_tp_splits(cfg: Config, tp: int) -> list[tuple[str, str, int]]:
+    """(GEMM, dimension, local size) of each tp-split K or N of a block that is not a multiple of
+    :data:`BLOCK` on a rank: there a tile or block would straddle two ranks (the runtime tiles each
+    rank's shard, model/float8.py tp_blockwise), so one rank's scales would not be one process's."""
+    out = []
+    for name, k, n in local_gemms(cfg, tp) if tp > 1 else []:
+        d = TP_SPLIT.get(name)
+        size = n if d == "N" else k
+        if d and size % BLOCK:
+            out.append((name, d, size))
     return out
 
 
@@ -147,9 +172,17 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                   f"{p.cp} together misses one process (its 448/amax scales follow every ulp the tp and cp sums "
                   "move); valid: tp=1 or cp=1, or train.fp8.recipe=rowwise"))
     if recipe == "blockwise":
-        if p.tp > 1:
-            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp}; valid "
-                      "with tp > 1: tensorwise, rowwise"))
+        if p.tp > 1 and cfg.model.layer_types and "linear" in cfg.model.layer_types:
+            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp} for "
+                      "Gated DeltaNet layers (their split projections are not checked for whole 128 tiles); "
+                      "valid with tp > 1: tensorwise, rowwise"))
+        elif p.tp > 1 and (split := blockwise_tp_splits(cfg, p.tp)):
+            name, d, size = split[0]
+            ok = [t for t in (1, 2, 4, 8, 16, 32, 64) if cfg.model.n_heads % t == 0 and not blockwise_tp_splits(cfg, t)]
+            err(Issue("parallel.tp", f"train.fp8.recipe=blockwise with parallel.tp={p.tp} needs each tp-split GEMM "
+                      f"dimension a multiple of {BLOCK} on a rank (a tile must not straddle two ranks), but {name} "
+                      f"has {d}={size} on a rank ({len(split)} split dimensions fail); valid: parallel.tp in "
+                      f"{', '.join(map(str, ok))}, or train.fp8.recipe=tensorwise, rowwise"))
         chunk = cfg.model.seq_len // (2 * p.cp) if p.cp > 1 else cfg.model.seq_len
         if chunk % 128:
             err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise groups 128 tokens for the weight gradient: "

@@ -20,6 +20,9 @@ neither the bf16 activation fit nor the SP collectives describe:
 - cp (rowwise, any tp): each Float8Linear saves its input in the GEMM's dtype as autocast's linear
   would, but under autocast the ring's fp32 q, k and output (the latter beside wo's own bf16 copy)
   are not in the base rules (as for a bf16 block, which the bf16 plan leaves as it is).
+- blockwise (any tp, cp 1): its GEMMs save their input as it comes, the norms' output (fp32
+  under autocast) once for q, k, v and once for w1, w3, gathered whole under tp + SP (the plain
+  styles), where the base counts autocast's bf16 casts (:func:`_blockwise_inputs`).
 - cp (both): the scales that span tokens take their amax over the cp group, all-reduces in the
   activations' dtype (:func:`cp_amax`: rowwise's K + N per weight gradient, tensorwise's one number
   per input and output gradient).
@@ -72,6 +75,8 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
     auto = _autocast(lay)
     norm_b = 4 if auto else ab  # the norms' output: fp32 under autocast, else the activations' dtype
     core = mode in ("core_attn", "selective")  # the core's output recomputed: wo's input is its only copy
+    if cfg.train.fp8.recipe == "blockwise":
+        return _blockwise_inputs(lay, moe, h, ab, norm_b, auto)
     styles = tp_styles(cfg, lay)
     ring = _rowwise_ring(cfg, lay, q, kv, ab) if auto and not core else 0.0
     if styles is not None and lay.sequence_parallel:
@@ -100,6 +105,24 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
         wo = -(ab - 1) * q if core else q
         return (5 * h - (5 if auto else 2) * h * ab + wo + ring - (ab - 1) * f) / ab
     return ring / ab
+
+
+def _blockwise_inputs(lay: Layout, moe: bool, h: int, ab: float, norm_b: float, auto: bool) -> float:
+    """What a blockwise block saves beyond the base rules, in units of ``ab``: its GEMMs
+    (model/float8.py ``_BlockwiseMatmul``) save their input as it comes, the norms' output (fp32
+    under autocast), one tensor for wq, wk, wv and one for w1, w3 (gathered whole under tp + SP:
+    the plain styles), where the base counts autocast's bf16 casts (three, two), the one shared
+    input, or under SP its sequence shard. An MoE block's attention only (its experts' inputs: the
+    base rules). Under cp: not measured, the base rules. Rehearsed / plan before this term (tiny,
+    H100, ZeRO-1): tp 1 0.963, tp 2 + SP 0.938, tp 2 without SP 0.946 (docs/planner.md)."""
+    if lay.cp > 1:
+        return 0.0
+    n = 1 if moe else 2  # the attention, and a dense FFN
+    if lay.tp > 1 and lay.sequence_parallel:
+        base = n * h / lay.tp * norm_b
+    else:
+        base = ((3 if moe else 5) if auto else n) * h * ab
+    return (n * h * norm_b - base) / ab
 
 
 def _rowwise_ring(cfg: Config, lay: Layout, q: int, kv: int, ab: float) -> float:
