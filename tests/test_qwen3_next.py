@@ -391,7 +391,7 @@ def test_rehearse_counts_the_cp_state_passes(monkeypatch):
     assert planted["ratios"]["comm"]["cp"] > 1.2, planted["ratios"]
     # activations (issue 47): the linear layers keep the snake rule's inputs and states (0.9988; 0.989
     # while the gated full layer's ring output counted twice); planted: the plan counting the chunked
-    # rule's whole set under cp, as it did (0.711)
+    # rule's whole set under cp, as it did (0.716; the old plan read 0.711)
     import copy
     import dataclasses
 
