@@ -389,3 +389,23 @@ def test_rehearse_counts_the_cp_state_passes(monkeypatch):
     planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, rank)
     print(f"planted (no state/tail sends in the plan): cp ratio {planted['ratios']['comm']['cp']:.3f}")
     assert planted["ratios"]["comm"]["cp"] > 1.2, planted["ratios"]
+    # activations (issue 47): the linear layers keep the snake rule's inputs and states (0.9988; 0.989
+    # while the gated full layer's ring output counted twice); planted: the plan counting the chunked
+    # rule's whole set under cp, as it did (0.716; the old plan read 0.711)
+    import copy
+    import dataclasses
+
+    from paralayer.resolve.memory import linear_acts
+
+    assert abs(rank["ratios"]["activations"] - 1) < 0.005, rank["ratios"]
+    real = linear_acts._parts
+
+    def chunked(cfg, lay):
+        one = copy.deepcopy(cfg)
+        one.model.seq_len //= lay.cp
+        return real(one, dataclasses.replace(lay, cp=1))
+
+    monkeypatch.setattr(linear_acts, "_parts", chunked)
+    planted = R.driver.beside_the_plan(R.rehearsal_config(cfg, plan)[0], plan, rank)
+    print(f"planted (the chunked rule's set under cp): activations {planted['ratios']['activations']:.3f}")
+    assert planted["ratios"]["activations"] < 0.8, planted["ratios"]

@@ -172,23 +172,7 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
                   f"{p.cp} together misses one process (its 448/amax scales follow every ulp the tp and cp sums "
                   "move); valid: tp=1 or cp=1, or train.fp8.recipe=rowwise"))
     if recipe == "blockwise":
-        if p.tp > 1 and cfg.model.layer_types and "linear" in cfg.model.layer_types:
-            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp} for "
-                      "Gated DeltaNet layers (their split projections are not checked for whole 128 tiles); "
-                      "valid with tp > 1: tensorwise, rowwise"))
-        elif p.tp > 1 and (split := blockwise_tp_splits(cfg, p.tp)):
-            name, d, size = split[0]
-            ok = [t for t in (1, 2, 4, 8, 16, 32, 64) if cfg.model.n_heads % t == 0 and not blockwise_tp_splits(cfg, t)]
-            err(Issue("parallel.tp", f"train.fp8.recipe=blockwise with parallel.tp={p.tp} needs each tp-split GEMM "
-                      f"dimension a multiple of {BLOCK} on a rank (a tile must not straddle two ranks), but {name} "
-                      f"has {d}={size} on a rank ({len(split)} split dimensions fail); valid: parallel.tp in "
-                      f"{', '.join(map(str, ok))}, or train.fp8.recipe=tensorwise, rowwise"))
-        chunk = cfg.model.seq_len // (2 * p.cp) if p.cp > 1 else cfg.model.seq_len
-        if chunk % 128:
-            err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise groups 128 tokens for the weight gradient: "
-                      f"the tokens per sequence chunk (model.seq_len={cfg.model.seq_len}"
-                      + (f"/(2·parallel.cp={p.cp})" if p.cp > 1 else "") + f" = {chunk}) must be a multiple of "
-                      "128; valid recipes here: tensorwise, rowwise"))
+        _check_blockwise(cfg, p, err, Issue)
     if not fp8_layers(cfg):
         lay.warnings.append(Issue("train.fp8.bf16_first_blocks", "bf16_first_blocks + bf16_last_blocks cover every "
                                   "block: no GEMM runs in FP8"))
@@ -201,6 +185,27 @@ def check_fp8(cfg: Config, lay, Issue: type) -> None:  # noqa: N803 - the rules'
         err(Issue("train.precision", f"train.precision=fp8 ({recipe}) needs each GEMM's K and N multiples of {align}"
                   f"{where}, but {n} is K={k}, N={nn} on a rank ({len(bad)} GEMM kinds fail); valid: "
                   f"train.precision=bf16, or widths (and tp) giving multiples of {align}"))
+
+
+def _check_blockwise(cfg: Config, p, err, Issue: type) -> None:  # noqa: N803 - the rules' Issue class
+    """check_fp8's blockwise rules: tp splits of whole 128 tiles, and the tokens a wgrad tile groups."""
+    if p.tp > 1 and cfg.model.layer_types and "linear" in cfg.model.layer_types:
+        err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise is not built with parallel.tp={p.tp} for "
+                  "Gated DeltaNet layers (their split projections are not checked for whole 128 tiles); "
+                  "valid with tp > 1: tensorwise, rowwise"))
+    elif p.tp > 1 and (split := blockwise_tp_splits(cfg, p.tp)):
+        name, d, size = split[0]
+        ok = [t for t in (1, 2, 4, 8, 16, 32, 64) if cfg.model.n_heads % t == 0 and not blockwise_tp_splits(cfg, t)]
+        err(Issue("parallel.tp", f"train.fp8.recipe=blockwise with parallel.tp={p.tp} needs each tp-split GEMM "
+                  f"dimension a multiple of {BLOCK} on a rank (a tile must not straddle two ranks), but {name} "
+                  f"has {d}={size} on a rank ({len(split)} split dimensions fail); valid: parallel.tp in "
+                  f"{', '.join(map(str, ok))}, or train.fp8.recipe=tensorwise, rowwise"))
+    chunk = cfg.model.seq_len // (2 * p.cp) if p.cp > 1 else cfg.model.seq_len
+    if chunk % 128:
+        err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise groups 128 tokens for the weight gradient: "
+                  f"the tokens per sequence chunk (model.seq_len={cfg.model.seq_len}"
+                  + (f"/(2·parallel.cp={p.cp})" if p.cp > 1 else "") + f" = {chunk}) must be a multiple of "
+                  "128; valid recipes here: tensorwise, rowwise"))
 
 
 def plan_section(cfg: Config, lay) -> dict | None:

@@ -226,14 +226,10 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
     split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
     bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
-    (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among the
-    recomputed ones and their second reruns.
-
-    A recomputed layer's forward rerun moves its collectives again: a dense layer's two pairs
-    (attention, FFN) under SP, two all-reduces without; an MoE layer's attention pair and its
-    block's input all-gather (half a pair, in autocast's fp32 stream: ``moe_pair``) under SP, the
-    attention's all-reduce alone without. Until 7 Dec an MoE layer's rerun was counted as a dense
-    one's: tiny-moe at tp 2 with full recompute read tp 0.917 of the rehearsal in fp32."""
+    (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among those.
+    A rerun moves a dense layer's two pairs (two all-reduces without SP), an MoE layer's attention
+    pair and its block's input gather (``moe_pair``/2; the attention's all-reduce alone without SP):
+    counted as a dense one's until 7 Dec, tiny-moe tp 2 with full recompute read tp 0.917."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)

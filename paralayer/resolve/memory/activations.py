@@ -43,7 +43,7 @@ from paralayer.resolve.fp8 import cached_bytes
 from paralayer.resolve.memory import interleaved_flight, v_flight
 from paralayer.resolve.memory.bf16_acts import bf16_extra_elems, routed_rows_per_token
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
-from paralayer.resolve.memory.linear_acts import linear_saved_elems
+from paralayer.resolve.memory.linear_acts import cp_rerun_elems, linear_norm_elems, linear_saved_elems
 from paralayer.resolve.memory.norm_up_acts import norm_up_freed
 from paralayer.resolve.memory.states import (
     ACT_BYTES,
@@ -212,6 +212,8 @@ def attn_saved_elems(cfg: Config, lay: Layout, mode: str) -> float:
         # ring attention saves K/V with n_kv_heads (GQA heads are expanded per block only), and so
         # does one rank's sink core (model/sinks.py)
         shard -= 2 * (q - kv)
+    if lay.cp > 1:  # the ring's output is laid out (b, s, h, d): the gate's operand is a view of it,
+        shard -= gated  # not a copy (tiny-qwen3.5 cp2, all layers full: 0.958 of the plan with it, 0.999 without)
     return shard + norms
 
 
@@ -342,6 +344,9 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
         saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + chunk_fixed_bytes(cfg, lay, c))
         split_t.append(split_transient(counts, tr) * tokens * ab if full else 0.0)
         full_t.append(max(t if n else 0.0 for n, t in zip(counts, tr)) * tokens * ab if full else 0.0)
+        if lay.cp > 1 and not full:  # a Gated DeltaNet layer's rerun, one at a time (rerun_extra)
+            split_t[-1] = full_t[-1] = max((rerun_extra(cfg, lay, layer_kind(cfg, i), lay.recompute) for i in ids),
+                                           default=0.0) * tokens * ab
     peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
     return int(peak), int(kept)
 
@@ -375,8 +380,26 @@ def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: lis
 
 def _transient_elems(cfg: Config, lay: Layout, kind: int) -> float:
     """A fully recomputed layer's "none" set less its input (:func:`recompute_transient`), by kind
-    (:func:`layer_kind`)."""
-    return kind_elems(cfg, lay, kind, "none") - kind_elems(cfg, lay, kind, "full")
+    (:func:`layer_kind`), and under cp its rule's rerun beyond what its backward freed (:func:`rerun_extra`)."""
+    return kind_elems(cfg, lay, kind, "none") - kind_elems(cfg, lay, kind, "full") + rerun_extra(cfg, lay, kind, "full")
+
+
+def rerun_extra(cfg: Config, lay: Layout, kind: int, mode: str) -> float:
+    """Under cp a Gated DeltaNet layer's backward reruns its delta rule half a zigzag chunk at a time
+    (parallel/context/linear_state.py ``_rule_grads``): that rerun's saved set
+    (linear_acts.cp_rerun_elems) beyond what the block's backward freed before it (the FFN's set and
+    the gated norm's), per token on one tp rank, 0 if less; 0 for other kinds and at cp = 1. A
+    fully recomputed layer frees its recomputed "none" set's (``mode`` full)."""
+    moe, linear = KINDS[kind]
+    if lay.cp == 1 or not linear:
+        return 0.0
+    mode = {"full": "none", "norm_up": "swiglu" if moe else "none"}.get(mode, mode)
+    named: dict = {}
+    total = _act_elems(cfg, lay, moe, mode, True, parts=named)
+    kept = sum(v for k, v in named.items() if k.startswith(("Gated DeltaNet", "norms' inputs", "GEMM inputs")))
+    freed = total - kept + linear_norm_elems(cfg, lay) / lay.tp
+    rerun = cp_rerun_elems(cfg, lay, precision_mode(lay.precision, lay.zero, lay.dp * lay.cp))
+    return max(rerun - freed, 0.0)
 
 
 def mtp_saved_elems(cfg: Config) -> float:
@@ -435,14 +458,21 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     (torch's input pass retains it for the weight pass), so a chunk's recomputed regions are live
     together, and :func:`v_rank_activations` takes each pass's transient (its chunk's sum, MTP
     blocks included: deepseek-v3-tiny pp2 dualpipev, activations 1.49 of a one-layer plan).
+
+    Under cp, in every mode, a Gated DeltaNet layer's rule rerun (:func:`rerun_extra`), one layer's
+    at a time (a split pass counts each fully recomputed one's: a bound).
     """
+    tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
+    ab = ACT_BYTES[lay.precision]
+    if lay.cp > 1:  # and every Gated DeltaNet layer's rerun of its rule (rerun_extra), fully recomputed or not
+        kinds = {(layer_kind(cfg, i), layer_recompute(lay, i)) for i in rank_layers(cfg, lay, r)}
+        return int(max((_transient_elems(cfg, lay, k) if m == "full" else rerun_extra(cfg, lay, k, m)
+                        for k, m in kinds), default=0.0) * tokens * ab)
     if lay.recompute != "full":
         return 0
     layers = [i for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) == "full"]
     if not layers:
         return 0
-    tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
-    ab = ACT_BYTES[lay.precision]
     return int(max(_transient_elems(cfg, lay, layer_kind(cfg, i)) for i in layers) * tokens * ab)
 
 

@@ -26,6 +26,26 @@ c = (2·k_heads·dk + v_heads·dv)/t, S the sequence padded to the chunk C, n = 
                                                     rank holds one k-head z is a view of in_proj_qkvz's
                                                     whole output: 5H·dv + H + 2Hk·dk + 2H·dv
 
+Under context parallel (cp > 1, s = seq_len/cp the rank's tokens; parallel/context/linear_state.py)
+the rule runs inside ``_SnakeRule``, which keeps only its inputs and the two states it received and
+reruns each half-shard's rule in backward, so in place of the chunked rule's set above:
+
+    q and k (l2norm's outputs, k heads), g          2Hk·dk + H        (v is the conv's output and
+                                                                        beta sigmoid's: counted)
+    the two received states, per microbatch        2H·dk·dv / s      (fp32)
+    the conv: each half reads its own K−1 tail      c·(s+2(K−1))/s + 2c
+
+and, in bf16, SiLU's output stays (v is a view of it: no "− channels"), the rule's inputs and
+states are fp32 (under autocast no bf16 casts of the rule are kept). The rerun's own set (the
+chunked rule over s/2 tokens, padded to C, its first state the saved one) lives once, one layer
+at a time: :func:`cp_rerun_elems`, the transient ``activations.rerun_extra`` adds at the peak
+beyond what the block's backward freed before it (its FFN's set and the gated norm's). Held to
+one cp rank's layer in one process (tests/test_block_activations.py: a one-rank snake) and to the
+rehearsal: tiny-qwen3.5 at cp2 read activations 0.684 of the plan before, 0.9990 now (0.9945
+under full recompute, 0.9905 on pp rank 0 of pp2, where the transient counts).
+The transient is an upper bound: the block's other tensors freed before the rerun (the FFN norm's,
+the layers above it) are not subtracted.
+
 Not counted: what is per microbatch rather than per token (the chunk's C×C causal mask, A_log's
 exp, under tp the conv weight's rows): 4 KB and less a layer. The layer has no recomputed core:
 core_attn and selective keep its whole set (only its FFN's SwiGLU is recomputed there).
@@ -56,11 +76,50 @@ def _parts(cfg: Config, lay: Layout) -> tuple[float, float, float, float]:
     conv = channels * (s + k - 1) / s + 2 * channels
     gates = 2 * hk + 3 * hv
     rule = hv * (6 * dk + 3 * dv + 5 * c + 4) * padded / s + chunks * hv * (dk * dv + 1) / s
+    if lay.cp > 1:  # the zigzag shard's two conv tails, and the rule's inputs and states (module docstring)
+        conv = channels * (s + 2 * (k - 1)) / s + 2 * channels
+        rule = _cp_rule(cfg, lay)
     # the gate z: a copy of its part of in_proj_qkvz's output, but a view of the whole output
     # where a rank holds one k-head (the split is then contiguous): silu keeps that storage
     z = hv * dv if hk > lay.tp else 2 * hk * dk + 2 * hv * dv
     norm = 5 * hv * dv + hv + z
     return conv, gates, rule, norm
+
+
+def linear_norm_elems(cfg: Config, lay: Layout) -> float:
+    """The gated norm's part of :func:`linear_saved_elems` (out_proj's input with it), whole width."""
+    return _parts(cfg, lay)[3]
+
+
+def _cp_rule(cfg: Config, lay: Layout) -> float:
+    """Under cp what ``_SnakeRule`` keeps of the rule, fp32 elements per token, whole width: q and k
+    (l2norm's outputs, k heads), g, and the two received states (b, h_v, d_k, d_v) per microbatch
+    (v is a view of the conv's output and beta sigmoid's, both counted already)."""
+    li = cfg.model.linear
+    s = cfg.model.seq_len / lay.cp
+    return 2 * li.k_heads * li.head_k_dim + li.v_heads + 2 * li.v_heads * li.head_k_dim * li.head_v_dim / s
+
+
+def cp_rerun_elems(cfg: Config, lay: Layout, mode: str) -> float:
+    """Under cp, what one half-chunk's rerun of the rule saves while the backward differentiates it
+    (``_rule_grads``: the chunked rule's set over c = s/2 tokens, padded to the chunk, its first
+    state the saved one), per token of the rank's s on one tp rank, in units of ``ACT_BYTES`` of the
+    precision (``mode``: states.precision_mode); not its C×C causal mask (bool, one a rank and
+    microbatch: C² bytes, as at cp = 1). 0 at cp = 1. One layer's, once: a transient."""
+    if lay.cp == 1:
+        return 0.0
+    li = cfg.model.linear
+    dk, dv, c, hv = li.head_k_dim, li.head_v_dim, li.chunk, li.v_heads
+    s = cfg.model.seq_len / lay.cp
+    half = s / 2
+    padded = -(-half // c) * c
+    chunks = padded / c
+    if mode == "bf16-autocast":  # _autocast_total's rule and loop, every chunk's casts and decay (s0 needs a gradient)
+        rule = hv * (12 * dk + 4 * dv + 6 * c + 8) * padded
+        loop = chunks * hv * (4 * dk * dv + c * c + 2 * c * dv + 3 * c * dk + 2) - 2 * hv * dk * dv
+        return (rule + loop) / s / lay.tp
+    rerun = (hv * (6 * dk + 3 * dv + 5 * c + 4) * padded + chunks * hv * (dk * dv + 1) - hv * dk * dv) / s / lay.tp
+    return 2 * rerun if mode == "bf16-fsdp" else rerun
 
 
 def linear_bf16_extra(cfg: Config, lay: Layout, autocast: bool) -> float:
@@ -80,6 +139,8 @@ def linear_bf16_extra(cfg: Config, lay: Layout, autocast: bool) -> float:
         return _autocast_total(cfg, lay) - (linear_saved_elems(cfg, lay) - cfg.model.d_model)
     _, _, rule, norm = _parts(cfg, lay)
     channels = 2 * hk * dk + hv * dv
+    if lay.cp > 1:  # v, a view of SiLU's bf16 output, is _SnakeRule's input: kept (rule: _cp_rule, all fp32)
+        channels = 0
     return (4 * hk * dk - channels) + 2 * hk + 2 * hv + rule + (9 * hv * dv + 2 * hv - norm)
 
 
@@ -106,4 +167,7 @@ def _autocast_total(cfg: Config, lay: Layout) -> float:
     pre = channels * (s + k - 1) / s + channels + 4 * hk * dk + 4 * hk + 5 * hv
     rule = hv * (12 * dk + 4 * dv + 6 * c + 8) * padded / s
     loop = (chunks * hv * (4 * dk * dv + c * c + 2 * c * dv + c * dk) + (chunks - 1) * 2 * hv * c * dk) / s
+    if lay.cp > 1:  # the conv's two tails and SiLU's output (v, _SnakeRule's input); the rule's inputs
+        pre = channels * (s + 2 * (k - 1)) / s + 2 * channels + 4 * hk * dk + 4 * hk + 5 * hv
+        rule, loop = 2 * _cp_rule(cfg, lay), 0.0
     return pre + rule + loop + 9 * hv * dv + 2 * hv

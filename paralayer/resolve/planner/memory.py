@@ -15,7 +15,7 @@ from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import Memo
 from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
-from paralayer.resolve.memory.activations import KINDS, layer_kind
+from paralayer.resolve.memory.activations import KINDS, layer_kind, rerun_extra
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.comm import RECOMPUTES
@@ -129,11 +129,15 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
     for overlap in overlaps:
         for fsdp in (False, True):
             lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
-            akey = (lay.tp, lay.sequence_parallel, lay.cp > 1, overlap, fsdp and lay.dp * lay.cp > 1,
-                    lay.ep > 1)  # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
+            # cp: ring attention's set, and a Gated DeltaNet layer's by the tokens per rank (linear_acts)
+            akey = (lay.tp, lay.sequence_parallel, lay.cp if cfg.model.linear.k_heads else lay.cp > 1, overlap,
+                    fsdp and lay.dp * lay.cp > 1, lay.ep > 1)  # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
             if akey not in act_cache:
                 act_cache[akey] = {mode: tuple(mem_mod.kind_elems(cfg, lay, k, mode) for k in range(len(KINDS)))
                                    for mode in RECOMPUTES}
+                # under cp a Gated DeltaNet layer's rule rerun by the layer's mode (memory.rerun_extra)
+                act_cache[akey]["rerun"] = {mode: tuple(rerun_extra(cfg, lay, k, mode) for k in range(len(KINDS)))
+                                            for mode in RECOMPUTES}
             acts[(overlap, fsdp)] = act_cache[akey]
     lay.tp_overlap, lay.zero = False, zero0
     return acts
@@ -231,13 +235,15 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
     device's capacity; the first rank over it is returned (the layout does not fit, whichever the
     most loaded: the caller reads only its total)."""
     es, full = act[recompute], recompute == "full"
+    xr = act["rerun"][recompute]  # under cp a Gated DeltaNet rule's rerun by kind (memory.rerun_extra)
+    rerun = any(xr)
     tr: list = []  # a fully recomputed block's transient, by kind (made where a rank needs it)
     best: Optional[tuple] = None
     for i, (rk, st, fl) in enumerate(zip(ranks, states, flight)):
         at = rk.rank
         hit = None if memo is None else memo.get(i)
         if hit is None and not tr:
-            tr = [n - e for n, e in zip(act["none"], es)]
+            tr = [n - e + x for n, e, x in zip(act["none"], es, act["rerun"]["full"])]
         if hit is not None:
             a, at = hit
         elif rk.split_chunks:  # memory.v_rank_activations: the largest backward pass of the order
@@ -249,9 +255,10 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
                 a, at = _v_activations(rk, fl, per, [mem_mod.split_transient(c, tr) for c in cts],
                                        [_largest(c, tr) for c in cts], tab, fl[3])
             else:
-                a, at = _v_activations(rk, fl, per, _ZEROS, _ZEROS, tab, fl[3])
+                xs = [_largest(c, xr) for c in cts] if rerun else _ZEROS
+                a, at = _v_activations(rk, fl, per, xs, xs, tab, fl[3])
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
-            live = int(_largest(rk.kinds, tr) * tab) if full else 0
+            live = int(_largest(rk.kinds, tr if full else xr) * tab) if full or rerun else 0
             per = _chunk_sets(rk, es)
             if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + st[10 if full else 9] <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
@@ -264,6 +271,8 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
                 # beside the same microbatch's logits and head (memory.rank_activations)
                 live = int(_largest(rk.kinds, tr) * tab)
                 a += max(live - head, 0.0)
+            elif rerun:  # a Gated DeltaNet rule's rerun, as the recomputed layer's (memory.recompute_transient)
+                a += max(int(_largest(rk.kinds, xr) * tab) - head, 0.0)
         if hit is None:
             a = int(a)
             if memo is not None:
@@ -413,12 +422,13 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
         per += act["full" if full else "none"][kind]
         w = st[5 + kind]  # autocast's copies of the kind's weights
         if full:
-            live = max(live, act["none"][kind] - act["full"][kind])
+            live = max(live, act["none"][kind] - act["full"][kind] + act["rerun"]["full"][kind])
             again = max(again, w)
         else:
             copies += w
+            live = max(live, act["rerun"]["none"][kind])  # under cp (memory.recompute_transient)
     if rk.split_chunks:  # memory.v_rank_activations: per chunk its saved set and its passes' transients
-        tr = [n - f for n, f in zip(act["none"], act["full"])]
+        tr = [n - f + x for n, f, x in zip(act["none"], act["full"], act["rerun"]["full"])]
         pers = [_chunk_saved(ch, act, every) for ch in rk.split_chunks]
         cts = [_chunk_counts(ch, every) for ch in rk.split_chunks]
         live_v = ([mem_mod.split_transient(c, tr) for c in cts], [_largest(c, tr) for c in cts])
