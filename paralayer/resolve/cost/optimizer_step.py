@@ -409,17 +409,22 @@ def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict) -> float
 
 
 def _busiest_dp_index(cfg: Config, lay, r: int) -> int:
-    """The place in dp·cp whose Newton-Schulz work on pipeline rank ``r`` is the most (ties: the lowest):
-    its ZeRO-1 share's, or its owned matrices' over dp·cp and expert-dp."""
+    """The place in dp·cp whose busiest device on pipeline rank ``r`` runs the most Newton-Schulz FLOPs
+    (ties: the lowest): its ZeRO-1 share's on its busiest tp place (the share's row-parallel matrices
+    run whole on every tp rank, its column-parallel ones are owned over tp: not the share's sum), or
+    its owned matrices' over dp·cp and expert-dp (apart from tp's places: they add)."""
     steps, d, ep = cfg.train.muon.ns_steps, lay.dp * lay.cp, max(lay.ep, 1)
     if d == 1:
         return 0
     mats = rank_matrices(cfg, lay, r)
     work = [0.0] * d
-    if lay.zero == 1:
+    if lay.zero == 1:  # the experts under ep (-1) are every place's: left out of the comparison
+        shares: dict = {}
         for mx, o in zip(mats, zero1_owners(cfg, lay, r, mats)):
-            for j in (range(d) if o < 0 else (o,)):
-                work[j] += mx.flops(steps)
+            shares.setdefault(o, []).append(mx)
+        for j, ms in shares.items():
+            if j >= 0:
+                work[j] = _mats_seconds(ms, lay, steps, 1.0, {"dp": 0.0, "tp": 0.0})
         return max(range(d), key=lambda j: (work[j], -j))
     for group, world, index in (("dp", d, lambda j: j), ("edp", max(d // ep, 1), lambda j: j // ep)):
         ms = [mx for mx in mats if placement(mx, lay, lay.zero)[1] == group
