@@ -25,6 +25,7 @@ attention core's rate.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 from typing import NamedTuple
@@ -83,13 +84,14 @@ def plan_seconds(cfg: Config, lay, zero: int, mach, spans: dict, cache: dict | N
     for r in range(max(lay.pp, 1)):
         held = [(c, i) for c in rank_chunks(lay, r) for i in list(lay.stage_layers[c])
                 + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])]
-        # what its matrices and ZeRO-1's sizes depend on: each layer's kind, the first and last chunks
-        key = (tuple((c == 0, c == lay.chunks - 1, parts.is_linear_layer(cfg, i), parts.is_moe_layer(cfg, i),
-                      i >= cfg.model.n_layers) for c, i in held), lay.tp, lay.dp, lay.cp, lay.ep, zero,
-               lay.pp > 1, lay.padded_vocab, flop_s, tuple(wire_s.values()))
+        if "kinds" not in cache:  # what a block's matrices and ZeRO-1's sizes depend on
+            cache["kinds"] = [(parts.is_linear_layer(cfg, i), parts.is_moe_layer(cfg, i), i >= cfg.model.n_layers)
+                              for i in range(cfg.model.n_layers + len(parts.mtp_layers(cfg)))]
+        key = (tuple((c == 0, c == lay.chunks - 1, cache["kinds"][i]) for c, i in held), lay.tp, lay.dp, lay.cp,
+               lay.ep, zero, lay.pp > 1, lay.padded_vocab, flop_s, tuple(wire_s.values()))
         if key not in cache:
             attentions = sum(1 for _, i in held if not parts.is_linear_layer(cfg, i))  # QK-clip's, MTP's too
-            cache[key] = (rank_seconds(cfg, lay, r, flop_s, wire_s)
+            cache[key] = (rank_seconds(cfg, lay, r, flop_s, wire_s, cache)
                           + max_logit_flops(cfg, {"tp": lay.tp, "dp": lay.dp, "cp": lay.cp}, attentions) / attn_s)
         best = max(best, cache[key])
     return best
@@ -194,8 +196,9 @@ def block_matrices(cfg: Config, i: int, ep: int) -> list:
     return out
 
 
-def rank_matrices(cfg: Config, lay, r: int) -> list:
-    """Pipeline rank ``r``'s Muon matrices: its chunks' blocks, and the MTP blocks on the last chunk's."""
+def rank_matrices(cfg: Config, lay, r: int, memo: dict | None = None) -> list:
+    """Pipeline rank ``r``'s Muon matrices: its chunks' blocks, and the MTP blocks on the last chunk's.
+    ``memo``: {(layer kind, ep): its block's} (plan_seconds' cache: a block's matrices are its kind's)."""
     from paralayer.resolve import model_parts as parts
     from paralayer.resolve.memory.states import rank_chunks
 
@@ -203,7 +206,13 @@ def rank_matrices(cfg: Config, lay, r: int) -> list:
     for c in rank_chunks(lay, r):
         layers = list(lay.stage_layers[c]) + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])
         for i in layers:
-            out += block_matrices(cfg, i, lay.ep)
+            if memo is None:
+                out += block_matrices(cfg, i, lay.ep)
+                continue
+            key = ("block", memo["kinds"][i], lay.ep)
+            if key not in memo:
+                memo[key] = block_matrices(cfg, i, lay.ep)
+            out += memo[key]
     return out
 
 
@@ -328,13 +337,15 @@ def rank_step(cfg: Config, lay, r: int, dp_index: int = 0, tp_index: int = 0) ->
                                             for (a, k, b), n in sorted(rows.items())]}
 
 
+@functools.lru_cache(maxsize=256)
 def _wire(kind: str, n: int) -> float:
     from paralayer.resolve.cost.machine import wire_factor
 
     return MOMENTUM_BYTES * wire_factor(kind, n)
 
 
-def _index_seconds(ms: list, kind: str, world: int, steps: int, flop_s: float, wire_s: float) -> list:
+@functools.lru_cache(maxsize=4096)  # the planner meets one group's matrices on many layouts
+def _index_seconds(ms: tuple, kind: str, world: int, steps: int, flop_s: float, wire_s: float) -> tuple:
     """Seconds of each place k of a group's owners (:func:`rank_step`'s "replicas"/"rows" terms): its
     owned matrices' Newton-Schulz, and its moves' bytes through its link (wire_factor) — a broadcast
     per owner (every place carries all), or its row shards and its owned matrices (two all-to-alls)."""
@@ -344,7 +355,7 @@ def _index_seconds(ms: list, kind: str, world: int, steps: int, flop_s: float, w
         out[o] += mx.flops(steps) / flop_s
     if kind == "replicas":
         moved = _wire("broadcast", world) * sum(mx.numel for mx in ms) * wire_s
-        return [x + moved for x in out]
+        return tuple(x + moved for x in out)
     w = _wire("all-to-all", world) * wire_s
     shard = [0.0] * (world + 1)  # torch.chunk's row shards (_rows_numel), as a difference array
     for mx, o in zip(ms, own):
@@ -361,7 +372,7 @@ def _index_seconds(ms: list, kind: str, world: int, steps: int, flop_s: float, w
     for k in range(world):
         run += shard[k]
         out[k] += run
-    return out
+    return tuple(out)
 
 
 def _mats_seconds(mats: list, lay, steps: int, flop_s: float, wire_s: dict) -> float:
@@ -369,36 +380,41 @@ def _mats_seconds(mats: list, lay, steps: int, flop_s: float, wire_s: dict) -> f
     what every device runs and moves, plus the busiest dp·cp place's owned work (dp and expert-dp
     together: place j is expert-dp place j // ep) and the busiest tp place's (independent of j)."""
     d, tp, ep = lay.dp * lay.cp, lay.tp, max(lay.ep, 1)
-    common, groups = 0.0, {}
+    common, groups, place = 0.0, {}, {}
     for mx in mats:
-        kind, group = placement(mx, lay, lay.zero)
-        if kind in ("local", "gather"):
-            common += mx.flops(steps) / flop_s
-        if kind == "gather":
-            if group == "dp+tp":
-                first = "dp" if mx.tp == "col" else "tp"
-                common += _wire("all-gather", d) * mx.numel / (tp if first == "dp" else 1) * wire_s["dp"]
-                common += _wire("all-gather", tp) * mx.numel / (1 if first == "dp" else d) * wire_s["tp"]
-            else:
-                n, ax = (tp, "tp") if group == "tp" else (d, "dp")
-                common += _wire("all-gather", n) * mx.numel * wire_s[ax]
-        elif kind != "local":
+        if mx not in place:
+            place[mx] = placement(mx, lay, lay.zero)
+        kind, group = place[mx]
+        if kind in ("replicas", "rows"):
             groups.setdefault((kind, group), []).append(mx)
+    for mx, count in collections.Counter(mats).items():  # what every device runs and moves, per shape
+        kind, group = place[mx]
+        if kind not in ("local", "gather"):
+            continue
+        each = mx.flops(steps) / flop_s
+        if group == "dp+tp":  # a gather
+            first = "dp" if mx.tp == "col" else "tp"
+            each += _wire("all-gather", d) * mx.numel / (tp if first == "dp" else 1) * wire_s["dp"]
+            each += _wire("all-gather", tp) * mx.numel / (1 if first == "dp" else d) * wire_s["tp"]
+        elif kind == "gather":
+            n, ax = (tp, "tp") if group == "tp" else (d, "dp")
+            each += _wire("all-gather", n) * mx.numel * wire_s[ax]
+        common += count * each
     size = {"dp": d, "edp": max(d // ep, 1), "tp": tp}
-    per = {g: _index_seconds(ms, k, size[g], steps, flop_s, wire_s["tp" if g == "tp" else "dp"])
+    per = {g: _index_seconds(tuple(ms), k, size[g], steps, flop_s, wire_s["tp" if g == "tp" else "dp"])
            for (k, g), ms in groups.items()}
-    dp, edp, tps = per.get("dp"), per.get("edp"), per.get("tp", [0.0])
-    data = (max(dp[j] + edp[j // ep] for j in range(d)) if dp and edp else max(dp or edp or [0.0]))
+    dp, edp, tps = per.get("dp"), per.get("edp"), per.get("tp", (0.0,))
+    data = (max(dp[j] + edp[j // ep] for j in range(d)) if dp and edp else max(dp or edp or (0.0,)))
     return common + data + max(tps)
 
 
-def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict) -> float:
+def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict, memo: dict | None = None) -> float:
     """The most seconds of :func:`rank_step` over every device of pipeline rank ``r``: its FLOPs at
     ``flop_s`` and each collective's bytes through the device's link (``wire_s``: seconds per byte
     of the dp·cp and tp groups). Exact, without stepping every device: the dp·cp and tp places part
     additively (each group's owners dealt once), except ZeRO-1's shares, taken one by one."""
     steps, d = cfg.train.muon.ns_steps, lay.dp * lay.cp
-    mats = rank_matrices(cfg, lay, r)
+    mats = rank_matrices(cfg, lay, r, memo)
     if lay.zero != 1 or d == 1:
         return _mats_seconds(mats, lay, steps, flop_s, wire_s)
     shares: dict = {}  # ZeRO-1: place j's share (-1: the experts under ep, every place's, all local)
