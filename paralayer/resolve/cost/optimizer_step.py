@@ -421,7 +421,8 @@ def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict, memo: di
     for mx, o in zip(mats, zero1_owners(cfg, lay, r, mats)):
         shares.setdefault(o, []).append(mx)
     every = _mats_seconds(shares.pop(-1, []), lay, steps, flop_s, wire_s)
-    return every + max([_mats_seconds(ms, lay, steps, flop_s, wire_s) for ms in shares.values()] + [0.0])
+    return every + max([_mats_seconds(list(ms), lay, steps, flop_s, wire_s)  # alike shares once
+                        for ms in {tuple(v) for v in shares.values()}] + [0.0])
 
 
 def _busiest_dp_index(cfg: Config, lay, r: int) -> int:
