@@ -420,6 +420,9 @@ def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict, memo: di
     shares: dict = {}  # ZeRO-1: place j's share (-1: the experts under ep, every place's, all local)
     for mx, o in zip(mats, zero1_owners(cfg, lay, r, mats)):
         shares.setdefault(o, []).append(mx)
+    if lay.tp == 1:  # every matrix local: a share's own Newton-Schulz, no move
+        load = {o: sum(mx.flops(steps) for mx in ms) for o, ms in shares.items()}
+        return (load.pop(-1, 0.0) + max(load.values(), default=0.0)) / flop_s
     every = _mats_seconds(shares.pop(-1, []), lay, steps, flop_s, wire_s)
     return every + max([_mats_seconds(list(ms), lay, steps, flop_s, wire_s)  # alike shares once
                         for ms in {tuple(v) for v in shares.values()}] + [0.0])
