@@ -304,3 +304,51 @@ def test_the_plan_times_muons_step_and_the_planner_ranks_with_it():
         assert c.train.optimizer == "muon"
         assert resolve(c).memory_per_device_bytes["total"] == d["memory"]["total"]
         assert planner.predict(c)["step_time_s"] == pytest.approx(d["step_time_s"], rel=1e-6), d["degrees"]
+
+
+def _busiest_device(cfg) -> tuple[float, float]:
+    """The oracle: every device's rank_step (pipeline rank, dp·cp place, tp place) one by one, (the
+    most seconds, the most FLOPs): its Newton-Schulz FLOPs at the achieved rate, each collective's
+    bytes × wire_factor over its axis's bandwidth (these layouts have no expert-dp group)."""
+    from paralayer.resolve import rules
+    from paralayer.resolve.cost import optimizer_step
+    from paralayer.resolve.cost.machine import machine_for, wire_factor
+    from paralayer.resolve.plan import resolve
+
+    lay, mach, spans = rules.check(cfg), machine_for(cfg), resolve(cfg).spans
+    bw = {ax: mach.bandwidth(spans[ax]) for ax in ("dp", "tp")}
+    size = {"dp": lay.dp * lay.cp, "tp": lay.tp}
+    steps = [optimizer_step.rank_step(cfg, lay, r, j, t) for r in range(lay.pp) for j in range(lay.dp * lay.cp)
+             for t in range(lay.tp)]
+    return max(s["flops"] / (mach.peak_tflops * 1e12 * mach.efficiency)
+               + sum(c["message_bytes"] * c["count"] * wire_factor(c["kind"], size[c["axis"]]) / bw[c["axis"]]
+                     for c in s["collectives"]) for s in steps), max(s["flops"] for s in steps)
+
+
+def test_optimizer_s_is_the_busiest_devices_exact_step(monkeypatch):
+    """optimizer_s is the busiest device's exact step timed: llama3-8b on 64 H100 (tp8 dp8 ZeRO-1:
+    0.131 s, where the average owner's model said 1.10 s, the planted error, fails) and
+    deepseek-v3-tiny under DualPipeV (pp2: chunks 0, 3 on rank 0; its MTP block on rank 0); the
+    plan's optimizer_step is the device with the most FLOPs (llama3-8b: dp place 7's share, 7.90e13;
+    planted: dp place 0's, 1.65e13)."""
+    from paralayer.config import load_config
+    from paralayer.resolve import planner, rules
+    from paralayer.resolve.cost import optimizer_step as O
+    from paralayer.resolve.cost.machine import machine_for
+
+    for ov in (["recipe=deepseek-v3-tiny", "cluster=h100-80gb-8x", "cluster.devices_per_node=4", "parallel.pp=2",
+                "parallel.schedule=dualpipev", "parallel.zero=0", "train.micro_batch=2"],
+               ["recipe=llama3-8b", "cluster=h100-80gb-8x", "cluster.nodes=8"]):
+        cfg = load_config(ov + ["train.optimizer=muon"])
+        (want, most), lay = _busiest_device(cfg), rules.check(cfg)
+        assert planner.predict(cfg)["optimizer_s"] == pytest.approx(want, rel=1e-9) and want > 0, ov
+        assert O.plan_section(cfg, lay)["flops"] == most, ov
+    monkeypatch.setattr(O, "_busiest_dp_index", lambda *a: 0)
+    assert O.plan_section(cfg, lay)["flops"] < most
+    # planted: the time model before (the mean owner; at tp > 1 every matrix whole on every tp rank,
+    # (tp - 1)/tp of it over tp, ZeRO-1 no dp move)
+    mach = machine_for(cfg)
+    mats = [mx for i in range(cfg.model.n_layers) for mx in O.block_matrices(cfg, i, 1)]
+    old = (sum(mx.flops(cfg.train.muon.ns_steps) for mx in mats) / (mach.peak_tflops * 1e12 * mach.efficiency)
+           + 4 * sum(mx.numel for mx in mats) * (lay.tp - 1) / lay.tp / mach.bandwidth("intra-node"))
+    assert lay.tp == 8 and lay.zero == 1 and old != pytest.approx(want, rel=1e-2)

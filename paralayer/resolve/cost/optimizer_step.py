@@ -12,12 +12,11 @@ One list of Muon's matrices (:func:`block_matrices`: every matrix of a block, as
   FSDP·tp matrices gathered whole on every rank; owners dealt by cost, largest first, per group.
   Its FLOPs and per-axis bytes are the plan's ``optimizer_step`` (the busiest device) and what the
   rehearsal compares per rank, beside (never inside) ``flops_per_token`` and ``comm``.
-- :func:`mean_step`, the time model's (``optimizer_s``, the planner's ranking; unchanged): the MEAN
-  owner's share of the stage's attention layers (1/(dp·cp) of the dense work at tp = 1, whole
-  matrices on every tp rank at tp > 1; experts on their ep rank, over expert-dp under ZeRO 2/3) and
-  the bytes through its link (ZeRO 0: (d−1)/d of the Muon matrices; ZeRO 2/3: two all-to-alls of
-  (d−1)/d of its shard; ZeRO-1 none; tp > 1: (tp−1)/tp of each matrix). Where it and rank_step part:
-  docs/planner.md "Muon's step in the plan".
+- :func:`plan_seconds`, the time model's ``optimizer_s`` (inside ``step_time_s``; the planner ranks
+  Muon layouts with it): the same step of the BUSIEST device timed — its FLOPs at the achieved
+  rate, each collective's bytes × wire_factor over its group's bandwidth (:func:`rank_seconds`, the
+  max over every pipeline rank, dp·cp place and tp place). Before it was the MEAN owner's
+  share with tp's matrices whole on every tp rank (docs/planner.md "Muon's step in the plan").
 
 Per matrix of m × n (k = min, K = max) one Newton-Schulz step is X Xᵀ (2k²K), its square (2k³) and
 the product back (2k²K) FLOPs: ``ns_steps``·(4k²K + 2k³); moves are fp32 (4 B) per element.
@@ -26,6 +25,8 @@ attention core's rate.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import heapq
 from typing import NamedTuple
 
@@ -34,81 +35,66 @@ from paralayer.config import Config
 MOMENTUM_BYTES = 4
 
 
+@functools.lru_cache(maxsize=4096)
 def _ns_flops(m: int, n: int, steps: int) -> float:
     k, big = min(m, n), max(m, n)
     return steps * (4.0 * k * k * big + 2.0 * k ** 3)
 
 
-def layer_matrices(cfg: Config, moe: bool) -> tuple[list, list]:
-    """(dense matrices, one expert's matrices) of an attention layer, as (rows, cols), before tp:
-    :func:`block_matrices`' (the one list of Muon's matrices), the time model's per-layer terms."""
-    mats = mixer_matrices(cfg, False) + ffn_matrices(cfg, moe, 1, biases=False)
-    return [(x.rows, x.cols) for x in mats if not x.expert], [(x.rows, x.cols) for x in mats if x.expert]
+class PerZero(dict):
+    """{zero: :func:`plan_seconds`}, each computed when first asked (the planner times few of a
+    structure's ZeRO stages); ``of(zero)`` the seconds."""
+
+    def __init__(self, of) -> None:
+        super().__init__()
+        self.of = of
+
+    def __missing__(self, zero: int) -> float:
+        self[zero] = self.of(zero)
+        return self[zero]
+
+    def get(self, zero: int, default: float = 0.0) -> float:
+        return self[zero]
 
 
-def layer_terms(cfg: Config, moe: bool) -> tuple[float, float, float]:
-    """(dense NS FLOPs, dense elements, one expert's NS FLOPs) of a layer, before tp."""
-    steps = cfg.train.muon.ns_steps
-    dense, expert = layer_matrices(cfg, moe)
-    return (sum(_ns_flops(r, c, steps) for r, c in dense), float(sum(r * c for r, c in dense)),
-            sum(_ns_flops(r, c, steps) for r, c in expert))
-
-
-def mean_step(cfg: Config, degrees: dict, zero: int, n_dense: int, n_moe: int, terms: dict) -> dict:
-    """The time model's Muon work on a rank holding ``n_dense`` dense and ``n_moe`` MoE layers
-    (``terms``: {is_moe: :func:`layer_terms`}), the MEAN owner's (module docstring): ``flops`` and the
-    bytes through this device's link, ``wire_bytes`` {tp, dp}. :func:`rank_step` is one device's exact
-    figure (the rehearsal's, and the plan's ``optimizer_step``)."""
-    tp, ep = int(degrees["tp"]), int(degrees["ep"])
-    d = int(degrees["dp"]) * int(degrees["cp"])
-    d_exp = max(d // max(ep, 1), 1)
-    share = 1.0 if tp > 1 else 1.0 / d
-    flops = elems_dense = 0.0
-    for moe, n in ((False, n_dense), (True, n_moe)):
-        if n:
-            f_dense, elems, f_expert = terms[moe]
-            flops += n * share * f_dense
-            elems_dense += n * elems
-            flops += n * f_expert * cfg.model.moe.num_experts / max(ep, 1) / (d_exp if zero >= 2 else 1)
-    wire = {"tp": 0.0, "dp": 0.0}
-    if tp > 1:
-        wire["tp"] = MOMENTUM_BYTES * elems_dense * (tp - 1) / tp
-    elif d > 1 and zero == 0:
-        wire["dp"] = MOMENTUM_BYTES * elems_dense * (d - 1) / d
-    elif d > 1 and zero >= 2:
-        wire["dp"] = 2 * MOMENTUM_BYTES * elems_dense / d * (d - 1) / d
-    return {"flops": flops, "wire_bytes": wire}
-
-
-def muon_step_seconds(cfg: Config, degrees: dict, zero: int, n_dense: int, n_moe: int, terms: dict,
-                      flop_s: float, dp_bandwidth: float, tp_bandwidth: float) -> float:
-    """Seconds per step of :func:`mean_step`: ``flop_s`` the achieved FLOP/s, the bandwidths bytes/s
-    of the dp and tp spans."""
-    work = mean_step(cfg, degrees, zero, n_dense, n_moe, terms)
-    seconds = work["flops"] / flop_s
-    if int(degrees["tp"]) > 1:
-        seconds += work["wire_bytes"]["tp"] / tp_bandwidth
-    return seconds + work["wire_bytes"]["dp"] / dp_bandwidth
-
-
-def plan_seconds(cfg: Config, degrees: dict, zero: int, stage_layers: list, mach, spans: dict) -> float:
-    """:func:`muon_step_seconds` of the pipeline rank with the most matrices (chunk c on rank c mod pp),
-    on ``mach`` (cost.machine.Machine) and the axes' ``spans``; 0 under AdamW."""
+def plan_seconds(cfg: Config, lay, zero: int, mach, spans: dict, cache: dict | None = None) -> float:
+    """Muon's step in the step time (``optimizer_s``): the BUSIEST device's :func:`rank_step` timed
+    (:func:`rank_seconds`, the max over pipeline ranks, each over every dp·cp and tp place), plus
+    QK-clip's max logit of that rank's attentions (:func:`max_logit_flops`) at the attention core's
+    rate; ``lay`` the layout (its chunk → rank map, MTP on the last chunk's rank) with ``zero`` for
+    its ZeRO stage, on ``mach`` (cost.machine.Machine) and the axes' ``spans``; 0 under AdamW.
+    ``cache``: {key: seconds} per distinct pipeline rank (the planner's, over its structures)."""
     if getattr(cfg.train, "optimizer", "adamw") != "muon":
         return 0.0
-    from paralayer.resolve.model_parts import is_moe_layer
+    import copy
 
-    pp = max(int(degrees["pp"]), 1)
-    counts = [[0, 0] for _ in range(pp)]
-    for c, layers in enumerate(stage_layers):
-        for i in layers:
-            counts[c % pp][1 if is_moe_layer(cfg, i) else 0] += 1
-    terms = {moe: layer_terms(cfg, moe) for moe in (False, True)}
+    from paralayer.resolve import model_parts as parts
+    from paralayer.resolve.memory.states import rank_chunks
+
+    if lay.zero != zero:
+        lay = copy.copy(lay)
+        lay.zero = zero
     flop_s = mach.peak_tflops * 1e12 * mach.efficiency
     attn_s = mach.peak_tflops * 1e12 * (mach.attention_efficiency or mach.efficiency)
-    dp_bw, tp_bw = mach.bandwidth(spans.get("dp", "intra-node")), mach.bandwidth(spans.get("tp", "intra-node"))
-    return max(muon_step_seconds(cfg, degrees, zero, nd, nm, terms, flop_s, dp_bw, tp_bw)
-               + max_logit_flops(cfg, degrees, nd + nm) / attn_s for nd, nm in {tuple(c) for c in counts})
+    inter = "inter-node" in (spans.get("dp"), spans.get("cp"))  # the dp·cp group's span
+    wire_s = {"dp": 1.0 / mach.bandwidth("inter-node" if inter else "intra-node"),
+              "tp": 1.0 / mach.bandwidth(spans.get("tp", "intra-node"))}
+    cache = {} if cache is None else cache
+    best = 0.0
+    for r in range(max(lay.pp, 1)):
+        held = [(c, i) for c in rank_chunks(lay, r) for i in list(lay.stage_layers[c])
+                + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])]
+        if "kinds" not in cache:  # what a block's matrices and ZeRO-1's sizes depend on
+            cache["kinds"] = [(parts.is_linear_layer(cfg, i), parts.is_moe_layer(cfg, i), i >= cfg.model.n_layers)
+                              for i in range(cfg.model.n_layers + len(parts.mtp_layers(cfg)))]
+        key = (tuple((c == 0, c == lay.chunks - 1, cache["kinds"][i]) for c, i in held), lay.tp, lay.dp, lay.cp,
+               lay.ep, zero, lay.pp > 1, lay.padded_vocab, flop_s, tuple(wire_s.values()))
+        if key not in cache:
+            attentions = sum(1 for _, i in held if not parts.is_linear_layer(cfg, i))  # QK-clip's, MTP's too
+            cache[key] = (rank_seconds(cfg, lay, r, flop_s, wire_s, cache)
+                          + max_logit_flops(cfg, {"tp": lay.tp, "dp": lay.dp, "cp": lay.cp}, attentions) / attn_s)
+        best = max(best, cache[key])
+    return best
 
 
 def max_logit_flops(cfg: Config, degrees: dict, n_layers: int) -> float:
@@ -210,8 +196,9 @@ def block_matrices(cfg: Config, i: int, ep: int) -> list:
     return out
 
 
-def rank_matrices(cfg: Config, lay, r: int) -> list:
-    """Pipeline rank ``r``'s Muon matrices: its chunks' blocks, and the MTP blocks on the last chunk's."""
+def rank_matrices(cfg: Config, lay, r: int, memo: dict | None = None) -> list:
+    """Pipeline rank ``r``'s Muon matrices: its chunks' blocks, and the MTP blocks on the last chunk's.
+    ``memo``: {(layer kind, ep): its block's} (plan_seconds' cache: a block's matrices are its kind's)."""
     from paralayer.resolve import model_parts as parts
     from paralayer.resolve.memory.states import rank_chunks
 
@@ -219,7 +206,13 @@ def rank_matrices(cfg: Config, lay, r: int) -> list:
     for c in rank_chunks(lay, r):
         layers = list(lay.stage_layers[c]) + (parts.mtp_layers(cfg) if c == lay.chunks - 1 else [])
         for i in layers:
-            out += block_matrices(cfg, i, lay.ep)
+            if memo is None:
+                out += block_matrices(cfg, i, lay.ep)
+                continue
+            key = ("block", memo["kinds"][i], lay.ep)
+            if key not in memo:
+                memo[key] = block_matrices(cfg, i, lay.ep)
+            out += memo[key]
     return out
 
 
@@ -344,18 +337,114 @@ def rank_step(cfg: Config, lay, r: int, dp_index: int = 0, tp_index: int = 0) ->
                                             for (a, k, b), n in sorted(rows.items())]}
 
 
+@functools.lru_cache(maxsize=256)
+def _wire(kind: str, n: int) -> float:
+    from paralayer.resolve.cost.machine import wire_factor
+
+    return MOMENTUM_BYTES * wire_factor(kind, n)
+
+
+@functools.lru_cache(maxsize=4096)  # the planner meets one group's matrices on many layouts
+def _index_seconds(ms: tuple, kind: str, world: int, steps: int, flop_s: float, wire_s: float) -> tuple:
+    """Seconds of each place k of a group's owners (:func:`rank_step`'s "replicas"/"rows" terms): its
+    owned matrices' Newton-Schulz, and its moves' bytes through its link (wire_factor) — a broadcast
+    per owner (every place carries all), or its row shards and its owned matrices (two all-to-alls)."""
+    out = [0.0] * world
+    own = owners([mx.cost for mx in ms], world)
+    for mx, o in zip(ms, own):
+        out[o] += mx.flops(steps) / flop_s
+    if kind == "replicas":
+        moved = _wire("broadcast", world) * sum(mx.numel for mx in ms) * wire_s
+        return tuple(x + moved for x in out)
+    w = _wire("all-to-all", world) * wire_s
+    shard = [0.0] * (world + 1)  # torch.chunk's row shards (_rows_numel), as a difference array
+    for mx, o in zip(ms, own):
+        out[o] += mx.numel * w
+        dim0 = mx.stack if mx.stack > 1 else mx.rows
+        size, per = -(-dim0 // world), mx.numel // dim0
+        full = dim0 // size
+        shard[0] += size * per * w
+        shard[full] -= size * per * w
+        if full < world:
+            shard[full] += (dim0 - full * size) * per * w
+            shard[full + 1] -= (dim0 - full * size) * per * w
+    run = 0.0
+    for k in range(world):
+        run += shard[k]
+        out[k] += run
+    return tuple(out)
+
+
+def _mats_seconds(mats: list, lay, steps: int, flop_s: float, wire_s: dict) -> float:
+    """The most seconds of any device holding ``mats`` (one pipeline rank's, or one ZeRO-1 share's):
+    what every device runs and moves, plus the busiest dp·cp place's owned work (dp and expert-dp
+    together: place j is expert-dp place j // ep) and the busiest tp place's (independent of j)."""
+    d, tp, ep = lay.dp * lay.cp, lay.tp, max(lay.ep, 1)
+    common, groups, place = 0.0, {}, {}
+    for mx in mats:
+        if mx not in place:
+            place[mx] = placement(mx, lay, lay.zero)
+        kind, group = place[mx]
+        if kind in ("replicas", "rows"):
+            groups.setdefault((kind, group), []).append(mx)
+    for mx, count in collections.Counter(mats).items():  # what every device runs and moves, per shape
+        kind, group = place[mx]
+        if kind not in ("local", "gather"):
+            continue
+        each = mx.flops(steps) / flop_s
+        if group == "dp+tp":  # a gather
+            first = "dp" if mx.tp == "col" else "tp"
+            each += _wire("all-gather", d) * mx.numel / (tp if first == "dp" else 1) * wire_s["dp"]
+            each += _wire("all-gather", tp) * mx.numel / (1 if first == "dp" else d) * wire_s["tp"]
+        elif kind == "gather":
+            n, ax = (tp, "tp") if group == "tp" else (d, "dp")
+            each += _wire("all-gather", n) * mx.numel * wire_s[ax]
+        common += count * each
+    size = {"dp": d, "edp": max(d // ep, 1), "tp": tp}
+    per = {g: _index_seconds(tuple(ms), k, size[g], steps, flop_s, wire_s["tp" if g == "tp" else "dp"])
+           for (k, g), ms in groups.items()}
+    dp, edp, tps = per.get("dp"), per.get("edp"), per.get("tp", (0.0,))
+    data = (max(dp[j] + edp[j // ep] for j in range(d)) if dp and edp else max(dp or edp or (0.0,)))
+    return common + data + max(tps)
+
+
+def rank_seconds(cfg: Config, lay, r: int, flop_s: float, wire_s: dict, memo: dict | None = None) -> float:
+    """The most seconds of :func:`rank_step` over every device of pipeline rank ``r``: its FLOPs at
+    ``flop_s`` and each collective's bytes through the device's link (``wire_s``: seconds per byte
+    of the dp·cp and tp groups). Exact, without stepping every device: the dp·cp and tp places part
+    additively (each group's owners dealt once), except ZeRO-1's shares, taken one by one."""
+    steps, d = cfg.train.muon.ns_steps, lay.dp * lay.cp
+    mats = rank_matrices(cfg, lay, r, memo)
+    if lay.zero != 1 or d == 1:
+        return _mats_seconds(mats, lay, steps, flop_s, wire_s)
+    shares: dict = {}  # ZeRO-1: place j's share (-1: the experts under ep, every place's, all local)
+    for mx, o in zip(mats, zero1_owners(cfg, lay, r, mats)):
+        shares.setdefault(o, []).append(mx)
+    if lay.tp == 1:  # every matrix local: a share's own Newton-Schulz, no move
+        load = {o: sum(mx.flops(steps) for mx in ms) for o, ms in shares.items()}
+        return (load.pop(-1, 0.0) + max(load.values(), default=0.0)) / flop_s
+    every = _mats_seconds(shares.pop(-1, []), lay, steps, flop_s, wire_s)
+    return every + max([_mats_seconds(list(ms), lay, steps, flop_s, wire_s)  # alike shares once
+                        for ms in {tuple(v) for v in shares.values()}] + [0.0])
+
+
 def _busiest_dp_index(cfg: Config, lay, r: int) -> int:
-    """The place in dp·cp whose Newton-Schulz work on pipeline rank ``r`` is the most (ties: the lowest):
-    its ZeRO-1 share's, or its owned matrices' over dp·cp and expert-dp."""
+    """The place in dp·cp whose busiest device on pipeline rank ``r`` runs the most Newton-Schulz FLOPs
+    (ties: the lowest): its ZeRO-1 share's on its busiest tp place (the share's row-parallel matrices
+    run whole on every tp rank, its column-parallel ones are owned over tp: not the share's sum), or
+    its owned matrices' over dp·cp and expert-dp (apart from tp's places: they add)."""
     steps, d, ep = cfg.train.muon.ns_steps, lay.dp * lay.cp, max(lay.ep, 1)
     if d == 1:
         return 0
     mats = rank_matrices(cfg, lay, r)
     work = [0.0] * d
-    if lay.zero == 1:
+    if lay.zero == 1:  # the experts under ep (-1) are every place's: left out of the comparison
+        shares: dict = {}
         for mx, o in zip(mats, zero1_owners(cfg, lay, r, mats)):
-            for j in (range(d) if o < 0 else (o,)):
-                work[j] += mx.flops(steps)
+            shares.setdefault(o, []).append(mx)
+        for j, ms in shares.items():
+            if j >= 0:
+                work[j] = _mats_seconds(ms, lay, steps, 1.0, {"dp": 0.0, "tp": 0.0})
         return max(range(d), key=lambda j: (work[j], -j))
     for group, world, index in (("dp", d, lambda j: j), ("edp", max(d // ep, 1), lambda j: j // ep)):
         ms = [mx for mx in mats if placement(mx, lay, lay.zero)[1] == group

@@ -205,7 +205,8 @@ def time_plan(cfg: Config, plan, mach: Machine, shape: Optional[StepShape] = Non
     # the rank that shows the most, then moves the most (plan.comm's dp where the exposed seconds tie), then the lowest
     dp_rank = max(rank_dp, key=lambda r: (rank_dp[r][0], rank_dp[r][1], -r))
     dp_exposed, t_ax["dp"] = rank_dp[dp_rank]
-    opt_s = optimizer_step.plan_seconds(cfg, g, plan.zero, plan.stage_layers, mach, plan.spans)  # muon; 0: adamw
+    opt_s = (optimizer_step.plan_seconds(cfg, rules.check(cfg), plan.zero, mach, plan.spans)  # muon; 0: adamw
+             if cfg.train.optimizer == "muon" else 0.0)
     step = inner * (1 + plan.bubble_fraction) + dp_exposed + opt_s
     out = {"degrees": dict(g), "schedule": plan.schedule, "zero": plan.zero, "recompute": plan.recompute,
             "tp_overlap": plan.tp_overlap,

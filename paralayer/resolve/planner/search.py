@@ -244,6 +244,7 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
     work, head = layer_work(cfg)
     E = m_.moe.num_experts
     split_cache: dict = {}
+    muon_cache: dict = {}  # optimizer_step.plan_seconds per distinct pipeline rank
     n_moe = sum(1 for i in range(L) if mem_mod.is_moe_layer(cfg, i))
     scale = fp8_plan.bound_scale(cfg, mach)  # FP8 shortens the GEMMs: the bf16 bound, scaled
     out: list[Structure] = []
@@ -296,8 +297,8 @@ def _structures(cfg: Config, mach: Machine, tot: Totals, fixed: dict, drop) -> l
                         st = out[-1]
 
                         def muon_s(lay_v, st=st):  # Muon's step per ZeRO stage (cost/optimizer_step.py)
-                            return {z: optimizer_step.plan_seconds(cfg, st.degrees, z, lay_v.stage_layers, mach,
-                                                                   st.spans) for z in range(4)} \
+                            return optimizer_step.PerZero(lambda z: optimizer_step.plan_seconds(
+                                cfg, lay_v, z, mach, st.spans, muon_cache)) \
                                 if cfg.train.optimizer == "muon" else {}
                         st.optimizer_s = muon_s(lay)
                         v_balance.add_variants(st, split_cache, lambda lay_v, imb, lb=least_bubble: structure_bound(
