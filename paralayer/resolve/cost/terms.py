@@ -16,10 +16,12 @@ from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import (
     chunk_facts,
+    pp_embedding_sum_bytes,
     rank_facts,
     rank_layer_facts,
     recompute_facts,
     split_reruns,
+    tp_small_reduces,
 )
 from paralayer.resolve.cost.cp_ring import cp_comm
 from paralayer.resolve.cost.entry import autocast, entry, with_reruns
@@ -195,8 +197,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     fp8_tp = fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: is_moe_layer(cfg, i), tokens)
     again_moe = sum(v for i, v in again.items() if is_moe_layer(cfg, i))
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp,
-                                     n_full_moe, again_moe), ends),
-           "pp": _pp_comm(lay, act_msg, r),
+                                     n_full_moe, again_moe, parts.attention_kind(cfg) != "mla"), ends),
+           "pp": _pp_comm(lay, act_msg, r, pp_embedding_sum_bytes(cfg, lay, r)),
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
@@ -222,12 +224,14 @@ def plan_dp_entry(cfg: Config, lay: Layout) -> dict:
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0,
-             fp8: tuple = (0.0, 0.0, 0.0, 0), n_full_moe: int = 0, again_moe: int = 0) -> dict:
+             fp8: tuple = (0.0, 0.0, 0.0, 0), n_full_moe: int = 0, again_moe: int = 0,
+             attn_gather: bool = True) -> dict:
     """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
     split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
     bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
     (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among the
-    recomputed ones and their second reruns.
+    recomputed ones and their second reruns; ``attn_gather``: False for MLA, whose column GEMMs
+    (q_b, kv_b) read the replicated latents, not a saved sequence shard to re-gather.
 
     A recomputed layer's forward rerun moves its collectives again: a dense layer's two pairs
     (attention, FFN) under SP, two all-reduces without; an MoE layer's attention pair and its
@@ -240,14 +244,15 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     n_dense = n_layers - n_moe
     if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
-        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only).
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only;
+        # none for MLA's attention).
         # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
         # grad (its input grad is a local slice): one pair's volume, not two
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
         rerun = 1 + moe_pair / 2  # an MoE layer's rerun, in pairs
         pairs = (4 * n_dense + (2 + moe_pair) * n_moe + 2 * (n_full - n_full_moe) + rerun * n_full_moe
-                 + (2 * n_dense + n_moe) / 2)
+                 + ((1 + attn_gather) * n_dense + attn_gather * n_moe) / 2)
         twice = 2 * (again - again_moe) + rerun * again_moe
         e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + twice, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
@@ -274,26 +279,21 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
     all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input
     grad: an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters
     (its grad all-gathered back) and the head all-gathers its input (its grad reduce-scattered),
-    under tp_overlap these four are plain collectives counted at their whole message each.
-    Small ones: the vocab-parallel loss's 3 all-reduces of the tokens' fp32 statistics per
-    microbatch (last chunk), and under SP each norm weight's fp32 grad (2 per layer, the final
-    norm on the last chunk) all-reduced per microbatch. All counted by the rehearsal. Under
-    autocast (ZeRO 0/1 bf16) the embedding's output and the head's input are the fp32 residual
-    stream, so these four move fp32."""
+    under tp_overlap these four are plain collectives counted at their whole message each. Each
+    MTP depth on the last chunk calls the embedding and the head once more (model/mtp.py).
+    The small all-reduces: :func:`comm_facts.tp_small_reduces`. All counted by the rehearsal.
+    Under autocast (ZeRO 0/1 bf16) the embedding's output and the head's input are the fp32
+    residual stream, so these four move fp32."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
     if autocast(lay):
         act_msg *= 4 / ACT_BYTES[lay.precision]
-    m = cfg.model
     mm = lay.microbatches
     first, last, _ = chunk_facts(lay, r)
-    ends = (int(first) + int(last)) * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
-    tokens = lay.micro_batch * m.seq_len / lay.cp
-    small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
-    if lay.sequence_parallel:
-        norms = parts.layer_norm_count(cfg) * n_layers + int(last)
-        small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
-    return ends * act_msg, small, ends + n_small
+    calls = int(first) + int(last) * (1 + 2 * cfg.model.mtp.depth)
+    ends = calls * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
+    small, n_small = tp_small_reduces(cfg, lay, n_layers, last, lay.micro_batch * cfg.model.seq_len / lay.cp)
+    return ends * act_msg, small * mm, ends + n_small * mm
 
 
 def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
@@ -309,16 +309,22 @@ def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
     return e
 
 
-def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
+def _pp_comm(lay: Layout, act_msg: float, r: int = 0, embedding_sum: float = 0.0) -> dict:
     """pp of :func:`comm`: per microbatch, across each boundary between one of rank r's chunks
     and a neighbour chunk on ANOTHER rank, the activation one way and its grad the other (a
     first or last stage has one such boundary per chunk, an interleaved middle chunk two; the V
-    schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
+    schedules' turn between chunks pp−1 and pp stays on one rank); per step, the embedding copies'
+    grad sum (``embedding_sum``: :func:`comm_facts.pp_embedding_sum_bytes`, in
+    ``embedding_sum_bytes_per_step``). Counted by the rehearsal."""
     if lay.pp == 1:
         return entry("none", 0, 0, 1)
     transfers = chunk_facts(lay, r)[2]
-    return entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
-                  transfers * lay.microbatches, lay.pp)
+    e = entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1), transfers * lay.microbatches, lay.pp)
+    if embedding_sum:
+        e["count_per_step"] += 1
+        e["bytes_per_step"] += int(embedding_sum)
+        e["embedding_sum_bytes_per_step"] = int(embedding_sum)
+    return e
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int,
