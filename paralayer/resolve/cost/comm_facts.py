@@ -173,17 +173,19 @@ def tp_small_reduces(cfg: Config, lay: Layout, n_layers: int, last: bool, tokens
     return small, count
 
 
-def pp_embedding_sum_bytes(cfg: Config, lay: Layout, r: int) -> float:
-    """Bytes per step pipeline rank r all-reduces over its {first, last} pair to give both copies of
-    the embedding the sum of their fp32 gradients (parallel/tied_embeddings.py): tied embeddings, or
-    MTP's copy on the last stage under pp; its tp slice of the vocabulary, its dp·cp shard under
-    ZeRO 2/3. 0 on a rank that holds both copies (a V schedule's rank 0: a local add) or neither."""
+def with_embedding_sum(e: dict, cfg: Config, lay: Layout, r: int) -> dict:
+    """The pp entry ``e`` of pipeline rank r plus, once per step, the all-reduce over its {first,
+    last} pair that gives both copies of the embedding the sum of their fp32 gradients
+    (parallel/tied_embeddings.py; ``embedding_sum_bytes_per_step``): tied embeddings, or MTP's copy
+    on the last stage under pp; its tp slice of the vocabulary, its dp·cp shard under ZeRO 2/3.
+    None on a rank that holds both copies (a V schedule's rank 0: a local add) or neither."""
     m = cfg.model
     if lay.pp == 1 or not (m.tie_embeddings or m.mtp.depth > 0):
-        return 0.0
+        return e
     first, last, _ = chunk_facts(lay, r)
     if first == last:
-        return 0.0
+        return e
     d = lay.dp * lay.cp
-    shard = d if lay.zero >= 2 and d > 1 else 1
-    return lay.padded_vocab / lay.tp * m.d_model * 4 / shard
+    nbytes = int(lay.padded_vocab / lay.tp * m.d_model * 4 / (d if lay.zero >= 2 and d > 1 else 1))
+    return dict(e, count_per_step=e["count_per_step"] + 1, bytes_per_step=e["bytes_per_step"] + nbytes,
+                embedding_sum_bytes_per_step=nbytes)

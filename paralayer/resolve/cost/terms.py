@@ -16,12 +16,12 @@ from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import (
     chunk_facts,
-    pp_embedding_sum_bytes,
     rank_facts,
     rank_layer_facts,
     recompute_facts,
     split_reruns,
     tp_small_reduces,
+    with_embedding_sum,
 )
 from paralayer.resolve.cost.cp_ring import cp_comm
 from paralayer.resolve.cost.entry import autocast, entry, with_reruns
@@ -198,7 +198,7 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     again_moe = sum(v for i, v in again.items() if is_moe_layer(cfg, i))
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp,
                                      n_full_moe, again_moe, parts.attention_kind(cfg) != "mla"), ends),
-           "pp": _pp_comm(lay, act_msg, r, pp_embedding_sum_bytes(cfg, lay, r)),
+           "pp": with_embedding_sum(_pp_comm(lay, act_msg, r), cfg, lay, r),  # + the embedding copies' sum
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
@@ -230,22 +230,20 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
     bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
     (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among the
-    recomputed ones and their second reruns; ``attn_gather``: False for MLA, whose column GEMMs
-    (q_b, kv_b) read the replicated latents, not a saved sequence shard to re-gather.
-
-    A recomputed layer's forward rerun moves its collectives again: a dense layer's two pairs
-    (attention, FFN) under SP, two all-reduces without; an MoE layer's attention pair and its
-    block's input all-gather (half a pair, in autocast's fp32 stream: ``moe_pair``) under SP, the
-    attention's all-reduce alone without. Until 7 Dec an MoE layer's rerun was counted as a dense
-    one's: tiny-moe at tp 2 with full recompute read tp 0.917 of the rehearsal in fp32."""
+    recomputed ones and their second reruns; ``attn_gather``: False for MLA (q_b, kv_b read the
+    replicated latents, no saved sequence shard to re-gather). A recomputed layer's forward rerun
+    moves its collectives again: a dense layer's two pairs (attention, FFN) under SP, two
+    all-reduces without; an MoE layer's attention pair and its block's input all-gather (half a
+    pair, in autocast's fp32 stream: ``moe_pair``) under SP, the attention's all-reduce alone
+    without. Until 7 Dec an MoE layer's rerun was counted as a dense one's: tiny-moe at tp 2 with
+    full recompute read tp 0.917 of the rehearsal in fp32."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
     n_dense = n_layers - n_moe
     if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
-        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only;
-        # none for MLA's attention).
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention; MLA's none).
         # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
         # grad (its input grad is a local slice): one pair's volume, not two
         # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
@@ -279,11 +277,10 @@ def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) ->
     all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input
     grad: an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters
     (its grad all-gathered back) and the head all-gathers its input (its grad reduce-scattered),
-    under tp_overlap these four are plain collectives counted at their whole message each. Each
-    MTP depth on the last chunk calls the embedding and the head once more (model/mtp.py).
-    The small all-reduces: :func:`comm_facts.tp_small_reduces`. All counted by the rehearsal.
-    Under autocast (ZeRO 0/1 bf16) the embedding's output and the head's input are the fp32
-    residual stream, so these four move fp32."""
+    under tp_overlap these four are plain collectives counted at their whole message each; each
+    MTP depth calls both once more (model/mtp.py). Small ones: :func:`comm_facts.tp_small_reduces`.
+    All counted by the rehearsal. Under autocast (ZeRO 0/1 bf16) the embedding's output and the
+    head's input are the fp32 residual stream, so these four move fp32."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
     if autocast(lay):
@@ -309,22 +306,16 @@ def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
     return e
 
 
-def _pp_comm(lay: Layout, act_msg: float, r: int = 0, embedding_sum: float = 0.0) -> dict:
+def _pp_comm(lay: Layout, act_msg: float, r: int = 0) -> dict:
     """pp of :func:`comm`: per microbatch, across each boundary between one of rank r's chunks
     and a neighbour chunk on ANOTHER rank, the activation one way and its grad the other (a
     first or last stage has one such boundary per chunk, an interleaved middle chunk two; the V
-    schedules' turn between chunks pp−1 and pp stays on one rank); per step, the embedding copies'
-    grad sum (``embedding_sum``: :func:`comm_facts.pp_embedding_sum_bytes`, in
-    ``embedding_sum_bytes_per_step``). Counted by the rehearsal."""
+    schedules' turn between chunks pp−1 and pp stays on one rank). Counted by the rehearsal."""
     if lay.pp == 1:
         return entry("none", 0, 0, 1)
     transfers = chunk_facts(lay, r)[2]
-    e = entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1), transfers * lay.microbatches, lay.pp)
-    if embedding_sum:
-        e["count_per_step"] += 1
-        e["bytes_per_step"] += int(embedding_sum)
-        e["embedding_sum_bytes_per_step"] = int(embedding_sum)
-    return e
+    return entry("send/recv", act_msg / (lay.tp if lay.sequence_parallel else 1),
+                  transfers * lay.microbatches, lay.pp)
 
 
 def _ep_comm(cfg: Config, lay: Layout, tokens: float, ab: float, layers: list, n_moe: int,
@@ -453,10 +444,10 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
     tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S, + h for a gated shared expert); the attention core
     2·a·(d_qk + d_v)·s/tp (4·s·h/tp for a plain block; not halved for the mask). Backward: twice
     the matmuls, 2.5 times the core (the flash-attention backward recomputes the scores: 5 matmuls
-    to the forward's 2). Recompute
-    adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
-    head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
-    its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
+    to the forward's 2). Recompute adds the core's forward (selective) or the layer's forward
+    (full). The last chunk adds the head, 2·h·V_padded/tp per token, times 3, and per MTP depth its
+    block (counted as a layer), its 2h → h projection (/tp under SP: the sequence shard) and one
+    more head pass. Under cp the ring computes only the blocks the
     causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`:
     cp rank ``cp_rank``'s blocks, or the busiest's when None). A Gated DeltaNet layer counts its
     own projections and its delta rule instead (:func:`linear_core_rank_flops`);
@@ -505,5 +496,5 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         total += 3.0 * mat + (lin_step if linear else core_passes * core) + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
-        total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth
+        total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth / (t if lay.sequence_parallel else 1)  # M_k: SP's shard
     return total * tokens
