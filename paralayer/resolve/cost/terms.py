@@ -243,15 +243,17 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     n_dense = n_layers - n_moe
     if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
-        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention; MLA's none).
-        # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
-        # grad (its input grad is a local slice): one pair's volume, not two
-        # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention; MLA's
+        # none). An MoE block (replicated over tp) all-gathers its input and, in backward, its
+        # output's grad (its input grad is a local slice): one pair's volume, not two (the block's
+        # pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
         rerun = 1 + moe_pair / 2  # an MoE layer's rerun, in pairs
+        # MLA's attention gathers the norm's output as it is (fp32 under autocast), its grad too
+        mla = 0 if attn_gather else moe_pair - 1
         pairs = (4 * n_dense + (2 + moe_pair) * n_moe + 2 * (n_full - n_full_moe) + rerun * n_full_moe
-                 + ((1 + attn_gather) * n_dense + attn_gather * n_moe) / 2)
-        twice = 2 * (again - again_moe) + rerun * again_moe
+                 + ((1 + attn_gather) * n_dense + attn_gather * n_moe) / 2 + mla * (n_layers + n_full / 2))
+        twice = 2 * (again - again_moe) + rerun * again_moe + mla * again / 2
         e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + twice, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
@@ -268,6 +270,8 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, the amax all-reduces
             e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
             e["count_per_step"] += fp8[3] * mm
+        if autocast(lay):  # the column GEMMs' input grads: the fp32 norm output's (tiny read 1.399, 7 Dec)
+            e["bytes_per_step"] += int(act_msg * (2 * n_dense + n_moe) * mm)
         return with_reruns(e, twice, act_msg * twice)
     return entry("none", 0, 0, 1)
 
