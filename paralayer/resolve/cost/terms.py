@@ -232,11 +232,10 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among the
     recomputed ones and their second reruns; ``attn_gather``: False for MLA (q_b, kv_b read the
     replicated latents, no saved sequence shard to re-gather). A recomputed layer's forward rerun
-    moves its collectives again: a dense layer's two pairs (attention, FFN) under SP, two
-    all-reduces without; an MoE layer's attention pair and its block's input all-gather (half a
-    pair, in autocast's fp32 stream: ``moe_pair``) under SP, the attention's all-reduce alone
-    without. Until 7 Dec an MoE layer's rerun was counted as a dense one's: tiny-moe at tp 2 with
-    full recompute read tp 0.917 of the rehearsal in fp32."""
+    moves its collectives again: a dense layer's two pairs (attention, FFN) under SP, two all-reduces
+    without; an MoE layer's attention pair and its block's input all-gather (half a pair, in
+    autocast's fp32 stream: ``moe_pair``) under SP, the attention's all-reduce alone without (until
+    7 Dec counted as a dense one's: tiny-moe at tp 2 with full recompute read tp 0.917 in fp32)."""
     mm = lay.microbatches
     if lay.tp > 1 and lay.tp_overlap:
         return tp_overlap_comm(lay, act_msg, n_layers - n_moe, n_moe, 1 if lay.recompute == "full" else 0)
@@ -249,8 +248,7 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         # pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
         rerun = 1 + moe_pair / 2  # an MoE layer's rerun, in pairs
-        # MLA's attention gathers the norm's output as it is (fp32 under autocast), its grad too
-        mla = 0 if attn_gather else moe_pair - 1
+        mla = 0 if attn_gather else moe_pair - 1  # MLA gathers the norm's output as it is (fp32 in autocast)
         pairs = (4 * n_dense + (2 + moe_pair) * n_moe + 2 * (n_full - n_full_moe) + rerun * n_full_moe
                  + ((1 + attn_gather) * n_dense + attn_gather * n_moe) / 2 + mla * (n_layers + n_full / 2))
         twice = 2 * (again - again_moe) + rerun * again_moe + mla * again / 2
@@ -278,13 +276,11 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
 
 def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) -> tuple[float, float, int]:
     """tp traffic outside the layers, per step: (pair-equivalents of s·b·h activations, small
-    all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input
-    grad: an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters
-    (its grad all-gathered back) and the head all-gathers its input (its grad reduce-scattered),
-    under tp_overlap these four are plain collectives counted at their whole message each; each
-    MTP depth calls both once more (model/mtp.py). Small ones: :func:`comm_facts.tp_small_reduces`.
-    All counted by the rehearsal. Under autocast (ZeRO 0/1 bf16) the embedding's output and the
-    head's input are the fp32 residual stream, so these four move fp32."""
+    all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input grad:
+    an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters (its grad
+    all-gathered back), the head all-gathers its input (its grad reduce-scattered), plain under
+    tp_overlap (each whole message); each MTP depth calls both again. In fp32 under autocast (the
+    residual stream). Small ones: :func:`comm_facts.tp_small_reduces`. Counted by the rehearsal."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
     if autocast(lay):
