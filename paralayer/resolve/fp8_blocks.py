@@ -168,10 +168,10 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
     ab = ACT_BYTES[lay.precision]
     norm_b = 4 if _autocast(lay) else ab
     # one part under SP: two all-gathers and two reduce-scatters, half each; without SP the
-    # output's all-reduce in the activations' dtype and the input gradient's in the norms', where
-    # the base counts two in the activations' dtype
+    # output's all-reduce in the activations' dtype and the input gradient's in the norms', as the
+    # base counts them since 7 Dec (cost/terms.py _tp_comm: every part's input gradient, FP8 or not)
     if not sp:
-        part, base, regather = ab + norm_b, 2.0, 0.0
+        part, base, regather = ab + norm_b, 1 + norm_b / ab, 0.0
     else:
         part, base, regather = ((2 + ab + norm_b) / 2 if styles == "fp8" else norm_b + ab), 2.5, 0.5
     rowwise = cfg.train.fp8.recipe == "rowwise"

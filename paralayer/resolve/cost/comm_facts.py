@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
 from paralayer.resolve.memory.states import input_pass_reruns, rank_layers
 from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
@@ -138,3 +139,53 @@ def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:
     facts = (0 in chunks, (lay.chunks - 1) in chunks, transfers)
     cache[key] = (lay.stage_layers, None, facts)
     return facts
+
+
+def tp_small_reduces(cfg: Config, lay: Layout, n_layers: int, last: bool, tokens: float) -> tuple[float, int]:
+    """tp's small all-reduces per microbatch of a rank with ``n_layers`` blocks (bytes, count), each
+    fp32, counted against the rehearsal's collectives (tests/test_rehearse_models.py):
+    - the vocab-parallel loss's 3 statistics of the tokens, per head (the main one and each MTP
+      depth's), on the last chunk;
+    - under SP, each replicated weight's grad, which the sequence shards leave Partial: the block's
+      norms, the final norm, and per MTP depth its three norms and its (d, 2d) projection M_k;
+    - MLA (model/latent_attention.py, parallel/tensor/layout.py ``_latent_plan``), with or without
+      SP: its down-projections q_a and kv_a and their norms run replicated, and the column GEMMs
+      q_b and kv_b hand back their input grads Partial (each rank's heads' share). Each latent
+      norm's backward sums that grad (tokens × its width), and the four weights' grads arrive
+      Partial: 2 + 4 per layer (1 + 2 without a q down-projection)."""
+    m = cfg.model
+    d, depth = m.d_model, (m.mtp.depth if last else 0)
+    small, count = 0.0, 0
+    if last:
+        small, count = 3 * tokens * 4 * (1 + depth), 3 * (1 + depth)
+    if lay.sequence_parallel:
+        norms = parts.layer_norm_count(cfg) * n_layers + int(last) + 3 * depth
+        small += (norms * d + depth * 2 * d * d) * 4
+        count += norms + depth
+    if parts.attention_kind(cfg) == "mla":
+        a = m.mla
+        widths = [a.kv_lora_rank] + ([a.q_lora_rank] if a.q_lora_rank else [])
+        weights = [(a.kv_lora_rank + a.qk_rope_head_dim) * d, a.kv_lora_rank]
+        if a.q_lora_rank:
+            weights += [a.q_lora_rank * d, a.q_lora_rank]
+        small += n_layers * (tokens * sum(widths) + sum(weights)) * 4
+        count += n_layers * (len(widths) + len(weights))
+    return small, count
+
+
+def with_embedding_sum(e: dict, cfg: Config, lay: Layout, r: int) -> dict:
+    """The pp entry ``e`` of pipeline rank r plus, once per step, the all-reduce over its {first,
+    last} pair that gives both copies of the embedding the sum of their fp32 gradients
+    (parallel/tied_embeddings.py; ``embedding_sum_bytes_per_step``): tied embeddings, or MTP's copy
+    on the last stage under pp; its tp slice of the vocabulary, its dp·cp shard under ZeRO 2/3.
+    None on a rank that holds both copies (a V schedule's rank 0: a local add) or neither."""
+    m = cfg.model
+    if lay.pp == 1 or not (m.tie_embeddings or m.mtp.depth > 0):
+        return e
+    first, last, _ = chunk_facts(lay, r)
+    if first == last:
+        return e
+    d = lay.dp * lay.cp
+    nbytes = int(lay.padded_vocab / lay.tp * m.d_model * 4 / (d if lay.zero >= 2 and d > 1 else 1))
+    return dict(e, count_per_step=e["count_per_step"] + 1, bytes_per_step=e["bytes_per_step"] + nbytes,
+                embedding_sum_bytes_per_step=nbytes)

@@ -20,6 +20,8 @@ from paralayer.resolve.cost.comm_facts import (
     rank_layer_facts,
     recompute_facts,
     split_reruns,
+    tp_small_reduces,
+    with_embedding_sum,
 )
 from paralayer.resolve.cost.cp_ring import cp_comm
 from paralayer.resolve.cost.entry import autocast, entry, with_reruns
@@ -195,8 +197,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     fp8_tp = fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: is_moe_layer(cfg, i), tokens)
     again_moe = sum(v for i, v in again.items() if is_moe_layer(cfg, i))
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp,
-                                     n_full_moe, again_moe), ends),
-           "pp": _pp_comm(lay, act_msg, r),
+                                     n_full_moe, again_moe, parts.attention_kind(cfg) != "mla"), ends),
+           "pp": with_embedding_sum(_pp_comm(lay, act_msg, r), cfg, lay, r),  # + the embedding copies' sum
            "cp": cp_comm(cfg, lay, tokens, ab, layers, n_full, cp_rank, again),
            "ep": _ep_comm(cfg, lay, tokens, ab, layers, n_moe, again)}
     if with_dp:
@@ -222,11 +224,13 @@ def plan_dp_entry(cfg: Config, lay: Layout) -> dict:
 
 
 def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int, again: int = 0,
-             fp8: tuple = (0.0, 0.0, 0.0, 0), n_full_moe: int = 0, again_moe: int = 0) -> dict:
+             fp8: tuple = (0.0, 0.0, 0.0, 0), n_full_moe: int = 0, again_moe: int = 0,
+             attn_gather: bool = True) -> dict:
     """tp of :func:`comm`: activations per layer per microbatch (docstring there); ``again``: the
     split backwards' second reruns per step (2 each); ``fp8``: (pairs, bytes in ``act_msg``s, amax
     bytes, amax count) per microbatch the FP8 blocks move beyond the SP rule
-    (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among those.
+    (resolve/fp8_blocks.py tp_comm_delta); ``n_full_moe``, ``again_moe``: the MoE layers among those;
+    ``attn_gather``: False for MLA (q_b, kv_b read the replicated latents: no shard to re-gather).
     A rerun moves a dense layer's two pairs (two all-reduces without SP), an MoE layer's attention
     pair and its block's input gather (``moe_pair``/2; the attention's all-reduce alone without SP):
     counted as a dense one's until 7 Dec, tiny-moe tp 2 with full recompute read tp 0.917."""
@@ -236,15 +240,16 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
     n_dense = n_layers - n_moe
     if lay.tp > 1 and lay.sequence_parallel:
         # + the backward re-gather of each column GEMM's saved shard (parallel/sequence_parallel.py):
-        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention only).
-        # An MoE block (replicated over tp) all-gathers its input and, in backward, its output's
-        # grad (its input grad is a local slice): one pair's volume, not two
-        # (the block's pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
+        # two all-gathers (one pair's volume) per dense layer, one per MoE layer (attention; MLA's
+        # none). An MoE block (replicated over tp) all-gathers its input and, in backward, its
+        # output's grad (its input grad is a local slice): one pair's volume, not two (the block's
+        # pair moves autocast's fp32 stream: twice the bytes under bf16 autocast)
         moe_pair = 2 if autocast(lay) else 1
         rerun = 1 + moe_pair / 2  # an MoE layer's rerun, in pairs
+        mla = 0 if attn_gather else moe_pair - 1  # MLA gathers the norm's output as it is (fp32 in autocast)
         pairs = (4 * n_dense + (2 + moe_pair) * n_moe + 2 * (n_full - n_full_moe) + rerun * n_full_moe
-                 + (2 * n_dense + n_moe) / 2)
-        twice = 2 * (again - again_moe) + rerun * again_moe
+                 + ((1 + attn_gather) * n_dense + attn_gather * n_moe) / 2 + mla * (n_layers + n_full / 2))
+        twice = 2 * (again - again_moe) + rerun * again_moe + mla * again / 2
         e = entry("all-gather+reduce-scatter", act_msg, (pairs + fp8[0]) * mm + twice, lay.tp)
         # an odd count of MoE layers leaves half a pair per microbatch: the bytes keep it (the
         # truncated count would make them non-affine in m, which the planner's lines assume)
@@ -261,35 +266,29 @@ def _tp_comm(lay: Layout, act_msg: float, n_layers: int, n_moe: int, n_full: int
         if fp8[1] or fp8[3]:  # the FP8 blocks' input gradients in the norms' dtype, the amax all-reduces
             e["bytes_per_step"] += int(act_msg * fp8[1] * mm + fp8[2] * mm)
             e["count_per_step"] += fp8[3] * mm
+        if autocast(lay):  # the column GEMMs' input grads: the fp32 norm output's (tiny read 1.399, 7 Dec)
+            e["bytes_per_step"] += int(act_msg * (2 * n_dense + n_moe) * mm)
         return with_reruns(e, twice, act_msg * twice)
     return entry("none", 0, 0, 1)
 
 
 def _tp_ends(cfg: Config, lay: Layout, r: int, n_layers: int, act_msg: float) -> tuple[float, float, int]:
     """tp traffic outside the layers, per step: (pair-equivalents of s·b·h activations, small
-    all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input
-    grad: an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters
-    (its grad all-gathered back) and the head all-gathers its input (its grad reduce-scattered),
-    under tp_overlap these four are plain collectives counted at their whole message each.
-    Small ones: the vocab-parallel loss's 3 all-reduces of the tokens' fp32 statistics per
-    microbatch (last chunk), and under SP each norm weight's fp32 grad (2 per layer, the final
-    norm on the last chunk) all-reduced per microbatch. All counted by the rehearsal. Under
-    autocast (ZeRO 0/1 bf16) the embedding's output and the head's input are the fp32 residual
-    stream, so these four move fp32."""
+    all-reduce bytes, their count). The vocab-parallel embedding's output and the head's input grad:
+    an all-reduce each per microbatch without SP; under SP the embedding reduce-scatters (its grad
+    all-gathered back), the head all-gathers its input (its grad reduce-scattered), plain under
+    tp_overlap (each whole message); each MTP depth calls both again. In fp32 under autocast (the
+    residual stream). Small ones: :func:`comm_facts.tp_small_reduces`. Counted by the rehearsal."""
     if lay.tp == 1:
         return 0.0, 0.0, 0
     if autocast(lay):
         act_msg *= 4 / ACT_BYTES[lay.precision]
-    m = cfg.model
     mm = lay.microbatches
     first, last, _ = chunk_facts(lay, r)
-    ends = (int(first) + int(last)) * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
-    tokens = lay.micro_batch * m.seq_len / lay.cp
-    small, n_small = (3 * tokens * 4 * mm, 3 * mm) if last else (0.0, 0)
-    if lay.sequence_parallel:
-        norms = parts.layer_norm_count(cfg) * n_layers + int(last)
-        small, n_small = small + norms * m.d_model * 4 * mm, n_small + norms * mm
-    return ends * act_msg, small, ends + n_small
+    calls = int(first) + int(last) * (1 + 2 * cfg.model.mtp.depth)
+    ends = calls * mm * (2 if lay.tp_overlap and lay.sequence_parallel else 1)
+    small, n_small = tp_small_reduces(cfg, lay, n_layers, last, lay.micro_batch * cfg.model.seq_len / lay.cp)
+    return ends * act_msg, small * mm, ends + n_small * mm
 
 
 def _with_ends(e: dict, ends: tuple[float, float, int]) -> dict:
@@ -443,10 +442,10 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
     tp rank), 2·(h·E + k·3·h·f_E + 3·h·f_S, + h for a gated shared expert); the attention core
     2·a·(d_qk + d_v)·s/tp (4·s·h/tp for a plain block; not halved for the mask). Backward: twice
     the matmuls, 2.5 times the core (the flash-attention backward recomputes the scores: 5 matmuls
-    to the forward's 2). Recompute
-    adds the core's forward (selective) or the layer's forward (full). The last chunk adds the
-    head, 2·h·V_padded/tp per token, times 3, and per MTP depth its block (counted as a layer),
-    its 2h → h projection and one more head pass. Under cp the ring computes only the blocks the
+    to the forward's 2). Recompute adds the core's forward (selective) or the layer's forward
+    (full). The last chunk adds the head, 2·h·V_padded/tp per token, times 3, and per MTP depth its
+    block (counted as a layer), its 2h → h projection (/tp under SP: the sequence shard) and one
+    more head pass. Under cp the ring computes only the blocks the
     causal mask (and a window) leaves (:func:`cp_core_fraction`, :func:`window_core_fraction`:
     cp rank ``cp_rank``'s blocks, or the busiest's when None). A Gated DeltaNet layer counts its
     own projections and its delta rule instead (:func:`linear_core_rank_flops`);
@@ -495,5 +494,5 @@ def rank_flops(cfg: Config, lay: Layout, r: int, cp_rank: int | None = None) -> 
         total += 3.0 * mat + (lin_step if linear else core_passes * core) + again
     if last:
         total += 3.0 * 2.0 * h * lay.padded_vocab / t * (1 + m.mtp.depth)
-        total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth
+        total += 3.0 * 2.0 * 2 * h * h * m.mtp.depth / (t if lay.sequence_parallel else 1)  # M_k: SP's shard
     return total * tokens
