@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from paralayer.config import Config
+from paralayer.resolve import model_parts as parts
 from paralayer.resolve.memory import is_moe_layer, layer_recompute, rank_chunks, rank_params
 from paralayer.resolve.memory.states import input_pass_reruns, rank_layers
 from paralayer.resolve.rules import V_SCHEDULES, Layout, chunk_rank
@@ -138,3 +139,33 @@ def chunk_facts(lay: Layout, r: int) -> tuple[bool, bool, int]:
     facts = (0 in chunks, (lay.chunks - 1) in chunks, transfers)
     cache[key] = (lay.stage_layers, None, facts)
     return facts
+
+
+def linear_tp_delta(cfg: Config, lay: Layout, layers: list, fp8: tuple) -> tuple:
+    """``fp8`` (``terms._tp_comm``'s tuple: pairs, bytes in ``act_msg``s, small bytes, small count per
+    microbatch beyond its dense rule) plus what ``layers`` move beyond that rule as such a tuple.
+
+    A Gated DeltaNet layer (parallel/tensor/layout.py ``_linear_plan``) takes its input through
+    DTensor's PrepareModuleInput, not the SP GEMMs: under SP it all-gathers the input once and keeps
+    it whole for backward, so it re-gathers nothing (−1 all-gather: −½ pair; its FFN still
+    re-gathers). Its conv weight (channels·K) and its gated norm's gain (head_v_dim) are replicated
+    and read by each rank's heads: their fp32 grads are all-reduced over tp per microbatch, with or
+    without SP, as the q/k norms' (head_dim each) of a GQA layer with qk_norm (``_replicate_over_heads``).
+    Rehearsed tiny-qwen3.5 tp2: tp 0.933 of the plan before (counted as attention's)."""
+    if lay.tp == 1 or lay.tp_overlap:
+        return fp8
+    cache = config_cache(cfg)
+    flags = cache.get("linear_flags")
+    if flags is None:  # the blocks: the layers, then the MTP blocks (never linear)
+        flags = cache["linear_flags"] = [int(parts.is_linear_layer(cfg, i))
+                                         for i in range(cfg.model.n_layers + cfg.model.mtp.depth)]
+    n_lin = sum(map(flags.__getitem__, layers))
+    m, li = cfg.model, cfg.model.linear
+    small, count = 0.0, 0
+    if n_lin:
+        channels = 2 * li.k_heads * li.head_k_dim + li.v_heads * li.head_v_dim
+        small, count = n_lin * (channels * li.conv_kernel + li.head_v_dim) * 4.0, 2 * n_lin
+    n_qk = (len(layers) - n_lin) if m.qk_norm and parts.attention_kind(cfg) == "gqa" else 0
+    small, count = small + n_qk * 2 * parts.head_dim(cfg) * 4.0, count + 2 * n_qk
+    pairs = -0.5 * n_lin if lay.sequence_parallel else 0.0
+    return fp8[0] + pairs, fp8[1] + pairs, fp8[2] + small, fp8[3] + count
