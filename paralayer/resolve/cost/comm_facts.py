@@ -150,8 +150,9 @@ def linear_tp_delta(cfg: Config, lay: Layout, layers: list, fp8: tuple) -> tuple
     it whole for backward, so it re-gathers nothing (−1 all-gather: −½ pair; its FFN still
     re-gathers). Its conv weight (channels·K) and its gated norm's gain (head_v_dim) are replicated
     and read by each rank's heads: their fp32 grads are all-reduced over tp per microbatch, with or
-    without SP, as the q/k norms' (head_dim each) of a GQA layer with qk_norm (``_replicate_over_heads``).
-    Rehearsed tiny-qwen3.5 tp2: tp 0.933 of the plan before (counted as attention's)."""
+    without SP. Rehearsed tiny-qwen3.5 tp2: tp 0.933 of the plan before (counted as attention's), 1.000
+    now. Not counted (as for every GQA layer with qk_norm): the q/k norms' grads (head_dim fp32 each,
+    ``_replicate_over_heads``), all-reduced the same way: 512 B of 10.8 MB there."""
     if lay.tp == 1 or lay.tp_overlap:
         return fp8
     cache = config_cache(cfg)
@@ -160,12 +161,10 @@ def linear_tp_delta(cfg: Config, lay: Layout, layers: list, fp8: tuple) -> tuple
         flags = cache["linear_flags"] = [int(parts.is_linear_layer(cfg, i))
                                          for i in range(cfg.model.n_layers + cfg.model.mtp.depth)]
     n_lin = sum(map(flags.__getitem__, layers))
-    m, li = cfg.model, cfg.model.linear
+    li = cfg.model.linear
     small, count = 0.0, 0
     if n_lin:
         channels = 2 * li.k_heads * li.head_k_dim + li.v_heads * li.head_v_dim
         small, count = n_lin * (channels * li.conv_kernel + li.head_v_dim) * 4.0, 2 * n_lin
-    n_qk = (len(layers) - n_lin) if m.qk_norm and parts.attention_kind(cfg) == "gqa" else 0
-    small, count = small + n_qk * 2 * parts.head_dim(cfg) * 4.0, count + 2 * n_qk
     pairs = -0.5 * n_lin if lay.sequence_parallel else 0.0
     return fp8[0] + pairs, fp8[1] + pairs, fp8[2] + small, fp8[3] + count
