@@ -360,6 +360,10 @@ def test_rehearse_states_exact():
         got, plan = rank["memory_bytes"], rank["plan_memory_bytes"]
         print(f"tiny-qwen3-next {layout} rehearsed: {got}; plan {plan}")
         assert all(got[k] == plan[k] for k in ("params", "grads", "optimizer")), (got, plan)
+        if layout:  # tp2 with SP (7 Dec): the fused in_proj_qkvz's layers move ½ pair less than attention's
+            # plus their conv/norm grads' all-reduces, and keep the gathered input (tp read 0.908, activations 1.013)
+            ratios = rank["ratios"]
+            assert abs(ratios["comm"]["tp"] - 1) < 1e-3 and abs(ratios["activations"] - 1) < 1e-3, ratios
 
 
 def test_rehearse_counts_the_cp_state_passes(monkeypatch):

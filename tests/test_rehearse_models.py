@@ -57,6 +57,10 @@ CASES = {
     # chunked rule's set, and reruns it in backward (resolve/memory/linear_acts.py), and the gated full
     # layer's ring output is the gate's operand (memory.attn_saved_elems): it read 0.684
     "tiny-qwen3.5-cp2": ["recipe=tiny-qwen3.5", "parallel.dp=1", "parallel.cp=2"],
+    # Gated DeltaNet under tp2 with SP (7 Dec): DTensor gathers its input and keeps it whole (no
+    # re-gather in backward: tp read 0.933, activations 1.021), its conv and gated-norm gains' grads
+    # are all-reduced over tp (resolve/cost/comm_facts.py linear_tp_delta)
+    "tiny-qwen3.5-tp2": ["recipe=tiny-qwen3.5", "parallel.dp=1", "parallel.tp=2"],
 }
 # The full-size layouts (deepseek-v3 on 2048 H800 at 32 layers, qwen3-235b-a22b on 256 H100 at 16)
 # take minutes per rank on this 2-core machine: they are rows of benchmarks/rehearse_matrix.py

@@ -189,3 +189,32 @@ def with_embedding_sum(e: dict, cfg: Config, lay: Layout, r: int) -> dict:
     nbytes = int(lay.padded_vocab / lay.tp * m.d_model * 4 / (d if lay.zero >= 2 and d > 1 else 1))
     return dict(e, count_per_step=e["count_per_step"] + 1, bytes_per_step=e["bytes_per_step"] + nbytes,
                 embedding_sum_bytes_per_step=nbytes)
+
+
+def linear_tp_delta(cfg: Config, lay: Layout, layers: list, fp8: tuple) -> tuple:
+    """``fp8`` (``terms._tp_comm``'s tuple: pairs, bytes in ``act_msg``s, small bytes, small count per
+    microbatch beyond its dense rule) plus what ``layers`` move beyond that rule as such a tuple.
+
+    A Gated DeltaNet layer (parallel/tensor/layout.py ``_linear_plan``) takes its input through
+    DTensor's PrepareModuleInput, not the SP GEMMs: under SP it all-gathers the input once and keeps
+    it whole for backward, so it re-gathers nothing (−1 all-gather: −½ pair; its FFN still
+    re-gathers). Its conv weight (channels·K) and its gated norm's gain (head_v_dim) are replicated
+    and read by each rank's heads: their fp32 grads are all-reduced over tp per microbatch, with or
+    without SP. Rehearsed tiny-qwen3.5 tp2: tp 0.933 of the plan before (counted as attention's), 1.000
+    now. Not counted (as for every GQA layer with qk_norm): the q/k norms' grads (head_dim fp32 each,
+    ``_replicate_over_heads``), all-reduced the same way: 512 B of 10.8 MB there."""
+    if lay.tp == 1 or lay.tp_overlap:
+        return fp8
+    cache = config_cache(cfg)
+    flags = cache.get("linear_flags")
+    if flags is None:  # the blocks: the layers, then the MTP blocks (never linear)
+        flags = cache["linear_flags"] = [int(parts.is_linear_layer(cfg, i))
+                                         for i in range(cfg.model.n_layers + cfg.model.mtp.depth)]
+    n_lin = sum(map(flags.__getitem__, layers))
+    li = cfg.model.linear
+    small, count = 0.0, 0
+    if n_lin:
+        channels = 2 * li.k_heads * li.head_k_dim + li.v_heads * li.head_v_dim
+        small, count = n_lin * (channels * li.conv_kernel + li.head_v_dim) * 4.0, 2 * n_lin
+    pairs = -0.5 * n_lin if lay.sequence_parallel else 0.0
+    return fp8[0] + pairs, fp8[1] + pairs, fp8[2] + small, fp8[3] + count

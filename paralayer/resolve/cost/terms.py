@@ -16,6 +16,7 @@ from paralayer.resolve import fp8_blocks
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import (
     chunk_facts,
+    linear_tp_delta,
     rank_facts,
     rank_layer_facts,
     recompute_facts,
@@ -169,8 +170,8 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
     tp: all-reduce (or all-gather + reduce-scatter under SP, same volume) of s·b·h activations, 2 in
         forward + 2 in backward per layer per microbatch (+2 when full recompute reruns forward, and
         +2 again for each split backward's second rerun under the V schedules: ``split_reruns``,
-        which every axis's rerun traffic below counts too);
-        under SP the backward also re-gathers the column GEMMs' saved shards (+1 pair per layer).
+        which every axis's rerun traffic below counts too); under SP the backward also re-gathers the
+        column GEMMs' saved shards (+1 pair a layer; ½ a Gated DeltaNet's: comm_facts.linear_tp_delta).
     pp: send/recv of s·b·h activations: per microbatch, the activation and its grad across each
         boundary of rank r's chunks with a chunk on another rank (:func:`_pp_comm`).
     cp: per attention layer per microbatch, K/V blocks of 2·(s/cp)·b·(h·g/a)/tp elements: cp−1 sends
@@ -186,16 +187,16 @@ def comm(cfg: Config, lay: Layout, r: int = 0, cp_rank: int | None = None, with_
         (twice under ZeRO 3) and a grad reduce-scatter. ``wire_bytes_per_step``: what each device
         moves (ring); ``reduce_wire_bytes_per_step``: the grads' share of it.
     """
-    m = cfg.model
-    ab = ACT_BYTES[lay.precision]
+    m, ab = cfg.model, ACT_BYTES[lay.precision]
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_msg = tokens * m.d_model * ab
     n_layers, layers, n_moe = rank_layer_facts(cfg, lay, r)
     n_full, n_full_moe = recompute_facts(cfg, lay, layers)  # full: every k-th layer
     again = split_reruns(cfg, lay, layers)  # the V schedules' second reruns, per step
     ends = _tp_ends(cfg, lay, r, n_layers, act_msg)
-    fp8_tp = fp8_blocks.tp_comm_delta(cfg, lay, layers, lambda i: is_moe_layer(cfg, i), tokens)
-    again_moe = sum(v for i, v in again.items() if is_moe_layer(cfg, i))
+    moe = functools.partial(is_moe_layer, cfg)
+    fp8_tp = linear_tp_delta(cfg, lay, layers, fp8_blocks.tp_comm_delta(cfg, lay, layers, moe, tokens))
+    again_moe = sum(v for i, v in again.items() if moe(i))
     out = {"tp": _with_ends(_tp_comm(lay, act_msg, n_layers, n_moe, n_full, sum(again.values()), fp8_tp,
                                      n_full_moe, again_moe, parts.attention_kind(cfg) != "mla"), ends),
            "pp": with_embedding_sum(_pp_comm(lay, act_msg, r), cfg, lay, r),  # + the embedding copies' sum

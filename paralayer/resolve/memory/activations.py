@@ -149,8 +149,9 @@ def _act_elems(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fa
     if lay.sequence_parallel:
         # the inputs of the column GEMMs (attention, FFN): only this rank's chunk is saved, the
         # backward gathers it again (parallel/sequence_parallel.py, tp_overlap.py); an MoE block's
-        # input is gathered by DTensor and saved whole
-        gathered = h / t + (h if moe else h / t)
+        # input is gathered by DTensor and saved whole, as a Gated DeltaNet layer's (its projections take
+        # DTensor's gathered input, parallel/tensor/layout.py _linear_plan; tiny-qwen3.5 tp2 read 1.021)
+        gathered = (h if linear else h / t) + (h if moe else h / t)
         if parts is not None:
             parts["GEMM inputs gathered over tp"] = gathered
             parts["norms' inputs and 1/rms, residual, replicated projections"] = (rep - 2 * h) / t

@@ -9,7 +9,9 @@ of it). Per token on one tp rank, fp32 elements (H = v_heads/t, Hk = k_heads/t, 
 c = (2·k_heads·dk + v_heads·dv)/t, S the sequence padded to the chunk C, n = S/C chunks):
 
     in_proj's input                   h            (the norm's output; whole on every tp rank, as
-                                                    GQA's d_model-wide term)
+                                                    GQA's d_model-wide term; under SP DTensor's
+                                                    gathered input, kept whole: ``activations``
+                                                    counts it as h, not h/t, in ``gathered``)
     the conv                          c·(s+K−1)/s  (its input with the K−1 zeros before it)
                                       + 2c         (its output, SiLU's input; SiLU's output, the
                                                     l2norms' and v's source)
