@@ -302,7 +302,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         # backward (kimi-k2's last rank peaks at its first chunk's: 17 microbatches of it, none
         # of its last)
         top, saved = interleaved_flight.peak(interleaved_flight.split_moments(lay.pp, lay.microbatches, lay.vpp, r),
-                                             sets, one_pass if m.mtp.depth else head, recompute_transient(cfg, lay, r))
+                                             sets, one_pass if m.mtp.depth else head, chunk_transients(cfg, lay, r))
         return int(top), int(saved)
     else:
         per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i),
@@ -333,15 +333,17 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     """:func:`rank_activations` under zbv and dualpipev (pp > 1): per chunk its saved set and RoPE
     tables per chunk-microbatch it holds, the head's bytes once (the last chunk's rank also runs
     the first chunk, whose backward recomputes while a later microbatch's head is live: nothing
-    freed), and the transient of the pass: a full backward recomputes one layer at a time, a split
-    pass keeps its chunk's recomputed sets together (:func:`recompute_transient`)."""
+    freed), and the transient of the pass: a full backward recomputes one layer at a time top-down,
+    freeing the sets above it (:func:`live_transient` of the chunk), a split pass keeps its chunk's
+    recomputed sets together and frees none (its graph is kept for the weight pass)."""
     tr = [_transient_elems(cfg, lay, k) for k in range(len(KINDS))]
     full = lay.recompute == "full"
+    none_e, full_e = _kind_tables(cfg, lay)
     saved, split_t, full_t = [], [], []
     for c, ids, counts in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_kind_counts(cfg, lay, r)):
         saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + chunk_fixed_bytes(cfg, lay, c))
         split_t.append(split_transient(counts, tr) * tokens * ab if full else 0.0)
-        full_t.append(max(t if n else 0.0 for n, t in zip(counts, tr)) * tokens * ab if full else 0.0)
+        full_t.append(live_transient(_blocks(cfg, lay, ids), none_e, full_e) * tokens * ab if full else 0.0)
     peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
     return int(peak), int(kept)
 
@@ -422,7 +424,10 @@ def head_saved_elems(lay: Layout, h: int, mode: str = "fp32") -> float:
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """Full recompute: the layer being recomputed in backward holds its whole "none" set once,
-    less its input, which the forward saved already (the checkpoint's input is the first norm's).
+    less its input, which the forward saved already (the checkpoint's input is the first norm's);
+    backward runs the rank's layers top-down and frees each one's saved set for that microbatch as
+    it goes: the sets above it are gone by then (:func:`live_transient`; tiny tp2 with
+    recompute_every=2, whose top layer is kept, rehearsed 0.777 of the largest transient alone).
 
     Not saved by the forward: paralayer.model.recompute keeps it behind its own saved-tensor hooks
     (rehearse/memory.py counts it), but part of the peak. Selective recompute's regions
@@ -438,12 +443,47 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """
     if lay.recompute != "full":
         return 0
-    layers = [i for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) == "full"]
-    if not layers:
-        return 0
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
-    ab = ACT_BYTES[lay.precision]
-    return int(max(_transient_elems(cfg, lay, layer_kind(cfg, i)) for i in layers) * tokens * ab)
+    live = live_transient(_blocks(cfg, lay, rank_layers(cfg, lay, r)), *_kind_tables(cfg, lay))
+    return int(live * tokens * ACT_BYTES[lay.precision])
+
+
+def chunk_transients(cfg: Config, lay: Layout, r: int) -> list[int]:
+    """:func:`recompute_transient` of each chunk of pipeline rank r (the interleaved schedule runs
+    one chunk's backward at a time: the sets above the recomputed layer in its own chunk are freed)."""
+    tokens, tables = lay.micro_batch * cfg.model.seq_len / lay.cp, _kind_tables(cfg, lay)
+    return [int(live_transient(_blocks(cfg, lay, ids), *tables) * tokens * ACT_BYTES[lay.precision])
+            if lay.recompute == "full" else 0 for ids in chunk_blocks(cfg, lay, r)]
+
+
+def live_transient(blocks: list, none: tuple, full: tuple) -> float:
+    """Full recompute's transient per token of blocks run in forward order, ``blocks`` their
+    (kind, fully recomputed): a full backward reruns them top-down, freeing each block's saved set
+    as it ends, so recomputed block i adds t_i = none − full of its kind less the saved sets of the
+    blocks above it: max over i, never below 0 (``none``, ``full``: elements per token by kind).
+    Only each kind's topmost recomputed block can hold the max. The resolver and the planner both
+    sum through here (the same bytes)."""
+    best = 0.0
+    above_n, above_f, seen = [0] * len(none), [0] * len(none), set()
+    for kind, rec in reversed(blocks):
+        if rec and kind not in seen:
+            seen.add(kind)
+            gone = 0.0
+            for k in range(len(none)):
+                gone += above_f[k] * full[k] + above_n[k] * none[k]
+            best = max(best, (none[kind] - full[kind]) - gone)
+        (above_f if rec else above_n)[kind] += 1
+    return best
+
+
+def _blocks(cfg: Config, lay: Layout, ids: list[int]) -> list[tuple[int, bool]]:
+    return [(layer_kind(cfg, i), layer_recompute(lay, i) == "full") for i in ids]
+
+
+def _kind_tables(cfg: Config, lay: Layout) -> tuple[tuple, tuple]:
+    """Elements per token by kind under "none" and "full" (the planner's act tables, the same values)."""
+    return tuple(kind_elems(cfg, lay, k, "none") for k in range(len(KINDS))), \
+        tuple(kind_elems(cfg, lay, k, "full") for k in range(len(KINDS)))
 
 
 def chunk_kind_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, ...]]:
