@@ -333,7 +333,7 @@ def _copies(counts: tuple, st: tuple) -> float:
     return sum(n * w for n, w in zip(counts, st[5:9]))
 
 
-def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> int:
+def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: tuple) -> int:
     """memory.rank_activations under the interleaved schedule from the planner's tables: each
     chunk's saved elements ``per`` times ``tab`` (plus RoPE's tables where it has layers) weighed by
     its microbatches at each backward (interleaved_flight.peak), the head with each microbatch the
@@ -357,7 +357,7 @@ def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: in
 _IL_PEAKS: dict = {}
 
 
-def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> float:
+def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: tuple) -> float:
     """An upper bound of :func:`_il_activations`: the most chunk-microbatches held at once times the
     heaviest chunk's set (in_flight's ``most``)."""
     heaviest = max(x * tab + f for x, f in zip(per, flight[2]))
@@ -437,10 +437,10 @@ def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[flo
         live_v = ([mem_mod.split_transient(c, tr) for c in cts], [_live(ch, act, every) for ch in rk.split_chunks])
         # and a chunk's copies together, beside the head's (memory.autocast_copy_params)
         return pers, live_v, int(copies + (st[4] + max(_copies(c, st) for c in cts)))
-    if rk.il_chunks:  # memory.rank_activations: per chunk its saved set
-        il = rk.il_chunks
-        return [_chunk_saved(ch, act, every) for ch in il], [_live(ch, act, every) for ch in il], int(copies + max(st[4], again))
-    return per, _live(rk.layers, act, every), int(copies + max(st[4], again))  # memory.autocast_copy_params
+    kept, il = int(copies + max(st[4], again)), rk.il_chunks  # memory.autocast_copy_params
+    if il:  # memory.rank_activations: per chunk its saved set and its transient
+        return [_chunk_saved(ch, act, every) for ch in il], [_live(ch, act, every) for ch in il], kept
+    return per, _live(rk.layers, act, every), kept
 
 
 _ZEROS = [0.0, 0.0]
