@@ -287,7 +287,7 @@ def test_soundness_sample_runs():
 
 def _70b_16k(cap_gib: int):
     """70B at tp 8 · pp 4 · dp 16, ZeRO-1, 16k tokens: selective needs 69.9 GiB (swiglu 74.3), full
-    with recompute_every=5 71.8, 4 68.8, 3 62.8, 2 53.8, full 23.8 (bf16 autocast: fp32 weights, no bf16 copy
+    with recompute_every=5 71.1, 4 68.1, 3 62.1, 2 53.1, full 23.8 (bf16 autocast: fp32 weights, no bf16 copy
     on the first stage under SP); ``cap_gib`` less the 4 GiB reserve decides which fit."""
     cfg = load_config(["recipe=llama3-70b", "cluster=h100-80gb-8x", "cluster.nodes=64", "model.seq_len=16384",
                        "train.global_batch=256", f"cluster.device_memory_gib={cap_gib}"])

@@ -54,6 +54,8 @@ from paralayer.resolve.memory.states import (
     rank_chunks,
     rank_layers,
 )
+from paralayer.resolve.memory.transients import live_transient, split_transient  # noqa: F401 - re-exported
+from paralayer.resolve.memory.v_flight import v_peak  # noqa: F401 - re-exported
 from paralayer.resolve.rules import V_SCHEDULES, Layout
 
 
@@ -305,7 +307,7 @@ def rank_activations(cfg: Config, lay: Layout, r: int) -> tuple[int, int]:
         # backward (kimi-k2's last rank peaks at its first chunk's: 17 microbatches of it, none
         # of its last)
         top, saved = interleaved_flight.peak(interleaved_flight.split_moments(lay.pp, lay.microbatches, lay.vpp, r),
-                                             sets, one_pass if m.mtp.depth else head, recompute_transient(cfg, lay, r))
+                                             sets, one_pass if m.mtp.depth else head, chunk_transients(cfg, lay, r))
         return int(top), int(saved)
     else:
         per_mb = sum(act_elems_per_token(cfg, lay, is_moe_layer(cfg, i), layer_recompute(lay, i),
@@ -336,47 +338,22 @@ def v_rank_activations(cfg: Config, lay: Layout, r: int, head: float, tokens: fl
     """:func:`rank_activations` under zbv and dualpipev (pp > 1): per chunk its saved set and RoPE
     tables per chunk-microbatch it holds, the head's bytes once (the last chunk's rank also runs
     the first chunk, whose backward recomputes while a later microbatch's head is live: nothing
-    freed), and the transient of the pass: a full backward recomputes one layer at a time, a split
-    pass keeps its chunk's recomputed sets together (:func:`recompute_transient`)."""
+    freed), and the transient of the pass: a full backward recomputes one layer at a time top-down,
+    freeing the sets above it (:func:`live_transient` of the chunk), a split pass keeps its chunk's
+    recomputed sets together and frees none (its graph is kept for the weight pass)."""
     tr = [_transient_elems(cfg, lay, k) for k in range(len(KINDS))]
     full = lay.recompute == "full"
+    tables = _kind_tables(cfg, lay)
     saved, split_t, full_t = [], [], []
     for c, ids, counts in zip(rank_chunks(lay, r), chunk_blocks(cfg, lay, r), chunk_kind_counts(cfg, lay, r)):
         saved.append(chunk_saved_elems(cfg, lay, ids) * tokens * ab + chunk_fixed_bytes(cfg, lay, c))
         split_t.append(split_transient(counts, tr) * tokens * ab if full else 0.0)
-        full_t.append(max(t if n else 0.0 for n, t in zip(counts, tr)) * tokens * ab if full else 0.0)
+        full_t.append(live_transient(_blocks(cfg, lay, ids), *tables) * tokens * ab if full else 0.0)
         if lay.cp > 1 and not full:  # a Gated DeltaNet layer's rerun, one at a time (rerun_extra)
             split_t[-1] = full_t[-1] = max((rerun_extra(cfg, lay, layer_kind(cfg, i), lay.recompute) for i in ids),
                                            default=0.0) * tokens * ab
     peak, kept, _ = v_peak(v_flight.moments(lay.schedule, lay.pp, lay.microbatches, r), saved, head, split_t, full_t)
     return int(peak), int(kept)
-
-
-def split_transient(counts: tuple, tr: list) -> float:
-    """A split pass's transient: each fully recomputed block of its chunk (``counts`` by kind) holds
-    its set less its input (``tr`` by kind), together."""
-    out = 0.0
-    for n, t in zip(counts, tr):
-        out += n * t
-    return out
-
-
-def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float, int]:
-    """(peak, saved) bytes over a V-schedule rank's backward passes (``v_flight.moments``), and the
-    index of the pass that holds the peak: the chunk-microbatches each chunk holds times its
-    ``saved`` bytes, plus ``fixed``, plus the pass's transient (``split_t`` of its chunk for an
-    input or weight pass, ``full_t`` for a full backward). The resolver and the planner
-    (planner.memory) both sum through here."""
-    peak, kept, at = 0.0, 0.0, 0
-    for j, mo in enumerate(moments):
-        held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed
-        t = split_t if mo.split else full_t
-        v = held + (t[mo.chunk] if mo.chunk < len(t) else 0.0)
-        if v > peak:
-            peak, at = v, j
-        if held > kept:
-            kept = held
-    return peak, kept, at
 
 
 def _transient_elems(cfg: Config, lay: Layout, kind: int) -> float:
@@ -446,7 +423,10 @@ def head_saved_elems(lay: Layout, h: int, mode: str = "fp32") -> float:
 
 def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     """Full recompute: the layer being recomputed in backward holds its whole "none" set once,
-    less its input, which the forward saved already (the checkpoint's input is the first norm's).
+    less its input, which the forward saved already (the checkpoint's input is the first norm's);
+    backward runs the rank's layers top-down and frees each one's saved set for that microbatch as
+    it goes: the sets above it are gone by then (:func:`live_transient`; tiny tp2 with
+    recompute_every=2, whose top layer is kept, rehearsed 0.777 of the largest transient alone).
 
     Not saved by the forward: paralayer.model.recompute keeps it behind its own saved-tensor hooks
     (rehearse/memory.py counts it), but part of the peak. Selective recompute's regions
@@ -461,20 +441,46 @@ def recompute_transient(cfg: Config, lay: Layout, r: int) -> int:
     blocks included: deepseek-v3-tiny pp2 dualpipev, activations 1.49 of a one-layer plan).
 
     Under cp, in every mode, a Gated DeltaNet layer's rule rerun (:func:`rerun_extra`), one layer's
-    at a time (a split pass counts each fully recomputed one's: a bound).
+    at a time: a fully recomputed one's in its t_i, the others' largest beside the live value (a
+    split pass counts each fully recomputed one's: a bound).
     """
     tokens = lay.micro_batch * cfg.model.seq_len / lay.cp
-    ab = ACT_BYTES[lay.precision]
-    if lay.cp > 1:  # and every Gated DeltaNet layer's rerun of its rule (rerun_extra), fully recomputed or not
-        kinds = {(layer_kind(cfg, i), layer_recompute(lay, i)) for i in rank_layers(cfg, lay, r)}
-        return int(max((_transient_elems(cfg, lay, k) if m == "full" else rerun_extra(cfg, lay, k, m)
-                        for k, m in kinds), default=0.0) * tokens * ab)
+    live = max(live_transient(_blocks(cfg, lay, rank_layers(cfg, lay, r)), *_kind_tables(cfg, lay))
+               if lay.recompute == "full" else 0.0, _cp_reruns(cfg, lay, r))
+    return int(live * tokens * ACT_BYTES[lay.precision])
+
+
+def chunk_transients(cfg: Config, lay: Layout, r: int) -> list[int]:
+    """:func:`recompute_transient` of each chunk of pipeline rank r (the interleaved schedule runs
+    one chunk's backward at a time: the sets above the recomputed layer in its own chunk are freed;
+    under cp the rank's largest rule rerun of a layer not fully recomputed beside each)."""
+    tokens, ab, rerun = lay.micro_batch * cfg.model.seq_len / lay.cp, ACT_BYTES[lay.precision], _cp_reruns(cfg, lay, r)
     if lay.recompute != "full":
-        return 0
-    layers = [i for i in rank_layers(cfg, lay, r) if layer_recompute(lay, i) == "full"]
-    if not layers:
-        return 0
-    return int(max(_transient_elems(cfg, lay, layer_kind(cfg, i)) for i in layers) * tokens * ab)
+        return [int(rerun * tokens * ab)] * len(rank_chunks(lay, r))
+    tables = _kind_tables(cfg, lay)
+    return [int(max(live_transient(_blocks(cfg, lay, ids), *tables), rerun) * tokens * ab)
+            for ids in chunk_blocks(cfg, lay, r)]
+
+
+def _cp_reruns(cfg: Config, lay: Layout, r: int) -> float:
+    """Under cp the largest Gated DeltaNet rule rerun (:func:`rerun_extra`) of rank r's layers not
+    fully recomputed, per token (a fully recomputed one's is in its transient: :func:`_transient_elems`)."""
+    if lay.cp == 1:
+        return 0.0
+    kinds = {(layer_kind(cfg, i), layer_recompute(lay, i)) for i in rank_layers(cfg, lay, r)}
+    return max((rerun_extra(cfg, lay, k, m) for k, m in kinds if m != "full"), default=0.0)
+
+
+def _blocks(cfg: Config, lay: Layout, ids: list[int]) -> list[tuple[int, bool]]:
+    return [(layer_kind(cfg, i), layer_recompute(lay, i) == "full") for i in ids]
+
+
+def _kind_tables(cfg: Config, lay: Layout) -> tuple[tuple, tuple, tuple]:
+    """Elements per token by kind under "none" and "full", and under cp a fully recomputed Gated
+    DeltaNet layer's rerun (:func:`rerun_extra`): the planner's act tables, the same values."""
+    return tuple(kind_elems(cfg, lay, k, "none") for k in range(len(KINDS))), \
+        tuple(kind_elems(cfg, lay, k, "full") for k in range(len(KINDS))), \
+        tuple(rerun_extra(cfg, lay, k, "full") for k in range(len(KINDS)))
 
 
 def chunk_kind_counts(cfg: Config, lay: Layout, r: int) -> list[tuple[int, ...]]:

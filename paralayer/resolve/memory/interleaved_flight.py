@@ -58,38 +58,47 @@ def moments(p: int, m: int, v: int, r: int) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=8192)
 def _moments(p: int, m: int, v: int, r: int) -> tuple[tuple[int, ...], ...]:
-    last, other = _split(p, m, v, r)
+    last, other, _ = _split(p, m, v, r)
     return tuple(sorted(hull(front(list(last) + list(other)))))
 
 
-def split_moments(p: int, m: int, v: int, r: int) -> tuple[tuple, tuple]:
+def split_moments(p: int, m: int, v: int, r: int) -> tuple[tuple, tuple, tuple]:
     """:func:`moments` apart by the chunk whose backward runs: (the rank's last chunk's, the
-    others'). On the last pipeline rank the last chunk's backward first frees its microbatch's
-    logits and head; an earlier chunk's frees nothing (:func:`peak`)."""
+    others', and the others' one chunk at a time). On the last pipeline rank the last chunk's
+    backward first frees its microbatch's logits and head; an earlier chunk's frees nothing; each
+    chunk's recomputed layer has its own transient (:func:`peak`)."""
     if m // max(1, m // p) == p and m // p > v + 1:
         m = (v + 1) * p
     return _split(p, m, v, r)
 
 
 @lru_cache(maxsize=8192)
-def _split(p: int, m: int, v: int, r: int) -> tuple[tuple, tuple]:
+def _split(p: int, m: int, v: int, r: int) -> tuple[tuple, tuple, tuple]:
     held = [0] * v
-    seen: tuple[set, set] = (set(), set())
+    seen: list[set] = [set() for _ in range(v)]
     for kind, c in interleaved_order(p, m, v, r):
         if kind == "F":
             held[c] += 1
         else:
-            seen[0 if c == v - 1 else 1].add(tuple(held))
+            seen[c].add(tuple(held))
             held[c] -= 1
-    return tuple(sorted(hull(front(seen[0])))), tuple(sorted(hull(front(seen[1]))))
+    other = set().union(*seen[:-1])
+    return (tuple(sorted(hull(front(seen[-1])))), tuple(sorted(hull(front(other)))),
+            tuple(tuple(sorted(hull(front(x)))) for x in seen[:-1]))
 
 
-def peak(split: tuple[tuple, tuple], sets: list[float], head: float, transient: float) -> tuple[float, float]:
+def peak(split: tuple, sets: list[float], head: float, transient: "float | list") -> tuple[float, float]:
     """(peak, saved) bytes of a rank: ``sets`` each chunk's bytes a microbatch (the last one's
     with the head's), at its backwards (:func:`split_moments`); a recomputed layer's ``transient``
-    beside them, less the head at the last chunk's backward (it frees its own first)."""
+    (one, or one per chunk: activations.chunk_transients) beside them at its chunk's backwards,
+    less the head at the last chunk's backward (it frees its own first)."""
+    ts = list(transient) if isinstance(transient, (list, tuple)) else [transient] * len(sets)
     last, other = peak_held(split[0], sets), peak_held(split[1], sets)
-    return max(other + transient, last + max(transient - head, 0.0)), max(last, other)
+    if all(t == ts[0] for t in ts[:-1]):  # the earlier chunks' transients alike: their moments as one
+        top = other + ts[0]
+    else:
+        top = max(peak_held(mo, sets) + t for mo, t in zip(split[2], ts))
+    return max(top, last + max(ts[-1] - head, 0.0)), max(last, other)
 
 
 def front(held: "set | list") -> list:

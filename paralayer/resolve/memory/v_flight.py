@@ -5,7 +5,8 @@ times one saved set. A full backward recomputes one layer at a time, while a spl
 or weight pass) keeps its whole chunk's recomputed sets (``activations.recompute_transient``),
 and torch's orders run some split passes when fewer microbatches are in flight: DualPipeV's last
 rank holds 2p + 1 chunk-microbatches around its full backwards but only p at its split passes.
-The memory plan takes the largest of these moments.
+The memory plan takes the largest of these moments (:func:`v_peak`, with each pass's transient:
+``transients.split_transient`` for a split pass; activations re-exports it).
 
 The orders are torch's own (``torch.distributed.pipelining.schedules``: ScheduleDualPipeV and
 ScheduleZBVZeroBubble ``_calculate_single_rank_operations``), walked here as counts only, without
@@ -176,3 +177,21 @@ def _moments(schedule: str, p: int, m: int, r: int) -> tuple[Moment, ...]:
                 best1 = b
         out += sorted(front, key=lambda mo: (mo.held0, mo.held1))
     return tuple(out)
+
+
+def v_peak(moments: tuple, saved: list, fixed: float, split_t: list, full_t: list) -> tuple[float, float, int]:
+    """(peak, saved) bytes over a V-schedule rank's backward passes (``v_flight.moments``), and the
+    index of the pass that holds the peak: the chunk-microbatches each chunk holds times its
+    ``saved`` bytes, plus ``fixed``, plus the pass's transient (``split_t`` of its chunk for an
+    input or weight pass, ``full_t`` for a full backward). The resolver and the planner
+    (planner.memory) both sum through here."""
+    peak, kept, at = 0.0, 0.0, 0
+    for j, mo in enumerate(moments):
+        held = mo.held0 * saved[0] + (mo.held1 * saved[1] if len(saved) > 1 else 0.0) + fixed
+        t = split_t if mo.split else full_t
+        v = held + (t[mo.chunk] if mo.chunk < len(t) else 0.0)
+        if v > peak:
+            peak, at = v, j
+        if held > kept:
+            kept = held
+    return peak, kept, at

@@ -8,46 +8,19 @@ the same order, so ``tests/test_planner.py`` can hold the two to the byte.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from paralayer.config import Config
 from paralayer.resolve import memory as mem_mod
 from paralayer.resolve import model_parts as parts
 from paralayer.resolve.cost.comm_facts import Memo
 from paralayer.resolve.memory import interleaved_flight, muon_states, v_flight, zero1
-from paralayer.resolve.memory.activations import KINDS, layer_kind, rerun_extra
+from paralayer.resolve.memory.activations import KINDS, layer_kind, live_transient, rerun_extra
 from paralayer.resolve.memory.chunk_tables import chunk_tables, fixed_bytes, mask_bytes_for
 from paralayer.resolve.memory.states import chunk_blocks, rank_chunks
 from paralayer.resolve.planner.comm import RECOMPUTES
-from paralayer.resolve.planner.types import MemPick, Totals
+from paralayer.resolve.planner.types import MemPick, RankInfo, Totals
 from paralayer.resolve.rules import V_SCHEDULES, Layout
-
-
-class RankInfo(NamedTuple):
-    """A pipeline rank that can be the most loaded one."""
-
-    rank: int
-    dense: float  # parameters held (after tp sharding)
-    expert: float
-    n_dense: int  # layers held
-    n_moe: int
-    last: bool  # holds the output head
-    #: (global layer index, kind) of the layers held (recompute_every's choice; kind:
-    #: memory.layer_kind, MoE and Gated DeltaNet)
-    layers: tuple = ()
-    #: per chunk held, (RoPE tables, window masks) it keeps per microbatch (memory.chunk_tables)
-    tables: tuple = ((1, 0),)
-    #: under a split backward (zbv, dualpipev) the (global index, kind) blocks of each chunk
-    #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
-    split_chunks: tuple = ()
-    chunk_counts: tuple = ()  # per chunk of split_chunks or il_chunks: its blocks by kind
-    zero1_dense: float = 0.0  # ZeRO-1's busiest data rank's share times d (memory.zero1.busiest_dense)
-    muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
-    kinds: tuple = ()  # layers held by kind (memory.layer_kind)
-    #: under the interleaved schedule (pp > 1) the (global index, kind) blocks of each chunk held:
-    #: each chunk is weighed by the microbatches it holds (memory.interleaved_flight)
-    il_chunks: tuple = ()
-
 
 #: pipelines up to this depth have every rank weighed under the V schedules (candidate_ranks)
 V_RANKS_ALL = 16
@@ -253,12 +226,14 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
             per = [_dot(c, es) for c in cts]
             if full:
                 a, at = _v_activations(rk, fl, per, [mem_mod.split_transient(c, tr) for c in cts],
-                                       [_largest(c, tr) for c in cts], tab, fl[3])
+                                       [_live(ch, act) for ch in rk.split_chunks], tab, fl[3])
             else:
                 xs = [_largest(c, xr) for c in cts] if rerun else _ZEROS
                 a, at = _v_activations(rk, fl, per, xs, xs, tab, fl[3])
         elif rk.il_chunks:  # memory.rank_activations: each chunk by its microbatches in flight
-            live = int(_largest(rk.kinds, tr if full else xr) * tab) if full or rerun else 0
+            # per chunk (memory.chunk_transients); under cp a rule's rerun, the rank's largest, beside each
+            x = int(_largest(rk.kinds, xr) * tab) if rerun and not full else 0
+            live = tuple(int(_live(ch, act) * tab) if full else x for ch in rk.il_chunks)
             per = _chunk_sets(rk, es)
             if best is not None and _il_bound(rk, fl, per, tab, live) + st[3] + st[10 if full else 9] <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
@@ -267,9 +242,9 @@ def peak_memory(ranks: list[RankInfo], states: list[tuple], flight: list[tuple],
             inf, extra, head = fl
             a = inf * _dot(rk.kinds, es) * tab + extra
             if full and (rk.n_dense + rk.n_moe):
-                # the recomputed layer's set less its input (memory.recompute_transient), never live
-                # beside the same microbatch's logits and head (memory.rank_activations)
-                live = int(_largest(rk.kinds, tr) * tab)
+                # the recomputed layer's set less its input and the sets above it (recompute_transient),
+                # never live beside the same microbatch's logits and head (memory.rank_activations)
+                live = int(_live(rk.layers, act) * tab)
                 a += max(live - head, 0.0)
             elif rerun:  # a Gated DeltaNet rule's rerun, as the recomputed layer's (memory.recompute_transient)
                 a += max(int(_largest(rk.kinds, xr) * tab) - head, 0.0)
@@ -320,8 +295,22 @@ def _dot(counts: tuple, elems: tuple) -> float:
 
 
 def _largest(counts: tuple, tr: list) -> float:
-    """The largest transient of the kinds present (memory.recompute_transient)."""
+    """The largest of the kinds present (a recomputed layer's autocast copies: _rank_copies)."""
     return max((t for n, t in zip(counts, tr) if n), default=0.0)
+
+
+def _live(blocks: tuple, act: dict, every: int = 1) -> float:
+    """memory.live_transient of (index, kind) blocks under recompute=full on every ``every``-th one
+    (under cp with a Gated DeltaNet layer's rerun: act["rerun"]["full"]), by the identity of the
+    blocks (interned) and the act table: micro-batches and ZeRO stages reuse it."""
+    key = ("live", id(blocks), id(act), every)  # in _CHUNK_SETS' bounded memo
+    hit = _CHUNK_SETS.get(key)
+    if hit is None or hit[0] is not blocks or hit[1] is not act:
+        if len(_CHUNK_SETS) > 65536:
+            _CHUNK_SETS.clear()
+        hit = _CHUNK_SETS[key] = (blocks, act, live_transient([(k, i % every == 0) for i, k in blocks],
+                                                          act["none"], act["full"], act["rerun"]["full"]))
+    return hit[2]
 
 
 def _copies(counts: tuple, st: tuple) -> float:
@@ -329,12 +318,12 @@ def _copies(counts: tuple, st: tuple) -> float:
     return sum(n * w for n, w in zip(counts, st[5:9]))
 
 
-def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> int:
+def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: tuple) -> int:
     """memory.rank_activations under the interleaved schedule from the planner's tables: each
     chunk's saved elements ``per`` times ``tab`` (plus RoPE's tables where it has layers) weighed by
     its microbatches at each backward (interleaved_flight.peak), the head with each microbatch the
     last chunk holds, and a recomputed layer's transient ``live`` (less the head at the last
-    chunk's backward)."""
+    chunk's backward; one per chunk)."""
     split, head, fixed, freed = flight[:4]
     sets = [x * tab + f for x, f in zip(per, fixed)]
     sets[-1] += head  # with each microbatch the last chunk holds (memory.rank_activations)
@@ -353,11 +342,11 @@ def _il_activations(rk: RankInfo, flight: tuple, per: list, tab: float, live: in
 _IL_PEAKS: dict = {}
 
 
-def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: int) -> float:
+def _il_bound(rk: RankInfo, flight: tuple, per: list, tab: float, live: tuple) -> float:
     """An upper bound of :func:`_il_activations`: the most chunk-microbatches held at once times the
     heaviest chunk's set (in_flight's ``most``)."""
     heaviest = max(x * tab + f for x, f in zip(per, flight[2]))
-    return flight[5] * (heaviest + flight[1]) + live
+    return flight[5] * (heaviest + flight[1]) + max(live)
 
 
 def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[tuple], act: dict,
@@ -384,9 +373,10 @@ def peak_memory_every(ranks: list[RankInfo], states: list[tuple], flight: list[t
         elif rk.split_chunks:  # per, live: per chunk (rank_layer_sums); each rank its own counts
             a = _v_activations(rk, fl, per, live[0], live[1], tab)[0]
         elif rk.il_chunks:  # per: per chunk (rank_layer_sums)
-            if best is not None and _il_bound(rk, fl, per, tab, int(live * tab)) + st[3] + copies <= best[0]:
+            live_il = tuple(int(x * tab) for x in live)
+            if best is not None and _il_bound(rk, fl, per, tab, live_il) + st[3] + copies <= best[0]:
                 continue  # cannot be the most loaded: the walk over its moments is skipped
-            a = _il_activations(rk, fl, per, tab, int(live * tab))
+            a = _il_activations(rk, fl, per, tab, live_il)
         else:
             inf, extra, head = fl
             a = int(inf * per * tab + extra + max(int(live * tab) - head, 0))
@@ -414,29 +404,29 @@ def _shared_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int, shared: O
 
 def rank_layer_sums(rk: RankInfo, st: tuple, act: dict, every: int) -> tuple[float, float, int]:
     """(saved elements per token of the rank's layers, the recomputed layer's transient, autocast
-    copies) under recompute=full on every ``every``-th layer."""
-    per, live = 0.0, 0.0
+    copies) under recompute=full on every ``every``-th layer (per chunk under interleaved and V)."""
+    per, nf = 0.0, 0.0  # nf: under cp the largest rule rerun of a layer not fully recomputed
     copies, again = 0.0, 0.0  # autocast's copies held, and a recomputed layer's made again
     for i, kind in rk.layers:
         full = i % every == 0
         per += act["full" if full else "none"][kind]
         w = st[5 + kind]  # autocast's copies of the kind's weights
         if full:
-            live = max(live, act["none"][kind] - act["full"][kind] + act["rerun"]["full"][kind])
             again = max(again, w)
         else:
             copies += w
-            live = max(live, act["rerun"]["none"][kind])  # under cp (memory.recompute_transient)
+            nf = max(nf, act["rerun"]["none"][kind])  # under cp (memory.recompute_transient)
     if rk.split_chunks:  # memory.v_rank_activations: per chunk its saved set and its passes' transients
         tr = [n - f + x for n, f, x in zip(act["none"], act["full"], act["rerun"]["full"])]
         pers = [_chunk_saved(ch, act, every) for ch in rk.split_chunks]
         cts = [_chunk_counts(ch, every) for ch in rk.split_chunks]
-        live_v = ([mem_mod.split_transient(c, tr) for c in cts], [_largest(c, tr) for c in cts])
+        live_v = ([mem_mod.split_transient(c, tr) for c in cts], [_live(ch, act, every) for ch in rk.split_chunks])
         # and a chunk's copies together, beside the head's (memory.autocast_copy_params)
         return pers, live_v, int(copies + (st[4] + max(_copies(c, st) for c in cts)))
-    if rk.il_chunks:  # memory.rank_activations: per chunk its saved set
-        return [_chunk_saved(ch, act, every) for ch in rk.il_chunks], live, int(copies + max(st[4], again))
-    return per, live, int(copies + max(st[4], again))  # memory.autocast_copy_params
+    kept, il = int(copies + max(st[4], again)), rk.il_chunks  # memory.autocast_copy_params
+    if il:  # memory.rank_activations: per chunk its saved set and its transient
+        return [_chunk_saved(ch, act, every) for ch in il], [max(_live(ch, act, every), nf) for ch in il], kept
+    return per, max(_live(rk.layers, act, every), nf), kept
 
 
 _ZEROS = [0.0, 0.0]

@@ -1,5 +1,6 @@
 """The planner's records: the numbers one plan shares (Totals), one layout structure and what is
-computed once for it (Structure), and one weighed layout before it becomes a row (Candidate).
+computed once for it (Structure), and one weighed layout before it becomes a row (Candidate); a
+pipeline rank the memory fast path weighs (RankInfo).
 
 Why its own module: the search (``planner``), its memory and communication fast paths
 (``planner.memory``, ``planner.comm``) and the rows (``planner.rows``) all read them.
@@ -10,6 +11,32 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 from paralayer.resolve.rules import Layout
+
+
+class RankInfo(NamedTuple):
+    """A pipeline rank that can be the most loaded one."""
+
+    rank: int
+    dense: float  # parameters held (after tp sharding)
+    expert: float
+    n_dense: int  # layers held
+    n_moe: int
+    last: bool  # holds the output head
+    #: (global layer index, kind) of the layers held (recompute_every's choice; kind:
+    #: memory.layer_kind, MoE and Gated DeltaNet)
+    layers: tuple = ()
+    #: per chunk held, (RoPE tables, window masks) it keeps per microbatch (memory.chunk_tables)
+    tables: tuple = ((1, 0),)
+    #: under a split backward (zbv, dualpipev) the (global index, kind) blocks of each chunk
+    #: held, MTP's with the last: a chunk's recomputed sets are live together (memory.recompute_transient)
+    split_chunks: tuple = ()
+    chunk_counts: tuple = ()  # per chunk of split_chunks or il_chunks: its blocks by kind
+    zero1_dense: float = 0.0  # ZeRO-1's busiest data rank's share times d (memory.zero1.busiest_dense)
+    muon: tuple = ()  # train.optimizer=muon: (dense, expert) parameters Muon steps (memory.muon_states)
+    kinds: tuple = ()  # layers held by kind (memory.layer_kind)
+    #: under the interleaved schedule (pp > 1) the (global index, kind) blocks of each chunk held:
+    #: each chunk is weighed by the microbatches it holds (memory.interleaved_flight)
+    il_chunks: tuple = ()
 
 
 class MemPick(NamedTuple):
