@@ -20,32 +20,11 @@ from __future__ import annotations
 
 from paralayer.config import Config
 from paralayer.resolve import model_parts as parts
-from paralayer.resolve.memory.states import rank_chunks, rank_layers, rank_params, state_bytes
+from paralayer.resolve.memory.states import rank_layers, rank_params, state_bytes
 from paralayer.resolve.rules import Layout
 
 #: Muon's held state bytes over AdamW's, per parameter: one fp32 buffer (4 B) against m and v (8 B)
 MUON_STATE_RATIO = 0.5
-
-
-def rank_adamw_params(cfg: Config, lay: Layout, r: int) -> float:
-    """Parameters pipeline rank r steps with AdamW under Muon (after tp sharding): its layers' norm
-    gains, the embedding on the first chunk, the final norm and head on the last (MTP's norms, and
-    its embedding copy under pp, with them)."""
-    m = cfg.model
-    h = m.d_model
-    chunks = rank_chunks(lay, r)
-    n_layers = sum(len(lay.stage_layers[c]) for c in chunks)
-    norms = parts.layer_norm_params(cfg) + parts.attn_norm_params(cfg)
-    out = n_layers * norms
-    vocab = lay.padded_vocab * h / lay.tp
-    if 0 in chunks:
-        out += vocab
-    if (lay.chunks - 1) in chunks:
-        out += h + vocab
-        if m.mtp.depth and lay.pp > 1:
-            out += vocab
-        out += len(parts.mtp_layers(cfg)) * (norms + 3 * h)
-    return out
 
 
 def qk_clip_bytes(cfg: Config, lay: Layout, r: int) -> int:
@@ -62,8 +41,16 @@ def muon_split(cfg: Config, lay: Layout, r: int) -> tuple:
     (:func:`qk_clip_bytes`); () under AdamW."""
     if getattr(cfg.train, "optimizer", "adamw") != "muon":
         return ()
-    dense, expert, _ = rank_params(cfg, lay, r)
-    return (max(dense - rank_adamw_params(cfg, lay, r), 0.0), expert, qk_clip_bytes(cfg, lay, r))
+    # the matrices optim/muon.py ``uses_muon`` picks, as the step's plan lists them (tp's share each):
+    # the rest of the rank's dense parameters (norms, embeddings, head, every 1-D bias, sink, gate and
+    # Gated DeltaNet's A_log and dt_bias) stay on AdamW. Until 7 Dec the AdamW set was the norms and
+    # embeddings alone: tiny-gpt-oss's biases, sinks and router bias and tiny-qwen3-next's 3-D conv
+    # weight were on the wrong side (optimizer bytes 1.00145 and 0.99986 of the rehearsal).
+    from paralayer.resolve.cost.optimizer_step import _tp_numel, rank_matrices
+
+    _, expert, _ = rank_params(cfg, lay, r)
+    dense = sum(_tp_numel(mx, lay.tp) for mx in rank_matrices(cfg, lay, r) if not mx.expert)
+    return (float(dense), expert, qk_clip_bytes(cfg, lay, r))
 
 
 def optimizer_bytes(opt_adamw: float, split: tuple, lay: Layout, zero: int) -> float:
