@@ -48,8 +48,10 @@ def test_tp_all_reduce_message_seed_figure():
     assert tp["message_bytes"] == 67_108_864
     # 80 layers / pp=4 on this rank, + the vocab-parallel embedding's all-reduce (rank 0 holds it)
     assert tp["count_per_step"] == (4 * 20 + 1) * p.microbatches
-    # the layers' all-reduces move bf16; the embedding's moves autocast's fp32 stream (ZeRO-1: fp32 weights)
-    assert tp["bytes_per_step"] == 67_108_864 * (4 * 20 + 2) * p.microbatches
+    # the two row GEMMs' output all-reduces move bf16; the two column GEMMs' input-gradient all-reduces
+    # move autocast's fp32 stream (ZeRO-1: fp32 weights; rehearsed, tiny tp2 without SP in bf16 read
+    # 1.399 of a plan that counted them bf16, 7 Dec), as does the embedding's: 2 + 2·2 units a layer
+    assert tp["bytes_per_step"] == 67_108_864 * (6 * 20 + 2) * p.microbatches
     # sequence parallel: all-gather + reduce-scatter, same volume
     sp = plan("recipe=llama3-70b", "model.seq_len=4096").comm["tp"]
     assert sp["collective"] == "all-gather+reduce-scatter" and sp["message_bytes"] == 67_108_864
