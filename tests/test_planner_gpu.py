@@ -76,11 +76,14 @@ def test_shipped_constants_predict_the_published_runs():
     order = calibrate_gpu.table_order(rows, pred)
     # pairs the model orders the other way today: Megatron-LM 2021's 7.5B ran faster (142 TFLOP/s)
     # than its 1.7B, 3.6B and 39B (137–138); Megatron-Core's 32B (460) than its 177B (433);
-    # torchtitan's 8B on 8 GPUs (5,762 tokens/s) than on 128 (5,605): predicted equal
+    # torchtitan's 8B on 8 GPUs (5,762 tokens/s) than on 128 (5,605): predicted equal; and since 7 Dec
+    # Megatron-LM 2021's 145B (135 TFLOP/s) above its 1.7B (137): the plan times our runtime, whose
+    # tp all-reduces of the column GEMMs' input gradients without SP move autocast's fp32 stream
+    # (rehearsed), where Megatron's moved fp16 (those tp-heavy rows read 1-4% slower than before)
     known = {"n21-1.7b/n21-7.5b", "n21-3.6b/n21-7.5b", "n21-7.5b/n21-39b", "mc-32b/mc-177b",
-             "tt-8b-8/tt-8b-128"}
+             "tt-8b-8/tt-8b-128", "n21-1.7b/n21-145b"}
     assert {f for o in order.values() for f in o["flipped"]} <= known, order
-    assert order["narayanan2021-t1"]["kept"] >= 33 and order["megatron-core-weak"]["kept"] >= 30
+    assert order["narayanan2021-t1"]["kept"] >= 32 and order["megatron-core-weak"]["kept"] >= 30
     assert order["llama3-t4"]["kept"] == order["llama3-t4"]["pairs"] == 3
     # a layout the source leaves open is chosen by the planner among the stated software's options
     n21 = next(r for r in rows if r.id == "n21-1t")
