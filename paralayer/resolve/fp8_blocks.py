@@ -200,7 +200,8 @@ def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
             if layer_recompute(lay, i) == "full":
                 casts += 5 + (4 if n == 2 else 0)
             if fsdp_fp8:  # the weights' scales precomputed once a step (model/float8.py refresh_scales)
-                casts -= 8 + (6 if n == 2 else 0) + (4 + (3 if n == 2 else 0) if layer_recompute(lay, i) == "full" else 0)
+                rerun = 4 + (3 if n == 2 else 0) if layer_recompute(lay, i) == "full" else 0
+                casts -= 8 + (6 if n == 2 else 0) + rerun
             amax += 8.0 * casts
             count += casts
     return pairs, units, amax, count

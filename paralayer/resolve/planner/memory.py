@@ -102,9 +102,10 @@ def act_tables(cfg: Config, act_cache: dict, lay: Layout, overlaps: tuple) -> di
     for overlap in overlaps:
         for fsdp in (False, True):
             lay.tp_overlap, lay.zero = overlap, (2 if fsdp else 0)
-            # cp: ring attention's set, and a Gated DeltaNet layer's by the tokens per rank (linear_acts)
+            # cp: ring attention's set, and a Gated DeltaNet layer's by the tokens per rank (linear_acts);
+            # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
             akey = (lay.tp, lay.sequence_parallel, lay.cp if cfg.model.linear.k_heads else lay.cp > 1, overlap,
-                    fsdp and lay.dp * lay.cp > 1, lay.ep > 1)  # ep: the routed rows arrive in bf16 (memory.bf16_extra_elems)
+                    fsdp and lay.dp * lay.cp > 1, lay.ep > 1)
             if akey not in act_cache:
                 act_cache[akey] = {mode: tuple(mem_mod.kind_elems(cfg, lay, k, mode) for k in range(len(KINDS)))
                                    for mode in RECOMPUTES}
