@@ -17,6 +17,24 @@ from tests.dist import run_ranks
 from tests.test_fp8 import _colwise_grad_whole
 
 
+def _zigzag_step(module, x, dy, world: int, rank: int, plant=None):
+    """``module`` forward on this cp rank's zigzag shard of ``x`` and backward of ``dy``'s shard; with
+    ``plant`` = (owner, attribute, value) that attribute replaced meanwhile. Returns (y, the shard)."""
+    from paralayer.parallel.context.zigzag import zigzag_shard
+
+    kept = getattr(plant[0], plant[1]) if plant else None
+    if plant:
+        setattr(plant[0], plant[1], plant[2])
+    try:
+        xs = zigzag_shard(x, 1, world, rank).requires_grad_()
+        y = module(xs)
+        y.backward(zigzag_shard(dy, 1, world, rank))
+    finally:
+        if plant:
+            setattr(plant[0], plant[1], kept)
+    return y, xs
+
+
 def _cp_rowwise_wgrad(rank, world, mesh, plant):
     """One rowwise Fp8Linear: one process on a whole sequence, then each cp rank on its zigzag shard
     (the weight gradients summed over the ranks, as the dp·cp gradient sync does). The sequence
@@ -37,15 +55,7 @@ def _cp_rowwise_wgrad(rank, world, mesh, plant):
     ref = (lin(x), ref_x.grad, lin.weight.grad.clone())
     lin.weight.grad = None
     lin.token_mesh = mesh
-    kept = f8.wgrad_mesh
-    if plant:
-        f8.wgrad_mesh = lambda m: None
-    try:
-        xs = zigzag_shard(x, 1, world, rank).requires_grad_()
-        y = lin(xs)
-        y.backward(zigzag_shard(dy, 1, world, rank))
-    finally:
-        f8.wgrad_mesh = kept
+    y, xs = _zigzag_step(lin, x, dy, world, rank, (f8, "wgrad_mesh", lambda m: None) if plant else None)
     torch.distributed.all_reduce(lin.weight.grad)
     got = (y, xs.grad, lin.weight.grad)
     return [float((a - zigzag_shard(b, 1, world, rank)).norm() / b.norm()) for a, b in zip(got[:2], ref[:2])] + \
@@ -80,15 +90,8 @@ def _cp_moe(rank, world, mesh, recipe: str, ep: bool, plant: bool) -> list[float
         apply_expert_parallel(part, mesh.get_group())
         part.ep_cp = world
     part.expert_mm = f8.ExpertMatmul(config, None if ep or plant else mesh)
-    kept = moe_mod._by_batch
-    if plant and ep:
-        moe_mod._by_batch = lambda counts, peers: [c for c in counts if c]
-    try:
-        xs = zigzag_shard(x, 1, world, rank).requires_grad_()
-        y = part(xs)
-        y.backward(zigzag_shard(dy, 1, world, rank))
-    finally:
-        moe_mod._by_batch = kept
+    planted = (moe_mod, "_by_batch", lambda counts, peers: [c for c in counts if c]) if plant and ep else None
+    y, xs = _zigzag_step(part, x, dy, world, rank, planted)
     errs = [float((a - zigzag_shard(b, 1, world, rank)).norm() / b.norm())
             for a, b in ((y, ref_y), (xs.grad, ref_x.grad))]
     lo, n = part.expert_offset, part.num_local_experts
