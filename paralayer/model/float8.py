@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from paralayer.resolve.fp8 import cache_tile
+from paralayer.resolve.fp8 import BLOCK, cache_tile
 
 
 def _import_quietly() -> None:
@@ -75,7 +75,6 @@ from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_
 from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim  # noqa: E402
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # noqa: E402
 
-BLOCK = 128
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 

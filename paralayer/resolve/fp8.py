@@ -201,7 +201,7 @@ def _check_blockwise(cfg: Config, p, err, Issue: type) -> None:  # noqa: N803 - 
                   f"has {d}={size} on a rank ({len(split)} split dimensions fail); valid: parallel.tp in "
                   f"{', '.join(map(str, ok))}, or train.fp8.recipe=tensorwise, rowwise"))
     chunk = cfg.model.seq_len // (2 * p.cp) if p.cp > 1 else cfg.model.seq_len
-    if chunk % 128:
+    if chunk % BLOCK:
         err(Issue("train.fp8.recipe", f"train.fp8.recipe=blockwise groups 128 tokens for the weight gradient: "
                   f"the tokens per sequence chunk (model.seq_len={cfg.model.seq_len}"
                   + (f"/(2·parallel.cp={p.cp})" if p.cp > 1 else "") + f" = {chunk}) must be a multiple of "
