@@ -37,7 +37,8 @@ Recipes (``recipe_config``):
   rank's shards (:func:`tp_blockwise`), whose sharded sizes are multiples of 128 (resolve/fp8.py):
   a rank's tiles are one process's.
 
-On CPU everything runs emulated (torchao's ``emulate=True``: FP8 values, higher-precision matmuls).
+On CPU everything runs emulated (torchao's ``emulate=True``: FP8 values, higher-precision matmuls;
+an fp64 model's in fp64, :func:`_emulate_in_operand_precision`: the layout tests' reference).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from paralayer.model.norms import wide
 from paralayer.resolve.fp8 import BLOCK, cache_tile
 
 
@@ -76,6 +78,45 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim  # noqa: 
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8  # noqa: E402
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def _emulate_in_operand_precision() -> None:
+    """torchao's emulated GEMM (``emulate=True``: CPU) dequantises and multiplies in fp32 whatever the
+    operands' high precision. An fp64 model (the FP8 layout tests' reference precision) gets its
+    emulated GEMMs in fp64 instead, so that no fp32 sum, whose order every layout changes, reaches the
+    next cast's rounding; fp32 and bf16 operands keep torchao's own path. Registered once, in
+    torchao's op table (its extension point: ``float8_ops.implements``)."""
+    from torchao.float8 import float8_ops as ops
+
+    aten = torch.ops.aten
+    table = ops.FLOAT8_OPS_TABLE
+    if getattr(table[aten.mm.default], "_paralayer", False):
+        return
+    torchao_mm, torchao_addmm = table[aten.mm.default], table[aten.addmm.default]
+
+    def fp64(a, b) -> bool:
+        return a._orig_dtype == torch.float64 and ops.choose_scaled_mm_config(
+            a._gemm_input_role, a._linear_mm_config, b._gemm_input_role, b._linear_mm_config).emulate
+
+    def mm(aten_op, args, kwargs=None):
+        a, b = args[0], args[1]
+        if not fp64(a, b):
+            return torchao_mm(aten_op, args, kwargs)
+        return torch.mm(a._data.double() / a._scale.double(), b._data.double() / b._scale.double())
+
+    def addmm(aten_op, args, kwargs=None):
+        bias, a, b = args[0], args[1], args[2]
+        if not fp64(a, b):
+            return torchao_addmm(aten_op, args, kwargs)
+        return torch.mm(a._data.double() / a._scale.double(), b._data.double() / b._scale.double()) + bias
+
+    mm._paralayer = addmm._paralayer = True
+    for op in (aten.mm.default, aten.matmul.default):
+        table[op] = mm
+    table[aten.addmm.default] = addmm
+
+
+_emulate_in_operand_precision()
 
 
 def recipe_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool = False) -> Float8LinearConfig:
@@ -248,10 +289,10 @@ def qdq_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     pm, pk = -m % rows, -k % cols
     t = nn.functional.pad(x, (0, pk, 0, pm)) if pm or pk else x
     t = t.reshape((m + pm) // rows, rows, (k + pk) // cols, cols)
-    amax = t.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=1e-12)
+    amax = wide(t.abs().amax(dim=(1, 3), keepdim=True)).clamp(min=1e-12)
     scale = E4M3_MAX / amax
-    q = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    out = (q.float() / scale).to(x.dtype).reshape(m + pm, k + pk)
+    q = (wide(t) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = (q.to(scale.dtype) / scale).to(x.dtype).reshape(m + pm, k + pk)
     return out[:m, :k] if pm or pk else out
 
 
@@ -415,11 +456,11 @@ class Fp8Tiles:
         k = t.shape[-1]
         w = cache_tile(k) if k else 1
         tiles = t.detach().reshape(*t.shape[:-1], k // w if k else 0, w)
-        amax = tiles.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) if k else tiles.float()
+        amax = wide(tiles.abs().amax(dim=-1, keepdim=True)).clamp(min=1e-12) if k else wide(tiles)
         scale = E4M3_MAX / amax
-        q = (tiles.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        q = (wide(tiles) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return q, scale
 
     @staticmethod
     def unpack(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (q.float() / scale).to(dtype).flatten(-2)
+        return (q.to(scale.dtype) / scale).to(dtype).flatten(-2)

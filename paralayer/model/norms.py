@@ -7,6 +7,17 @@ import torch
 from torch import nn
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a sum or a softmax's statistics over ``dtype`` values: fp32, or fp64 for fp64
+    (the FP8 layout tests' reference precision, where an fp32 sum's order would show)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`wide_dtype` (``t.float()`` that keeps fp64)."""
+    return t.to(wide_dtype(t.dtype))
+
+
 class _RMSNormFn(torch.autograd.Function):
     """y = x / rms(x) · (w + offset), computed in fp32; saves x (in its own dtype) and the per-token
     1/rms. offset 0: Llama's (the normalised x cast to x's dtype, then × w); offset 1: Gemma's (the
@@ -14,24 +25,24 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-        xf = x.float()
+        xf = wide(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
         if offset:
-            return (xf * rstd * (weight.float() + offset)).to(x.dtype)
+            return (xf * rstd * (wide(weight) + offset)).to(x.dtype)
         return (xf * rstd).to(x.dtype) * weight
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd  # recomputed: one elementwise pass instead of a saved fp32 copy
-        gf = g.float()
+        xhat = wide(x) * rstd  # recomputed: one elementwise pass instead of a saved fp32 copy
+        gf = wide(g)
         gw = (gf * xhat).sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype) \
             if ctx.needs_input_grad[1] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            gy = gf * (weight.float() + ctx.offset)
+            gy = gf * (wide(weight) + ctx.offset)
             gx = (rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))).to(x.dtype)
         return gx, gw, None, None
 

@@ -24,19 +24,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from paralayer.model.norms import wide
+
 
 def add_sink(out_acc: Tensor, lse_acc: Tensor, sinks: Tensor) -> None:
     """In place: fp32 ``out_acc`` (b, h, s, d) and ``lse_acc`` (b, h, s) with the sink of each head
     (``sinks`` (h,)) in the softmax."""
-    lse_t = torch.logaddexp(lse_acc, sinks.detach().float().view(1, -1, 1))
+    lse_t = torch.logaddexp(lse_acc, wide(sinks.detach()).view(1, -1, 1))
     out_acc.mul_(torch.exp(lse_acc - lse_t).unsqueeze(-1))
     lse_acc.copy_(lse_t)
 
 
 def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     """d loss / d sinks (h,) from these query rows (``out``, ``lse``: with the sink)."""
-    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
-    delta = (dout.float() * out.float()).sum(-1)
+    p_sink = torch.exp(wide(sinks.detach()).view(1, -1, 1) - lse)
+    delta = (wide(dout) * wide(out)).sum(-1)
     return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
 
 
@@ -62,7 +64,7 @@ class _SinkAttnFn(torch.autograd.Function):
         causal, mask = window is None, _mask(q.size(2), window, q.device)
         out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
             q, _expand(k, groups), _expand(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
-        out32, lse = out.float(), lse.float().contiguous()
+        out32, lse = wide(out), wide(lse).contiguous()
         add_sink(out32, lse, sinks)
         out = out32.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -91,14 +93,14 @@ def eager_sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window:
                          scale: float) -> Tensor:
     """transformers' form: the (s, s) scores with a sink column, softmaxed in fp32, the column dropped."""
     groups = q.size(1) // k.size(1)
-    s = torch.matmul(q.float(), _expand(k, groups).float().transpose(-1, -2)) * scale
+    s = torch.matmul(wide(q), wide(_expand(k, groups)).transpose(-1, -2)) * scale
     pos = torch.arange(q.shape[2], device=q.device)
     diff = pos[:, None] - pos[None, :]
     seen = (diff >= 0) & (diff < window) if window is not None else diff >= 0
     s = s.masked_fill(~seen, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    sink = wide(sinks).view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
     p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(p, _expand(v, groups).float()).to(q.dtype)
+    return torch.matmul(p, wide(_expand(v, groups))).to(q.dtype)
 
 
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: Optional[int],

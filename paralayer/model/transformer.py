@@ -22,7 +22,7 @@ from paralayer.config.layer_pattern import layer_types
 from paralayer.model.attention import head_dim_of, window_bias
 from paralayer.model.block import TransformerBlock, is_moe_layer
 from paralayer.model.mtp import MultiTokenPrediction
-from paralayer.model.norms import make_norm
+from paralayer.model.norms import make_norm, wide
 from paralayer.model.positions import rope_cos_sin
 
 
@@ -122,8 +122,8 @@ def embed_scale(d_model: int, dtype: torch.dtype) -> float:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; padded vocab columns are masked out."""
-    logits = logits.float()
+    """Mean next-token cross-entropy in fp32 (fp64 logits stay fp64); padded vocab columns are masked out."""
+    logits = wide(logits)
     if vocab_size is not None and logits.shape[-1] > vocab_size:
         logits = logits[..., :vocab_size]
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten())

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from paralayer.compat import private
+from paralayer.model.norms import wide_dtype
 from paralayer.parallel.grad_sync import GradReducer  # noqa: F401 - ZeRO-0/1 gradient averaging lives there
 from paralayer.parallel.local_shard import local_tensor as _local
 
@@ -163,9 +164,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Option
     # the grads to scale, read AFTER the loop above: it may have replaced a Partial p.grad by its sum
     grads = [p.grad for p in params if p.grad is not None]
     keys = sorted(parts)
-    sums = torch.zeros(max(len(keys), 1), dtype=torch.float32, device=device)
+    acc = wide_dtype(grads[0].dtype) if grads else torch.float32  # fp32, fp64 kept
+    sums = torch.zeros(max(len(keys), 1), dtype=acc, device=device)
     for i, k in enumerate(keys):
-        norms = private("torch", "_foreach_norm")([t.float() if t.dtype != torch.float32 else t for t in parts[k]], 2)
+        norms = private("torch", "_foreach_norm")([t if t.dtype == acc else t.to(acc) for t in parts[k]], 2)
         sums[i] = torch.stack(norms).square().sum()
     for name in sorted(groups):
         rows = [i for i, k in enumerate(keys) if name in k[1]]

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from paralayer.compat import aten_op
+from paralayer.model.norms import wide, wide_dtype
 from paralayer.model.sinks import add_sink, sink_grad
 
 __all__ = [
@@ -68,7 +69,7 @@ def _backend_for(device: torch.device, forced: str | None = None) -> str:
 
 
 def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(wide(q), wide(k).transpose(-1, -2)) * scale
     if causal:
         sq, sk = s.shape[-2], s.shape[-1]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1)
@@ -84,7 +85,7 @@ def _block_fwd(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scal
         if dv != q.size(-1):  # its one head width: V padded with zeros here, after the ring carried it
             out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
                 q, k, F.pad(v, (0, q.size(-1) - dv)), 0.0, causal, scale=scale)
-            return out[..., :dv], lse.float().contiguous()
+            return out[..., :dv], wide(lse).contiguous()
         out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
             q, k, v, 0.0, causal, scale=scale)
     elif backend == "cuda":
@@ -94,8 +95,8 @@ def _block_fwd(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scal
     else:
         s = _math_scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype)
-    return out, lse.float().contiguous()
+        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), wide(v)).to(q.dtype)
+    return out, wide(lse).contiguous()
 
 
 def _block_bwd(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -121,13 +122,13 @@ def _block_bwd(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     else:
         s = _math_scores(q, k, causal, scale)
         p = torch.exp(s - lse.unsqueeze(-1))
-        do = dout.float()
+        do = wide(dout)
         dv = torch.matmul(p.transpose(-1, -2), do)
-        dp = torch.matmul(do, v.float().transpose(-1, -2))
-        delta = (do * out.float()).sum(-1, keepdim=True)
+        dp = torch.matmul(do, wide(v).transpose(-1, -2))
+        delta = (do * wide(out)).sum(-1, keepdim=True)
         ds = p * (dp - delta)
-        dq = torch.matmul(ds, k.float()) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+        dq = torch.matmul(ds, wide(k)) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), wide(q)) * scale
     return dq, dk, dv
 
 
@@ -227,13 +228,13 @@ def _reduce(dx: Tensor, groups: int) -> Tensor:
 
 def _merge(out_acc: Tensor, lse_acc: Tensor, rows: slice, o: Tensor, lse: Tensor, fresh: bool):
     if fresh:
-        out_acc[:, :, rows] = o.float()
+        out_acc[:, :, rows] = wide(o)
         lse_acc[:, :, rows] = lse
         return
     o1, l1 = out_acc[:, :, rows], lse_acc[:, :, rows]
     new_l = l1 - F.logsigmoid(l1 - lse)
     w2 = torch.sigmoid(lse - l1).unsqueeze(-1)
-    out_acc[:, :, rows] = o1 - w2 * (o1 - o.float())
+    out_acc[:, :, rows] = o1 - w2 * (o1 - wide(o))
     lse_acc[:, :, rows] = new_l
 
 
@@ -249,8 +250,8 @@ class _RingAttnFn(torch.autograd.Function):
 
         # (b, s, h, d) storage seen as (b, h, s, d), like SDPA's own output: the caller's
         # out.transpose(1, 2).reshape(b, s, -1) is then a view, not a second copy kept for wo.
-        out_acc = torch.empty(b, s, h, v.size(-1), dtype=torch.float32, device=q.device).transpose(1, 2)
-        lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        out_acc = torch.empty(b, s, h, v.size(-1), dtype=wide_dtype(q.dtype), device=q.device).transpose(1, 2)
+        lse_acc = torch.empty(b, h, s, dtype=wide_dtype(q.dtype), device=q.device)
         dk = k.size(-1)
         kv = torch.cat([k, v], dim=-1).contiguous()  # one message, K and V at their own widths
         seen = set()
@@ -300,7 +301,7 @@ class _RingAttnFn(torch.autograd.Function):
         cp, rank = ring.size, ring.rank
         dout = dout.contiguous()
 
-        dq = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(b, h, s, d, dtype=wide_dtype(q.dtype), device=q.device)
         dk_w = k.size(-1)
         kv = torch.cat([k, v], dim=-1).contiguous()
         dkv_acc: Tensor | None = None
@@ -314,16 +315,16 @@ class _RingAttnFn(torch.autograd.Function):
                 kv_next, kv_works = ring.exchange(kv, _KV_TAG)
             t0 = time.perf_counter()
             kb, vb = kv[..., :dk_w], kv[..., dk_w:]
-            part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            part = torch.zeros(kv.shape, dtype=wide_dtype(q.dtype), device=q.device)
             for qr, kr, blk_causal in _step_blocks(step, rank, cp, causal, c):
                 # lse rows must be contiguous for the kernels
                 dq_, dk_, dv_ = _block_bwd(
                     backend, dout[:, :, qr], q[:, :, qr], _expand(kb[:, :, kr], groups),
                     _expand(vb[:, :, kr], groups), out[:, :, qr], lse[:, :, qr].contiguous(),
                     blk_causal, scale)
-                dq[:, :, qr] += dq_.float()
-                part[:, :, kr, :dk_w] += _reduce(dk_.float(), groups)
-                part[:, :, kr, dk_w:] += _reduce(dv_.float(), groups)
+                dq[:, :, qr] += wide(dq_)
+                part[:, :, kr, :dk_w] += _reduce(wide(dk_), groups)
+                part[:, :, kr, dk_w:] += _reduce(wide(dv_), groups)
                 if stats is not None:
                     stats.pairs_bwd += _pairs(qr, kr, blk_causal)
             if stats is not None:

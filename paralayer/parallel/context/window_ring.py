@@ -25,6 +25,7 @@ from torch import Tensor
 
 from paralayer.config.cp_window import blocks, chunk_sends, needed  # noqa: F401 - chunk_sends: callers import it here
 from paralayer.model.sinks import add_sink, sink_grad
+from paralayer.model.norms import wide, wide_dtype
 from paralayer.parallel.context.ring import RingStats, _backend_for, _block_bwd, _block_fwd, _expand, _merge, _reduce
 
 _WKV_TAG, _WDKV_TAG = 21, 22
@@ -37,21 +38,21 @@ def _mask(a: int, b: int, c: int, w: int, device) -> Tensor:
 
 
 def _masked_fwd(q, k, v, mask, scale):
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(wide(q), wide(k).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.where(mask, torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
-    return torch.matmul(p, v.float()).to(q.dtype), lse.contiguous()
+    return torch.matmul(p, wide(v)).to(q.dtype), lse.contiguous()
 
 
 def _masked_bwd(dout, q, k, v, out, lse, mask, scale):
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(wide(q), wide(k).transpose(-1, -2)) * scale
     p = torch.where(mask, torch.exp(s - lse.unsqueeze(-1)), torch.zeros_like(s))
-    do = dout.float()
+    do = wide(dout)
     dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.float().transpose(-1, -2)) - (do * out.float()).sum(-1, keepdim=True))
-    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, dv
+    ds = p * (torch.matmul(do, wide(v).transpose(-1, -2)) - (do * wide(out)).sum(-1, keepdim=True))
+    return torch.matmul(ds, wide(k)) * scale, torch.matmul(ds.transpose(-1, -2), wide(q)) * scale, dv
 
 
 class _Peers:
@@ -89,8 +90,8 @@ class _WindowRingFn(torch.autograd.Function):
         recvs, works = peers.exchange(sends, shapes, _WKV_TAG, kv)
         if stats is not None:
             stats.add_sent("kv", sum(t.numel() * t.element_size() for t in sends.values()))
-        out_acc = torch.empty(b, s, h, v.size(-1), dtype=torch.float32, device=q.device).transpose(1, 2)
-        lse_acc = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        out_acc = torch.empty(b, s, h, v.size(-1), dtype=wide_dtype(q.dtype), device=q.device).transpose(1, 2)
+        lse_acc = torch.empty(b, h, s, dtype=wide_dtype(q.dtype), device=q.device)
         fresh, waited = {0, 1}, False
         for src, k_slot, q_slot, kind, a, bb in blocks(cp, rank, c, window):
             if src != rank and not waited:
@@ -131,9 +132,9 @@ class _WindowRingFn(torch.autograd.Function):
         recvs = dict(zip(sorted(mine), recv_list))
         kv = torch.stack([k, v])
         dout = dout.contiguous()
-        dq = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        dremote = {src: torch.zeros(t.shape, dtype=torch.float32, device=q.device) for src, t in recvs.items()}
+        dq = torch.zeros(b, h, s, d, dtype=wide_dtype(q.dtype), device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=wide_dtype(q.dtype), device=q.device)
+        dremote = {src: torch.zeros(t.shape, dtype=wide_dtype(q.dtype), device=q.device) for src, t in recvs.items()}
         for src, k_slot, q_slot, kind, a, bb in blocks(cp, rank, c, window):
             kb, vb = _kv_block(kv, recvs, mine, rank, src, k_slot, c)
             qr = slice(q_slot * c, (q_slot + 1) * c)
@@ -143,15 +144,15 @@ class _WindowRingFn(torch.autograd.Function):
                 dq_, dk_, dv_ = _masked_bwd(*args, _mask(a, bb, c, window, q.device), scale)
             else:
                 dq_, dk_, dv_ = _block_bwd(backend, *args, kind == "causal", scale)
-            dq[:, :, qr] += dq_.float()
+            dq[:, :, qr] += wide(dq_)
             if src == rank:
                 target = dkv[..., k_slot * c:(k_slot + 1) * c, :]
-                target[0] += _reduce(dk_.float(), groups)
-                target[1] += _reduce(dv_.float(), groups)
+                target[0] += _reduce(wide(dk_), groups)
+                target[1] += _reduce(wide(dv_), groups)
             else:
                 i = mine[src].index(k_slot)
-                dremote[src][i, 0] += _reduce(dk_.float(), groups)
-                dremote[src][i, 1] += _reduce(dv_.float(), groups)
+                dremote[src][i, 0] += _reduce(wide(dk_), groups)
+                dremote[src][i, 1] += _reduce(wide(dv_), groups)
             if stats is not None:
                 stats.pairs_bwd += c * (c + 1) // 2 if kind == "causal" else c * c
         # the partial dK/dV of each received chunk goes home: the forward's messages reversed

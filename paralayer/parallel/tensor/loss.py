@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from paralayer.model.norms import wide
+
 # Added to the padded vocab columns of the logits: exp(-1e9 - max) is exactly 0 in fp32/bf16.
 _PAD_LOGIT = -1.0e9
 
@@ -46,7 +48,7 @@ def tp_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int
             placements[0].dim not in (-1, logits.ndim - 1):
         raise ValueError(f"tp_loss expects logits placed Shard(-1) on a 1-D mesh, got {placements}")
     v_pad = logits.shape[-1]
-    local = logits.to_local().float()
+    local = wide(logits.to_local())
     if vocab_size is not None and v_pad > vocab_size:
         # Columns of this rank: [start, start + width); mask those >= vocab_size.
         width = local.shape[-1]
