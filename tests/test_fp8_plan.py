@@ -95,7 +95,6 @@ def test_plan_70b_fp8_shows_a_gain_per_row_that_is_not_one_constant():
     for d in rows:
         assert d["fp8_gain"] == pytest.approx(d["bf16_step_time_s"] / d["step_time_s"], rel=1e-12)
         assert not d["tp_overlap"] and d["degrees"]["ep"] == 1
-        assert not (d["degrees"]["tp"] > 1 and d["degrees"]["cp"] > 1)
     assert max(gains) - min(gains) > 0.01
     assert [d["step_time_s"] for d in rows] == sorted(d["step_time_s"] for d in rows)  # ranked by the FP8 step
 

@@ -21,6 +21,9 @@ CASES = {"tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
          "cp2": ["parallel.tp=1", "parallel.cp=2"],
          "cp2-rowwise": ["parallel.tp=1", "parallel.cp=2", "train.fp8.recipe=rowwise"],
          "tp2-cp2-rowwise": ["parallel.tp=2", "parallel.cp=2", "train.fp8.recipe=rowwise", "train.global_batch=8"],
+         # tensorwise under tp and cp together (refused before 8 Dec): the float8 styles' terms and the
+         # ring's fp32 q, k and output beside wo's FP8 copy (before that ring term: activations 1.117)
+         "tp2-cp2": ["parallel.tp=2", "parallel.cp=2", "train.global_batch=8"],
          # blockwise under tp (since 7 Dec): split N and K of whole 128 tiles on a rank (4 x 64-wide heads
          # of q, k and v; ffn 256); its GEMMs save the norms' fp32 output once for q, k, v (the plan
          # counted autocast's three bf16 casts before: activations 0.938)
@@ -73,9 +76,11 @@ def test_a_planted_bf16_tp_rule_fails(rehearsed, monkeypatch):
     assert "tp" in _misses(_replanned(case))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "tp2-cp2"])
 def test_a_planted_bf16_activation_set_fails(rehearsed, monkeypatch, name):
-    """The FP8 blocks' saved set counted as the base precision's (no FP8 copies): activations miss."""
+    """The FP8 blocks' saved set counted as the base precision's (no FP8 copies): activations miss.
+    Not at tensorwise tp 2 · cp 2, where the FP8 copies and the ring's fp32 set nearly cancel (the
+    base rules alone fall inside the 2% tolerance there); its planted ring set is below."""
     case = rehearsed[name]
     monkeypatch.setattr(fp8_blocks, "act_delta", lambda *a, **k: 0.0)
     assert "activations" in _misses(_replanned(case))
@@ -104,11 +109,11 @@ def test_cp_bytes_to_the_byte_with_the_amax_all_reduces(rehearsed, monkeypatch, 
     assert _cp_off(_replanned(case)) > 1e-6
 
 
-@pytest.mark.parametrize("name", [n for n in CP_CASES if "rowwise" in n])
+@pytest.mark.parametrize("name", [n for n in CP_CASES if "rowwise" in n or n == "tp2-cp2"])
 def test_a_planted_rowwise_cp_activation_set_fails(rehearsed, monkeypatch, name):
-    """Rowwise under cp and autocast without the ring's fp32 q, k and output (the bf16 plan's set):
-    activations miss (1.14 at cp 2, 1.12 at tp 2 · cp 2)."""
-    monkeypatch.setattr(fp8_blocks, "_rowwise_ring", lambda *a: 0.0)
+    """Under cp and autocast without the ring's fp32 q, k and output (the bf16 plan's set):
+    activations miss (rowwise 1.14 at cp 2, 1.12 at tp 2 · cp 2; tensorwise 1.117 at tp 2 · cp 2)."""
+    monkeypatch.setattr(fp8_blocks, "_ring", lambda *a: 0.0)
     assert "activations" in _misses(_replanned(rehearsed[name]))
 
 

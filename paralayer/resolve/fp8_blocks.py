@@ -46,11 +46,13 @@ from paralayer.resolve.rules import Layout
 
 def tp_styles(cfg: Config, lay: Layout) -> str | None:
     """How an FP8 block's linears are split over tp: ``"fp8"`` (torchao's float8 styles:
-    tensorwise on a GPU plan, runtime/build.py ``fp8_comm``), ``"plain"`` (DTensor's: rowwise, or
-    a CPU plan), None where no FP8 GQA block meets tp."""
+    tensorwise on a GPU plan without cp, runtime/build.py ``fp8_comm``), ``"plain"`` (DTensor's:
+    rowwise, a CPU plan, or cp, whose scales span the cp ranks' tokens), None where no FP8 GQA
+    block meets tp."""
     if cfg.train.precision != "fp8" or lay.tp == 1 or not _gqa_fp8(cfg):
         return None
-    return "fp8" if cfg.train.fp8.recipe == "tensorwise" and lay.device == "cuda" else "plain"
+    fp8 = cfg.train.fp8.recipe == "tensorwise" and lay.device == "cuda" and lay.cp == 1
+    return "fp8" if fp8 else "plain"
 
 
 def _gqa_fp8(cfg: Config) -> bool:
@@ -78,7 +80,16 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
     if cfg.train.fp8.recipe == "blockwise":
         return _blockwise_inputs(lay, moe, h, ab, norm_b, auto)
     styles = tp_styles(cfg, lay)
-    ring = _rowwise_ring(cfg, lay, q, kv, ab) if auto and not core else 0.0
+    ring = _ring(cfg, lay, q, kv, ab) if auto and not core else 0.0
+    if styles == "plain" and lay.cp > 1 and cfg.train.fp8.recipe == "tensorwise":
+        # tp and cp: each Float8Linear saves the FP8 copy of its input (the gathered, whole one:
+        # q, k, v, w1, w3), where the base counts the shard (SP) or autocast's casts; wo's FP8
+        # copy; w2's in place of the SwiGLU product; the ring's fp32 q, k and output
+        wo = -(ab - 1) * q / t if core else q / t
+        base = h / t * norm_b if lay.sequence_parallel else None
+        attn = 3 * h - (base if base is not None else (3 if auto else 1) * h * ab) + wo
+        ffn = 2 * h - (base if base is not None else (2 if auto else 1) * h * ab) - (ab - 1) * f / t
+        return (attn + (0.0 if moe else ffn) + ring) / ab
     if styles is not None and lay.sequence_parallel:
         # the base counts each column GEMM's input as its sequence shard in the norms' dtype
         shard = h / t * norm_b
@@ -95,7 +106,7 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
         wo = -(ab - 1) * q / t if core else q / t
         attn = h - (3 if auto else 1) * h * ab + wo
         ffn = h - (2 if auto else 1) * h * ab - (ab - 1) * f / t
-        return (attn + (0.0 if moe else ffn)) / ab
+        return (attn + (0.0 if moe else ffn) + ring) / ab
     if lay.cp > 1 and lay.tp == 1 and cfg.train.fp8.recipe == "tensorwise":
         if moe:  # an MoE block's FP8 GEMMs under cp: not measured, the base rules
             return 0.0
@@ -125,15 +136,18 @@ def _blockwise_inputs(lay: Layout, moe: bool, h: int, ab: float, norm_b: float, 
     return (n * h * norm_b - base) / ab
 
 
-def _rowwise_ring(cfg: Config, lay: Layout, q: int, kv: int, ab: float) -> float:
-    """Bytes per token that a rowwise block under cp and autocast saves beyond the base rules
-    (with the core's output kept): the ring takes RoPE's fp32 q and k (``q + kv`` wide, where the
-    base counts the activations' dtype) and returns fp32, which wo's Float8Linear casts to a copy
-    of its own (the base counts one shared copy); all split over tp by heads. A bf16 block saves
-    the same, which the bf16 plan leaves out (docs/planner.md)."""
-    if lay.cp == 1 or cfg.train.fp8.recipe != "rowwise":
+def _ring(cfg: Config, lay: Layout, q: int, kv: int, ab: float) -> float:
+    """Bytes per token that a block under cp and autocast saves beyond the base rules (with the
+    core's output kept), split over tp by heads: the ring takes RoPE's fp32 q and k (``q + kv``
+    wide, where the base counts the activations' dtype) and returns fp32. Rowwise: wo's
+    Float8Linear casts that output to a copy of its own (the base counts one shared copy), 4·q.
+    Tensorwise (with tp: at tp 1 the cp branch of :func:`act_delta` counts it): the fp32 output is
+    saved beside wo's FP8 copy, which the tp terms count, (4 - ab)·q. A bf16 block saves the same
+    as rowwise, which the bf16 plan leaves out (docs/planner.md)."""
+    if lay.cp == 1 or cfg.train.fp8.recipe not in ("rowwise", "tensorwise"):
         return 0.0
-    return ((q + kv) * (4 - ab) + 4 * q) / lay.tp
+    out = 4 * q if cfg.train.fp8.recipe == "rowwise" else (4 - ab) * q
+    return ((q + kv) * (4 - ab) + out) / lay.tp
 
 
 def tp_comm_delta(cfg: Config, lay: Layout, layers: list, is_moe,
@@ -216,8 +230,8 @@ def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
     - rowwise: each linear's weight-gradient operands, scaled per column along the tokens, in
       backward: the input's K amaxes and the output gradient's N (``_TokenScaledMatmul``); under
       tp a column-parallel linear's N and a row-parallel one's K are the rank's share.
-    - tensorwise (tp 1): one number for each linear's input (forward, again in full recompute's
-      rerun) and one for its output gradient (backward).
+    - tensorwise: one number for each linear's input (forward, again in full recompute's rerun) and
+      one for its output gradient (backward); under tp after DTensor's own over tp.
 
     Counted for a GQA attention and a dense SwiGLU FFN (7 linears); an MoE block's attention (4),
     its shared expert (3) and, at ep=1, each routed expert's 3 GEMMs (``ExpertMatmul``, whole on
@@ -225,8 +239,8 @@ def cp_amax(cfg: Config, lay: Layout, layers: list, full) -> tuple[float, int]:
     if cfg.train.precision != "fp8" or lay.cp == 1 or not _gqa_fp8(cfg):
         return 0.0, 0
     recipe = cfg.train.fp8.recipe
-    if recipe not in ("rowwise", "tensorwise") or (recipe == "tensorwise" and lay.tp > 1):
-        return 0.0, 0  # blockwise reduces nothing over cp; tensorwise with tp and cp is refused
+    if recipe not in ("rowwise", "tensorwise"):
+        return 0.0, 0  # blockwise reduces nothing over cp
     m = cfg.model
     h, f, t = m.d_model, m.ffn_hidden, lay.tp
     q, kv = m.n_heads * parts.head_dim(cfg), m.n_kv_heads * parts.head_dim(cfg)

@@ -118,10 +118,10 @@ def build_model(cfg: Config, plan: Union[Plan, dict], meshes: Meshes, device: to
         chunks = [model]
     zero, dp_cp = int(cfg.parallel.zero), meshes.size("dp_cp")
     if cfg.train.precision == "fp8":  # on the meta model, before tp (its FP8 styles need the swap)
-        # the tp collectives carry FP8 where the PLAN's device moves it (NCCL): a rehearsal of a GPU
-        # plan (fake process group on this CPU) takes the same styles a GPU run takes
-        convert_fp8(cfg, chunks, meshes, device, fsdp=zero >= 2 and dp_cp > 1,
-                    fp8_comm=device.type == "cuda" or str(getattr(plan, "device", "")) == "cuda")
+        # tp moves FP8 where the PLAN's device does (NCCL; a GPU plan's rehearsal too), not under cp
+        # (torchao's styles scale over tp only: resolve/fp8_blocks.tp_styles)
+        gpu = device.type == "cuda" or str(getattr(plan, "device", "")) == "cuda"
+        convert_fp8(cfg, chunks, meshes, device, fsdp=zero >= 2 and dp_cp > 1, fp8_comm=gpu and meshes.size("cp") == 1)
     for chunk in chunks:
         if tp > 1:
             from paralayer.parallel.tensor import apply_tensor_parallel
