@@ -185,7 +185,8 @@ def convert_fp8(cfg: Config, chunks: list, meshes: Meshes, device: torch.device,
         chunk.fp8_fsdp_all_gather = fsdp and recipe == "tensorwise"
     if emulate and dist.is_initialized() and dist.get_rank() == 0:
         print(f"paralayer: train.precision=fp8 ({recipe}) runs emulated on {device.type}: the blocks' GEMMs take "
-              "FP8 casts, the matmuls run in fp32", flush=True)
+              f"FP8 casts, the matmuls run in {'fp64' if torch.get_default_dtype() == torch.float64 else 'fp32'}",
+              flush=True)
 
 
 def expert_blocks(chunk: nn.Module) -> list[nn.Module]:
