@@ -375,3 +375,23 @@ def test_bad_fp8_input_exits_2_with_one_line(extra, field, words, capsys):
     assert rc == 2, r.out + r.err
     lines = [ln for ln in (r.out + r.err).splitlines() if ln.startswith("error:") and field in ln]
     assert lines and any(words in ln for ln in lines), r.out + r.err
+
+
+def test_every_combination_row_resolves_in_fp8():
+    """benchmarks/fp8_combinations.py trains the combination suite's rows in FP8 against one process
+    (not in CI: ~30 minutes; docs/context-parallel.md gives its figures): every row, at the widths FP8
+    takes, must stay one the resolver accepts at both recipes, or that sweep would skip it."""
+    from benchmarks.fp8_combinations import WIDE, fp8_row
+    from paralayer.config import load_config
+    from paralayer.resolve.plan import resolve
+    from tests import combos as C
+
+    rows = C.suite_rows()
+    for recipe in ("tensorwise", "rowwise"):
+        for row in rows:
+            r, extra = fp8_row(row)
+            cfg = load_config(C.BASE + WIDE + C.overrides(r) + extra + ["train.precision=fp8",
+                                                                       f"train.fp8.recipe={recipe}"])
+            errs = resolve(cfg).to_dict()["errors"]
+            assert not errs, (recipe, C.overrides(r), errs)
+    assert any(r["tp"] == "overlap" for r in rows) and fp8_row(dict(rows[0], tp="overlap"))[0]["tp"] == "sp"
