@@ -1,7 +1,7 @@
 """The combination suite's layouts (tests/combos.py: every pair of layout features) trained in FP8
 against one process, each recipe, the model in fp64 (docs/context-parallel.md, "The FP8 layout suite
-runs in fp64"). Not a CI test: ~45 layouts x 2 recipes x 4 steps take ~10 minutes on 2 cores; CI
-runs tests/test_fp8.py's representative layouts. Prints one line per row and recipe: the worst
+runs in fp64"). Not a CI test: 44 layouts x 2 recipes x 4 steps took 33 minutes on the shared
+2-core machine; CI runs tests/test_fp8.py's representative layouts. Prints one line per row and recipe: the worst
 relative error of loss and grad norm over the steps, or the field the resolver refuses.
 
     PYTHONPATH=$PWD python benchmarks/fp8_combinations.py [--recipes tensorwise,rowwise] [--steps 4]
