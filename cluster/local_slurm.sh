@@ -24,7 +24,7 @@
 #   PARALAYER_SLURM_TIMEOUT     seconds to wait for idle  (default: 60)
 #   PARALAYER_SLURM_SLOTS       task slots of the node: its CPUs = max(cores, this)  (default: 8)
 #   PARALAYER_SLURM_MAX_TIMEOUT requeues allowed on timeout (slurm.conf doesn't need it; informational)
-#   PARALAYER_SLURM_SLURMD_TIMEOUT, _MSG_TIMEOUT, _KILL_WAIT   multi-node only (default 6, 5, 2 s; see slurm.conf)
+#   PARALAYER_SLURM_SLURMD_TIMEOUT, PARALAYER_SLURM_MSG_TIMEOUT   multi-node only (default 6 and 5 s; see slurm.conf)
 #
 # Requires the Debian packages installed by cluster/install_slurm_deps.sh.
 set -uo pipefail
@@ -176,12 +176,12 @@ write_configs() {
     fi
 
     local ctld_host="$NODE(127.0.0.1)" spool="$H/spool" pid_slurmd="$PID_SLURMD" log_slurmd="$LOG_SLURMD"
-    local slurmd_timeout=60 msg_timeout=10 kill_wait=5 nodelines="NodeName=$NODE NodeAddr=127.0.0.1 $topo RealMemory=$mem State=UNKNOWN"
+    local slurmd_timeout=60 msg_timeout=10 nodelines="NodeName=$NODE NodeAddr=127.0.0.1 $topo RealMemory=$mem State=UNKNOWN"
     local nodelist="$NODE" k
     if [ "$NODES" -gt 1 ]; then
         ctld_host="head($CTLD_ADDR)"; spool="$H/spool/%n"; pid_slurmd="$RUN/%n/slurmd.pid"
         log_slurmd="$LOG/slurmd-%n.log"; slurmd_timeout="${PARALAYER_SLURM_SLURMD_TIMEOUT:-6}"
-        msg_timeout="${PARALAYER_SLURM_MSG_TIMEOUT:-5}"; kill_wait="${PARALAYER_SLURM_KILL_WAIT:-2}"
+        msg_timeout="${PARALAYER_SLURM_MSG_TIMEOUT:-5}"
         nodelines=""; nodelist="n[1-$NODES]"
         for k in $(seq 1 "$NODES"); do
             nodelines+="NodeName=n$k NodeAddr=$(node_addr "$k") CPUs=$slots RealMemory=$(( mem / NODES )) State=UNKNOWN"$'\n'
@@ -227,10 +227,10 @@ ReturnToService=2
 # reject at submission a job that can never run here (e.g. more tasks than CPUs), instead of
 # leaving it PENDING (PartitionConfig) forever
 EnforcePartLimits=ALL
-# SIGTERM to SIGKILL: the save window of a SIGTERM at a requeue (tests/test_slurm_e2e.py's requeue
-# needs it on the one-node cluster: 5 s). Multi-node: 2 s, what the ranks that a dead rank or node
-# left behind wait before SLURM kills them (a failed attempt ends ~3 s sooner); its tests save at USR2
-KillWait=$kill_wait
+# SIGTERM to SIGKILL: the save window of a SIGTERM at a requeue (tests/test_slurm_e2e.py). Not
+# shorter: at 2 s a cancelled step ended later (7.4 s, not 4.7: its stepd then retried the task-exit
+# message to an srun already gone, for MessageTimeout s)
+KillWait=5
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=30
