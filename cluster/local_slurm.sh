@@ -237,7 +237,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=$slurmd_timeout
 # Multi-node: a dead node (kill-node) is DOWN after two failed pings; each ping retries the refused
 # connection for MessageTimeout s (slurmctld reads it at start), pings go every SlurmdTimeout/3 s.
-# SlurmdTimeout 10 with MessageTimeout 10 took 26-28 s from the power loss to NODE_FAIL; 6 and 5: 17 s
+# SlurmdTimeout 10 with MessageTimeout 10: 26-29 s from the power loss to NODE_FAIL; 6 and 5: 16-18 s
 MessageTimeout=$msg_timeout
 Waittime=0
 
