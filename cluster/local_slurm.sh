@@ -24,6 +24,7 @@
 #   PARALAYER_SLURM_TIMEOUT     seconds to wait for idle  (default: 60)
 #   PARALAYER_SLURM_SLOTS       task slots of the node: its CPUs = max(cores, this)  (default: 8)
 #   PARALAYER_SLURM_MAX_TIMEOUT requeues allowed on timeout (slurm.conf doesn't need it; informational)
+#   PARALAYER_SLURM_SLURMD_TIMEOUT, PARALAYER_SLURM_MSG_TIMEOUT   multi-node only (default 6 and 5 s; see slurm.conf)
 #
 # Requires the Debian packages installed by cluster/install_slurm_deps.sh.
 set -uo pipefail
@@ -56,7 +57,7 @@ DB_PORT="${PARALAYER_SLURM_DB_PORT:-3399}"
 TIMEOUT="${PARALAYER_SLURM_TIMEOUT:-60}"
 SLOTS="${PARALAYER_SLURM_SLOTS:-8}"
 # a running cluster whose slurm.conf lacks this line was made by an older version: start restarts it
-CONF_MARK="# paralayer-local-slurm v2: CPUs are task slots"
+CONF_MARK="# paralayer-local-slurm v3: CPUs are task slots, 1 s scheduler, quick node loss"
 CLUSTER_NAME="paralayer"
 DB_PASS="paralayer-local-slurm"
 
@@ -175,11 +176,12 @@ write_configs() {
     fi
 
     local ctld_host="$NODE(127.0.0.1)" spool="$H/spool" pid_slurmd="$PID_SLURMD" log_slurmd="$LOG_SLURMD"
-    local slurmd_timeout=60 nodelines="NodeName=$NODE NodeAddr=127.0.0.1 $topo RealMemory=$mem State=UNKNOWN"
+    local slurmd_timeout=60 msg_timeout=10 nodelines="NodeName=$NODE NodeAddr=127.0.0.1 $topo RealMemory=$mem State=UNKNOWN"
     local nodelist="$NODE" k
     if [ "$NODES" -gt 1 ]; then
         ctld_host="head($CTLD_ADDR)"; spool="$H/spool/%n"; pid_slurmd="$RUN/%n/slurmd.pid"
-        log_slurmd="$LOG/slurmd-%n.log"; slurmd_timeout="${PARALAYER_SLURM_SLURMD_TIMEOUT:-10}"
+        log_slurmd="$LOG/slurmd-%n.log"; slurmd_timeout="${PARALAYER_SLURM_SLURMD_TIMEOUT:-6}"
+        msg_timeout="${PARALAYER_SLURM_MSG_TIMEOUT:-5}"
         nodelines=""; nodelist="n[1-$NODES]"
         for k in $(seq 1 "$NODES"); do
             nodelines+="NodeName=n$k NodeAddr=$(node_addr "$k") CPUs=$slots RealMemory=$(( mem / NODES )) State=UNKNOWN"$'\n'
@@ -218,17 +220,25 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=2
+# a job starts within ~1 s of its submission or of its requeue hold ending (2 and 2: 0.6 s mean, 1.3 s p90)
+SchedulerParameters=sched_interval=1,bf_interval=1
 MailProg=/bin/true
 ReturnToService=2
 # reject at submission a job that can never run here (e.g. more tasks than CPUs), instead of
 # leaving it PENDING (PartitionConfig) forever
 EnforcePartLimits=ALL
+# SIGTERM to SIGKILL: the save window of a SIGTERM at a requeue (tests/test_slurm_e2e.py). Not
+# shorter: at 2 s a cancelled step ended later (7.4 s, not 4.7: its stepd then retried the task-exit
+# message to an srun already gone, for MessageTimeout s)
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=30
 SlurmdTimeout=$slurmd_timeout
+# Multi-node: a dead node (kill-node) is DOWN after two failed pings; each ping retries the refused
+# connection for MessageTimeout s (slurmctld reads it at start), pings go every SlurmdTimeout/3 s.
+# SlurmdTimeout 10 with MessageTimeout 10: 26-29 s from the power loss to NODE_FAIL; 6 and 5: 16-18 s
+MessageTimeout=$msg_timeout
 Waittime=0
 
 # accounting through slurmdbd: required for sacct, which submitit needs to see failed/cancelled jobs

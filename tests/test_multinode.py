@@ -5,9 +5,9 @@
 To keep CI inside its budget on 2 cores the cases share jobs:
 - one batch of launches run side by side: a 2-element sweep of 2-node runs (a job array; the
   parity run against the same layout on one node, placement.json against the plan's spans, the
-  sweep report), a forced cyclic distribution (the placement refusal, with the pre-flight
-  rehearsal of the first and last pipeline rank), ``cluster.network_interface=lo`` (the loopback
-  trap), the one-node reference and the --dry-run spans;
+  sweep report), forced cyclic distributions (the placement refusals: tp, with the pre-flight
+  rehearsal of the first and last pipeline rank, and tiny-moe's ep), ``cluster.network_interface=lo``
+  (the loopback trap), the one-node reference and the --dry-run spans;
 - one long job: preempted (SIGTERM then USR2) on both nodes, requeued, then node n2 loses power
   (every process in its namespace SIGKILLed): the survivors exit, the launcher names the node and
   the ranks, SLURM requeues the job and it resumes elastically on n1 alone (dp=auto, 4 -> 2 ranks).
@@ -158,16 +158,22 @@ def _wait(cond, what: str, proc, log: Path, deadline_s: float):
 # ----------------------------------------------------------------------------- against the two-node SLURM
 @pytest.mark.timeout(1200)  # a ceiling for a loaded machine; ~2-5 min on an idle 2-core one
 def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
-    """One batch, side by side: the sweep (2 elements x 2 nodes x 2 ranks), the cyclic refusal, the
-    loopback trap, the one-node reference, the dry run."""
+    """One batch, side by side: the sweep (2 elements x 2 nodes x 2 ranks), the cyclic refusals (tp,
+    and ep: tiny-moe with ep 2 over dp 4, which the check before issue #37 let train), the loopback
+    trap, the one-node reference, the dry run. The ep job waits for free task slots (the others
+    take all 8 of each node) and shares the batch's wall instead of costing its own launch."""
     t0 = time.monotonic()
-    sweep, cyc, lo, ref = (tmp_path / n for n in ("sweep", "cyclic", "lo", "ref"))
+    sweep, cyc, ep, lo, ref = (tmp_path / n for n in ("sweep", "cyclic", "ep", "lo", "ref"))
+    moe = [a.replace("recipe=tiny", "recipe=tiny-moe") for a in TWO]
     procs = {
         "sweep": _popen([*TWO, "-m", "train.lr=3e-3,1e-3", "train.steps=3", f"run.dir={sweep}", "--no-rehearse",
                          "--wait"], tmp_path / "sweep.log", env2, tmp_path),
         "cyclic": _popen([*TWO, "parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "train.steps=2",
                           "cluster.slurm.srun_args=[--distribution=cyclic]", f"run.dir={cyc}", "--wait"],
                          tmp_path / "cyclic.log", env2, tmp_path),
+        "ep": _popen([*moe, "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "parallel.ep=2", "train.steps=2",
+                      "cluster.slurm.srun_args=[--distribution=cyclic]", f"run.dir={ep}", "--no-rehearse", "--wait"],
+                     tmp_path / "ep.log", env2, tmp_path),
         "lo": _popen([*TWO, "cluster.network_interface=lo", "train.steps=2", f"run.dir={lo}", "--no-rehearse",
                       "--wait"], tmp_path / "lo.log", env2, tmp_path),
         "ref": _popen([*SMALL, "cluster=local", "train.lr=3e-3", "train.steps=3", f"run.dir={ref}"],
@@ -229,35 +235,19 @@ def test_two_node_sweep_parity_placement_and_refusals(env2, tmp_path):
     assert re.search(r"error: placement: tp \(degree 2\) is planned inside a node but its ranks \[0, 1\] run on "
                      r"hosts n1, n2; .*--distribution=cyclic", logs["cyclic"]), logs["cyclic"][-3000:]
     assert not _records(cyc) and json.loads((cyc / "placement.json").read_text())["1"]["host"] == "n2"
+    # ep across nodes: the plan keeps each expert group on one node, cyclic puts ranks 0 and 1 on
+    # n1 and n2, and the job stops before step 1 naming ep
+    assert rcs["ep"] != 0, logs["ep"][-3000:]
+    assert re.search(r"error: placement: ep \(degree 2\) is planned inside a node but its ranks \[0, 1\] run on "
+                     r"hosts n1, n2; .*--distribution=cyclic", logs["ep"]), logs["ep"][-3000:]
+    assert not _records(ep) and json.loads((ep / "placement.json").read_text())["1"]["host"] == "n2"
 
     # the loopback trap: named, with the fix, before any collective
     assert rcs["lo"] != 0, logs["lo"][-3000:]
     assert re.search(r"error: rank \d on n[12]: GLOO_SOCKET_IFNAME=lo on a job of 2 nodes: "
                      r".*cluster\.network_interface", logs["lo"]), logs["lo"][-3000:]
     assert not _records(lo) and not (lo / "placement.json").exists()
-    print(f"batch of 5 launches: {took:.0f}s; parity {'bitwise' if bitwise else '<= 1e-6'}")
-
-
-@pytest.mark.timeout(600)  # a ceiling for a loaded machine; ~1 min on an idle 2-core one
-def test_two_node_ep_across_nodes_is_refused_by_name(env2, tmp_path):
-    """tiny-moe with ep 2 over dp 4 on 2 nodes x 2: the plan keeps each expert group on one node;
-    --distribution=cyclic puts ranks 0 and 1 on n1 and n2, and the job stops before step 1 naming ep
-    (the check before issue #37 looked at tp, cp, pp and dp only, and this job trained)."""
-    run, log = tmp_path / "ep", tmp_path / "ep.log"
-    moe = [a.replace("recipe=tiny", "recipe=tiny-moe") for a in TWO]
-    proc = _popen([*moe, "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "parallel.ep=2", "train.steps=2",
-                   "cluster.slurm.srun_args=[--distribution=cyclic]", f"run.dir={run}", "--no-rehearse", "--wait"],
-                  log, env2, tmp_path)
-    try:
-        rc = proc.wait(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert rc != 0, text[-3000:]
-    assert re.search(r"error: placement: ep \(degree 2\) is planned inside a node but its ranks \[0, 1\] run on "
-                     r"hosts n1, n2; .*--distribution=cyclic", text), text[-3000:]
-    assert not _records(run) and json.loads((run / "placement.json").read_text())["1"]["host"] == "n2"
+    print(f"batch of 6 launches: {took:.0f}s; parity {'bitwise' if bitwise else '<= 1e-6'}")
 
 
 def _python_pids(ns: str) -> set[int]:

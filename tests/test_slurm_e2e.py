@@ -169,7 +169,7 @@ def test_requeue_and_usr2_resume_from_checkpoints(slurm_env, tmp_path):
        RankTask.checkpoint on rank 0 and requeues the job with resume=auto — so the rerun starts at
        the step after the signal, not at the last periodic checkpoint.
     Both times it resumes from a checkpoint, and in the end every step is logged exactly once."""
-    steps = 40
+    steps = 24  # at the USR2 (step ~11) 13 steps are left: the job cannot end before the signal
     run, log_path = tmp_path / "run", tmp_path / "launch.out"
     out = open(log_path, "w")
     t0 = time.monotonic()
