@@ -94,21 +94,20 @@ def _emulate_in_operand_precision() -> None:
         return
     torchao_mm, torchao_addmm = table[aten.mm.default], table[aten.addmm.default]
 
-    def fp64(a, b) -> bool:
-        return a._orig_dtype == torch.float64 and ops.choose_scaled_mm_config(
-            a._gemm_input_role, a._linear_mm_config, b._gemm_input_role, b._linear_mm_config).emulate
-
-    def mm(aten_op, args, kwargs=None):
-        a, b = args[0], args[1]
-        if not fp64(a, b):
-            return torchao_mm(aten_op, args, kwargs)
+    def fp64_mm(a, b):
+        """a @ b dequantised in fp64, or None where torchao's own path applies."""
+        if a._orig_dtype != torch.float64 or not ops.choose_scaled_mm_config(
+                a._gemm_input_role, a._linear_mm_config, b._gemm_input_role, b._linear_mm_config).emulate:
+            return None
         return torch.mm(a._data.double() / a._scale.double(), b._data.double() / b._scale.double())
 
+    def mm(aten_op, args, kwargs=None):
+        out = fp64_mm(args[0], args[1])
+        return torchao_mm(aten_op, args, kwargs) if out is None else out
+
     def addmm(aten_op, args, kwargs=None):
-        bias, a, b = args[0], args[1], args[2]
-        if not fp64(a, b):
-            return torchao_addmm(aten_op, args, kwargs)
-        return torch.mm(a._data.double() / a._scale.double(), b._data.double() / b._scale.double()) + bias
+        out = fp64_mm(args[1], args[2])
+        return torchao_addmm(aten_op, args, kwargs) if out is None else out + args[0]
 
     mm._paralayer = addmm._paralayer = True
     for op in (aten.mm.default, aten.matmul.default):

@@ -81,20 +81,19 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
         return _blockwise_inputs(lay, moe, h, ab, norm_b, auto)
     styles = tp_styles(cfg, lay)
     ring = _ring(cfg, lay, q, kv, ab) if auto and not core else 0.0
+    wo = -(ab - 1) * q / t if core else q / t  # wo's FP8 copy of its input (split by heads)
+    shard = h / t * norm_b  # under SP the base counts a column GEMM's input as its sequence shard
     if styles == "plain" and lay.cp > 1 and cfg.train.fp8.recipe == "tensorwise":
         # tp and cp: each Float8Linear saves the FP8 copy of its input (the gathered, whole one:
         # q, k, v, w1, w3), where the base counts the shard (SP) or autocast's casts; wo's FP8
         # copy; w2's in place of the SwiGLU product; the ring's fp32 q, k and output
-        wo = -(ab - 1) * q / t if core else q / t
-        base = h / t * norm_b if lay.sequence_parallel else None
-        attn = 3 * h - (base if base is not None else (3 if auto else 1) * h * ab) + wo
-        ffn = 2 * h - (base if base is not None else (2 if auto else 1) * h * ab) - (ab - 1) * f / t
+        sp = lay.sequence_parallel
+        attn = 3 * h - (shard if sp else (3 if auto else 1) * h * ab) + wo
+        ffn = 2 * h - (shard if sp else (2 if auto else 1) * h * ab) - (ab - 1) * f / t
         return (attn + (0.0 if moe else ffn) + ring) / ab
     if styles is not None and lay.sequence_parallel:
-        # the base counts each column GEMM's input as its sequence shard in the norms' dtype
-        shard = h / t * norm_b
         if styles == "fp8":
-            attn = h - shard + (-(ab - 1) * q / t if core else q / t)
+            attn = h - shard + wo
             ffn = h - shard - (ab - 1) * f / t
         else:
             attn = (3 * h * 2 if auto else h * ab) - shard
@@ -103,7 +102,6 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
     if styles == "fp8":
         # without SP: the replicated input cast to FP8 once a part, where the base counts autocast's
         # casts (three for q, k, v; two for w1, w3) or the one shared input
-        wo = -(ab - 1) * q / t if core else q / t
         attn = h - (3 if auto else 1) * h * ab + wo
         ffn = h - (2 if auto else 1) * h * ab - (ab - 1) * f / t
         return (attn + (0.0 if moe else ffn) + ring) / ab
@@ -112,8 +110,6 @@ def act_delta(cfg: Config, lay: Layout, moe: bool, mode: str, linear: bool = Fal
             return 0.0
         # five FP8 copies of the normed input where the base counts autocast's five casts or the
         # two shared inputs; wo's FP8 copy; the ring's fp32 q, k and output under autocast
-        ring = (2 * q + kv) * (4 - ab) if auto and not core else 0.0
-        wo = -(ab - 1) * q if core else q
         return (5 * h - (5 if auto else 2) * h * ab + wo + ring - (ab - 1) * f) / ab
     return ring / ab
 
@@ -141,8 +137,8 @@ def _ring(cfg: Config, lay: Layout, q: int, kv: int, ab: float) -> float:
     core's output kept), split over tp by heads: the ring takes RoPE's fp32 q and k (``q + kv``
     wide, where the base counts the activations' dtype) and returns fp32. Rowwise: wo's
     Float8Linear casts that output to a copy of its own (the base counts one shared copy), 4·q.
-    Tensorwise (with tp: at tp 1 the cp branch of :func:`act_delta` counts it): the fp32 output is
-    saved beside wo's FP8 copy, which the tp terms count, (4 - ab)·q. A bf16 block saves the same
+    Tensorwise: the fp32 output is saved beside wo's FP8 copy, which :func:`act_delta` counts apart,
+    (4 - ab)·q. A bf16 block saves the same
     as rowwise, which the bf16 plan leaves out (docs/planner.md)."""
     if lay.cp == 1 or cfg.train.fp8.recipe not in ("rowwise", "tensorwise"):
         return 0.0
