@@ -29,28 +29,14 @@ def main(argv=None) -> int:
 
     import paralayer.runtime.train  # noqa: F401 - imported once, before the ranks fork
     from tests import test_fp8 as T
-    from tests.dist import run_ranks, write_tokens
 
-    tmp = tempfile.mkdtemp()
-    paths = {s: write_tokens(f"{tmp}/tokens{s}.jsonl", 16, s, 64) for s in (32, 128)}
     cases = {n: c for n, c in T.CASES.items() if a.k in n}
-
-    def base(mk) -> list:
-        return T.BASE + list(mk) + [f"data.path={paths[128 if 'model.seq_len=128' in mk else 32]}",
-                                    f"train.seed={a.seed}"]
-
-    dtype = torch.float32 if a.fp32 else torch.float64
-    keys = sorted({tuple(mk) for mk, _, _ in cases.values()})
-    refs = dict(zip(keys, run_ranks(T._run_jobs, 1, [(base(k), None) for k in keys], dtype, timeout_s=900)[0]))
-    for world in sorted({T._world(lay) for _, lay, _ in cases.values()}):
-        names = [n for n, (_, lay, _) in cases.items() if T._world(lay) == world]
-        got = run_ranks(T._run_jobs, world, [(base(cases[n][0]) + cases[n][1], cases[n][2]) for n in names],
-                        dtype, timeout_s=900)[0]
-        for n, g in zip(names, got):
-            r = refs[tuple(cases[n][0])]
-            k = min(len(g), len(r))
-            el, en = T._errs(g[:k], r[:k])
-            print(f"seed {a.seed} {n}: loss {el:.1e} grad norm {en:.1e} over {k} steps", flush=True)
+    got = T.run_cases(cases, tempfile.mkdtemp(), (f"train.seed={a.seed}",),
+                      torch.float32 if a.fp32 else torch.float64)
+    for n, (g, r) in got.items():
+        k = min(len(g), len(r))
+        el, en = T._errs(g[:k], r[:k])
+        print(f"seed {a.seed} {n}: loss {el:.1e} grad norm {en:.1e} over {k} steps", flush=True)
     return 0
 
 

@@ -236,27 +236,32 @@ CASES = {**{f"{n}-{r}": ([f"train.fp8.recipe={r}"] + LAYOUTS[n][1], LAYOUTS[n][0
                                                    LAYOUTS["ep2"][0], "experts_over_every_sender")}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """{case: (its rank 0's records, one process's records)} for every case of :data:`CASES`: the
-    references (one process per recipe and model keys) in one one-rank world, the layouts in one
-    world per world size (2 and 4), each run in turn."""
-    tmp = tmp_path_factory.mktemp("fp8")
-    paths = {seq: write_tokens(str(tmp / f"tokens{seq}.jsonl"), 16, seq, 64) for seq in (32, 128)}
+def run_cases(cases: dict, folder: str, extra: tuple = (), dtype=torch.float64) -> dict:
+    """{case: (its rank 0's records, one process's records)} for each case of ``cases`` (as :data:`CASES`),
+    ``extra`` keys added to every run: the references (one process per recipe and model keys) in one
+    one-rank world, the layouts in one world per world size (2 and 4), each run in turn.
+    benchmarks/fp8_layouts.py prints the same runs at any seed."""
+    paths = {seq: write_tokens(f"{folder}/tokens{seq}.jsonl", 16, seq, 64) for seq in (32, 128)}
 
     def base(model_keys) -> list:
-        return BASE + list(model_keys) + [f"data.path={paths[128 if 'model.seq_len=128' in model_keys else 32]}"]
+        return (BASE + list(model_keys) + [f"data.path={paths[128 if 'model.seq_len=128' in model_keys else 32]}"]
+                + list(extra))
 
-    keys = sorted({tuple(mk) for mk, _, _ in CASES.values()})
-    jobs = [(base(k), None) for k in keys]
-    refs = dict(zip(keys, run_ranks(_run_jobs, 1, jobs, timeout_s=600)[0]))
+    keys = sorted({tuple(mk) for mk, _, _ in cases.values()})
+    refs = dict(zip(keys, run_ranks(_run_jobs, 1, [(base(k), None) for k in keys], dtype, timeout_s=600)[0]))
     out = {}
-    for world in sorted({_world(lay) for _, lay, _ in CASES.values()}):
-        names = [n for n, (_, lay, _) in CASES.items() if _world(lay) == world]
-        got = run_ranks(_run_jobs, world, [(base(CASES[n][0]) + CASES[n][1], CASES[n][2]) for n in names],
-                        timeout_s=900)[0]
-        out.update({n: (g, refs[tuple(CASES[n][0])]) for n, g in zip(names, got)})
+    for world in sorted({_world(lay) for _, lay, _ in cases.values()}):
+        names = [n for n, (_, lay, _) in cases.items() if _world(lay) == world]
+        got = run_ranks(_run_jobs, world, [(base(cases[n][0]) + cases[n][1], cases[n][2]) for n in names],
+                        dtype, timeout_s=900)[0]
+        out.update({n: (g, refs[tuple(cases[n][0])]) for n, g in zip(names, got)})
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case of :data:`CASES` (:func:`run_cases`)."""
+    return run_cases(CASES, str(tmp_path_factory.mktemp("fp8")))
 
 
 def _layout_errs(results, case: str, steps: int = 4) -> tuple[float, float]:
