@@ -237,8 +237,13 @@ def test_finished_job_with_an_abort_at_exit_is_completed(slurm_env, tmp_path):
     rows = _sacct_until(job, lambda rs: rs and rs[0][1] == "COMPLETED")
     assert rows and rows[0][1] == "COMPLETED", rows
     # after accounting has the job (slurmdbd records asynchronously: asked at once, sacct once had
-    # no row yet and squeue had dropped the finished job), so a second submission would show too
-    assert _jobs_from(tmp_path) == [job]  # no second submission
+    # no row yet and squeue had dropped the finished job), so a second submission would show too;
+    # its WorkDir can trail the state row (8 Dec: the state COMPLETED read, the WorkDir query empty)
+    ids, deadline = _jobs_from(tmp_path), time.monotonic() + 15
+    while not ids and time.monotonic() < deadline:
+        time.sleep(0.5)
+        ids = _jobs_from(tmp_path)
+    assert ids == [job]  # no second submission
 
 
 def test_invalid_sweep_element_submits_nothing(slurm_env, tmp_path):
